@@ -1,0 +1,18 @@
+"""fxspeed: distributed training as a torch.fx compiler.
+
+    engine = fxspeed.compile(model, devices=1, config=fxspeed.Config(lr=3e-4), example_inputs=(batch,))
+    loss = engine.train_step(batch)
+    print(engine.plan.summary())
+"""
+
+from .api import compile, plan  # noqa: A004
+from .capture import extract_loss
+from .config import Config
+from .devices import PRESETS, DeviceSpec, devices
+from .engine import Engine
+from .errors import CaptureError, ConfigError, FxspeedError, PassError
+from .plan import Plan
+
+__version__ = "0.1.0"
+__all__ = ["CaptureError", "Config", "ConfigError", "DeviceSpec", "Engine", "FxspeedError", "PRESETS", "PassError",
+           "Plan", "compile", "devices", "extract_loss", "plan"]

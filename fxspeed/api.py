@@ -1,0 +1,86 @@
+"""Public entry points: `compile` (returns an Engine) and `plan` (returns a Plan, runs nothing)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+
+from .capture import LossFn
+from .compiler import compile_step
+from .config import Config
+from .devices import DeviceSpec, normalize_devices
+from .engine import Engine
+from .errors import ConfigError
+from .plan import Plan
+from .planner import build_plan
+
+Devices = int | str | DeviceSpec | Sequence[DeviceSpec]
+ExampleInputs = tuple | dict
+
+
+def _split_example(example_inputs: ExampleInputs, where: str) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, tuple):
+        return example_inputs, {}
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    raise ConfigError(f"{where}: example_inputs must be a tuple of positional arguments or a dict of keyword "
+                      f"arguments of the model's forward, got {type(example_inputs).__name__}")
+
+
+def _check_model(model: Any, where: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{where}: model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def compile(model: nn.Module, devices: Devices = 1, config: Config | dict | str | None = None, *,  # noqa: A001
+            example_inputs: ExampleInputs, loss_fn: LossFn | None = None) -> Engine:
+    """Compile `model`'s training step for `devices`; returns an Engine.
+
+    The example batch is traced (on fake tensors) so the plan is ready at once; batches of
+    other shapes are traced when first seen.
+    """
+    _check_model(model, "compile")
+    cfg = Config.coerce(config)
+    cfg.check_supported()
+    devs = normalize_devices(devices)
+    if len(devs) > 1:
+        raise ConfigError(f"devices={devices!r}: training on several devices is not implemented yet in this version; "
+                          "use devices=1 (fxspeed.plan() can already plan for many devices)")
+    if any(p.is_meta for p in model.parameters()):
+        raise ConfigError("compile: the model has parameters on the meta device; materialize it (model.to_empty(...) "
+                          "and initialize) or use fxspeed.plan() which needs no real memory")
+    if cfg.seed is not None:
+        torch.manual_seed(cfg.seed)
+    args, kwargs = _split_example(example_inputs, "compile")
+    engine = Engine(model, devs, cfg, loss_fn)
+    engine._executor(args, kwargs, train=True)
+    return engine
+
+
+def plan(model: nn.Module, devices: Devices = 1, config: Config | dict | str | None = None, *,
+         example_inputs: ExampleInputs, loss_fn: LossFn | None = None,
+         dynamic: dict[str | int, dict[int, str]] | None = None) -> Plan:
+    """Plan without running: trace on fake tensors (works for models on the meta device) and
+    predict per-rank memory and step time for `config` on `devices`.
+
+    `dynamic` marks input dims as symbols, e.g. {"input_ids": {0: "batch", 1: "seq"}} (keys
+    are keyword names or positional indices); the plan then holds sympy expressions fitted
+    over those symbols and answers `plan.max_size("batch", 80e9)`.
+    """
+    _check_model(model, "plan")
+    cfg = Config.coerce(config)
+    devs = normalize_devices(devices)
+    args, kwargs = _split_example(example_inputs, "plan")
+    compiled = compile_step(model, args, kwargs, config=cfg, loss_fn=loss_fn, train=True)
+    cap = compiled.captured
+    p = build_plan(cap.gm, cap.signature, model_name=type(model).__name__, config=cfg, devices=devs,
+                   passes=[r.to_dict() for r in compiled.records])
+    if dynamic:
+        from .symbolic import fit_symbolic
+
+        fit_symbolic(p, model, args, kwargs, dynamic, cfg, devs, loss_fn)
+    return p
