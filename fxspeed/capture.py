@@ -90,6 +90,12 @@ def extract_loss(output: Any, loss_fn: LossFn | None, args: tuple, kwargs: dict,
     if loss_fn is not None:
         loss = loss_fn(output, *args, **kwargs)
     elif isinstance(output, torch.Tensor):
+        if output.numel() != 1:
+            raise CaptureError(
+                f"{model_name}'s output is a tensor of shape {tuple(output.shape)}, not a scalar loss, and no "
+                "loss_fn was given: pass compile(..., loss_fn=fn) where fn(output, *batch, **batch_kwargs) returns "
+                "a scalar, or return the loss from forward"
+            )
         loss = output
     elif isinstance(output, dict) and output.get("loss") is not None:
         loss = output["loss"]
@@ -106,7 +112,8 @@ def extract_loss(output: Any, loss_fn: LossFn | None, args: tuple, kwargs: dict,
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise CaptureError(
             f"the loss of {model_name} must be a scalar tensor, got "
-            f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; reduce it "
+            f"{'a tensor of shape ' + str(tuple(loss.shape)) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
+            "; reduce it "
             "(e.g. .mean()) in the model or in loss_fn"
         )
     return loss.reshape(())
@@ -141,10 +148,15 @@ class _StepModule(nn.Module):
 
 
 def _plain(out: Any) -> Any:
-    """Hugging Face ModelOutput -> dict, so pytree can flatten it."""
+    """Hugging Face ModelOutput -> dict, so pytree can flatten it. Entries that are not trees
+    of tensors (a KV cache object such as `past_key_values`) are left out of eval outputs."""
     if hasattr(out, "to_tuple") and hasattr(out, "keys"):
-        return {k: out[k] for k in out.keys()}
+        return {k: out[k] for k in out.keys() if _is_tensor_tree(out[k])}
     return out
+
+
+def _is_tensor_tree(x: Any) -> bool:
+    return all(leaf is None or isinstance(leaf, (torch.Tensor, int, float, bool)) for leaf in pytree.tree_leaves(x))
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,35 +176,52 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     wrapper = _StepModule(model, loss_fn, spec, leaves, want_loss=train)
     frozen: list[nn.Parameter] = []
+    hidden: list[tuple[nn.Module, str, nn.Parameter]] = []
+    saved: dict[int, tuple[nn.Module, dict[str, Any]]] = {}
     was_training = model.training
     model.train(train)
     owners = _ModuleOwners(model)
     try:
-        with _tracing_flags(), owners:
+        with _tracing_flags(), owners, _rng_untouched(model, tensors):
             try:
                 gm, sig = aot_export_module(wrapper, tensors, trace_joint=train,
                                             output_loss_index=0 if train else None)
             except AssertionError as e:
                 if not (train and "did not receive a gradient" in str(e)):
                     raise
-                # Some parameters get no gradient (e.g. BERT's pooler under an MLM loss). AOT
-                # export refuses them, so find them and trace with them frozen: eager leaves
-                # their .grad None and the optimizer skips them, which is what happens here.
-                frozen = _params_without_grad(wrapper, tensors)
+                # AOT export lifts a parameter once per *name* and refuses a name that gets no
+                # gradient. Two cases, told apart per name: a tied alias the forward never reads
+                # (BERT's `cls.predictions.bias` is used as `decoder.bias`; T5's `shared` is used
+                # as `encoder.embed_tokens`) is hidden from the trace, since the weight still
+                # gets its gradient through its other name; a parameter the loss does not reach
+                # under any name (e.g. BERT's pooler under an MLM loss) is frozen: eager leaves
+                # its .grad None and the optimizer skips it, which is what happens here.
+                frozen, hidden = _names_without_grad(wrapper, tensors)
+                saved = {id(owner): (owner, dict(owner._parameters)) for owner, _, _ in hidden}
+                for owner, leaf, _ in hidden:
+                    del owner._parameters[leaf]
                 for p in frozen:
                     p.requires_grad_(False)
                 gm, sig = aot_export_module(wrapper, tensors, trace_joint=True, output_loss_index=0)
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes one clear error
-        raise _capture_error(model, e) from e
+        raise _capture_error(model, e, train) from e
     finally:
+        for owner, params in saved.values():  # restore, in the original order
+            owner._parameters.clear()
+            owner._parameters.update(params)
         for p in frozen:
             p.requires_grad_(True)
         model.train(was_training)
+    _drop_metadata_asserts(gm)
     signature = _signature(gm, sig, n_user=len(tensors), train=train, loss_out=wrapper.out_spec is None)
+    # The canonical name of a tied weight is the first name the graph is fed (a hidden alias
+    # is never canonical: passes that merge aliases look the canonical up among the inputs).
+    fed = {s.target for s in signature.inputs if s.kind == "param"}
     first: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    named = list(model.named_parameters(remove_duplicate=False))
+    for name, p in sorted(named, key=lambda np_: np_[0] not in fed):  # stable: fed names first
         if id(p) in first:
             signature.tied[name] = first[id(p)]
         else:
@@ -237,19 +266,58 @@ def _signature(gm: fx.GraphModule, sig: Any, n_user: int, train: bool, loss_out:
     return StepSignature(inputs, outputs)
 
 
-def _params_without_grad(wrapper: _StepModule, tensors: list[torch.Tensor]) -> list[nn.Parameter]:
-    """Run forward+loss once on fake tensors with real autograd and see which parameters the
-    loss does not reach."""
+def _names_without_grad(wrapper: _StepModule, tensors: list[torch.Tensor]
+                        ) -> tuple[list[nn.Parameter], list[tuple[nn.Module, str, nn.Parameter]]]:
+    """Run forward+loss once on fake tensors with real autograd, every parameter *name* bound
+    to its own tensor (as AOT export binds them), and see which names the loss does not reach.
+
+    Returns (parameters reached under no name: to freeze, (owner module, attribute, parameter)
+    of unreached aliases of parameters reached under another name: to hide from the trace).
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    named = [(n, p) for n, p in wrapper.named_parameters() if p.requires_grad]
+    named = [(n, p) for n, p in wrapper.named_parameters(remove_duplicate=False) if p.requires_grad]
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake_params = {n: mode.from_tensor(p.detach()).requires_grad_(True) for n, p in named}
-        fake_buffers = {n: mode.from_tensor(b) for n, b in wrapper.named_buffers()}
+        fake_buffers = {n: mode.from_tensor(b) for n, b in wrapper.named_buffers(remove_duplicate=False)}
         fake_inputs = [mode.from_tensor(t) for t in tensors]
-        (loss,) = torch.func.functional_call(wrapper, {**fake_params, **fake_buffers}, tuple(fake_inputs))
+        (loss,) = torch.func.functional_call(wrapper, {**fake_params, **fake_buffers}, tuple(fake_inputs),
+                                             tie_weights=False)
         grads = torch.autograd.grad(loss, list(fake_params.values()), allow_unused=True)
-    return [p for (_, p), g in zip(named, grads) if g is None]
+    reached = {id(p) for (_, p), g in zip(named, grads) if g is not None}
+    frozen: dict[int, nn.Parameter] = {}
+    hidden: list[tuple[nn.Module, str, nn.Parameter]] = []
+    for (name, p), g in zip(named, grads):
+        if g is not None:
+            continue
+        if id(p) in reached:
+            path, _, leaf = name.rpartition(".")
+            hidden.append((wrapper.get_submodule(path), leaf, p))
+        else:
+            frozen[id(p)] = p
+    return list(frozen.values()), hidden
+
+
+def _drop_metadata_asserts(gm: fx.GraphModule) -> None:
+    """Remove `aten._assert_tensor_metadata` nodes (emitted for `.to(dtype)` calls, e.g. in
+    Hugging Face models): trace-time checks of dtype/device that return nothing, hold by
+    construction for the traced shapes, and carry no meta['val'] for passes to read."""
+    asserts = [n for n in gm.graph.nodes
+               if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default]
+    for n in asserts:
+        if not n.users:
+            gm.graph.erase_node(n)
+    if asserts:
+        gm.recompile()
+
+
+def _rng_untouched(model: nn.Module, tensors: list[torch.Tensor]) -> contextlib.AbstractContextManager:
+    """Tracing must not advance the user's RNG: AOT export runs the model's random ops
+    (dropout's bernoulli) on fake tensors, which still draws from the real CPU/CUDA
+    generators, so a step after compile() would see other dropout masks than eager under
+    the same torch.manual_seed. Save the generators' states and restore them afterwards."""
+    cuda = sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers(), *tensors] if t.is_cuda})
+    return torch.random.fork_rng(devices=cuda)
 
 
 @contextlib.contextmanager
@@ -331,7 +399,7 @@ def _user_frame(tb: Any) -> traceback.FrameSummary | None:
     return None
 
 
-def _capture_error(model: nn.Module, e: BaseException) -> CaptureError:
+def _capture_error(model: nn.Module, e: BaseException, train: bool = True) -> CaptureError:
     op = getattr(e, "func", None)
     op_name = str(op) if op is not None else None
     # Walk the chain: torch often re-raises, and the user's frame is on the original one.
@@ -351,6 +419,6 @@ def _capture_error(model: nn.Module, e: BaseException) -> CaptureError:
     where = f" at {source}{code}" if source else ""
     opmsg = f" in op {op_name}" if op_name else ""
     return CaptureError(
-        f"cannot capture the training step of {type(model).__name__}{opmsg}{where}: {reason}. How to fix: {hint}.",
+        f"cannot capture the {'training' if train else 'eval'} step of {type(model).__name__}{opmsg}{where}: {reason}. How to fix: {hint}.",
         op=op_name, source=source,
     )

@@ -9,13 +9,14 @@ match the step signature; it records seconds and node counts per pass in the pla
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 
-from .errors import PassError
+from .errors import ConfigError, PassError
 from .ir import StepSignature
 
 
@@ -79,7 +80,8 @@ class PassManager:
         known = {p.name for p in self.passes}
         unknown = sorted(set(disabled) - known)
         if unknown:
-            raise PassError(f"Config.disable_passes names unknown pass(es) {unknown}; passes are {sorted(known)}")
+            raise ConfigError(f"Config.disable_passes names unknown pass(es) {unknown}; the passes that can be "
+                              f"disabled are {sorted(known)}")
         self.disabled = set(disabled)
         self.records: list[PassRecord] = []
 
@@ -99,11 +101,16 @@ class PassManager:
     def ensure(self, name: str, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         """Run analysis `name` unless its results are current."""
         if name not in ctx.valid:
-            gm = self._run_one(self.analyses[name], gm, ctx, [r.name for r in self.records])
+            if name not in self.analyses:
+                raise PassError(f"no analysis named {name!r} is registered; analyses are {sorted(self.analyses)}")
+            gm = self._run_one(self.analyses[name], gm, ctx, [r.name for r in self.records if not r.skipped])
         return gm
 
     def _missing(self, p: GraphPass, req: str, done: list[str]) -> fx.GraphModule:
-        raise PassError(f"pass {p.name!r} requires {req!r}, which no earlier pass produced (ran: {done or 'none'})")
+        disabled = [q.name for q in self.passes if q.name in self.disabled and req in q.produces]
+        why = f"; it is produced by disabled pass(es) {disabled}" if disabled else ""
+        raise PassError(f"pass {p.name!r} requires {req!r}, which no registered analysis provides and no earlier "
+                        f"pass produced or left valid (ran: {done or 'none'}){why}")
 
     def _run_one(self, p: GraphPass, gm: fx.GraphModule, ctx: PassContext, done: list[str]) -> fx.GraphModule:
         n0 = len(gm.graph.nodes)
@@ -142,5 +149,16 @@ def verify(gm: fx.GraphModule, signature: StepSignature) -> None:
     if len(outs) != len(signature.outputs):
         raise AssertionError(f"{len(outs)} graph outputs but the signature describes {len(signature.outputs)}")
     for n in gm.graph.nodes:
-        if n.op == "call_function" and "val" not in n.meta:
+        if n.op == "call_function" and "val" not in n.meta and not _is_none_item(n):
             raise AssertionError(f"node {n.name!r} ({n.target}) has no meta['val']; passes must set it on new nodes")
+
+
+def _is_none_item(n: fx.Node) -> bool:
+    """`getitem(t, i)` where element i of t is None (e.g. an input gradient that
+    native_layer_norm_backward does not compute): AOT export leaves such nodes untyped, and
+    there is no value to type."""
+    if n.target is not operator.getitem or not isinstance(n.args[0], fx.Node):
+        return False
+    src = n.args[0].meta.get("val")
+    i = n.args[1]
+    return isinstance(src, (list, tuple)) and isinstance(i, int) and -len(src) <= i < len(src) and src[i] is None

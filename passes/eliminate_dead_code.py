@@ -23,7 +23,7 @@ def has_side_effects(n: fx.Node) -> bool:
     return n.op != "call_function" or n.is_impure()
 
 
-@graph_pass("eliminate_dead_code")
+@graph_pass("eliminate_dead_code", invalidates=("annotate",))
 def eliminate_dead_code(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     removed = 0
     for n in reversed(list(gm.graph.nodes)):

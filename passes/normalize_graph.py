@@ -18,7 +18,7 @@ aten = torch.ops.aten
 NO_OP_ALIASES = {aten.detach.default, aten.alias.default}
 
 
-@graph_pass("normalize_graph")
+@graph_pass("normalize_graph", invalidates=("annotate",))
 def normalize_graph(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     changed = False
     for n in list(gm.graph.nodes):

@@ -1,0 +1,116 @@
+"""Shared helpers: an eager PyTorch reference for fxspeed's training step, and comparisons.
+
+The reference does exactly what fxspeed promises to do, with plain torch: forward, loss
+(`fxspeed.extract_loss`), backward, optional `clip_grad_norm_`, the torch.optim twin of the
+configured optimizer and its learning-rate schedule.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Callable, Sequence
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxspeed
+from fxspeed.runtime.optimizer import OptimizerSpec, lr_lambda
+
+# One thread: the models are tiny, and on a busy 2-core box more threads only contend.
+torch.set_num_threads(1)
+
+RTOL = 1e-5  # fp32 relative error allowed between fxspeed and eager
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (absolute when b is zero)."""
+    a, b = a.detach().double(), b.detach().double()
+    diff = (a - b).norm().item()
+    ref = b.norm().item()
+    return diff / ref if ref > 0 else diff
+
+
+def assert_close_rel(a: Any, b: Any, what: str, rtol: float = RTOL) -> None:
+    if isinstance(a, torch.Tensor):
+        assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+        if not a.is_floating_point():
+            assert torch.equal(a, b), f"{what}: {a} != {b}"
+            return
+        e = rel_err(a, b)
+        assert e <= rtol, f"{what}: relative error {e:.3g} > {rtol:g}"
+    else:
+        a, b = float(a), float(b)
+        e = abs(a - b) / abs(b) if b != 0 else abs(a - b)
+        assert e <= rtol, f"{what}: {a!r} vs eager {b!r} (relative error {e:.3g} > {rtol:g})"
+
+
+def assert_models_match(model: nn.Module, ref: nn.Module, rtol: float = RTOL) -> None:
+    """Every parameter and buffer (under every name) equal within rtol."""
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    assert sd.keys() == ref_sd.keys()
+    for name in ref_sd:
+        assert_close_rel(sd[name], ref_sd[name], name, rtol)
+
+
+def torch_optimizer(params: list[torch.Tensor], config: fxspeed.Config) -> tuple[torch.optim.Optimizer, Any]:
+    """The torch.optim twin of `config`'s optimizer and schedule, built independently."""
+    c = config
+    if c.optimizer == "adamw":
+        opt = torch.optim.AdamW(params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+    elif c.optimizer == "adam":
+        opt = torch.optim.Adam(params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+    else:
+        opt = torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
+    spec = OptimizerSpec(lr_schedule=c.lr_schedule, warmup_steps=c.warmup_steps, total_steps=c.total_steps)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec))
+
+
+def eager_train(model: nn.Module, batches: Sequence[Any], config: fxspeed.Config,
+                loss_fn: Callable | None = None) -> list[float]:
+    """Train `model` in eager PyTorch on `batches` (each a tuple of args or a dict of kwargs)."""
+    model.train()
+    opt, sched = torch_optimizer([p for p in model.parameters() if p.requires_grad], config)
+    losses = []
+    for batch in batches:
+        args, kwargs = ((), batch) if isinstance(batch, dict) else (tuple(batch), {})
+        opt.zero_grad(set_to_none=True)
+        loss = fxspeed.extract_loss(model(*args, **kwargs), loss_fn, args, kwargs)
+        loss.backward()
+        if config.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], config.grad_clip)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def fxspeed_train(model: nn.Module, batches: Sequence[Any], config: fxspeed.Config,
+                  loss_fn: Callable | None = None) -> tuple[fxspeed.Engine, list[float]]:
+    first = batches[0]
+    engine = fxspeed.compile(model, 1, config, example_inputs=first if isinstance(first, dict) else tuple(first),
+                             loss_fn=loss_fn)
+    losses = []
+    for batch in batches:
+        losses.append(engine.train_step(**batch) if isinstance(batch, dict) else engine.train_step(*batch))
+    return engine, losses
+
+
+def check_parity(model: nn.Module, batches: Sequence[Any], config: fxspeed.Config | None = None,
+                 loss_fn: Callable | None = None, rtol: float = RTOL) -> tuple[fxspeed.Engine, nn.Module]:
+    """Train a deepcopy eagerly and the model through fxspeed on the same batches; assert the
+    losses and every parameter/buffer agree. Returns (engine, eager model)."""
+    config = config or fxspeed.Config()
+    ref = copy.deepcopy(model)
+    ref_losses = eager_train(ref, batches, config, loss_fn)
+    engine, losses = fxspeed_train(model, batches, config, loss_fn)
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert_close_rel(a, b, f"loss at step {i}", rtol)
+    assert_models_match(model, ref, rtol)
+    return engine, ref
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    torch.manual_seed(0)

@@ -1,0 +1,200 @@
+"""What the user sees when a model cannot be captured or the configuration is wrong, and how
+fxspeed handles a batch of a new shape."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import assert_close_rel, assert_models_match, eager_train
+
+import fxspeed
+from fxspeed.models import GPT, GPTConfig
+
+
+class BranchOnData(nn.Module):
+    """Python `if` on a tensor's value: cannot be one static graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if h.sum() > 0:  # BRANCH-LINE
+            h = h * 2
+        return h.pow(2).mean()
+
+
+class ItemInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.lin.weight.abs().max().item()  # ITEM-LINE
+        return (self.lin(x) / scale).mean()
+
+
+class NoLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def _line_of(cls: type, marker: str) -> int:
+    lines, start = inspect.getsourcelines(cls)
+    return start + next(i for i, line in enumerate(lines) if marker in line)
+
+
+# --------------------------------------------------------------------------------------------
+# Capture errors
+# --------------------------------------------------------------------------------------------
+
+def test_data_dependent_if_raises_capture_error_naming_source_line_and_op() -> None:
+    with pytest.raises(fxspeed.CaptureError) as info:
+        fxspeed.compile(BranchOnData(), 1, example_inputs=(torch.randn(2, 4),))
+    msg = str(info.value)
+    where = f"{os.path.abspath(__file__)}:{_line_of(BranchOnData, 'BRANCH-LINE')}"
+    assert where in msg
+    assert "_local_scalar_dense" in msg
+    assert "if h.sum() > 0" in msg  # the offending source line is quoted
+    assert "How to fix" in msg and "torch.where" in msg
+    assert info.value.source == where
+    assert "_local_scalar_dense" in info.value.op
+
+
+def test_item_call_in_forward_raises_capture_error_naming_its_line() -> None:
+    with pytest.raises(fxspeed.CaptureError) as info:
+        fxspeed.compile(ItemInForward(), 1, example_inputs=(torch.randn(2, 4),))
+    assert f"{os.path.basename(__file__)}:{_line_of(ItemInForward, 'ITEM-LINE')}" in str(info.value)
+    assert ".item()" in str(info.value)
+
+
+def test_capture_error_is_an_fxspeed_error_not_a_value_error() -> None:
+    with pytest.raises(fxspeed.FxspeedError):
+        fxspeed.compile(BranchOnData(), 1, example_inputs=(torch.randn(2, 4),))
+    assert not issubclass(fxspeed.CaptureError, ValueError)
+
+
+def test_model_without_loss_and_no_loss_fn_says_to_pass_loss_fn() -> None:
+    with pytest.raises(fxspeed.CaptureError, match="loss_fn") as info:
+        fxspeed.compile(NoLoss(), 1, example_inputs=(torch.randn(2, 4),))
+    assert "(2, 3)" in str(info.value)  # the output's shape, not an internal tensor type
+    assert "FunctionalTensor" not in str(info.value) and "FakeTensor" not in str(info.value)
+
+
+def test_hf_style_output_without_loss_says_to_pass_labels_or_loss_fn() -> None:
+    class DictOut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> dict:
+            return {"logits": self.lin(x), "loss": None}
+
+    with pytest.raises(fxspeed.CaptureError, match="loss_fn") as info:
+        fxspeed.compile(DictOut(), 1, example_inputs={"x": torch.randn(2, 4)})
+    assert "labels" in str(info.value)
+
+
+def test_loss_fn_returning_a_non_scalar_asks_to_reduce_it() -> None:
+    with pytest.raises(fxspeed.CaptureError, match=r"scalar.*\(2, 3\).*mean") as info:
+        fxspeed.compile(NoLoss(), 1, example_inputs=(torch.randn(2, 4),), loss_fn=lambda out, x: out * 2)
+    assert "FunctionalTensor" not in str(info.value)
+
+
+def test_failed_capture_leaves_the_model_untouched() -> None:
+    model = BranchOnData()
+    before = copy.deepcopy(model.state_dict())
+    model.eval()
+    with pytest.raises(fxspeed.CaptureError):
+        fxspeed.compile(model, 1, example_inputs=(torch.randn(2, 4),))
+    assert not model.training
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.requires_grad for p in model.parameters())
+
+
+# --------------------------------------------------------------------------------------------
+# Config and devices
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("make", "key", "accepted"), [
+    (lambda: fxspeed.Config(optimizer="lamb"), "optimizer", ["adamw", "adam", "sgd"]),
+    (lambda: fxspeed.Config(lr=-1), "lr", [">= 0"]),
+    (lambda: fxspeed.Config(zero=7), "zero", ["0", "1", "2", "3"]),
+    (lambda: fxspeed.Config.from_dict({"lr_rate": 1}), "lr_rate", ["lr", "optimizer", "weight_decay"]),
+    (lambda: fxspeed.Config(grad_accum=0), "grad_accum", [">= 1"]),
+    (lambda: fxspeed.Config(lr_schedule="linear"), "total_steps", ["lr_schedule"]),
+], ids=["optimizer_lamb", "negative_lr", "zero_7", "unknown_key_lr_rate", "grad_accum_0", "schedule_without_total"])
+def test_bad_config_value_raises_value_error_naming_key_and_accepted_values(make, key: str, accepted: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        make()
+    msg = str(info.value)
+    assert key in msg
+    for a in accepted:
+        assert a in msg, f"{a!r} missing from {msg!r}"
+    assert isinstance(info.value, fxspeed.ConfigError)
+
+
+@pytest.mark.parametrize("devices", [0, -1, "TPU-v9", [1, 2], True, []], ids=repr)
+def test_bad_devices_raise_value_error_naming_devices(devices) -> None:
+    with pytest.raises(ValueError, match="devices") as info:
+        fxspeed.compile(NoLoss(), devices, example_inputs=(torch.randn(2, 4),), loss_fn=lambda out, x: out.mean())
+    assert "H100-80GB" in str(info.value) or "accepted" in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------
+# A batch of a new shape
+# --------------------------------------------------------------------------------------------
+
+def test_new_batch_shape_is_retraced_once_then_cached_and_matches_eager() -> None:
+    model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    ref = copy.deepcopy(model)
+    short = (torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8)))
+    long = (torch.randint(0, 32, (3, 12)), torch.randint(0, 32, (3, 12)))
+    long2 = (torch.randint(0, 32, (3, 12)), torch.randint(0, 32, (3, 12)))
+    batches = [short, long, long2, short]
+    engine = fxspeed.compile(model, 1, example_inputs=short)
+    assert engine.stats["compiles"] == 1
+    ref_losses = eager_train(ref, batches, fxspeed.Config())
+    compiles = []
+    losses = []
+    for b in batches:
+        losses.append(engine.train_step(*b))
+        compiles.append(engine.stats["compiles"])
+    assert compiles == [1, 2, 2, 2]
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert_close_rel(a, b, f"loss at step {i}")
+    assert_models_match(model, ref)
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return (self.lin(x) * scale).pow(2).mean()
+
+
+def test_non_tensor_argument_with_a_new_value_is_retraced_and_baked_in() -> None:
+    model = Scaled()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 4)
+    batches = [(x, 1.0), (x, 3.0), (x, 3.0), (x, 1.0)]
+    engine = fxspeed.compile(model, 1, fxspeed.Config(optimizer="sgd", lr=0.1), example_inputs=batches[0])
+    ref_losses = eager_train(ref, batches, fxspeed.Config(optimizer="sgd", lr=0.1))
+    losses = [engine.train_step(*b) for b in batches]
+    assert engine.stats["compiles"] == 2
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert_close_rel(a, b, f"loss at step {i}")
+    assert_models_match(model, ref)

@@ -1,0 +1,213 @@
+"""The Engine: eval_step, the cache of compiled programs keyed by batch signature, stats."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import assert_close_rel, assert_models_match, eager_train
+
+import fxspeed
+from fxspeed.engine import RETRACE_WARN_AFTER
+
+
+class Classifier(nn.Module):
+    """BatchNorm and Dropout: both behave differently in train and eval mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.fc2(self.drop(F.relu(self.bn(self.fc1(x)))))
+        return logits if y is None else F.cross_entropy(logits, y)
+
+
+def batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 6), torch.randint(0, 3, (n,))
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed"
+
+
+# --------------------------------------------------------------------------------------------
+# eval_step
+# --------------------------------------------------------------------------------------------
+
+def test_eval_step_returns_the_eval_mode_loss_as_float_and_changes_nothing() -> None:
+    model = Classifier()
+    x, y = batch()
+    engine = fxspeed.compile(model, 1, example_inputs=(x, y))
+    engine.train_step(x, y)  # buffers and optimizer state are non-trivial now
+    before = snapshot(model)
+    loss = engine.eval_step(x, y)
+    assert isinstance(loss, float)
+    assert_unchanged(model, before)  # parameters and BatchNorm running stats
+    ref = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        assert_close_rel(loss, ref(x, y).item(), "eval loss")
+    assert model.training, "eval_step must restore the model's mode"
+    assert engine.stats["steps"] == 1
+
+
+def test_eval_step_is_deterministic_with_dropout() -> None:
+    model = Classifier()
+    x, y = batch()
+    engine = fxspeed.compile(model, 1, example_inputs=(x, y))
+    assert engine.eval_step(x, y) == engine.eval_step(x, y)
+
+
+def test_eval_step_without_loss_returns_outputs_equal_to_eager_eval_no_grad() -> None:
+    model = Classifier()
+    x, y = batch()
+    engine = fxspeed.compile(model, 1, fxspeed.Config(lr=0.05), example_inputs=(x, y))
+    for _ in range(2):
+        engine.train_step(*batch())
+    before = snapshot(model)
+    out = engine.eval_step(x)  # no target: the model returns logits
+    assert isinstance(out, torch.Tensor) and out.shape == (8, 3)
+    assert not out.requires_grad
+    ref = copy.deepcopy(model)
+    ref.eval()
+    with torch.no_grad():
+        expected = ref(x)
+    assert_close_rel(out, expected, "eval logits")
+    assert_unchanged(model, before)
+
+
+def test_eval_step_of_hf_model_without_labels_returns_a_dict_of_outputs() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 64, (2, 8))
+    engine = fxspeed.compile(model, 1, example_inputs={"input_ids": ids, "labels": ids})
+    out = engine.eval_step(input_ids=ids)  # the KV cache object is left out of the outputs
+    assert set(out) == {"logits"}
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=ids)
+    assert_close_rel(out["logits"], expected.logits, "logits")
+    assert isinstance(engine.eval_step(input_ids=ids, labels=ids), float)
+
+
+def test_eval_step_with_loss_fn_returns_the_loss_fn_value() -> None:
+    model = nn.Linear(4, 2)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+
+    def loss_fn(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out, y)
+
+    class TwoArgs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = model
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+    engine = fxspeed.compile(TwoArgs(), 1, example_inputs=(x, y), loss_fn=loss_fn)
+    with torch.no_grad():
+        expected = F.mse_loss(model(x), y).item()
+    assert_close_rel(engine.eval_step(x, y), expected, "eval loss")
+
+
+# --------------------------------------------------------------------------------------------
+# The cache of compiled programs, and stats
+# --------------------------------------------------------------------------------------------
+
+def test_compile_traces_the_example_batch_once_and_builds_a_plan() -> None:
+    model = Classifier()
+    engine = fxspeed.compile(model, 1, example_inputs=batch())
+    assert engine.stats == {"steps": 0, "compiles": 1, "skipped_steps": 0}
+    assert engine.plan is not None
+    assert engine.plan.n_params == sum(p.numel() for p in model.parameters())
+
+
+def test_train_and_eval_programs_are_cached_separately_per_batch_signature() -> None:
+    model = Classifier()
+    x, y = batch()
+    engine = fxspeed.compile(model, 1, example_inputs=(x, y))
+    engine.train_step(x, y)
+    engine.train_step(*batch())  # same shapes: cached
+    assert engine.stats["compiles"] == 1
+    engine.eval_step(x, y)  # eval program: a new trace
+    assert engine.stats["compiles"] == 2
+    engine.eval_step(*batch())
+    engine.train_step(*batch())
+    assert engine.stats["compiles"] == 2
+    engine.train_step(*batch(4))  # new batch size: one new trace, then reused
+    engine.train_step(*batch(4))
+    engine.eval_step(*batch(4))
+    assert engine.stats["compiles"] == 4
+    assert engine.stats["steps"] == 5
+    assert engine.stats["skipped_steps"] == 0
+
+
+def test_training_across_batch_sizes_matches_eager() -> None:
+    model = Classifier()
+    ref = copy.deepcopy(model)
+    batches = [batch(8), batch(4), batch(8), batch(4)]
+    config = fxspeed.Config(optimizer="adam", lr=1e-2)
+    engine = fxspeed.compile(model, 1, config, example_inputs=batches[0])
+    torch.manual_seed(7)
+    ref_losses = eager_train(ref, batches, config)
+    torch.manual_seed(7)
+    losses = [engine.train_step(*b) for b in batches]
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert_close_rel(a, b, f"loss at step {i}")
+    assert_models_match(model, ref)
+    assert engine.stats["compiles"] == 2
+
+
+def test_many_batch_signatures_log_a_warning_to_pad_batches(caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Linear(3, 1)
+    engine = fxspeed.compile(model, 1, example_inputs=(torch.randn(1, 3),), loss_fn=lambda out, x: out.mean())
+    with caplog.at_level(logging.WARNING, logger="fxspeed"):
+        for n in range(2, RETRACE_WARN_AFTER + 1):
+            engine.train_step(torch.randn(n, 3))
+    assert engine.stats["compiles"] == RETRACE_WARN_AFTER
+    assert any("pad batches" in r.getMessage() for r in caplog.records)
+
+
+def test_train_step_returns_a_python_float_and_frees_gradients() -> None:
+    model = Classifier()
+    engine = fxspeed.compile(model, 1, example_inputs=batch())
+    loss = engine.train_step(*batch())
+    assert type(loss) is float
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_state_dict_has_the_models_keys_and_shapes() -> None:
+    model = Classifier()
+    untouched = copy.deepcopy(model)
+    engine = fxspeed.compile(model, 1, example_inputs=batch())
+    engine.train_step(*batch())
+    sd = engine.state_dict()
+    assert list(sd) == list(untouched.state_dict())
+    assert all(sd[k].shape == v.shape and sd[k].dtype == v.dtype for k, v in untouched.state_dict().items())
+
+
+def test_load_state_dict_restores_parameters_used_by_the_next_step() -> None:
+    model = Classifier()
+    x, y = batch()
+    engine = fxspeed.compile(model, 1, fxspeed.Config(optimizer="sgd", lr=0.1), example_inputs=(x, y))
+    saved = snapshot(model)
+    first = engine.eval_step(x, y)
+    engine.train_step(x, y)
+    assert engine.eval_step(x, y) != first
+    engine.load_state_dict(saved)
+    assert engine.eval_step(x, y) == first
