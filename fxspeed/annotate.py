@@ -16,7 +16,7 @@ from torch.utils.flop_counter import flop_registry
 from .ir import (ACTIVATIONS, BACKWARD, BUFFERS, FORWARD, GRADIENTS, INPUTS, IO, META_KEY, PARAMETERS,
                  TEMPORARIES, NodeInfo, StepSignature, dtype_name, tensor_bytes)
 
-_INPUT_CATEGORY = {"param": PARAMETERS, "buffer": BUFFERS, "input": INPUTS}
+_INPUT_CATEGORY = {"param": PARAMETERS, "param_shard": PARAMETERS, "buffer": BUFFERS, "input": INPUTS}
 
 
 def annotate(gm: fx.GraphModule, signature: StepSignature, module_of: dict[str, str] | None = None) -> None:
@@ -28,7 +28,7 @@ def annotate(gm: fx.GraphModule, signature: StepSignature, module_of: dict[str, 
     outs = list(output.args[0])
 
     forward = _forward_nodes(outs, signature)
-    grad_outputs = {o for o, s in zip(outs, signature.outputs) if s.kind == "grad" and isinstance(o, fx.Node)}
+    grad_outputs = {o for o, s in zip(outs, signature.outputs) if s.kind in ("grad", "grad_bucket") and isinstance(o, fx.Node)}
     param_module = {ph: signature.inputs[i].target.rpartition(".")[0] for i, ph in enumerate(placeholders)
                     if signature.inputs[i].kind == "param"}
 
@@ -73,7 +73,8 @@ def _getitem() -> Any:
 
 def _forward_nodes(outs: list[Any], signature: StepSignature) -> set[fx.Node]:
     """Forward = everything the loss, buffer updates and user outputs depend on."""
-    seeds = [o for o, s in zip(outs, signature.outputs) if s.kind != "grad" and isinstance(o, fx.Node)]
+    seeds = [o for o, s in zip(outs, signature.outputs)
+             if s.kind in ("loss", "buffer_update", "output") and isinstance(o, fx.Node)]
     seen: set[fx.Node] = set()
     stack = list(seeds)
     while stack:

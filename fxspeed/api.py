@@ -8,13 +8,12 @@ import torch
 import torch.nn as nn
 
 from .capture import LossFn
-from .compiler import compile_step
 from .config import Config
 from .devices import DeviceSpec, normalize_devices
 from .engine import Engine
 from .errors import ConfigError
 from .plan import Plan
-from .planner import build_plan
+from .planner import plan_model
 
 Devices = int | str | DeviceSpec | Sequence[DeviceSpec]
 ExampleInputs = tuple | dict
@@ -47,9 +46,6 @@ def compile(model: nn.Module, devices: Devices = 1, config: Config | dict | str 
     cfg = Config.coerce(config)
     cfg.check_supported()
     devs = normalize_devices(devices)
-    if len(devs) > 1:
-        raise ConfigError(f"devices={devices!r}: training on several devices is not implemented yet in this version; "
-                          "use devices=1 (fxspeed.plan() can already plan for many devices)")
     if any(p.is_meta for p in model.parameters()):
         raise ConfigError("compile: the model has parameters on the meta device; materialize it (model.to_empty(...) "
                           "and initialize) or use fxspeed.plan() which needs no real memory")
@@ -75,10 +71,13 @@ def plan(model: nn.Module, devices: Devices = 1, config: Config | dict | str | N
     cfg = Config.coerce(config)
     devs = normalize_devices(devices)
     args, kwargs = _split_example(example_inputs, "plan")
-    compiled = compile_step(model, args, kwargs, config=cfg, loss_fn=loss_fn, train=True)
-    cap = compiled.captured
-    p = build_plan(cap.gm, cap.signature, model_name=type(model).__name__, config=cfg, devices=devs,
-                   passes=[r.to_dict() for r in compiled.records])
+    if dynamic:
+        from .symbolic import check_dynamic
+
+        check_dynamic(args, kwargs, dynamic)  # a bad mark fails before any tracing
+    # Meta models trace as fake CPU tensors; deep stacks of identical blocks are traced with a
+    # few blocks and extrapolated (see planner.plan_model).
+    p = plan_model(model, args, kwargs, config=cfg, devices=devs, loss_fn=loss_fn)
     if dynamic:
         from .symbolic import fit_symbolic
 

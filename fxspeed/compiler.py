@@ -32,7 +32,9 @@ class CompiledStep:
 
 
 def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, loss_fn: LossFn | None,
-                 train: bool = True, extra_passes: Sequence[Any] = ()) -> CompiledStep:
+                 train: bool = True, extra_passes: Sequence[Any] = (),
+                 options: dict[str, Any] | None = None) -> CompiledStep:
+    """`options` reach passes as ctx.options (world_size, zero, group_name, bucket_bytes)."""
     from fxspeed.passes import default_pipeline
 
     t0 = time.perf_counter()
@@ -40,7 +42,7 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     t1 = time.perf_counter()
     annotate = make_annotate_pass()
     pm = PassManager([*default_pipeline(), *extra_passes], analyses=[annotate], disabled=config.disable_passes)
-    ctx = PassContext(signature=cap.signature, module_of=cap.module_of)
+    ctx = PassContext(signature=cap.signature, module_of=cap.module_of, options=dict(options or {}))
     gm = pm.run(cap.gm, ctx)
     gm = pm.ensure("annotate", gm, ctx)
     cap.gm = gm

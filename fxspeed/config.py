@@ -28,7 +28,6 @@ _NOT_YET = {
     "tensor": (1, "tensor parallelism is not implemented yet"),
     "microbatches": (1, "micro-batching belongs to pipeline parallelism, not implemented yet"),
     "offload": ("none", "offload is not implemented yet"),
-    "zero": (0, "ZeRO sharding is not implemented yet"),
 }
 
 
@@ -57,6 +56,8 @@ class Config:
     microbatches: int = 1
     grad_accum: int = 1
     offload: str = "none"
+    bucket_mb: float = 25.0  # gradient / parameter bucket size for collectives
+    dist_timeout_s: float = 300.0  # a collective waiting longer than this fails (names the group)
     disable_passes: tuple[str, ...] = ()
     seed: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -74,6 +75,8 @@ class Config:
         _positive("eps", self.eps)
         _positive("weight_decay", self.weight_decay, allow_zero=True)
         _positive("momentum", self.momentum, allow_zero=True)
+        _positive("bucket_mb", self.bucket_mb)
+        _positive("dist_timeout_s", self.dist_timeout_s)
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"Config.betas={self.betas!r} is invalid: give two numbers in [0, 1), e.g. (0.9, 0.999)")
         if self.grad_clip is not None:

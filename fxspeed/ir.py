@@ -57,8 +57,9 @@ class NodeInfo:
 @dataclass(frozen=True)
 class IOSpec:
     """Meaning of one graph input or output. `kind` is one of
-    inputs:  "param", "buffer", "input"
-    outputs: "buffer_update", "loss", "output", "grad"
+    inputs:  "param", "buffer", "input", "param_shard" (target: bucket index)
+    outputs: "buffer_update", "loss", "output", "grad", "grad_bucket" (target: bucket index;
+             the reduced flat bucket, or this rank's shard of it under ZeRO-2/3)
     `target` is the parameter/buffer name (user's original name) or the input's position.
     """
 
@@ -67,11 +68,38 @@ class IOSpec:
 
 
 @dataclass
+class Bucket:
+    """A group of parameters that travel together in collectives, laid out flat.
+
+    `offsets[i]` is where parameter `names[i]` starts in the flat buffer; `padded` is the
+    flat size rounded up to a multiple of the world size, so each rank's shard has
+    `padded // world` elements (uneven sizes are padded, never refused).
+    """
+
+    index: int
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    offsets: list[int]
+    numel: int
+    padded: int
+    dtype: str = "float32"
+
+    def shard_size(self, world: int) -> int:
+        return self.padded // world
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "shapes": [list(s) for s in self.shapes]}
+
+
+@dataclass
 class StepSignature:
     inputs: list[IOSpec] = field(default_factory=list)
     outputs: list[IOSpec] = field(default_factory=list)
     # Tied weights: AOT export feeds a shared Parameter once per name. alias -> canonical name.
     tied: dict[str, str] = field(default_factory=dict)
+    # Set by the gradient-reduction pass: flat layout of trainable parameters, in the order
+    # backward produces their gradients. Inputs "param_shard" / outputs "grad_bucket" index it.
+    buckets: list[Bucket] = field(default_factory=list)
 
     def is_alias(self, name: str) -> bool:
         return name in self.tied
@@ -84,7 +112,7 @@ class StepSignature:
 
     def to_dict(self) -> dict[str, Any]:
         return {"inputs": [s.__dict__ for s in self.inputs], "outputs": [s.__dict__ for s in self.outputs],
-                "tied": dict(self.tied)}
+                "tied": dict(self.tied), "buckets": [b.to_dict() for b in self.buckets]}
 
 
 def info(node: fx.Node) -> NodeInfo:

@@ -1,7 +1,8 @@
 """The runtime: small and dumb. It executes programs the compiler emitted; it never imports passes."""
 
-from .executor import StepExecutor
+from .executor import StepExecutor, StepOutputs
+from .flat_parameters import FlatParameters
 from .optimizer import OptimizerSpec, build_optimizer
 from .program import Program
 
-__all__ = ["OptimizerSpec", "Program", "StepExecutor", "build_optimizer"]
+__all__ = ["FlatParameters", "OptimizerSpec", "Program", "StepExecutor", "StepOutputs", "build_optimizer"]

@@ -1,8 +1,9 @@
 """StepExecutor: binds a Program to live tensors and runs it.
 
-    outputs = gm(*params, *buffers, *batch)
+    outputs = gm(*inputs)         inputs bound by the signature: parameters (or ZeRO-3 shards),
+                                  buffers, then the batch spliced in
     -> buffer updates copied into the module's buffers (BatchNorm running stats)
-    -> gradients handed back by parameter name, the loss as a tensor
+    -> loss, gradients by parameter name, reduced gradient buckets by index, user outputs
 
 The argument list is built once; a step only splices the batch in, so there is no per-step
 Python work proportional to the model beyond the generated graph code itself.
@@ -10,34 +11,48 @@ Python work proportional to the model beyond the generated graph code itself.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
+
+from fxspeed.ir import IOSpec
 
 from .program import Program
 
 
+@dataclass
+class StepOutputs:
+    loss: torch.Tensor | None = None
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    grad_buckets: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: list[Any] = field(default_factory=list)
+
+
 class StepExecutor:
-    def __init__(self, program: Program, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]):
+    def __init__(self, program: Program, bind: Callable[[IOSpec], torch.Tensor]):
+        """`bind` returns the live tensor for a non-batch input (param, buffer, param_shard)."""
         self.program = program
         sig = program.signature
         self._fixed: list[torch.Tensor | None] = []
         self._batch_slots: list[int] = []
         for i, spec in enumerate(sig.inputs):
-            if spec.kind == "param":
-                self._fixed.append(params[spec.target])
-            elif spec.kind == "buffer":
-                self._fixed.append(buffers[spec.target])
-            else:
+            if spec.kind == "input":
                 self._fixed.append(None)
                 self._batch_slots.append(i)
-        self._buffer_updates = [(i, buffers[s.target]) for i, s in enumerate(sig.outputs) if s.kind == "buffer_update"]
+            else:
+                self._fixed.append(bind(spec))
+        self._buffer_updates = [(i, bind(IOSpec("buffer", s.target))) for i, s in enumerate(sig.outputs)
+                                if s.kind == "buffer_update"]
         self._grads = [(i, s.target) for i, s in enumerate(sig.outputs) if s.kind == "grad"]
+        names = [n for _, n in self._grads]
+        if len(set(names)) != len(names):
+            raise ValueError(f"program returns several gradients for one parameter name: {sorted(names)}")
+        self._buckets = [(i, int(s.target)) for i, s in enumerate(sig.outputs) if s.kind == "grad_bucket"]
         self._loss = next((i for i, s in enumerate(sig.outputs) if s.kind == "loss"), None)
         self._user = [i for i, s in enumerate(sig.outputs) if s.kind == "output"]
 
-    def run(self, batch: list[torch.Tensor]) -> tuple[torch.Tensor | None, dict[str, torch.Tensor], list[Any]]:
-        """Run once; returns (loss, grads by parameter name, user outputs)."""
+    def run(self, batch: list[torch.Tensor]) -> StepOutputs:
         if len(batch) != len(self._batch_slots):
             raise ValueError(f"program expects {len(self._batch_slots)} batch tensors, got {len(batch)}")
         args = list(self._fixed)
@@ -48,6 +63,9 @@ class StepExecutor:
             for i, buf in self._buffer_updates:
                 if outs[i] is not buf:
                     buf.copy_(outs[i])
-        grads = {name: outs[i] for i, name in self._grads}
-        loss = outs[self._loss] if self._loss is not None else None
-        return loss, grads, [outs[i] for i in self._user]
+        return StepOutputs(
+            loss=outs[self._loss] if self._loss is not None else None,
+            grads={name: outs[i] for i, name in self._grads},
+            grad_buckets={k: outs[i] for i, k in self._buckets},
+            outputs=[outs[i] for i in self._user],
+        )

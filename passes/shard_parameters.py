@@ -1,0 +1,139 @@
+"""shard_parameters (ZeRO-3): each rank holds only its shard of every parameter bucket; the
+graph gathers a bucket just before its first use in forward, lets it die after its last
+forward use, and gathers it again for backward. Gathers run one bucket ahead (prefetch).
+
+    before:  forward(w0, w1, x):  t0 = t(w0); h = addmm(b, x, t0) ... backward uses t0, w1
+    after:   forward(shard0, shard1, x):
+               a0 = all_gather(shard0); w0 = view(slice(wait(a0)))   # just before first use
+               a1 = all_gather(shard1)                               # prefetch next bucket
+               t0 = t(w0); h = addmm(b, x, t0) ...                   # w0 freed after last fwd use
+             backward:
+               a1' = all_gather(shard1); w1' = ...; t0' = t(w0')     # views re-derived from the
+               ...                                                   # backward gather
+
+Forward views of a parameter that backward reads (the transposed weight of a Linear) are
+re-derived from the backward gather, so nothing keeps a forward gather alive. Requires the
+bucket layout from reduce_gradients and node roles from annotate.
+
+Options read from ctx.options: world_size, group_name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxspeed.ir import BACKWARD, FORWARD, META_KEY, IOSpec
+from fxspeed.pass_manager import PassContext, PassResult, graph_pass
+from fxspeed.rewrite import call
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def _role(n: fx.Node) -> str:
+    inf = n.meta.get(META_KEY)
+    return inf.role if inf is not None else FORWARD
+
+
+def _is_view(n: fx.Node) -> bool:
+    return bool(getattr(n.target, "is_view", False))
+
+
+@graph_pass("shard_parameters", requires=("gradient_buckets", "annotate"), invalidates=("annotate",))
+def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    world = int(ctx.options.get("world_size", 1))
+    if world == 1 or int(ctx.options.get("zero", 0)) < 3:
+        return PassResult(gm, modified=False)
+    group = ctx.options["group_name"]
+    sig = ctx.signature
+    g = gm.graph
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    by_name = {sig.inputs[i].target: ph for i, ph in enumerate(placeholders) if sig.inputs[i].kind == "param"}
+    order = {n: i for i, n in enumerate(g.nodes)}
+
+    # New inputs: one flat shard per bucket, after the existing placeholders.
+    shards: list[fx.Node] = []
+    with g.inserting_after(placeholders[-1]):
+        for b in reversed(sig.buckets):
+            ph = g.placeholder(f"param_shard_{b.index}")
+            ph.meta["val"] = _shard_val(by_name[b.names[0]], b.shard_size(world))
+            shards.insert(0, ph)
+
+    for phase in (FORWARD, BACKWARD):
+        # Nodes of this phase that read each bucket (through forward views for backward).
+        first_use: dict[int, int] = {}
+        for b in sig.buckets:
+            uses = [u for name in b.names for u in _phase_users(by_name[name], phase)]
+            if uses:
+                first_use[b.index] = min(order[u] for u in uses)
+        seq = sorted(first_use, key=first_use.__getitem__)
+        prev_wait: fx.Node | None = None
+        for k in seq:
+            b = sig.buckets[k]
+            anchor = next(n for n in g.nodes if order.get(n) == first_use[k])
+            # Issue the gather one bucket ahead: right after the previous bucket's wait.
+            with (g.inserting_after(prev_wait) if prev_wait is not None else g.inserting_before(anchor)):
+                gathered = call(g, c10d.all_gather_into_tensor.default, (shards[k], world, group))
+            with g.inserting_before(anchor):
+                full = call(g, c10d.wait_tensor.default, (gathered,))
+                for name, shape, off in zip(b.names, b.shapes, b.offsets):
+                    n = 1
+                    for d in shape:
+                        n *= d
+                    flat = call(g, aten.slice.Tensor, (full, 0, off, off + n))
+                    param = call(g, aten.view.default, (flat, list(shape)))
+                    _rewire(g, by_name[name], param, phase)
+            prev_wait = full
+        order = {n: i for i, n in enumerate(g.nodes)}
+
+    sharded = {n for b in sig.buckets for n in b.names}
+    for name in sharded:
+        g.erase_node(by_name[name])
+    # Shard placeholders were inserted after the last input, so graph order is: survivors, shards.
+    sig.inputs = [s for s in sig.inputs if not (s.kind == "param" and s.target in sharded)] + [
+        IOSpec("param_shard", str(b.index)) for b in sig.buckets]
+    return PassResult(gm, modified=True)
+
+
+def _shard_val(param: fx.Node, size: int) -> torch.Tensor:
+    val = param.meta["val"]
+    return val.new_empty(size)
+
+
+def _phase_users(root: fx.Node, phase: str) -> list[fx.Node]:
+    """Users in `phase` of `root`, looking through forward view chains for backward."""
+    found: list[fx.Node] = []
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u.op == "output":
+                continue
+            r = _role(u)
+            if r == phase:
+                found.append(u)
+            elif phase == BACKWARD and r == FORWARD and _is_view(u):
+                stack.append(u)
+    return found
+
+
+def _rewire(g: fx.Graph, root: fx.Node, replacement: fx.Node, phase: str) -> None:
+    """Point `phase` users of `root` at `replacement`; for backward, re-derive forward views."""
+    copies = {root: replacement}
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        for u in list(n.users):
+            if u.op == "output":
+                continue
+            r = _role(u)
+            if r == phase:
+                u.replace_input_with(n, copies[n])
+            elif phase == BACKWARD and r == FORWARD and _is_view(u):
+                if u not in copies:
+                    with g.inserting_after(copies[n]):
+                        c = g.node_copy(u, lambda a: copies.get(a, a))
+                        c.meta = {"val": u.meta["val"], META_KEY: u.meta.get(META_KEY)}
+                    copies[u] = c
+                    stack.append(u)

@@ -1,0 +1,166 @@
+"""FlatParameters: the model's trainable parameters laid out in the compiler's buckets, full
+or sharded per rank, and the tensors the optimizer steps for each ZeRO stage.
+
+    zero 0    full flat buckets on every rank; optimizer over the full buckets (DDP)
+    zero 1    full flat buckets; optimizer (and its states) over this rank's shard of each
+              bucket; updated shards all-gathered back into the full buckets after the step
+    zero 2    as zero 1, but the graph hands back only this rank's gradient shard
+    zero 3    only this rank's shard of each bucket exists between steps; the graph gathers
+
+For zero 0-2 the model's Parameters are re-pointed into the flat buckets, so the user's
+module (and its state_dict) always shows the current weights. Under zero 3 they are emptied
+and `full_state()` gathers them on request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fxspeed.ir import Bucket
+
+
+class FlatParameters:
+    def __init__(self, params: dict[str, nn.Parameter], buckets: list[Bucket], *, rank: int, world: int,
+                 zero: int, group: dist.ProcessGroup | None):
+        self.params = params  # canonical name -> Parameter (tied aliases resolved by the caller)
+        self.buckets = buckets
+        self.rank, self.world, self.zero, self.group = rank, world, zero, group
+        self.full: list[torch.Tensor | None] = []
+        self.shards: list[torch.Tensor] = []
+        with torch.no_grad():
+            for b in buckets:
+                flat = self._flatten(b)
+                lo, hi = self._range(b)
+                if zero >= 3:
+                    self.full.append(None)
+                    self.shards.append(flat[lo:hi].clone())
+                else:
+                    self.full.append(flat)
+                    self.shards.append(flat[lo:hi])  # a view: the optimizer updates in place
+        if zero >= 3:
+            self._release_parameters()
+        else:
+            self._point_parameters_into(self.full)
+
+    def _flatten(self, b: Bucket) -> torch.Tensor:
+        """A new padded flat buffer holding the bucket's parameters' current values."""
+        p0 = self.params[b.names[0]]
+        flat = torch.zeros(b.padded, dtype=p0.dtype, device=p0.device)
+        for name, off in zip(b.names, b.offsets):
+            p = self.params[name]
+            flat[off:off + p.numel()].copy_(p.reshape(-1))
+        return flat
+
+    def _range(self, b: Bucket) -> tuple[int, int]:
+        s = b.shard_size(self.world)
+        return self.rank * s, (self.rank + 1) * s
+
+    def _point_parameters_into(self, flats: list[torch.Tensor]) -> None:
+        for b, flat in zip(self.buckets, flats):
+            for name, shape, off in zip(b.names, b.shapes, b.offsets):
+                p = self.params[name]
+                n = p.numel() if p.numel() else _numel(shape)
+                p.data = flat[off:off + n].view(shape)
+
+    def _release_parameters(self) -> None:
+        for b in self.buckets:
+            for name in b.names:
+                self.params[name].data = torch.empty(0, dtype=self.params[name].dtype, device=self.params[name].device)
+
+    # --- what the optimizer steps -----------------------------------------------------------
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        return [f for f in self.full] if self.zero == 0 else list(self.shards)  # type: ignore[misc]
+
+    def set_grads(self, reduced: dict[int, torch.Tensor]) -> None:
+        """Attach the graph's reduced bucket outputs as .grad of the optimizer tensors."""
+        for k, t in reduced.items():
+            b = self.buckets[k]
+            if self.zero == 0:
+                self.full[k].grad = t  # type: ignore[union-attr]
+            elif self.zero == 1:
+                lo, hi = self._range(b)
+                self.shards[k].grad = t[lo:hi].clone()  # keep only our shard; the full bucket dies
+            else:
+                self.shards[k].grad = t
+
+    def clear_grads(self) -> None:
+        for t in self.optimizer_tensors():
+            t.grad = None
+
+    def after_step(self) -> None:
+        """ZeRO-1/2: every rank updated its shard; gather them so all ranks hold full weights."""
+        if self.zero not in (1, 2):
+            return
+        works = []
+        for k, b in enumerate(self.buckets):
+            works.append(dist.all_gather_into_tensor(self.full[k], self.shards[k].clone(), group=self.group,
+                                                     async_op=True))
+        for w in works:
+            w.wait()
+
+    # --- state -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """ZeRO-3: temporarily materialize full parameters (for retracing or exporting)."""
+        if self.zero < 3:
+            yield
+            return
+        flats = self.gather_full()
+        self._point_parameters_into(flats)
+        try:
+            yield
+        finally:
+            self._release_parameters()
+
+    def gather_full(self) -> list[torch.Tensor]:
+        if self.zero < 3:
+            return [f for f in self.full]  # type: ignore[misc]
+        out = []
+        for k, b in enumerate(self.buckets):
+            flat = torch.empty(b.padded, dtype=self.shards[k].dtype, device=self.shards[k].device)
+            dist.all_gather_into_tensor(flat, self.shards[k], group=self.group)
+            out.append(flat)
+        return out
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Full, unsharded parameters under their canonical names (collective under ZeRO-3)."""
+        flats = self.gather_full()
+        state = {}
+        for b, flat in zip(self.buckets, flats):
+            for name, shape, off in zip(b.names, b.shapes, b.offsets):
+                state[name] = flat[off:off + _numel(shape)].view(shape).clone()
+        return state
+
+    def owns(self, name: str) -> bool:
+        return any(name in b.names for b in self.buckets)
+
+    def capture_from_parameters(self) -> None:
+        """Re-read the (gathered) Parameters into this rank's shards, e.g. after load_state_dict."""
+        with torch.no_grad():
+            for k, b in enumerate(self.buckets):
+                flat = self._flatten(b)
+                lo, hi = self._range(b)
+                self.shards[k].copy_(flat[lo:hi])
+                if self.full[k] is not None:
+                    self.full[k].copy_(flat)
+
+    def shard_state(self) -> list[torch.Tensor]:
+        return [s.detach().clone() for s in self.shards]
+
+    def load_shards(self, shards: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for mine, saved in zip(self.shards, shards):
+                mine.copy_(saved)
+        self.after_step()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
