@@ -170,8 +170,15 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn
     Runs on fake tensors: nothing the size of an activation is allocated, and a model on the
     meta device can be captured.
     """
+    with fake_model_state(model, args, kwargs) as (fargs, fkwargs):
+        return _capture(model, args, kwargs, fargs, fkwargs, loss_fn=loss_fn, train=train)
+
+
+def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs: dict, *,
+             loss_fn: LossFn | None, train: bool) -> CapturedStep:
     from torch._functorch.aot_autograd import aot_export_module
 
+    args, kwargs = fargs, fkwargs
     leaves, spec = split_inputs(args, kwargs)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     wrapper = _StepModule(model, loss_fn, spec, leaves, want_loss=train)
@@ -230,6 +237,48 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn
     return CapturedStep(gm=gm, signature=signature, in_spec=spec,
                         tensor_leaf=[isinstance(x, torch.Tensor) for x in leaves],
                         module_of=owners.owner, out_spec=wrapper.out_spec, train=train)
+
+
+@contextlib.contextmanager
+def fake_model_state(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple[tuple, dict]]:
+    """Swap the model's parameters and buffers for fake tensors while tracing.
+
+    Tracing real weights costs real memory (AOT export materializes functional copies: about
+    1.7x the parameters for a 100M GPT), and a model on the meta device cannot be traced
+    faithfully at all:
+    meta tensors skip autograd for some ops (torch registers meta kernels for e.g. nll_loss,
+    which then bypass the op's autograd formula, so `cross_entropy` gives no gradient). Fake
+    CPU tensors behave as CPU tensors in every respect but hold no data. For the duration of
+    the block, the model's meta parameters and buffers are swapped for fake CPU ones (tied
+    weights stay tied) and the batch's meta tensors likewise; the originals come back after.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # Non-fake inputs allowed: AOT export retraces its first graph with plain make_fx, and
+    # constants that graph captured (e.g. an arange of positions) are real tensors.
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    made: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            with mode:
+                f = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype,
+                                        device="cpu" if t.is_meta else t.device)
+            made[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
+        return made[id(t)]
+
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    try:
+        for mod in model.modules():
+            for store in (mod._parameters, mod._buffers):
+                for k, t in list(store.items()):
+                    if t is not None:
+                        swapped.append((store, k, t))
+                        store[k] = fake(t)
+        yield pytree.tree_map(lambda x: fake(x) if isinstance(x, torch.Tensor) and x.is_meta else x, (args, kwargs))
+    finally:
+        for store, k, t in reversed(swapped):
+            store[k] = t
 
 
 def _strip(name: str) -> str:

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .ir import META_KEY, TEMPORARIES, NodeInfo, tensor_bytes
+from .ir import ACTIVATIONS, GRADIENTS, META_KEY, TEMPORARIES, NodeInfo, tensor_bytes
+
+_PROMOTE = {ACTIVATIONS: 1, GRADIENTS: 2}
 
 
 @dataclass
@@ -25,6 +27,7 @@ class Timeline:
     names: list[str] = field(default_factory=list)
     roles: list[str] = field(default_factory=list)
     totals: list[int] = field(default_factory=list)
+    gradients: list[int] = field(default_factory=list)  # live gradient bytes after each node
     peak_index: int = 0
     peak: dict[str, int] = field(default_factory=dict)
 
@@ -33,7 +36,10 @@ class Timeline:
         return sum(self.peak.values())
 
 
-def memory_timeline(gm: fx.GraphModule) -> Timeline:
+def memory_timeline(gm: fx.GraphModule, grad_scale: float = 1.0) -> Timeline:
+    """Live bytes after every node. The peak is where `total - (1 - grad_scale) * gradients` is
+    largest: a rank that keeps only a 1/N shard of each gradient (ZeRO-2/3) peaks where its own
+    bytes do, which need not be where the whole graph's do."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     end = len(nodes)
@@ -48,6 +54,16 @@ def memory_timeline(gm: fx.GraphModule) -> Timeline:
 
     alloc: dict[fx.Node, tuple[int, str]] = {}
     last_use: dict[fx.Node, int] = {}
+    # A storage takes the strongest category of any value that aliases it: the forward saves a
+    # view of a tensor for backward (the tensor is then an activation), a gradient is often a
+    # view (`t`, `view`) of the matmul that computed it (the matmul's output is the gradient).
+    promoted: dict[fx.Node, str] = {}
+    for n in nodes:
+        inf = n.meta.get(META_KEY)
+        if inf is not None and inf.category in _PROMOTE and n.op == "call_function":
+            b = base(n)
+            if _PROMOTE[inf.category] > _PROMOTE.get(promoted.get(b, ""), 0):
+                promoted[b] = inf.category
     for n in nodes:
         if n.op == "output":
             for a in n.all_input_nodes:
@@ -60,6 +76,8 @@ def memory_timeline(gm: fx.GraphModule) -> Timeline:
             alloc[n] = (tensor_bytes(val), cat)
             last_use[n] = end
         elif isinstance(val, torch.Tensor) and (n.target is operator.getitem or not (inf and inf.is_view)):
+            if cat == TEMPORARIES or _PROMOTE.get(promoted.get(n, ""), 0) > _PROMOTE.get(cat, 0):
+                cat = promoted.get(n, cat)
             alloc[n] = (tensor_bytes(val), cat)
             last_use.setdefault(n, index[n])
         for a in n.all_input_nodes:
@@ -82,8 +100,10 @@ def memory_timeline(gm: fx.GraphModule) -> Timeline:
         inf = n.meta.get(META_KEY)
         tl.roles.append(inf.role if inf else "")
         tl.totals.append(total)
-        if total > best:
-            best, tl.peak_index, tl.peak = total, i, dict(live)
+        tl.gradients.append(live.get(GRADIENTS, 0))
+        weighted = total - (1.0 - grad_scale) * live.get(GRADIENTS, 0)
+        if weighted > best:
+            best, tl.peak_index, tl.peak = weighted, i, dict(live)
         for dead in frees.get(i, ()):
             if dead in alloc:
                 size, cat = alloc[dead]

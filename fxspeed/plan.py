@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,8 @@ class Plan:
     dynamic: dict[str, list[int]] = field(default_factory=dict)  # symbol -> values traced
     notes: list[str] = field(default_factory=list)
     zero_formula: list[int] = field(default_factory=list)  # ZeRO paper model-state bytes per rank
+    # rank 0 bytes by category in each phase: "step" (graph peak, states resident), "optimizer"
+    phase_memory: dict[str, dict[str, int]] = field(default_factory=dict)
 
     # --- queries ---------------------------------------------------------------------------
     def memory(self, rank: int = 0) -> dict[str, int]:
@@ -124,6 +127,10 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"Plan.from_dict: unknown key(s) {unknown}; valid keys are {sorted(names)}")
         return cls(**d)
 
     def to_json(self, path: str | Path | None = None) -> str:

@@ -1,12 +1,13 @@
 """reduce_gradients: average gradients across data-parallel ranks in buckets, as backward
-produces them, with asynchronous collectives whose waits sit at the end of the graph.
+produces them, with asynchronous collectives; each wait sits right after the next bucket is issued.
 
     before:  ... g_w2 = mm(...) ... g_w1 = mm(...) ...      return (loss, g_w2, g_w1)
     after:   ... g_w2 = mm(...)
                  b0 = all_reduce(pad(cat(g_w2 / N, ...)))      # issued here, runs in the
              ... g_w1 = mm(...)                                # background while backward
                  b1 = all_reduce(pad(cat(g_w1 / N, ...)))      # goes on
-             w0 = wait(b0); w1 = wait(b1)                      return (loss, w0, w1)
+                 w0 = wait(b0)                                 # one bucket in flight
+             w1 = wait(b1)                                     return (loss, w0, w1)
 
 ZeRO-0/1 all-reduce (each rank gets the whole averaged bucket); ZeRO-2/3 reduce-scatter (each
 rank gets only its shard and the full gradients die right after the collective is issued).
@@ -58,6 +59,7 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
     waits: list[fx.Node] = []
     buckets: list[Bucket] = []
+    pending: fx.Node | None = None
     for k, members in enumerate(groups):
         nodes = [outs[i] for i in members]
         shapes = [tuple(int(d) for d in n.meta["val"].shape) for n in nodes]
@@ -82,8 +84,15 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 coll = call(g, c10d.reduce_scatter_tensor.default, (scaled, "sum", world, group))
             else:
                 coll = call(g, c10d.all_reduce.default, (scaled, "sum", group))
+        # Wait for the previous bucket right after this one is issued: one bucket stays in
+        # flight behind backward, and a finished collective releases its (full-size) input.
+        if pending is not None:
+            with g.inserting_after(coll):
+                waits.append(call(g, c10d.wait_tensor.default, (pending,)))
+        pending = coll
+    if pending is not None:
         with g.inserting_before(out):
-            waits.append(call(g, c10d.wait_tensor.default, (coll,)))
+            waits.append(call(g, c10d.wait_tensor.default, (pending,)))
 
     keep = [i for i, s in enumerate(sig.outputs) if s.kind != "grad"]
     out.args = (tuple([outs[i] for i in keep] + waits),)

@@ -32,6 +32,8 @@ class FlatParameters:
         self.rank, self.world, self.zero, self.group = rank, world, zero, group
         self.full: list[torch.Tensor | None] = []
         self.shards: list[torch.Tensor] = []
+        # One bucket at a time: each Parameter is re-pointed (or released) as soon as its bucket
+        # is built, so building the layout never holds a second copy of the model.
         with torch.no_grad():
             for b in buckets:
                 flat = self._flatten(b)
@@ -39,13 +41,11 @@ class FlatParameters:
                 if zero >= 3:
                     self.full.append(None)
                     self.shards.append(flat[lo:hi].clone())
+                    self._release(b)
                 else:
                     self.full.append(flat)
                     self.shards.append(flat[lo:hi])  # a view: the optimizer updates in place
-        if zero >= 3:
-            self._release_parameters()
-        else:
-            self._point_parameters_into(self.full)
+                    self._point_into(b, flat)
 
     def _flatten(self, b: Bucket) -> torch.Tensor:
         """A new padded flat buffer holding the bucket's parameters' current values."""
@@ -60,17 +60,14 @@ class FlatParameters:
         s = b.shard_size(self.world)
         return self.rank * s, (self.rank + 1) * s
 
-    def _point_parameters_into(self, flats: list[torch.Tensor]) -> None:
-        for b, flat in zip(self.buckets, flats):
-            for name, shape, off in zip(b.names, b.shapes, b.offsets):
-                p = self.params[name]
-                n = p.numel() if p.numel() else _numel(shape)
-                p.data = flat[off:off + n].view(shape)
+    def _point_into(self, b: Bucket, flat: torch.Tensor) -> None:
+        for name, shape, off in zip(b.names, b.shapes, b.offsets):
+            self.params[name].data = flat[off:off + _numel(shape)].view(shape)
 
-    def _release_parameters(self) -> None:
-        for b in self.buckets:
-            for name in b.names:
-                self.params[name].data = torch.empty(0, dtype=self.params[name].dtype, device=self.params[name].device)
+    def _release(self, b: Bucket) -> None:
+        for name in b.names:
+            p = self.params[name]
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     # --- what the optimizer steps -----------------------------------------------------------
     def optimizer_tensors(self) -> list[torch.Tensor]:
@@ -110,12 +107,13 @@ class FlatParameters:
         if self.zero < 3:
             yield
             return
-        flats = self.gather_full()
-        self._point_parameters_into(flats)
+        for b, flat in zip(self.buckets, self.gather_full()):
+            self._point_into(b, flat)
         try:
             yield
         finally:
-            self._release_parameters()
+            for b in self.buckets:
+                self._release(b)
 
     def gather_full(self) -> list[torch.Tensor]:
         if self.zero < 3:

@@ -24,11 +24,12 @@ class GPTConfig:
 
     @classmethod
     def preset(cls, name: str) -> "GPTConfig":
-        """'tiny' (~0.8M), 'small' (~20M), '124m' (GPT-2 small shape, 124M with a 50257 vocab)."""
+        """'tiny' (~0.8M), 'small' (~20M), '100m' (~106M: GPT-2 small width, 14 layers, 8192 vocab),
+        '124m' (GPT-2 small shape, 124M with a 50257 vocab)."""
         return {
             "tiny": cls(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128),
             "small": cls(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=512),
-            "100m": cls(vocab_size=8192, block_size=256, n_layer=12, n_head=12, n_embd=768),
+            "100m": cls(vocab_size=8192, block_size=256, n_layer=14, n_head=12, n_embd=768),
             "124m": cls(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
         }[name]
 

@@ -1,0 +1,7 @@
+"""`python -m fxspeed ...` runs the command line (see fxspeed.cli)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

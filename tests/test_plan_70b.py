@@ -1,0 +1,79 @@
+"""Planning a 70B Llama on 64 H100s with ZeRO-3, from the meta device: fast and allocation-free.
+
+The model (Llama-3-70B shape: hidden 8192, 80 layers, 64 heads, 8 kv heads, intermediate 28672,
+vocab 128256) is built under torch.device("meta"). The planner traces it as fake CPU tensors,
+and since its 80 decoder layers are identical, with 1, 2 and 3 layers only, extrapolating
+memory, time and FLOPs linearly to 80 (checked against the 3-layer trace).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+
+import pytest
+import torch
+
+import fxspeed
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(**kw):
+    cfg = transformers.LlamaConfig(**kw)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(cfg)
+
+
+LLAMA_70B = dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                 intermediate_size=28672, vocab_size=128256)
+
+
+def test_a_70b_llama_on_the_meta_device_is_planned_for_64_h100s_with_zero_3_in_under_60_seconds():
+    model = _llama(**LLAMA_70B)
+    ids = torch.zeros(1, 4096, dtype=torch.long, device="meta")
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    plan = fxspeed.plan(model, fxspeed.devices("H100-80GB", 64), fxspeed.Config(zero=3),
+                        example_inputs={"input_ids": ids, "labels": ids})
+    seconds = time.perf_counter() - t0
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    print(f"70B plan in {seconds:.1f}s, peak RSS grew {grown_mb:.0f} MB\n{plan.summary()}")
+
+    assert seconds < 60
+    assert grown_mb < 2048  # fake tensors: nothing the size of a weight is allocated
+    assert all(p.is_meta for p in model.parameters()) and len(model.model.layers) == 80
+
+    n = sum(p.numel() for p in model.parameters())
+    assert plan.n_params == n and 70e9 < n < 71e9
+    mem = plan.memory(0)
+    assert mem["parameters"] == pytest.approx(4 * n / 64, rel=1e-6)  # ZeRO-3: a 1/64 shard of fp32 weights
+    assert mem["optimizer_states"] == pytest.approx(8 * n / 64, rel=1e-6)
+    # Without activation checkpointing, fp32 activations of 80 layers x 4096 tokens dwarf an H100.
+    assert mem["activations"] > 100e9 and not plan.fits()
+    # Training FLOPs of a dense transformer: about 6 x params x tokens (plus attention).
+    assert plan.flops["total"] == pytest.approx(6 * n * 4096, rel=0.1)
+    assert len(plan.rank_memory) == 64 and plan.zero_formula[0] == pytest.approx(16 * n / 64, rel=1e-6)
+    assert any("repeated-layer extrapolation" in note and "80 identical" in note for note in plan.notes)
+
+    again = fxspeed.Plan.from_json(plan.to_json())
+    assert again == plan and json.loads(again.to_json()) == plan.to_dict()
+    text = plan.summary()
+    for words in ("LlamaForCausalLM", "70,553.7M params", "64 × H100-80GB", "zero=3", "activations",
+                  "DOES NOT FIT", "time per step", "FLOPs per step", "note: repeated-layer extrapolation"):
+        assert words in text
+
+
+def test_a_small_llama_extrapolated_from_three_layers_equals_the_llama_traced_whole():
+    model = _llama(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=128, vocab_size=256)
+    ids = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    kw = dict(example_inputs={"input_ids": ids, "labels": ids})
+    devs = fxspeed.devices("H100-80GB", 4)
+    whole = fxspeed.plan(model, devs, fxspeed.Config(zero=2, extra={"layer_extrapolation": False}), **kw)
+    extra = fxspeed.plan(model, devs, fxspeed.Config(zero=2, extra={"layer_extrapolation": True}), **kw)
+    assert extra.n_params == whole.n_params
+    assert extra.flops == whole.flops
+    assert extra.phase_memory == whole.phase_memory
+    assert extra.time["total"] == pytest.approx(whole.time["total"], rel=1e-9)

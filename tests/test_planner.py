@@ -1,0 +1,294 @@
+"""Unit tests of the planner: liveness, FLOPs, categories, the ZeRO formula, symbolic fits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import sympy
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fxspeed
+from fxspeed.annotate import node_flops
+from fxspeed.ir import (ACTIVATIONS, GRADIENTS, META_KEY, OPTIMIZER_STATES, PARAMETERS, TEMPORARIES, NodeInfo)
+from fxspeed.memory import memory_timeline
+from fxspeed.models.gpt import GPT, GPTConfig
+from fxspeed.planner import opt_factors, optimizer_temporaries, repeated_blocks, zero_paper_bytes
+from fxspeed.symbolic import fit_polynomial, is_batch_like, sample_values
+
+aten = torch.ops.aten
+F32 = 4
+
+
+# --------------------------------------------------------------------------------------------
+# Liveness on hand-built graphs
+# --------------------------------------------------------------------------------------------
+
+class _G:
+    """Builds a graph node by node: each node gets a meta tensor of `numel` floats as its value.
+    `memory_timeline(...).totals` has one entry per node, the output node last."""
+
+    def __init__(self) -> None:
+        self.g = fx.Graph()
+
+    def input(self, name: str, numel: int, category: str = "inputs") -> fx.Node:
+        n = self.g.placeholder(name)
+        n.meta["val"] = torch.empty(numel, device="meta")
+        n.meta[META_KEY] = NodeInfo(category=category, role="io")
+        return n
+
+    def op(self, target, *args, numel: int, category: str = TEMPORARIES, view: bool = False) -> fx.Node:
+        n = self.g.call_function(target, args)
+        n.meta["val"] = torch.empty(numel, device="meta")
+        n.meta[META_KEY] = NodeInfo(category=category, is_view=view)
+        return n
+
+    def done(self, *outs: fx.Node) -> fx.GraphModule:
+        self.g.output(tuple(outs))
+        return fx.GraphModule(nn.Module(), self.g)
+
+
+def test_liveness_peak_of_a_chain_is_the_input_plus_two_neighbouring_values():
+    b = _G()
+    x = b.input("x", 1000)
+    a = b.op(aten.relu.default, x, numel=1000)
+    c = b.op(aten.mul.Tensor, a, 2, numel=1000)  # a dies here, after c is allocated
+    d = b.op(aten.sum.default, c, numel=1)
+    tl = memory_timeline(b.done(d))
+    assert tl.totals == [4000, 8000, 12000, 8004, 4004]
+    assert tl.peak_bytes == 12000 and tl.names[tl.peak_index] == c.name
+
+
+def test_liveness_frees_each_value_after_its_last_reader_not_before():
+    b = _G()
+    x = b.input("x", 100)
+    a = b.op(aten.relu.default, x, numel=1000)
+    c = b.op(aten.neg.default, x, numel=500)
+    d = b.op(aten.add.Tensor, a, c, numel=1000)  # a and c both read here: both alive until d
+    tl = memory_timeline(b.done(d))
+    assert tl.totals == [400, 4400, 6400, 10400, 4400]
+    assert tl.peak_bytes == 10400
+
+
+def test_a_view_allocates_nothing_and_keeps_its_base_alive_until_the_view_is_last_read():
+    b = _G()
+    x = b.input("x", 10)
+    a = b.op(aten.relu.default, x, numel=1000)
+    v = b.op(aten.view.default, a, [1000], numel=1000, view=True)
+    big = b.op(aten.neg.default, x, numel=2000)  # a is not read here, but its view is later
+    y = b.op(aten.add.Tensor, v, big, numel=1)
+    tl = memory_timeline(b.done(y))
+    assert tl.totals == [40, 4040, 4040, 12040, 12044, 44]
+
+
+def test_graph_outputs_stay_alive_to_the_end_of_the_step():
+    b = _G()
+    x = b.input("x", 10)
+    g = b.op(aten.relu.default, x, numel=1000, category=GRADIENTS)
+    t = b.op(aten.neg.default, x, numel=3000)
+    s = b.op(aten.sum.default, t, numel=1)
+    tl = memory_timeline(b.done(s, g))
+    assert tl.totals == [40, 4040, 16040, 16044, 4044]
+    assert tl.peak == {"inputs": 40, GRADIENTS: 4000, TEMPORARIES: 12004}
+
+
+def test_a_tensor_saved_for_backward_through_a_view_counts_as_an_activation():
+    b = _G()
+    x = b.input("x", 10)
+    a = b.op(aten.relu.default, x, numel=1000)  # forward; only its view is saved
+    v = b.op(aten.view.default, a, [1000], numel=1000, category=ACTIVATIONS, view=True)
+    y = b.op(aten.neg.default, v, numel=1)
+    tl = memory_timeline(b.done(y))
+    assert tl.peak[ACTIVATIONS] == 4000 and tl.peak.get(TEMPORARIES, 0) <= 4
+
+
+def test_a_gradient_computed_by_a_matmul_and_returned_through_a_transpose_counts_as_a_gradient():
+    model = nn.Linear(256, 128, bias=False)
+    plan = fxspeed.plan(model, 1, example_inputs=(torch.randn(4, 256),), loss_fn=lambda out, x: out.sum())
+    assert plan.phase_memory["optimizer"][GRADIENTS] == 256 * 128 * F32
+    # At the end of backward every gradient is alive: the liveness sees the full gradient bytes.
+    tl = plan.timeline
+    assert tl["bytes"][-2] >= 256 * 128 * F32 * 2  # the weight and its gradient
+
+
+# --------------------------------------------------------------------------------------------
+# FLOPs and categories
+# --------------------------------------------------------------------------------------------
+
+def test_flops_of_a_matmul_are_two_times_m_times_n_times_k():
+    m, k, n = 3, 5, 7
+    gm = make_fx(torch.mm, tracing_mode="fake")(torch.empty(m, k), torch.empty(k, n))
+    mm = next(x for x in gm.graph.nodes if x.op == "call_function")
+    assert node_flops(mm) == 2 * m * n * k
+
+
+def test_forward_flops_of_a_linear_layer_without_bias_are_two_times_batch_times_in_times_out():
+    model = nn.Linear(64, 32, bias=False)
+    plan = fxspeed.plan(model, 1, example_inputs=(torch.randn(8, 64),), loss_fn=lambda out, x: out.sum())
+    assert plan.flops["forward"] == 2 * 8 * 64 * 32
+    assert plan.flops["backward"] == 2 * 8 * 64 * 32  # weight gradient only: the input needs none
+
+
+def test_every_node_of_a_planned_step_has_a_category_and_parameters_are_counted_once_when_tied():
+    model = GPT(GPTConfig.preset("tiny"))
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    plan = fxspeed.plan(model, 1, example_inputs=(ids, ids))
+    n_params = sum(p.numel() for p in model.parameters())  # the tied head counted once
+    assert plan.n_params == n_params
+    mem = plan.memory()
+    assert mem[PARAMETERS] == n_params * F32
+    assert mem[OPTIMIZER_STATES] == 2 * n_params * F32
+    assert set(plan.phase_memory) == {"step", "optimizer"}
+    assert plan.peak_memory() == max(sum(d.values()) for d in plan.phase_memory.values())
+
+
+def test_a_meta_model_and_the_same_model_on_the_cpu_get_the_same_plan():
+    torch.manual_seed(0)
+    real = GPT(GPTConfig.preset("tiny"))
+    with torch.device("meta"):
+        meta = GPT(GPTConfig.preset("tiny"))
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    a = fxspeed.plan(real, 1, example_inputs=(ids, ids))
+    b = fxspeed.plan(meta, 1, example_inputs=(ids.to("meta"), ids.to("meta")))
+    assert a.rank_memory == b.rank_memory and a.flops == b.flops
+    assert all(p.is_meta for p in meta.parameters())  # the meta model is left as it was
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizer and ZeRO formulas
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage,gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.88)])
+def test_zero_paper_formula_gives_the_papers_numbers_for_7_5b_params_on_64_gpus(stage, gb):
+    # ZeRO paper, Figure 1: Psi = 7.5B, N_d = 64, K = 12 (mixed-precision Adam), 2-byte params/grads.
+    assert zero_paper_bytes(7.5e9, stage, 64, k=12, bytes_per_param=2) / 1e9 == pytest.approx(gb, abs=0.05)
+
+
+@pytest.mark.parametrize("stage,expected", [(0, 16 * 7.5e9), (1, 8 * 7.5e9 + 8 * 7.5e9 / 64),
+                                            (2, 4 * 7.5e9 + 12 * 7.5e9 / 64), (3, 16 * 7.5e9 / 64)])
+def test_zero_paper_formula_for_fp32_adam_uses_k_8_and_4_byte_params_and_grads(stage, expected):
+    assert zero_paper_bytes(7.5e9, stage, 64, k=8, bytes_per_param=4) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_planned_model_states_per_rank_equal_the_fp32_zero_formula_at_every_stage(zero):
+    model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 64))
+    n = sum(p.numel() for p in model.parameters())
+    plan = fxspeed.plan(model, fxspeed.devices("H100-80GB", 8), fxspeed.Config(zero=zero),
+                        example_inputs=(torch.randn(4, 128),), loss_fn=lambda out, x: out.sum())
+    opt = plan.phase_memory["optimizer"]
+    states = opt[PARAMETERS] + opt[GRADIENTS] + opt[OPTIMIZER_STATES]
+    assert states == pytest.approx(zero_paper_bytes(n, zero, 8, k=8, bytes_per_param=4), abs=3)
+    assert plan.zero_formula[0] == pytest.approx(states, abs=3)
+
+
+def test_adam_states_are_two_per_parameter_and_sgd_with_momentum_keeps_one():
+    assert opt_factors(fxspeed.Config(optimizer="adamw"))[0] == 2
+    assert opt_factors(fxspeed.Config(optimizer="sgd", momentum=0.9))[0] == 1
+    assert opt_factors(fxspeed.Config(optimizer="sgd"))[0] == 0
+
+
+def test_optimizer_temporaries_are_one_copy_of_the_parameters_with_foreach_and_two_of_the_largest_on_cpu():
+    gpu, cpu = fxspeed.devices("H100-80GB")[0], fxspeed.devices("cpu")[0]
+    adamw = fxspeed.Config(optimizer="adamw")
+    assert optimizer_temporaries(adamw, gpu, 1000.0, 100.0) == 1000.0
+    assert optimizer_temporaries(adamw, cpu, 1000.0, 100.0) == 200.0
+    assert optimizer_temporaries(fxspeed.Config(optimizer="adam", weight_decay=0.1), cpu, 1000.0, 100.0) == 300.0
+    assert optimizer_temporaries(fxspeed.Config(optimizer="sgd"), cpu, 1000.0, 100.0) == 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# Repeated blocks, serialization
+# --------------------------------------------------------------------------------------------
+
+def test_repeated_blocks_finds_the_module_list_of_identical_blocks():
+    model = GPT(GPTConfig.preset("tiny"))
+    parent, attr, blocks = repeated_blocks(model)
+    assert parent is model and attr == "blocks" and len(blocks) == 2
+
+
+def test_layer_extrapolation_from_one_two_and_three_blocks_matches_tracing_all_blocks():
+    cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=6, n_head=2, n_embd=32)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    ids = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    full = fxspeed.plan(model, 1, fxspeed.Config(extra={"layer_extrapolation": False}), example_inputs=(ids, ids))
+    extra = fxspeed.plan(model, 1, fxspeed.Config(extra={"layer_extrapolation": True}), example_inputs=(ids, ids))
+    assert extra.n_params == full.n_params
+    assert extra.flops == full.flops
+    assert extra.phase_memory == full.phase_memory
+    assert extra.time["total"] == pytest.approx(full.time["total"], rel=1e-9)
+    assert any("repeated-layer extrapolation" in n for n in extra.notes)
+    assert len(model.blocks) == 6  # the model is left whole
+
+
+def test_a_plan_round_trips_through_json_unchanged():
+    model = GPT(GPTConfig.preset("tiny"))
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    plan = fxspeed.plan(model, 1, example_inputs=(ids, ids))
+    again = fxspeed.Plan.from_json(plan.to_json())
+    assert again == plan
+    assert json.loads(plan.to_json()) == plan.to_dict()
+
+
+# --------------------------------------------------------------------------------------------
+# Symbolic fits
+# --------------------------------------------------------------------------------------------
+
+def test_fit_polynomial_recovers_a_polynomial_of_batch_times_seq_squared_exactly():
+    b, s = sympy.symbols("batch seq")
+    truth = 7 * b * s**2 + 3 * b * s + 11 * s**2 + 5 * b + 2
+    points = [(bb, ss) for bb in (1, 2) for ss in (3, 5, 9)]
+    fitted = fit_polynomial([b, s], [1, 2], points, [int(truth.subs({b: p[0], s: p[1]})) for p in points])
+    assert sympy.expand(fitted - truth) == 0
+
+
+def test_batch_dims_are_fitted_linearly_and_other_dims_quadratically():
+    assert is_batch_like("batch") and is_batch_like("B") and not is_batch_like("seq")
+    assert sample_values(256, 4) == [256, 128, 64, 192]
+    assert sample_values(1, 3) == [1, 2, 3]
+    assert sample_values(2, 3) == [2, 3, 4]  # no 1 unless the example is 1: its graph differs
+
+
+def test_symbolic_plan_is_exact_at_an_untraced_size_and_max_size_answers_the_largest_batch_that_fits():
+    with torch.device("meta"):
+        model = GPT(GPTConfig.preset("tiny"))
+    ids = torch.zeros(4, 64, dtype=torch.long, device="meta")
+    dyn = {0: {0: "batch", 1: "seq"}, 1: {0: "batch", 1: "seq"}}
+    plan = fxspeed.plan(model, 1, example_inputs=(ids, ids), dynamic=dyn)
+    assert plan.dynamic["batch"][0] == 4 and plan.dynamic["seq"][0] == 64
+    assert "symbolic fit" in " ".join(plan.notes)
+
+    def concrete(batch: int, seq: int = 64) -> fxspeed.Plan:
+        x = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+        return fxspeed.plan(model, 1, example_inputs=(x, x))
+
+    big = concrete(48, 40)
+    at = {"batch": 48, "seq": 40}
+    assert int(plan.expr("peak_memory").subs(at)) == big.peak_memory()
+    assert int(plan.expr("flops").subs(at)) == big.flops["total"]
+
+    budget = 60e6
+    n = plan.max_size("batch", budget)
+    assert concrete(n).peak_memory() <= budget < concrete(n + 1).peak_memory()
+
+
+def test_an_unmarked_input_shaped_like_a_marked_one_is_resized_with_it():
+    with torch.device("meta"):
+        model = GPT(GPTConfig.preset("tiny"))
+    ids = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    plan = fxspeed.plan(model, 1, example_inputs=(ids, ids), dynamic={0: {0: "batch"}})
+    assert plan.dynamic["batch"][0] == 2
+    assert any("unmarked input(s) 1" in n for n in plan.notes)
+    x = torch.zeros(5, 32, dtype=torch.long, device="meta")
+    assert int(plan.expr("flops").subs({"batch": 5})) == fxspeed.plan(model, 1, example_inputs=(x, x)).flops["total"]
+
+
+def test_a_symbol_marking_dims_of_different_sizes_is_refused_with_its_name():
+    model = GPT(GPTConfig.preset("tiny"))
+    a, b = torch.zeros(2, 16, dtype=torch.long), torch.zeros(3, 16, dtype=torch.long)
+    with pytest.raises(fxspeed.ConfigError, match="'batch'"):
+        fxspeed.plan(model, 1, example_inputs=(a, b), dynamic={0: {0: "batch"}, 1: {0: "batch"}})

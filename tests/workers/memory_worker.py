@@ -1,0 +1,67 @@
+"""Run under torch.distributed.run: peak RSS growth of a training step on this rank.
+
+Each rank builds the model, reads its resident set size (the kernel's VmRSS), resets the
+kernel's peak counter (/proc/self/clear_refs), then compiles and trains; the peak (VmHWM)
+minus the baseline is the memory the training run added on top of the model, as the OS
+sees it. Writes one JSON line per rank to --out.
+
+MALLOC_MMAP_THRESHOLD_ should be set by the launcher so freed tensors go back to the OS
+(otherwise glibc keeps them in its heap and RSS stays at old peaks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+import fxspeed
+from fxspeed.models import GPT, GPTConfig
+
+
+def status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--zero", type=int, required=True)
+    ap.add_argument("--preset", default="100m")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset(a.preset))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    x = torch.randint(0, model.config.vocab_size, (a.batch, a.seq))
+    base = status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    engine = fxspeed.compile(model, world, fxspeed.Config(zero=a.zero, optimizer="adam"), example_inputs=(x, x))
+    for _ in range(a.steps):
+        engine.train_step(x, x)
+    peak = status_kb("VmHWM")
+    n_params = engine.plan.n_params
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rec = {"rank": rank, "world": world, "zero": a.zero, "baseline_bytes": base * 1024,
+           "growth_bytes": (peak - base) * 1024, "plan_peak_bytes": engine.plan.peak_memory(rank),
+           "plan_param_bytes_full": 4 * n_params}
+    with open(os.path.join(a.out, f"mem_zero{a.zero}_rank{rank}.json"), "w") as f:
+        json.dump(rec, f)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
