@@ -18,7 +18,9 @@ import torch.nn as nn
 from .annotate import make_annotate_pass
 from .capture import CapturedStep, LossFn, capture_step
 from .config import Config
+from .devices import DeviceSpec
 from .pass_manager import PassContext, PassManager, PassRecord
+from .planner import GraphCosts, grad_scale, graph_costs
 
 log = logging.getLogger("fxspeed")
 
@@ -29,24 +31,36 @@ class CompiledStep:
     records: list[PassRecord]
     capture_seconds: float
     pass_seconds: float
+    costs: GraphCosts | None = None  # the single-device program's costs, when devices were given
 
 
 def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, loss_fn: LossFn | None,
                  train: bool = True, extra_passes: Sequence[Any] = (),
-                 options: dict[str, Any] | None = None) -> CompiledStep:
-    """`options` reach passes as ctx.options (world_size, zero, group_name, bucket_bytes)."""
-    from fxspeed.passes import default_pipeline
+                 options: dict[str, Any] | None = None, devices: Sequence[DeviceSpec] | None = None) -> CompiledStep:
+    """`options` reach passes as ctx.options (world_size, zero, group_name, bucket_bytes).
+
+    The single-device passes run first; when `devices` is given, the planner's costs are read
+    off that program (ZeRO and data parallelism are then applied to them analytically, the
+    same way `fxspeed.plan` does), then the distributed passes rewrite it for this rank.
+    """
+    from fxspeed.passes import ALL_PASSES, DISTRIBUTED_PASSES, SINGLE_DEVICE_PASSES
 
     t0 = time.perf_counter()
     cap = capture_step(model, args, kwargs, loss_fn=loss_fn, train=train)
     t1 = time.perf_counter()
     annotate = make_annotate_pass()
-    pm = PassManager([*default_pipeline(), *extra_passes], analyses=[annotate], disabled=config.disable_passes)
+    known = [*ALL_PASSES, *(p.name for p in extra_passes)]
     ctx = PassContext(signature=cap.signature, module_of=cap.module_of, options=dict(options or {}))
-    gm = pm.run(cap.gm, ctx)
-    gm = pm.ensure("annotate", gm, ctx)
+    local = PassManager(SINGLE_DEVICE_PASSES, analyses=[annotate], disabled=config.disable_passes, known=known)
+    gm = local.ensure("annotate", local.run(cap.gm, ctx), ctx)
+    costs = None
+    if train and devices:
+        costs = graph_costs(gm, cap.signature, devices[0], grad_scale(config, len(devices)))
+    dist = PassManager([*DISTRIBUTED_PASSES, *extra_passes], analyses=[annotate], disabled=config.disable_passes,
+                       known=known)
+    gm = dist.ensure("annotate", dist.run(gm, ctx), ctx)
     cap.gm = gm
     t2 = time.perf_counter()
     log.info("fxspeed: captured %s %s step: %d nodes in %.2fs, passes %.2fs", type(model).__name__,
              "training" if train else "eval", len(gm.graph.nodes), t1 - t0, t2 - t1)
-    return CompiledStep(cap, pm.records, t1 - t0, t2 - t1)
+    return CompiledStep(cap, local.records + dist.records, t1 - t0, t2 - t1, costs)

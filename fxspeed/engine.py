@@ -24,7 +24,7 @@ from .distributed import check_agreement, fingerprint, join
 from .errors import ConfigError, FxspeedError
 from .ir import Bucket, IOSpec, StepSignature
 from .plan import Plan
-from .planner import build_plan
+from .planner import finish_plan
 
 log = logging.getLogger("fxspeed")
 RETRACE_WARN_AFTER = 8
@@ -83,7 +83,8 @@ class Engine:
         # ZeRO-3 keeps only shards between steps; tracing needs the full parameters once.
         with self._flat.gathered() if self._flat is not None else contextlib.nullcontext():
             compiled = compile_step(self.model, args, kwargs, config=self.config, loss_fn=self.loss_fn, train=train,
-                                    options=self._options if train else {})
+                                    options=self._options if train else {},
+                                    devices=self.devices if train and self.plan is None else None)
         cap = compiled.captured
         if train and self.optimizer is None:
             self._setup_state(cap.signature)
@@ -98,9 +99,8 @@ class Engine:
             log.warning("fxspeed: %d batch signatures compiled so far; pad batches to a few fixed shapes "
                         "to avoid recompiling", RETRACE_WARN_AFTER)
         if train and self.plan is None:
-            self.plan = build_plan(cap.gm, cap.signature, model_name=type(self.model).__name__,
-                                   config=self.config, devices=self.devices,
-                                   passes=[r.to_dict() for r in compiled.records])
+            self.plan = finish_plan(compiled.costs, model_name=type(self.model).__name__, config=self.config,
+                                    devices=self.devices, passes=[r.to_dict() for r in compiled.records])
         return ex
 
     def _setup_state(self, sig: StepSignature) -> None:
@@ -150,6 +150,7 @@ class Engine:
             total = out.loss if total is None else total + out.loss
             _accumulate(grads, out.grads)
             _accumulate(buckets, out.grad_buckets)
+        del out  # the accumulated dicts now hold the only references
         if k > 1:
             total = total / k
             grads = {n: t / k for n, t in grads.items()}
@@ -160,6 +161,7 @@ class Engine:
             p.grad = g if p.grad is None else p.grad + g
         if self._flat is not None:
             self._flat.set_grads(buckets)
+        del grads, buckets  # free before the optimizer allocates its temporaries
         stepped = self._opt_tensors()
         if self.config.grad_clip is not None:
             self._clip(stepped)

@@ -74,10 +74,12 @@ def graph_pass(name: str, *, requires: Sequence[str] = (), produces: Sequence[st
 
 class PassManager:
     def __init__(self, passes: Sequence[GraphPass], analyses: Sequence[GraphPass] = (),
-                 disabled: Sequence[str] = ()):
+                 disabled: Sequence[str] = (), known: Sequence[str] | None = None):
+        """`known`: every pass name `disabled` may mention (default: these passes), for a
+        pipeline split across several managers."""
         self.passes = list(passes)
         self.analyses = {a.name: a for a in analyses}
-        known = {p.name for p in self.passes}
+        known = set(known) if known is not None else {p.name for p in self.passes}
         unknown = sorted(set(disabled) - known)
         if unknown:
             raise ConfigError(f"Config.disable_passes names unknown pass(es) {unknown}; the passes that can be "

@@ -207,7 +207,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     )
 
 
-def _grad_scale(config: Config, n_devices: int) -> float:
+def grad_scale(config: Config, n_devices: int) -> float:
     return 1.0 / n_devices if config.zero >= 2 else 1.0
 
 
@@ -242,7 +242,7 @@ def step_phase_series(costs: GraphCosts, config: Config, n_devices: int) -> list
 def build_plan(gm: fx.GraphModule, signature: StepSignature, *, model_name: str, config: Config,
                devices: Sequence[DeviceSpec], passes: list[dict], notes: list[str] | None = None) -> Plan:
     """The plan of one traced graph."""
-    return finish_plan(graph_costs(gm, signature, devices[0], _grad_scale(config, len(devices))), model_name=model_name, config=config,
+    return finish_plan(graph_costs(gm, signature, devices[0], grad_scale(config, len(devices))), model_name=model_name, config=config,
                        devices=devices, passes=passes, notes=notes)
 
 
@@ -299,10 +299,8 @@ def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, 
     from .compiler import compile_step
 
     def one() -> tuple[GraphCosts, list[dict]]:
-        compiled = compile_step(model, args, kwargs, config=config, loss_fn=loss_fn, train=True)
-        cap = compiled.captured
-        costs = graph_costs(cap.gm, cap.signature, devices[0], _grad_scale(config, len(devices)))
-        return costs, [r.to_dict() for r in compiled.records]
+        compiled = compile_step(model, args, kwargs, config=config, loss_fn=loss_fn, train=True, devices=devices)
+        return compiled.costs, [r.to_dict() for r in compiled.records]
 
     found = repeated_blocks(model)
     if found is None or not _extrapolation_wanted(config, len(found[2])):

@@ -12,7 +12,8 @@ produces them, with asynchronous collectives; each wait sits right after the nex
 ZeRO-0/1 all-reduce (each rank gets the whole averaged bucket); ZeRO-2/3 reduce-scatter (each
 rank gets only its shard and the full gradients die right after the collective is issued).
 Buckets hold parameters in the order their gradients are completed, up to `bucket_bytes`,
-and are padded to a multiple of the world size. The layout goes to `signature.buckets`;
+and are padded to a multiple of the world size. The mean over ranks comes from seeding
+backward with 1/N (see _scale_backward_seed), so no extra pass over the gradients is needed. The layout goes to `signature.buckets`;
 outputs become "grad_bucket" entries.
 
 Options read from ctx.options: world_size, zero, group_name, bucket_bytes.
@@ -57,6 +58,7 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         groups[-1].append(i)
         size += val.numel() * val.element_size()
 
+    scale = 1.0 if _scale_backward_seed(gm, sig, 1.0 / world) else 1.0 / world
     waits: list[fx.Node] = []
     buckets: list[Bucket] = []
     pending: fx.Node | None = None
@@ -72,18 +74,21 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         last = max(nodes, key=order.__getitem__)
         g = gm.graph
         with g.inserting_before(last.next):  # keeps the new nodes in creation order
-            flats = []
-            for n in nodes:
-                flats.append(call(g, aten.reshape.default, (n, [-1])))
-            flat = call(g, aten.cat.default, (flats,)) if len(flats) > 1 else flats[0]
+            pieces = [call(g, aten.reshape.default, (n, [-1])) for n in nodes]  # a view when contiguous
             if padded != total:
-                flat = call(g, aten.constant_pad_nd.default, (flat, [0, padded - total]))
-            # Pre-divide so the sum over ranks is the mean: the gradient of the global batch.
-            scaled = call(g, aten.mul.Tensor, (flat, 1.0 / world))
+                val = nodes[0].meta["val"]
+                pieces.append(call(g, aten.zeros.default, ([padded - total],),
+                                   {"dtype": val.dtype, "device": val.device}))
+            flat = call(g, aten.cat.default, (pieces,)) if len(pieces) > 1 else pieces[0]
+            if scale != 1.0:
+                flat = call(g, aten.mul.Tensor, (flat, scale))
             if zero >= 2:
-                coll = call(g, c10d.reduce_scatter_tensor.default, (scaled, "sum", world, group))
+                coll = call(g, c10d.reduce_scatter_tensor.default, (flat, "sum", world, group))
+            elif len(pieces) > 1 or scale != 1.0:
+                # `flat` is a fresh buffer nothing else reads: reduce it in place, saving a copy.
+                coll = call(g, c10d.all_reduce_.default, (flat, "sum", group))
             else:
-                coll = call(g, c10d.all_reduce.default, (scaled, "sum", group))
+                coll = call(g, c10d.all_reduce.default, (flat, "sum", group))
         # Wait for the previous bucket right after this one is issued: one bucket stays in
         # flight behind backward, and a finished collective releases its (full-size) input.
         if pending is not None:
@@ -99,3 +104,21 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     sig.outputs = [sig.outputs[i] for i in keep] + [IOSpec("grad_bucket", str(b.index)) for b in buckets]
     sig.buckets = buckets
     return PassResult(gm, modified=True)
+
+
+def _scale_backward_seed(gm: fx.GraphModule, sig, factor: float) -> bool:  # noqa: ANN001
+    """Average instead of sum by seeding backward with d(loss) = 1/N instead of 1: every
+    gradient comes out pre-divided at no cost (exact for powers of two). Returns False when
+    the graph has no recognizable seed; the caller then scales each bucket."""
+    out = output_node(gm)
+    losses = [a for a, s in zip(out.args[0], sig.outputs) if s.kind == "loss"]
+    if len(losses) != 1:
+        return False
+    seeds = [u for u in losses[0].users if u.target == aten.ones_like.default]
+    if len(seeds) != 1:
+        return False
+    seed = seeds[0]
+    with gm.graph.inserting_after(seed):
+        scaled = call(gm.graph, aten.mul.Tensor, (seed, factor))
+    seed.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+    return True

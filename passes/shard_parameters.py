@@ -60,7 +60,9 @@ def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             ph.meta["val"] = _shard_val(by_name[b.names[0]], b.shard_size(world))
             shards.insert(0, ph)
 
-    for phase in (FORWARD, BACKWARD):
+    # Backward first: forward views of a parameter (W^T) still hang off its placeholder, so the
+    # backward users reached through them can be moved onto copies fed by the backward gather.
+    for phase in (BACKWARD, FORWARD):
         # Nodes of this phase that read each bucket (through forward views for backward).
         first_use: dict[int, int] = {}
         for b in sig.buckets:

@@ -74,8 +74,13 @@ class FlatParameters:
         return [f for f in self.full] if self.zero == 0 else list(self.shards)  # type: ignore[misc]
 
     def set_grads(self, reduced: dict[int, torch.Tensor]) -> None:
-        """Attach the graph's reduced bucket outputs as .grad of the optimizer tensors."""
-        for k, t in reduced.items():
+        """Attach the graph's reduced bucket outputs as .grad of the optimizer tensors.
+
+        Consumes `reduced`: under ZeRO-1 each full bucket is dropped as soon as its shard is
+        copied out, so at most one extra bucket is alive (when the caller holds no other
+        reference)."""
+        while reduced:
+            k, t = reduced.popitem()
             b = self.buckets[k]
             if self.zero == 0:
                 self.full[k].grad = t  # type: ignore[union-attr]
@@ -84,6 +89,7 @@ class FlatParameters:
                 self.shards[k].grad = t[lo:hi].clone()  # keep only our shard; the full bucket dies
             else:
                 self.shards[k].grad = t
+            del t
 
     def clear_grads(self) -> None:
         for t in self.optimizer_tensors():
@@ -93,12 +99,17 @@ class FlatParameters:
         """ZeRO-1/2: every rank updated its shard; gather them so all ranks hold full weights."""
         if self.zero not in (1, 2):
             return
-        works = []
-        for k, b in enumerate(self.buckets):
-            works.append(dist.all_gather_into_tensor(self.full[k], self.shards[k].clone(), group=self.group,
-                                                     async_op=True))
-        for w in works:
-            w.wait()
+        # At most two gathers in flight: each needs a private copy of the shard (the shard is
+        # a view into the output buffer), and copies of every bucket at once would cost 1/N
+        # of the model.
+        pending = None
+        for k in range(len(self.buckets)):
+            work = dist.all_gather_into_tensor(self.full[k], self.shards[k].clone(), group=self.group, async_op=True)
+            if pending is not None:
+                pending.wait()
+            pending = work
+        if pending is not None:
+            pending.wait()
 
     # --- state -------------------------------------------------------------------------------
     @contextlib.contextmanager

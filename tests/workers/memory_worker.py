@@ -12,6 +12,7 @@ MALLOC_MMAP_THRESHOLD_ should be set by the launcher so freed tensors go back to
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 
@@ -32,7 +33,7 @@ def status_kb(field: str) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--zero", type=int, required=True)
+    ap.add_argument("--zero", default="0,1,2,3")
     ap.add_argument("--preset", default="100m")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
@@ -40,28 +41,41 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # Warm up once so that code loaded on first use (tracing machinery, collectives) is not
+    # charged to whichever stage happens to run first.
+    tiny = GPT(GPTConfig.preset("tiny"))
+    x = torch.randint(0, 256, (a.batch, 16))
+    fxspeed.compile(tiny, world, fxspeed.Config(zero=3, optimizer="adam"), example_inputs=(x, x)).train_step(x, x)
+    del tiny
+    gc.collect()
+    for zero in map(int, a.zero.split(",")):
+        run(zero, a, world)
+        gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run(zero: int, a: argparse.Namespace, world: int) -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset(a.preset))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     x = torch.randint(0, model.config.vocab_size, (a.batch, a.seq))
+    if dist.is_initialized():
+        dist.barrier()
     base = status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
-    engine = fxspeed.compile(model, world, fxspeed.Config(zero=a.zero, optimizer="adam"), example_inputs=(x, x))
+    engine = fxspeed.compile(model, world, fxspeed.Config(zero=zero, optimizer="adam"), example_inputs=(x, x))
     for _ in range(a.steps):
         engine.train_step(x, x)
     peak = status_kb("VmHWM")
-    n_params = engine.plan.n_params
     rank = dist.get_rank() if dist.is_initialized() else 0
-    rec = {"rank": rank, "world": world, "zero": a.zero, "baseline_bytes": base * 1024,
+    rec = {"rank": rank, "world": world, "zero": zero, "baseline_bytes": base * 1024,
            "growth_bytes": (peak - base) * 1024, "plan_peak_bytes": engine.plan.peak_memory(rank),
-           "plan_param_bytes_full": 4 * n_params}
-    with open(os.path.join(a.out, f"mem_zero{a.zero}_rank{rank}.json"), "w") as f:
+           "param_bytes": 4 * engine.plan.n_params}
+    with open(os.path.join(a.out, f"mem_w{world}_zero{zero}_rank{rank}.json"), "w") as f:
         json.dump(rec, f)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
+    del engine, model
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,63 @@
+"""ZeRO memory, measured from outside fxspeed: the kernel's peak RSS of each rank.
+
+Each rank of a torch.distributed.run launch builds a GPT with >= 100M parameters, reads its
+RSS, resets the kernel's peak counter, compiles and trains 2 Adam steps, and reports the
+peak growth (tests/workers/memory_worker.py). Ratios are taken against zero=0 in the same
+launch. glibc is told to return freed tensors to the OS (MALLOC_MMAP_THRESHOLD_), otherwise
+its heap would keep every old peak resident and RSS would not show frees.
+
+The plan is checked per rank: the measured peak is the growth plus the parameters the
+model already held at the baseline (the plan's peak counts them, sharded under ZeRO-3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def measure(world: int, zero: str, out: Path) -> dict[tuple[int, int], dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "-m", "tests.workers.memory_worker", "--zero", zero, "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    recs = [json.loads(p.read_text()) for p in out.glob(f"mem_w{world}_*.json")]
+    return {(r["zero"], r["rank"]): r for r in recs}
+
+
+def check_plan(rec: dict) -> float:
+    measured = rec["growth_bytes"] + rec["param_bytes"]
+    err = abs(rec["plan_peak_bytes"] - measured) / measured
+    assert err <= 0.15, f"zero={rec['zero']} rank={rec['rank']}: plan {rec['plan_peak_bytes']:,} vs measured {measured:,}"
+    return err
+
+
+@pytest.mark.slow
+def test_each_zero_stage_cuts_peak_rss_on_two_ranks_as_the_zero_paper_says(tmp_path: Path) -> None:
+    recs = measure(2, "0,1,2,3", tmp_path)
+    for rank in (0, 1):
+        base = recs[(0, rank)]["growth_bytes"]
+        ratio = {z: recs[(z, rank)]["growth_bytes"] / base for z in (1, 2, 3)}
+        assert recs[(0, rank)]["param_bytes"] >= 4 * 100e6
+        assert ratio[1] <= 0.75, ratio
+        assert ratio[2] <= 0.65, ratio
+        assert ratio[3] <= 0.55, ratio
+        for z in range(4):
+            check_plan(recs[(z, rank)])
+
+
+@pytest.mark.slow
+def test_zero3_on_four_ranks_needs_at_most_a_third_of_data_parallel_memory(tmp_path: Path) -> None:
+    recs = measure(4, "0,3", tmp_path)
+    for rank in range(4):
+        assert recs[(3, rank)]["growth_bytes"] <= 0.35 * recs[(0, rank)]["growth_bytes"]
+        check_plan(recs[(0, rank)])
+        check_plan(recs[(3, rank)])
