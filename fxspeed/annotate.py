@@ -16,7 +16,8 @@ from torch.utils.flop_counter import flop_registry
 from .ir import (ACTIVATIONS, BACKWARD, BUFFERS, FORWARD, GRADIENTS, INPUTS, IO, META_KEY, PARAMETERS,
                  TEMPORARIES, NodeInfo, StepSignature, dtype_name, tensor_bytes)
 
-_INPUT_CATEGORY = {"param": PARAMETERS, "param_shard": PARAMETERS, "buffer": BUFFERS, "input": INPUTS}
+_INPUT_CATEGORY = {"param": PARAMETERS, "param_shard": PARAMETERS, "buffer": BUFFERS, "input": INPUTS,
+                   "loss_scale": INPUTS}
 
 
 def annotate(gm: fx.GraphModule, signature: StepSignature, module_of: dict[str, str] | None = None) -> None:

@@ -23,7 +23,6 @@ OFFLOADS = ("none", "optimizer", "parameters", "activations", "all")
 # Fields whose meaning later capabilities provide. Until then a non-default value is refused
 # with a clear message rather than silently ignored.
 _NOT_YET = {
-    "precision": ("fp32", "mixed precision (bf16/fp16) is not implemented yet"),
     "pipeline": (1, "pipeline parallelism is not implemented yet"),
     "tensor": (1, "tensor parallelism is not implemented yet"),
     "microbatches": (1, "micro-batching belongs to pipeline parallelism, not implemented yet"),
@@ -56,6 +55,12 @@ class Config:
     microbatches: int = 1
     grad_accum: int = 1
     offload: str = "none"
+    fp32_modules: tuple[str, ...] = ()  # module paths (prefixes) kept in fp32 under bf16/fp16
+    reduce_dtype: str = "fp32"  # dtype gradients are reduced in across ranks
+    loss_scale: float | None = None  # fp16: initial dynamic loss scale (default 2**16)
+    loss_scale_window: int = 1000  # fp16: grow the scale after this many steps without overflow
+    loss_scale_backoff: float = 0.5  # fp16: multiply the scale by this on overflow
+    loss_scale_growth: float = 2.0
     bucket_mb: float = 25.0  # gradient / parameter bucket size for collectives
     dist_timeout_s: float = 300.0  # a collective waiting longer than this fails (names the group)
     disable_passes: tuple[str, ...] = ()
@@ -65,6 +70,7 @@ class Config:
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
         self.disable_passes = tuple(self.disable_passes)
+        self.fp32_modules = tuple(self.fp32_modules)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("precision", self.precision, PRECISIONS)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
@@ -76,6 +82,14 @@ class Config:
         _positive("weight_decay", self.weight_decay, allow_zero=True)
         _positive("momentum", self.momentum, allow_zero=True)
         _positive("bucket_mb", self.bucket_mb)
+        _choice("reduce_dtype", self.reduce_dtype, ("fp32", "bf16", "fp16"))
+        if self.loss_scale is not None:
+            _positive("loss_scale", self.loss_scale)
+        _positive_int("loss_scale_window", self.loss_scale_window)
+        if not 0 < self.loss_scale_backoff < 1:
+            raise ConfigError(f"Config.loss_scale_backoff={self.loss_scale_backoff!r} is invalid; it must be in (0, 1)")
+        if not self.loss_scale_growth > 1:
+            raise ConfigError(f"Config.loss_scale_growth={self.loss_scale_growth!r} is invalid; it must be > 1")
         _positive("dist_timeout_s", self.dist_timeout_s)
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"Config.betas={self.betas!r} is invalid: give two numbers in [0, 1), e.g. (0.9, 0.999)")
@@ -104,6 +118,7 @@ class Config:
         d = dataclasses.asdict(self)
         d["betas"] = list(self.betas)
         d["disable_passes"] = list(self.disable_passes)
+        d["fp32_modules"] = list(self.fp32_modules)
         return d
 
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable
 
 import torch
@@ -13,10 +14,20 @@ from .errors import ConfigError
 
 
 def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
+    """This process's (rank, world size): the arguments, else the initialized process group, else
+    the launcher's environment (RANK / WORLD_SIZE, set by `fxspeed run` and torchrun) so that a
+    batch can be split before fxspeed.compile() joins the group, else (0, 1)."""
     if rank is None or world is None:
-        if dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
+        if dist.is_available() and dist.is_initialized():
+            r, w = dist.get_rank(), dist.get_world_size()
+        elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        else:
+            r, w = 0, 1
+        rank = r if rank is None else rank
+        world = w if world is None else world
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"rank {rank} is not a rank of a world of {world} process(es)")
     return rank, world
 
 

@@ -47,21 +47,65 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Gene
     return x, y
 
 
+def _relaunch(args: Any) -> int:
+    """`--devices N` from a plain shell: start N copies of this same demo via `fxspeed run -n N`."""
+    from .cli import launch
+
+    argv = list(getattr(args, "argv", None) or sys.argv[1:])
+    if "demo" not in argv:
+        argv = ["demo", *argv]
+    return launch(args.devices, "fxspeed", argv, module=True)
+
+
+def _in_launched_group(devices: int) -> bool:
+    return "LOCAL_RANK" in os.environ and os.environ.get("WORLD_SIZE") == str(devices)
+
+
 def run(args: Any) -> int:
-    """Run the demo from parsed CLI arguments; returns the process exit code."""
-    from tqdm import tqdm
+    """Run the demo from parsed CLI arguments; returns the process exit code.
 
-    import fxspeed
-    from fxspeed.models.gpt import GPT, GPTConfig
-
-    if getattr(args, "devices", 1) > 1 or getattr(args, "zero", 0) > 0:
-        print(f"fxspeed demo: --devices {args.devices} --zero {args.zero}: multi-device training and ZeRO sharding "
-              "are not implemented yet in this version of fxspeed; run the demo without --devices/--zero "
-              "(or with --devices 1 --zero 0). fxspeed.plan() can already plan for many devices.", file=sys.stderr)
+    With --devices N > 1 outside a launched group the demo re-launches itself on N local
+    processes (`fxspeed run -n N -m fxspeed demo ...`); each rank then draws the same global
+    batch, trains on its slice (fxspeed.data.local_batch), and only rank 0 prints.
+    """
+    devices = getattr(args, "devices", 1)
+    zero = getattr(args, "zero", 0)
+    if devices < 1:
+        print("fxspeed demo: --devices must be >= 1", file=sys.stderr)
         return 2
     if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
         print("fxspeed demo: --steps and --batch-size must be >= 1 and --seq-len >= 2", file=sys.stderr)
         return 2
+    if args.batch_size % devices:
+        print(f"fxspeed demo: --batch-size {args.batch_size} is the global batch and must be divisible by "
+              f"--devices {devices} (each rank trains on batch_size / devices sequences)", file=sys.stderr)
+        return 2
+    if devices > 1 and not _in_launched_group(devices):
+        return _relaunch(args)
+    try:
+        return _train(args, devices, zero)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(args: Any, devices: int, zero: int) -> int:
+    from tqdm import tqdm
+
+    import fxspeed
+    from fxspeed.data import local_batch
+    from fxspeed.models.gpt import GPT, GPTConfig
+
+    if devices > 1:
+        os.environ.setdefault("FXSPEED_BACKEND", "gloo")  # the demo is a CPU demo
+    rank = int(os.environ.get("RANK", 0)) if devices > 1 else 0
+    lead = rank == 0
+
+    def say(*a: Any, **k: Any) -> None:
+        if lead:
+            print(*a, **k)
 
     threads = getattr(args, "threads", None) or (1 if args.model == "tiny" else None)
     if threads:
@@ -74,27 +118,31 @@ def run(args: Any) -> int:
     cfg.block_size = max(cfg.block_size, args.seq_len)
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"fxspeed demo: byte-level GPT '{args.model}' ({n_params / 1e6:.2f}M params) on {data.numel() / 1e6:.2f} MB "
-          f"of Python standard library source ({Path(os.__file__).resolve().parent})")
-    print(f"batch {args.batch_size} x {args.seq_len} tokens, {args.steps} steps, AdamW lr {args.lr}, "
-          f"{torch.get_num_threads()} CPU threads")
+    say(f"fxspeed demo: byte-level GPT '{args.model}' ({n_params / 1e6:.2f}M params) on {data.numel() / 1e6:.2f} MB "
+        f"of Python standard library source ({Path(os.__file__).resolve().parent})")
+    where = (f"{devices} processes, ZeRO-{zero}, {args.batch_size // devices} sequences per rank, "
+             if devices > 1 else "")
+    say(f"batch {args.batch_size} x {args.seq_len} tokens, {args.steps} steps, AdamW lr {args.lr}, "
+        f"{where}{torch.get_num_threads()} CPU threads" + (" per process" if devices > 1 else ""))
 
-    x, y = get_batch(data, args.batch_size, args.seq_len, gen)
+    # Every rank draws the same global batch from the same seeded generator and keeps its slice.
+    x, y = local_batch(get_batch(data, args.batch_size, args.seq_len, gen))
     tc = time.perf_counter()
-    engine = fxspeed.compile(model, 1, fxspeed.Config(optimizer="adamw", lr=args.lr, grad_clip=1.0),
+    engine = fxspeed.compile(model, devices, fxspeed.Config(optimizer="adamw", lr=args.lr, grad_clip=1.0, zero=zero),
                              example_inputs=(x, y))
-    print(f"compiled in {time.perf_counter() - tc:.1f} s\n")
-    print(engine.plan.summary())
-    print(flush=True)
+    say(f"compiled in {time.perf_counter() - tc:.1f} s\n")
+    say(engine.plan.summary())
+    say(flush=True)
 
     tokens = args.batch_size * args.seq_len
     losses: list[float] = []
-    bar = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=False, ncols=90, mininterval=0.5)
+    bar = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=False, ncols=90, mininterval=0.5,
+               disable=not lead)
     tt = time.perf_counter()
     for step in bar:
         if step:
-            x, y = get_batch(data, args.batch_size, args.seq_len, gen)
-        losses.append(engine.train_step(x, y))
+            x, y = local_batch(get_batch(data, args.batch_size, args.seq_len, gen))
+        losses.append(engine.train_step(x, y))  # the mean over ranks: the global batch's loss
         elapsed = time.perf_counter() - tt
         bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens * (step + 1) / elapsed:,.0f}", refresh=False)
     bar.close()
@@ -102,12 +150,19 @@ def run(args: Any) -> int:
 
     k = max(1, min(10, len(losses) // 4))
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    print(f"\nloss: first {k} steps {first:.3f} -> last {k} steps {last:.3f} (mean over each; step 1 {losses[0]:.3f}, "
-          f"uniform over 256 bytes = {torch.log(torch.tensor(256.0)).item():.3f})")
-    print(f"trained {args.steps} steps in {train_s:.1f} s ({tokens * args.steps / train_s:,.0f} tokens/s); "
-          f"total {time.perf_counter() - t0:.1f} s")
+    say(f"\nloss: first {k} steps {first:.3f} -> last {k} steps {last:.3f} (mean over each; step 1 {losses[0]:.3f}, "
+        f"uniform over 256 bytes = {torch.log(torch.tensor(256.0)).item():.3f})")
+    say(f"trained {args.steps} steps in {train_s:.1f} s ({tokens * args.steps / train_s:,.0f} tokens/s"
+        + (" over all ranks" if devices > 1 else "") + f"); total {time.perf_counter() - t0:.1f} s")
     if args.sample > 0:
-        print("\nsample:", repr(sample(model, data, args.sample, gen)))
+        if zero >= 3:
+            # ZeRO-3 keeps only shards in the model: gather full weights (a collective) into a copy.
+            state = engine.state_dict()
+            if lead:
+                model = GPT(cfg)
+                model.load_state_dict(state)
+        if lead:
+            print("\nsample:", repr(sample(model, data, args.sample, gen)))
     return 0
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fxspeed.runtime import FlatParameters, OptimizerSpec, Program, StepExecutor, build_optimizer
+from fxspeed.runtime import DynamicLossScaler, FlatParameters, OptimizerSpec, Program, StepExecutor, build_optimizer
 
 from .capture import LossFn, input_key, tensor_leaves
 from .compiler import compile_step
@@ -54,7 +54,13 @@ class Engine:
         self.lr_scheduler: Any = None
         self._executors: dict[tuple, StepExecutor] = {}
         self.plan: Plan | None = None
-        self.stats = {"steps": 0, "compiles": 0, "skipped_steps": 0}
+        self.stats: dict[str, float] = {"steps": 0, "compiles": 0, "skipped_steps": 0}
+        self.scaler: DynamicLossScaler | None = None
+        if config.precision == "fp16":
+            self.scaler = DynamicLossScaler(config.loss_scale or 2.0**16, config.loss_scale_window,
+                                            config.loss_scale_backoff, config.loss_scale_growth,
+                                            self.dist.group if self.dist.active else None)
+            self.stats["loss_scale"] = float(self.scaler.scale)
         self._options = {"world_size": self.dist.world, "zero": config.zero, "group_name": self.dist.group_name,
                          "bucket_bytes": int(config.bucket_mb * 2**20)}
         if self.dist.active:
@@ -120,6 +126,8 @@ class Engine:
             return self._buffers[spec.target]
         if spec.kind == "param_shard" and self._flat is not None:
             return self._flat.shards[int(spec.target)]
+        if spec.kind == "loss_scale" and self.scaler is not None:
+            return _ScaleRef(self.scaler)
         raise FxspeedError(f"the program has an input {spec} the engine cannot bind")
 
     def graph(self) -> "torch.fx.GraphModule":
@@ -163,12 +171,23 @@ class Engine:
             self._flat.set_grads(buckets)
         del grads, buckets  # free before the optimizer allocates its temporaries
         stepped = self._opt_tensors()
-        if self.config.grad_clip is not None:
-            self._clip(stepped)
-        self.optimizer.step()
-        self.lr_scheduler.step()
-        if self._flat is not None:
-            self._flat.after_step()
+        overflow = False
+        if self.scaler is not None:
+            overflow = self.scaler.unscale_and_check([t.grad for t in stepped])
+            self.scaler.update(overflow)
+            self.stats["loss_scale"] = float(self.scaler.scale)
+        if overflow:
+            # Parameters, optimizer states and the lr schedule stay as they were.
+            self.stats["skipped_steps"] += 1
+            log.warning("fxspeed: step %d overflowed in fp16; skipped (loss scale now %g, %d skipped so far)",
+                        self.stats["steps"], float(self.scaler.scale), self.stats["skipped_steps"])
+        else:
+            if self.config.grad_clip is not None:
+                self._clip(stepped)
+            self.optimizer.step()
+            self.lr_scheduler.step()
+            if self._flat is not None:
+                self._flat.after_step()
         for t in stepped:
             t.grad = None  # free gradients now rather than holding them through the next forward
         self.stats["steps"] += 1
@@ -206,8 +225,10 @@ class Engine:
 
     # --- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state in its original names and shapes (tied weights under every name).
-        Under ZeRO-3 the full tensors are gathered: call it on every rank."""
+        """The model's state in its original names and shapes (tied weights under every name),
+        loadable into the plain model with `load_state_dict(strict=True)`. Under ZeRO-3 the full
+        tensors are gathered into new tensors: call it on every rank. Under ZeRO 0-2, as with
+        nn.Module.state_dict(), the tensors alias the live weights: clone them to keep a snapshot."""
         if self._flat is None or self.config.zero < 3:
             return self.model.state_dict()
         full = self._flat.full_state()
@@ -234,12 +255,15 @@ class Engine:
             "world_size": self.dist.world, "zero": self.config.zero, "stats": dict(self.stats),
             "layout": _layout(self._flat.buckets) if self._flat else None,
             "shards": self._flat.shard_state() if self._flat else None,
+            # ZeRO-0 ranks hold (and step) the full buckets; the shard views cover only 1/N of them.
+            "full": [f.detach().clone() for f in self._flat.full] if self._flat and self.config.zero == 0 else None,
             "params": {n: p.detach().clone() for n, p in self.model.named_parameters()
                        if self._flat is None or not self._flat.owns(n)},
             "buffers": {n: b.detach().clone() for n, b in self.model.named_buffers()},
             "optimizer": self.optimizer.state_dict() if self.optimizer else None,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
             "rng": torch.get_rng_state(),
+            "loss_scaler": self.scaler.state_dict() if getattr(self, "scaler", None) is not None else None,
         }
         torch.save(state, os.path.join(directory, f"rank{self.dist.rank}.pt"))
 
@@ -264,12 +288,28 @@ class Engine:
             buffers = dict(self.model.named_buffers())
             for n, t in state["buffers"].items():
                 buffers[n].copy_(t)
-        if self._flat is not None:
+        if self._flat is not None and self.config.zero == 0:
+            with torch.no_grad():
+                for mine, saved in zip(self._flat.full, state["full"]):
+                    mine.copy_(saved)  # the Parameters and the shard views point into these
+        elif self._flat is not None:
             self._flat.load_shards(state["shards"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.stats.update(state["stats"])
+        if getattr(self, "scaler", None) is not None and state.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])  # fp16: resume with the same loss scale
         torch.set_rng_state(state["rng"])
+
+
+class _ScaleRef:
+    """Placeholder bound once; the executor asks for the current scale each run."""
+
+    def __init__(self, scaler: DynamicLossScaler):
+        self.scaler = scaler
+
+    def current(self) -> torch.Tensor:
+        return self.scaler.scale
 
 
 def _accumulate(into: dict, new: dict) -> None:

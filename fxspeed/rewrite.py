@@ -36,3 +36,41 @@ def call(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None, 
 
 def output_node(gm: fx.GraphModule) -> fx.Node:
     return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def scale_backward_seed(gm: fx.GraphModule, signature: Any, factor: float | fx.Node) -> bool:
+    """Multiply the gradient that seeds backward, d(loss)/d(loss) = 1, by `factor` (a number or
+    a graph value): every gradient comes out scaled, the loss itself does not. Used to average
+    over ranks (1/N, exact for powers of two) and for fp16 loss scaling. Returns False when the
+    graph has no recognizable seed (`ones_like(loss)`)."""
+    out = output_node(gm)
+    losses = [a for a, s in zip(out.args[0], signature.outputs) if s.kind == "loss"]
+    if len(losses) != 1:
+        return False
+    seeds = [u for u in losses[0].users if u.target == torch.ops.aten.ones_like.default]
+    if len(seeds) != 1:
+        return False
+    seed = seeds[0]
+    with gm.graph.inserting_after(seed if not isinstance(factor, fx.Node) else _later(seed, factor)):
+        scaled = call(gm.graph, torch.ops.aten.mul.Tensor, (seed, factor))
+    seed.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+    return True
+
+
+def _later(a: fx.Node, b: fx.Node) -> fx.Node:
+    for n in a.graph.nodes:
+        if n is a:
+            return b
+        if n is b:
+            return a
+    return a
+
+
+def cast_only_dtype(placeholder: fx.Node) -> torch.dtype | None:
+    """The dtype a parameter is used in when its only reader is one cast (`insert_casts` made
+    it): then it can travel in that dtype (ZeRO-3 gathers half the bytes under bf16)."""
+    users = list(placeholder.users)
+    if len(users) == 1 and users[0].target == torch.ops.aten._to_copy.default and \
+            set(users[0].kwargs) == {"dtype"} and users[0].kwargs["dtype"] != placeholder.meta["val"].dtype:
+        return users[0].kwargs["dtype"]
+    return None

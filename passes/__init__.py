@@ -4,6 +4,8 @@
 
     normalize_graph          drop detach/alias no-ops
     dedupe_tied_parameters   one input and one summed gradient per tied (shared) Parameter
+    insert_casts             mixed precision: matmul/conv/attention in bf16/fp16, the rest fp32
+    scale_loss               fp16: backward seeded with the dynamic loss scale (a graph input)
     eliminate_dead_code      drop values nothing reads (keeps random and mutating ops)
     reduce_gradients         bucketed async all-reduce / reduce-scatter of gradients (data parallel)
     shard_parameters         ZeRO-3: parameter shards as inputs, gathered before use, prefetched
@@ -17,11 +19,14 @@ from fxspeed.pass_manager import GraphPass
 
 from .dedupe_tied_parameters import dedupe_tied_parameters
 from .eliminate_dead_code import eliminate_dead_code
+from .insert_casts import insert_casts
 from .normalize_graph import normalize_graph
 from .reduce_gradients import reduce_gradients
+from .scale_loss import scale_loss
 from .shard_parameters import shard_parameters
 
-SINGLE_DEVICE_PASSES = (normalize_graph, dedupe_tied_parameters, eliminate_dead_code)
+# DCE after the casts: it removes the fp32 views (W^T) that only low-precision ops used to read.
+SINGLE_DEVICE_PASSES = (normalize_graph, dedupe_tied_parameters, insert_casts, scale_loss, eliminate_dead_code)
 DISTRIBUTED_PASSES = (reduce_gradients, shard_parameters)
 ALL_PASSES: dict[str, GraphPass] = {p.name: p for p in (*SINGLE_DEVICE_PASSES, *DISTRIBUTED_PASSES)}
 
@@ -30,4 +35,5 @@ def default_pipeline() -> list[GraphPass]:
     return [*SINGLE_DEVICE_PASSES, *DISTRIBUTED_PASSES]
 
 
-__all__ = ["ALL_PASSES", "DISTRIBUTED_PASSES", "SINGLE_DEVICE_PASSES", "reduce_gradients", "shard_parameters", "dedupe_tied_parameters", "default_pipeline", "eliminate_dead_code", "normalize_graph"]
+__all__ = ["ALL_PASSES", "DISTRIBUTED_PASSES", "SINGLE_DEVICE_PASSES", "insert_casts", "reduce_gradients", "scale_loss",
+           "shard_parameters", "dedupe_tied_parameters", "default_pipeline", "eliminate_dead_code", "normalize_graph"]

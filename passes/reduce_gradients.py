@@ -13,10 +13,11 @@ ZeRO-0/1 all-reduce (each rank gets the whole averaged bucket); ZeRO-2/3 reduce-
 rank gets only its shard and the full gradients die right after the collective is issued).
 Buckets hold parameters in the order their gradients are completed, up to `bucket_bytes`,
 and are padded to a multiple of the world size. The mean over ranks comes from seeding
-backward with 1/N (see _scale_backward_seed), so no extra pass over the gradients is needed. The layout goes to `signature.buckets`;
+backward with 1/N (fxspeed.rewrite.scale_backward_seed), so no extra pass over the gradients is needed. The layout goes to `signature.buckets`;
 outputs become "grad_bucket" entries.
 
-Options read from ctx.options: world_size, zero, group_name, bucket_bytes.
+Options read from ctx.options: world_size, zero, group_name, bucket_bytes, reduce_dtype
+("fp32" default: gradients are reduced in their own dtype; "bf16"/"fp16" halve the bytes).
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ import torch.fx as fx
 
 from fxspeed.ir import Bucket, IOSpec, dtype_name
 from fxspeed.pass_manager import PassContext, PassResult, graph_pass
-from fxspeed.rewrite import call, output_node
+from fxspeed.rewrite import call, output_node, scale_backward_seed
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+REDUCE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # None: the gradient's own
 
 
 @graph_pass("reduce_gradients", produces=("gradient_buckets",), invalidates=("annotate",))
@@ -42,23 +44,28 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     zero = int(ctx.options.get("zero", 0))
     group = ctx.options["group_name"]
     limit = int(ctx.options.get("bucket_bytes", DEFAULT_BUCKET_BYTES))
+    reduce_dtype = REDUCE_DTYPES.get(ctx.options.get("reduce_dtype", "fp32"))
     sig = ctx.signature
     out = output_node(gm)
     outs = list(out.args[0])
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
 
     grads = sorted((order[outs[i]], i) for i, s in enumerate(sig.outputs) if s.kind == "grad")
+
+    def kind(i: int) -> str:
+        return dtype_name(outs[i].meta["val"].dtype)
+
     groups: list[list[int]] = []
     size = limit
     for _, i in grads:
         val = outs[i].meta["val"]
-        if size >= limit or dtype_name(val.dtype) != dtype_name(outs[groups[-1][-1]].meta["val"].dtype):
+        if size >= limit or kind(i) != kind(groups[-1][-1]):
             groups.append([])
             size = 0
         groups[-1].append(i)
         size += val.numel() * val.element_size()
 
-    scale = 1.0 if _scale_backward_seed(gm, sig, 1.0 / world) else 1.0 / world
+    scale = 1.0 if scale_backward_seed(gm, sig, 1.0 / world) else 1.0 / world
     waits: list[fx.Node] = []
     buckets: list[Bucket] = []
     pending: fx.Node | None = None
@@ -82,6 +89,8 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             flat = call(g, aten.cat.default, (pieces,)) if len(pieces) > 1 else pieces[0]
             if scale != 1.0:
                 flat = call(g, aten.mul.Tensor, (flat, scale))
+            if reduce_dtype is not None and reduce_dtype != flat.meta["val"].dtype:
+                flat = call(g, aten._to_copy.default, (flat,), {"dtype": reduce_dtype})
             if zero >= 2:
                 coll = call(g, c10d.reduce_scatter_tensor.default, (flat, "sum", world, group))
             elif len(pieces) > 1 or scale != 1.0:
@@ -98,27 +107,16 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if pending is not None:
         with g.inserting_before(out):
             waits.append(call(g, c10d.wait_tensor.default, (pending,)))
+    if reduce_dtype is not None:
+        # Gradients reach the optimizer in their own dtype (fp32 master gradients).
+        for k, w in enumerate(waits):
+            want = outs[groups[k][0]].meta["val"].dtype
+            if w.meta["val"].dtype != want:
+                with g.inserting_before(out):
+                    waits[k] = call(g, aten._to_copy.default, (w,), {"dtype": want})
 
     keep = [i for i, s in enumerate(sig.outputs) if s.kind != "grad"]
     out.args = (tuple([outs[i] for i in keep] + waits),)
     sig.outputs = [sig.outputs[i] for i in keep] + [IOSpec("grad_bucket", str(b.index)) for b in buckets]
     sig.buckets = buckets
     return PassResult(gm, modified=True)
-
-
-def _scale_backward_seed(gm: fx.GraphModule, sig, factor: float) -> bool:  # noqa: ANN001
-    """Average instead of sum by seeding backward with d(loss) = 1/N instead of 1: every
-    gradient comes out pre-divided at no cost (exact for powers of two). Returns False when
-    the graph has no recognizable seed; the caller then scales each bucket."""
-    out = output_node(gm)
-    losses = [a for a, s in zip(out.args[0], sig.outputs) if s.kind == "loss"]
-    if len(losses) != 1:
-        return False
-    seeds = [u for u in losses[0].users if u.target == aten.ones_like.default]
-    if len(seeds) != 1:
-        return False
-    seed = seeds[0]
-    with gm.graph.inserting_after(seed):
-        scaled = call(gm.graph, aten.mul.Tensor, (seed, factor))
-    seed.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
-    return True

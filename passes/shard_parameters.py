@@ -15,7 +15,9 @@ Forward views of a parameter that backward reads (the transposed weight of a Lin
 re-derived from the backward gather, so nothing keeps a forward gather alive. Requires the
 bucket layout from reduce_gradients and node roles from annotate.
 
-Options read from ctx.options: world_size, group_name.
+Under bf16/fp16 the shards are cast before the all-gather, which then moves half the bytes.
+
+Options read from ctx.options: world_size, group_name, precision.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import torch.fx as fx
 
 from fxspeed.ir import BACKWARD, FORWARD, META_KEY, IOSpec
 from fxspeed.pass_manager import PassContext, PassResult, graph_pass
-from fxspeed.rewrite import call
+from fxspeed.rewrite import call, cast_only_dtype
+
+from .insert_casts import LOW_DTYPES
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -50,6 +54,17 @@ def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     g = gm.graph
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     by_name = {sig.inputs[i].target: ph for i, ph in enumerate(placeholders) if sig.inputs[i].kind == "param"}
+    # Under bf16/fp16 every bucket is cast as a shard and gathered in low precision (half the
+    # bytes). A parameter read only through its one low-precision cast (insert_casts made it)
+    # takes the gathered view directly; one also read in fp32 (a norm's weight) gets a single
+    # upcast of it, as every mixed-precision engine computes from low-precision copies.
+    low = LOW_DTYPES.get(ctx.options.get("precision", "fp32"))
+    roots: dict[str, fx.Node] = dict(by_name)
+    if low is not None:
+        for b in sig.buckets:
+            for name in b.names:
+                if cast_only_dtype(by_name[name]) == low:
+                    roots[name] = next(iter(by_name[name].users))  # the cast stands for the parameter
     order = {n: i for i, n in enumerate(g.nodes)}
 
     # New inputs: one flat shard per bucket, after the existing placeholders.
@@ -66,7 +81,7 @@ def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         # Nodes of this phase that read each bucket (through forward views for backward).
         first_use: dict[int, int] = {}
         for b in sig.buckets:
-            uses = [u for name in b.names for u in _phase_users(by_name[name], phase)]
+            uses = [u for name in b.names for u in _phase_users(roots[name], phase)]
             if uses:
                 first_use[b.index] = min(order[u] for u in uses)
         seq = sorted(first_use, key=first_use.__getitem__)
@@ -75,8 +90,11 @@ def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             b = sig.buckets[k]
             anchor = next(n for n in g.nodes if order.get(n) == first_use[k])
             # Issue the gather one bucket ahead: right after the previous bucket's wait.
-            with (g.inserting_after(prev_wait) if prev_wait is not None else g.inserting_before(anchor)):
-                gathered = call(g, c10d.all_gather_into_tensor.default, (shards[k], world, group))
+            with g.inserting_before(prev_wait.next if prev_wait is not None else anchor):
+                src = shards[k]
+                if low is not None:
+                    src = call(g, aten._to_copy.default, (src,), {"dtype": low})
+                gathered = call(g, c10d.all_gather_into_tensor.default, (src, world, group))
             with g.inserting_before(anchor):
                 full = call(g, c10d.wait_tensor.default, (gathered,))
                 for name, shape, off in zip(b.names, b.shapes, b.offsets):
@@ -85,12 +103,16 @@ def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                         n *= d
                     flat = call(g, aten.slice.Tensor, (full, 0, off, off + n))
                     param = call(g, aten.view.default, (flat, list(shape)))
-                    _rewire(g, by_name[name], param, phase)
+                    if param.meta["val"].dtype != roots[name].meta["val"].dtype:
+                        param = call(g, aten._to_copy.default, (param,), {"dtype": roots[name].meta["val"].dtype})
+                    _rewire(g, roots[name], param, phase)
             prev_wait = full
         order = {n: i for i, n in enumerate(g.nodes)}
 
     sharded = {n for b in sig.buckets for n in b.names}
     for name in sharded:
+        if roots[name] is not by_name[name]:
+            g.erase_node(roots[name])
         g.erase_node(by_name[name])
     # Shard placeholders were inserted after the last input, so graph order is: survivors, shards.
     sig.inputs = [s for s in sig.inputs if not (s.kind == "param" and s.target in sharded)] + [

@@ -2,7 +2,8 @@
 
 from .executor import StepExecutor, StepOutputs
 from .flat_parameters import FlatParameters
+from .loss_scale import DynamicLossScaler
 from .optimizer import OptimizerSpec, build_optimizer
 from .program import Program
 
-__all__ = ["FlatParameters", "OptimizerSpec", "Program", "StepExecutor", "StepOutputs", "build_optimizer"]
+__all__ = ["DynamicLossScaler", "FlatParameters", "OptimizerSpec", "Program", "StepExecutor", "StepOutputs", "build_optimizer"]

@@ -31,7 +31,8 @@ class StepOutputs:
 
 class StepExecutor:
     def __init__(self, program: Program, bind: Callable[[IOSpec], torch.Tensor]):
-        """`bind` returns the live tensor for a non-batch input (param, buffer, param_shard)."""
+        """`bind` returns the live tensor for a non-batch input (param, buffer, param_shard), or an
+        object whose `current()` gives it at each run (values that change between steps)."""
         self.program = program
         sig = program.signature
         self._fixed: list[torch.Tensor | None] = []
@@ -55,7 +56,7 @@ class StepExecutor:
     def run(self, batch: list[torch.Tensor]) -> StepOutputs:
         if len(batch) != len(self._batch_slots):
             raise ValueError(f"program expects {len(self._batch_slots)} batch tensors, got {len(batch)}")
-        args = list(self._fixed)
+        args = [a.current() if hasattr(a, "current") else a for a in self._fixed]  # e.g. the loss scale
         for slot, t in zip(self._batch_slots, batch):
             args[slot] = t
         with torch.no_grad():

@@ -9,6 +9,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from fxspeed.annotate import make_annotate_pass
 from fxspeed import Config, ConfigError, PassError
 from fxspeed.compiler import compile_step
 from fxspeed.ir import IOSpec, StepSignature
@@ -213,7 +214,7 @@ def test_a_pass_that_raises_is_reported_with_its_name_the_passes_run_before_and_
 def test_every_single_device_pass_leaves_the_small_graph_valid():
     for p in SINGLE_DEVICE_PASSES:
         gm, ctx = small_graph()
-        gm = PassManager([p]).run(gm, ctx)
+        gm = PassManager([p], analyses=[make_annotate_pass()]).run(gm, ctx)
         verify(gm, ctx.signature)
 
 
@@ -254,11 +255,12 @@ def test_the_default_pipeline_runs_every_pass_in_order_and_records_each():
     compiled = compile_step(TiedMLP(), (torch.randn(2, 4),), {}, config=Config(), loss_fn=None)
     names = [r.name for r in compiled.records]
     assert [p.name for p in default_pipeline()] == [
-        "normalize_graph", "dedupe_tied_parameters", "eliminate_dead_code", "reduce_gradients", "shard_parameters"]
-    # annotate runs once after the single-device passes (the planner reads it there); the
-    # distributed passes change nothing on one device, so it stays valid to the end.
-    assert names == ["normalize_graph", "dedupe_tied_parameters", "eliminate_dead_code", "annotate",
-                     "reduce_gradients", "shard_parameters"]
+        "normalize_graph", "dedupe_tied_parameters", "insert_casts", "scale_loss", "eliminate_dead_code",
+        "reduce_gradients", "shard_parameters"]
+    # annotate runs on demand before insert_casts (which reads module paths); in fp32 nothing
+    # after it changes the graph, so it stays valid to the end (the planner reads it there).
+    assert names == ["normalize_graph", "dedupe_tied_parameters", "annotate", "insert_casts", "scale_loss",
+                     "eliminate_dead_code", "reduce_gradients", "shard_parameters"]
 
 
 def test_a_pass_disabled_in_config_is_skipped_and_recorded_as_skipped():

@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxspeed
+from fxspeed.annotate import make_annotate_pass
 from fxspeed.capture import capture_step
 from fxspeed.ir import IOSpec, StepSignature
 from fxspeed.models import GPT, GPTConfig
@@ -22,7 +23,7 @@ aten = torch.ops.aten
 
 
 def run_pass(p, gm: fx.GraphModule, sig: StepSignature) -> fx.GraphModule:
-    return PassManager([p]).run(gm, PassContext(signature=sig))
+    return PassManager([p], analyses=[make_annotate_pass()]).run(gm, PassContext(signature=sig))
 
 
 def targets(gm: fx.GraphModule) -> list:

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import fxspeed
+from fxspeed.annotate import make_annotate_pass
 from fxspeed.capture import capture_step
 from fxspeed.ir import StepSignature
 from fxspeed.pass_manager import PassContext, PassManager
@@ -133,7 +134,7 @@ def test_every_single_device_pass_alone_keeps_the_captured_graph_valid_and_its_o
         cap = capture_step(model, (x,), {})
         with torch.no_grad():
             before = outputs_by_meaning(cap.signature, cap.gm(*feed(model, cap.signature, [x])))
-        gm = PassManager([p]).run(cap.gm, PassContext(signature=cap.signature, module_of=cap.module_of))
+        gm = PassManager([p], analyses=[make_annotate_pass()]).run(cap.gm, PassContext(signature=cap.signature, module_of=cap.module_of))
         gm.graph.lint()
         with torch.no_grad():
             after = outputs_by_meaning(cap.signature, gm(*feed(model, cap.signature, [x])))

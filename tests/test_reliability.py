@@ -1,0 +1,57 @@
+"""Failures across ranks end the whole job quickly with an error that names the culprit, never a
+hang: a dying rank under `fxspeed run`, ranks that disagree on the model, config or batch, and
+global batches that cannot be split across ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEADLINE_S = 60
+
+
+def fxspeed_run(n: int, case: str, out: Path) -> tuple[subprocess.CompletedProcess, float]:
+    cmd = [sys.executable, "-m", "fxspeed", "run", "-n", str(n), "-m", "tests.workers.reliability_worker",
+           "--case", case, "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    t0 = time.monotonic()
+    # The subprocess timeout is a safety net only; the assertion below is the real deadline.
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3 * DEADLINE_S)
+    return proc, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("case,code", [("raise", 1), ("exit", 13)])
+def test_a_rank_that_fails_after_compile_stops_every_rank_with_an_error_naming_it(
+        case: str, code: int, tmp_path: Path) -> None:
+    proc, wall = fxspeed_run(2, case, tmp_path)
+    out = proc.stdout + proc.stderr
+    assert wall < DEADLINE_S, f"took {wall:.0f} s\n{out[-4000:]}"
+    assert proc.returncode == code, out[-4000:]
+    assert "fxspeed run: rank 1 (of 2) failed first" in out, out[-4000:]
+    assert "rank      : 1 (local_rank: 1)" in out  # torchrun's root-cause report
+    assert "trained" not in proc.stdout  # rank 0 never ran on alone
+    if case == "raise":
+        assert "rank 1 fails on purpose after compile" in out  # the failed rank's own traceback
+
+
+@pytest.mark.parametrize("case,what", [
+    ("model", "ranks disagree on the model and config: rank(s) [1] differ from rank 0"),
+    ("config", "ranks disagree on the model and config: rank(s) [1] differ from rank 0"),
+    ("shapes", "ranks disagree on the batch signature (shapes, dtypes, structure): rank(s) [1] differ from rank 0"),
+    ("indivisible", "a global batch of 5 rows cannot be split evenly across 2 ranks"),
+])
+def test_ranks_that_disagree_or_a_batch_that_cannot_be_split_raise_a_config_error_on_every_rank(
+        case: str, what: str, tmp_path: Path) -> None:
+    proc, wall = fxspeed_run(2, case, tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert wall < DEADLINE_S, f"took {wall:.0f} s"
+    for r in range(2):
+        msg = (tmp_path / f"rank{r}.txt").read_text()
+        assert msg.startswith("ConfigError: ") and what in msg, (r, msg)
