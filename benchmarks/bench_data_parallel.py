@@ -1,6 +1,7 @@
 """Data-parallel benchmark on CPU (gloo): fxspeed ZeRO 0-3 vs torch DDP, torch FSDP2 (and DeepSpeed).
 
-    python benchmarks/bench_data_parallel.py --out dp.json              # GPT 100m (105.7M params), 2 ranks
+    python benchmarks/bench_data_parallel.py --paired --out dp.json     # GPT 100m (105.7M params), 2 ranks
+    python benchmarks/bench_data_parallel.py --out dp.json              # one clean launch per row
     python benchmarks/bench_data_parallel.py --tiny --out /tmp/dp.json  # seconds: smoke test
 
 Each configuration trains the same fxspeed.models.GPT (same initial weights) with torch Adam
@@ -19,6 +20,13 @@ model is built (so growth covers wrapping/compiling, gradients, optimizer state,
 activations). By default every row runs in its own torch.distributed.run launch (a clean
 process for memory); --rounds R repeats all rows R times, alternating the order, and pools
 the step times, so slow phases of a shared machine hit all rows alike. Ratios are vs DDP.
+
+--paired (recommended on a shared machine): one launch per round; DDP is built first and
+stays alive, every other row is built after it and its timed steps alternate with DDP's
+(DDP, X, X, DDP, ...). The step-time ratio is then the median of the per-pair ratios, which
+cancels load that changes over seconds. Peak growth of each row is measured over its setup
+and warmup steps with DDP idle (DDP's memory is in the baseline), so --warmup must be >= 2
+for the growth to include a steady-state step with the optimizer state allocated.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ def launch(configs: list[str], a: argparse.Namespace, out: Path) -> float:
            "PYTHONPATH": os.pathsep.join([str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}", str(WORKER),
            "--configs", ",".join(configs), "--preset", a.preset, "--batch", str(a.batch), "--seq", str(a.seq),
-           "--warmup", str(a.warmup), "--steps", str(a.steps), "--out", str(out)]
+           "--warmup", str(a.warmup), "--steps", str(a.steps), "--out", str(out)] + (["--paired"] if a.paired else [])
     t = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=a.launch_timeout)
     if proc.returncode != 0:
@@ -66,8 +74,12 @@ def load(out: Path, kind: str, nproc: int) -> list[dict]:
 def summarize(kind: str, rounds: list[list[dict]]) -> dict:
     """rounds: for each round, the per-rank records of this config."""
     step_times = []  # slowest rank per step, pooled over rounds
+    pair_ratios = []  # paired mode: this step / the DDP step run right next to it
     for recs in rounds:
         step_times += [max(ts) for ts in zip(*(r["step_times_s"] for r in recs))]
+        if recs[0].get("ref_step_times_s"):
+            ref = [max(ts) for ts in zip(*(r["ref_step_times_s"] for r in recs))]
+            pair_ratios += [x / y for x, y in zip(step_times[-len(ref):], ref)]
     growth = [[r["peak_growth_bytes"] for r in recs] for recs in rounds]
     first = rounds[0]
     return {"config": kind, "label": LABELS.get(kind, kind), "params": first[0]["params"],
@@ -78,7 +90,8 @@ def summarize(kind: str, rounds: list[list[dict]]) -> dict:
             "peak_growth_bytes_per_rank": [max(g[r] for g in growth) for r in range(len(first))],
             "peak_growth_bytes": max(max(g) for g in growth),
             "baseline_rss_bytes_per_rank": [r["baseline_rss_bytes"] for r in first],
-            "losses": first[0]["losses"]}
+            "losses": first[0]["losses"], "pair_ratios_vs_ddp": pair_ratios,
+            "median_pair_ratio_vs_ddp": statistics.median(pair_ratios) if pair_ratios else None}
 
 
 def main() -> None:
@@ -96,6 +109,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=1, help="repeat every row this many times, alternating order")
     ap.add_argument("--single-launch", action="store_true", help="run all rows in one launch (one process per rank)")
+    ap.add_argument("--paired", action="store_true",
+                    help="one launch per round: DDP stays alive and its steps alternate with each other row's "
+                         "(ratios = median of per-pair ratios; cancels load changes on a shared machine)")
     ap.add_argument("--launch-timeout", type=float, default=1800)
     a = ap.parse_args()
     if a.tiny:
@@ -111,7 +127,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
             order = configs if r % 2 == 0 else configs[::-1]
-            groups = [order] if a.single_launch else [[k] for k in order]
+            if a.paired:
+                order = ["ddp"] + [k for k in order if k != "ddp"]
+            groups = [order] if a.single_launch or a.paired else [[k] for k in order]
             for g in groups:
                 out = Path(tmp) / f"round{r}_{'_'.join(g)}"
                 out.mkdir()
@@ -125,7 +143,9 @@ def main() -> None:
     rows = {k: summarize(k, v) for k, v in results.items()}
     ddp = rows["ddp"]
     for k, row in rows.items():
-        row["time_ratio_vs_ddp"] = row["median_step_s"] / ddp["median_step_s"]
+        # Paired mode: the median of per-pair ratios (each step against the DDP step next to it).
+        row["time_ratio_vs_ddp"] = (row["median_pair_ratio_vs_ddp"] if row["median_pair_ratio_vs_ddp"] is not None
+                                    else 1.0 if k == "ddp" else row["median_step_s"] / ddp["median_step_s"])
         row["growth_ratio_vs_ddp"] = row["peak_growth_bytes"] / ddp["peak_growth_bytes"]
         # Same weights, same batches, same optimizer: every row should see the same losses.
         row["max_loss_diff_vs_ddp"] = max(abs(x - y) for x, y in zip(row["losses"], ddp["losses"]))
@@ -139,7 +159,7 @@ def main() -> None:
 
     result = {"setup": {"nproc": a.nproc, "backend": "gloo", "preset": a.preset, "params": ddp["params"],
                         "local_batch": [a.batch, a.seq], "threads_per_rank": 1, "warmup": a.warmup, "steps": a.steps,
-                        "rounds": a.rounds, "single_launch": a.single_launch, "optimizer": "torch.optim.Adam lr=1e-4",
+                        "rounds": a.rounds, "single_launch": a.single_launch, "paired": a.paired, "optimizer": "torch.optim.Adam lr=1e-4",
                         "deepspeed_available": has_ds, "torch": _version("torch"), "python": platform.python_version(),
                         "cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": load_after,
                         "command": " ".join([os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT))

@@ -18,6 +18,7 @@ import torch
 
 import fxspeed
 from fxspeed.errors import ConfigError
+from tests.test_data_parallel import key_bias_masked
 from tests.workers.common import build_model, global_batches
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +54,18 @@ def launched(base: Path, zero: int) -> Path:
     return _launched[zero]
 
 
+@pytest.mark.parametrize("zero", STAGES)
+def test_resuming_from_a_checkpoint_in_a_fresh_process_group_reproduces_losses_and_weights_bit_exactly(
+        base: Path, zero: int) -> None:
+    runs = launched(base, zero)
+    saved = torch.load(runs / "out" / f"save_zero{zero}.pt")
+    loaded = torch.load(runs / "out" / f"load_zero{zero}.pt")
+    assert loaded["losses"] == saved["losses"], (zero, loaded["losses"], saved["losses"])
+    assert loaded["state"].keys() == saved["state"].keys()
+    for k, want in saved["state"].items():
+        assert torch.equal(loaded["state"][k], want), f"zero={zero}: {k} differs after resuming"
+
+
 def test_each_rank_writes_its_own_checkpoint_file(base: Path) -> None:
     for zero in STAGES:
         runs = launched(base, zero)
@@ -70,8 +83,9 @@ def test_zero3_state_dict_has_full_tensors_under_the_original_names_equal_to_a_z
         assert torch.equal(z3["initial_state"][k], want), k
         assert torch.equal(z0["initial_state"][k], want), k
         # After training: the same weights as data parallel without sharding (reduction order may
-        # differ between all-reduce and reduce-scatter, hence a float tolerance).
-        have, ref = z3["state"][k], z0["state"][k]
+        # differ between all-reduce and reduce-scatter, hence a float tolerance; the attention key
+        # bias has a zero true gradient whose float noise AdamW amplifies: see test_data_parallel).
+        have, ref = key_bias_masked(k, z3["state"][k]), key_bias_masked(k, z0["state"][k])
         assert have.shape == ref.shape == want.shape, k
         err = ((have - ref).double().norm() / ref.double().norm().clamp_min(1e-12)).item()
         assert err <= 1e-5, f"{k}: relative error {err:.2e} between ZeRO-3 and ZeRO-0"

@@ -45,7 +45,7 @@ def test_a_rank_that_fails_after_compile_stops_every_rank_with_an_error_naming_i
     ("config", "ranks disagree on the model and config: rank(s) [1] differ from rank 0"),
     ("shapes", "ranks disagree on the batch signature (shapes, dtypes, structure): rank(s) [1] differ from rank 0"),
     ("indivisible", "a global batch of 5 rows cannot be split evenly across 2 ranks"),
-])
+], ids=["model", "config", "shapes", "indivisible"])
 def test_ranks_that_disagree_or_a_batch_that_cannot_be_split_raise_a_config_error_on_every_rank(
         case: str, what: str, tmp_path: Path) -> None:
     proc, wall = fxspeed_run(2, case, tmp_path)

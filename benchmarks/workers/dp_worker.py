@@ -188,7 +188,6 @@ def paired(kinds: list[str], a: argparse.Namespace, rank: int, world: int) -> No
             warm.append(time.perf_counter() - t)
         peak = status_kb("VmHWM")
         return step, keep, {"config": kind, "rank": rank, "world": world, "preset": a.preset,
-                            "params": sum(p.numel() for p in m.parameters()) if kind != "fx3" else None,
                             "local_batch": [a.batch, a.seq], "threads": torch.get_num_threads(),
                             "warmup": a.warmup, "setup_s": setup_s, "warmup_times_s": warm, "losses": losses,
                             "baseline_rss_bytes": base * 1024, "peak_rss_bytes": peak * 1024,
@@ -260,11 +259,6 @@ def main() -> None:
         paired(kinds, a, rank, world)
         kinds = []
     for kind in kinds:
-        if False and a.preset != "tiny":
-            # Code loaded on first use (tracing machinery, wrappers, collectives) is not charged
-            # to the measured run's memory.
-            tiny = argparse.Namespace(**{**vars(a), "preset": "tiny", "warmup": 0, "steps": 1, "seq": 16})
-            run(kind, tiny, rank, world, record=False)
         run(kind, a, rank, world)
     dist.barrier()
     dist.destroy_process_group()

@@ -1,0 +1,368 @@
+"""split_stages: cut the joint forward+loss+backward graph into per-stage forward and backward programs.
+
+Input: the annotated joint graph of ONE micro-batch, `gm(*params, *buffers, *batch) -> (loss, *grads)`
+(captured with tied weights NOT deduplicated, so a weight shared by two stages has one input
+and one gradient per name). Output: one `runtime.pipeline.StageProgram` per stage.
+
+1. Forward placement. Forward nodes (annotate's role, plus `getitem`s of forward tuples) are
+   taken in graph order. Candidate cut points are module boundaries: the first node of each
+   repeated block (a module path with an integer component, e.g. `blocks.3`) and the first
+   node after the last block that belongs to another module (`ln_f`); without repeated blocks,
+   the first node of each top-level module. The user may name the modules stages start at
+   (`split_points`). Among the candidates, the P-1 cuts minimizing the largest stage's
+   predicted forward time (NodeInfo.time; FLOPs when no time was predicted) are chosen by a
+   small dynamic program. Cutting by position in a topological order means every forward
+   edge goes from a stage to the same or a later one.
+2. Backward placement (mirror). A backward node must run on a stage no earlier than any
+   forward value or parameter it reads, and no later than any backward node reading it (the
+   gradient flows from the last stage to the first). The smallest such stage is computed in
+   reverse topological order; a parameter's gradient is pinned to the parameter's stage.
+   `getitem`s share their tuple's stage, so tuples never cross ranks.
+3. Values that need no placement: the batch (every rank has it) and nodes computed from the
+   batch and constants alone (no random op) are recomputed where they are used.
+4. Messages: a forward value produced on stage a and read on stage c > a travels through
+   every stage in between (F_a sends it, F_{a+1}..F_{c-1} relay it); likewise gradients
+   backward. Stage s's backward reads its saved values: forward values (local or received)
+   its backward nodes read.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from fxspeed.errors import ConfigError, FxspeedError
+from fxspeed.ir import FORWARD, META_KEY, IOSpec, StepSignature
+from fxspeed.runtime.pipeline import StageProgram, TensorMeta
+
+
+class PipelineSplitError(FxspeedError):
+    """The graph cannot be split into the requested stages; says why and what works."""
+
+
+def _is_random(n: fx.Node) -> bool:
+    tags = getattr(n.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def _meta(n: fx.Node) -> TensorMeta:
+    v = n.meta.get("val")
+    if not isinstance(v, torch.Tensor):
+        raise PipelineSplitError(f"value {n.name!r} ({n.target}) crosses a stage boundary but is not a tensor "
+                                 f"({type(v).__name__}); pipeline messages carry tensors only")
+    return TensorMeta(tuple(int(d) for d in v.shape), v.dtype)
+
+
+def _unit(module: str) -> str | None:
+    """'blocks.3.attn.qkv' -> 'blocks.3' (a repeated block); None for modules outside blocks."""
+    parts = module.split(".") if module else []
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return None
+
+
+def _cost(n: fx.Node, use_time: bool) -> float:
+    inf = n.meta.get(META_KEY)
+    if inf is None:
+        return 0.0
+    return float(inf.time) if use_time else float(inf.flops + inf.bytes_read + inf.bytes_written)
+
+
+def candidate_cuts(fwd: list[fx.Node], split_points: Sequence[str] | None = None) -> list[tuple[int, str]]:
+    """(position in `fwd`, module the next stage starts at) of every allowed cut."""
+    mods = [n.meta[META_KEY].module if META_KEY in n.meta else "" for n in fwd]
+    if split_points:
+        cuts = []
+        for name in split_points:
+            pos = next((i for i, m in enumerate(mods) if m == name or m.startswith(name + ".")), None)
+            if pos is None or pos == 0:
+                seen = sorted({_unit(m) or m.split(".")[0] for m in mods if m})
+                raise ConfigError(f"pipeline split point {name!r} is not a module the forward runs "
+                                  f"{'first' if pos == 0 else 'at all'}; split points must name modules that start "
+                                  f"a stage, e.g. one of {seen[:12]}")
+            cuts.append((pos, name))
+        return sorted(set(cuts))
+    cuts: list[tuple[int, str]] = []
+    seen_units: set[str] = set()
+    last_block = None
+    for i, m in enumerate(mods):
+        u = _unit(m)
+        if u is not None and u not in seen_units:
+            seen_units.add(u)
+            cuts.append((i, u))
+            last_block = i
+    if last_block is not None:
+        after = next((i for i in range(last_block + 1, len(mods)) if mods[i] and _unit(mods[i]) is None), None)
+        if after is not None:
+            cuts.append((after, mods[after].split(".")[0]))
+    else:
+        prev = None
+        for i, m in enumerate(mods):
+            top = m.split(".")[0] if m else None
+            if top and top != prev and prev is not None:
+                cuts.append((i, top))
+            if top:
+                prev = top
+    return sorted({(p, name) for p, name in cuts if 0 < p < len(fwd)})
+
+
+def choose_cuts(costs: list[float], cuts: list[int], n_stages: int) -> list[int]:
+    """P-1 of `cuts` (positions) minimizing the most expensive stage; exact DP over pieces."""
+    bounds = [0, *cuts, len(costs)]
+    pieces = [sum(costs[bounds[i]:bounds[i + 1]]) for i in range(len(bounds) - 1)]
+    K = len(pieces)
+    inf = float("inf")
+    # best[k][j]: minimal max cost splitting pieces[:j] into k stages; arg for reconstruction.
+    best = [[inf] * (K + 1) for _ in range(n_stages + 1)]
+    arg = [[-1] * (K + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    prefix = [0.0]
+    for c in pieces:
+        prefix.append(prefix[-1] + c)
+    for k in range(1, n_stages + 1):
+        for j in range(k, K + 1):
+            for i in range(k - 1, j):
+                v = max(best[k - 1][i], prefix[j] - prefix[i])
+                if v < best[k][j] - 1e-18:
+                    best[k][j], arg[k][j] = v, i
+    ends, j = [], K
+    for k in range(n_stages, 0, -1):
+        i = arg[k][j]
+        ends.append(i)
+        j = i
+    starts = sorted(ends)[1:]  # piece indices where stages 1..P-1 begin
+    return [bounds[i] for i in starts]
+
+
+def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
+                 split_points: Sequence[str] | None = None, model_name: str = "the model") -> list[StageProgram]:
+    P = n_stages
+    nodes = list(gm.graph.nodes)
+    phs = [n for n in nodes if n.op == "placeholder"]
+    output = nodes[-1]
+    outs = list(output.args[0])
+    batch_ph = [ph for ph, s in zip(phs, sig.inputs) if s.kind == "input"]
+    state_ph = {ph: s for ph, s in zip(phs, sig.inputs) if s.kind in ("param", "buffer")}
+    other = [s for s in sig.inputs if s.kind not in ("param", "buffer", "input")]
+    if other:
+        raise PipelineSplitError(f"graph inputs {other} are not supported by pipeline parallelism yet")
+    if any(s.kind == "buffer_update" for s in sig.outputs):
+        names = [s.target for s in sig.outputs if s.kind == "buffer_update"]
+        raise PipelineSplitError(f"{model_name} updates buffers in its step ({names[:4]}, e.g. BatchNorm running "
+                                 "statistics); pipeline parallelism does not support buffer updates yet")
+    loss_node = next(o for o, s in zip(outs, sig.outputs) if s.kind == "loss")
+    grad_out = [(o, s.target) for o, s in zip(outs, sig.outputs) if s.kind == "grad" and isinstance(o, fx.Node)]
+
+    # --- classify -----------------------------------------------------------------------------
+    batch_set = set(batch_ph)
+    free: set[fx.Node] = set()
+    forward: set[fx.Node] = set()
+    for n in nodes:
+        if n.op == "get_attr" or (n.op == "call_function" and not _is_random(n)
+                                  and all(a in batch_set or a in free for a in n.all_input_nodes)):
+            free.add(n)
+            continue
+        if n.op != "call_function":
+            continue
+        inf = n.meta.get(META_KEY)
+        if inf is not None and inf.role == FORWARD:
+            forward.add(n)
+        elif n.target is operator.getitem and n.args[0] in forward:
+            forward.add(n)
+    fwd_seq = [n for n in nodes if n in forward]
+    bwd_seq = [n for n in nodes if n.op == "call_function" and n not in forward and n not in free]
+
+    # --- forward placement ----------------------------------------------------------------------
+    cands = candidate_cuts(fwd_seq, split_points)
+    if len(cands) + 1 < P:
+        where = ", ".join(name for _, name in cands) or "nowhere"
+        raise ConfigError(f"Config.pipeline={P}: {model_name} can be split into at most {len(cands) + 1} stages "
+                          f"(stages can start at: {where}); use pipeline <= {len(cands) + 1}"
+                          + ("" if split_points else " or a model with more blocks"))
+    if split_points and len(cands) != P - 1:
+        raise ConfigError(f"{len(cands)} pipeline split points {list(split_points)} give {len(cands) + 1} stages, "
+                          f"but Config.pipeline={P}; give exactly {P - 1}")
+    use_time = any(_cost(n, True) > 0 for n in fwd_seq)
+    costs = [_cost(n, use_time) for n in fwd_seq]
+    cuts = [p for p, _ in cands] if split_points else choose_cuts(costs, [p for p, _ in cands], P)
+    stage: dict[fx.Node, int] = {}
+    s = 0
+    for i, n in enumerate(fwd_seq):
+        while s < len(cuts) and i >= cuts[s]:
+            s += 1
+        stage[n] = s
+    if stage.get(loss_node, P - 1) != P - 1:
+        raise PipelineSplitError("the loss is not computed on the last stage; please report this")
+
+    # Parameters: a weight lives on the stage whose forward reads it. A tied weight (one
+    # Parameter under several names, GPT's wte/head) may be read on several stages; each of
+    # them holds a copy and the engine sums its gradients over those ranks.
+    group_of = {ph: sig.tied.get(spec.target, spec.target) for ph, spec in state_ph.items()}
+    tied_groups = {g for g in group_of.values() if g in sig.tied.values()}
+    readers: dict[fx.Node, set[int]] = {ph: {stage[u] for u in ph.users if u in forward} for ph in state_ph}
+    pstage: dict[fx.Node, int] = {}  # the stage of an untied parameter
+    for ph, spec in state_ph.items():
+        if group_of[ph] in tied_groups:
+            continue
+        if len(readers[ph]) > 1:
+            raise PipelineSplitError(
+                f"{spec.kind} {spec.target!r} is read by stages {sorted(readers[ph])}; a weight used by several "
+                "stages is supported only when it is tied (one Parameter under two module names, as GPT's "
+                "wte/head); choose other split points")
+        if readers[ph]:
+            pstage[ph] = next(iter(readers[ph]))
+    name_to_ph = {s.target: ph for ph, s in state_ph.items()}
+    grad_pin: dict[fx.Node, int] = {}
+    tied_grads: list[tuple[fx.Node, str]] = []
+    for o, name in grad_out:
+        ph = name_to_ph.get(name)
+        group = sig.tied.get(name, name)
+        if group in tied_groups:
+            tied_grads.append((o, name))
+        elif ph is None or ph not in pstage:
+            raise PipelineSplitError(f"parameter {name!r} has a gradient but no forward use; not supported")
+        else:
+            grad_pin[o] = max(grad_pin.get(o, 0), pstage[ph])
+
+    # --- backward placement (reverse topological) -----------------------------------------------
+    bwd_set = set(bwd_seq)
+
+    def place_backward() -> None:
+        for n in reversed(bwd_seq):
+            lo = grad_pin.get(n, 0)
+            for a in n.all_input_nodes:
+                if a in forward:
+                    lo = max(lo, stage[a])
+                elif a in pstage:
+                    lo = max(lo, pstage[a])
+            for u in n.users:
+                if u in bwd_set:
+                    lo = max(lo, stage[u])
+            stage[n] = lo
+        for n in bwd_seq:  # getitems live with their tuple (the tuple's stage is >= each of theirs)
+            if n.target is operator.getitem and n.args[0] in bwd_set:
+                stage[n] = stage[n.args[0]]
+
+    place_backward()
+    if tied_grads:
+        # A tied weight's per-name gradient is computed where its inputs are (the stage of the
+        # forward use it differentiates), not dragged to the first stage: pin it there and redo.
+        for o, name in tied_grads:
+            ins = [stage[a] for a in o.all_input_nodes if a in bwd_set]
+            grad_pin[o] = min(ins) if ins else stage.get(o, 0)
+        place_backward()
+    grad_stage = {o: stage.get(o, grad_pin.get(o, 0)) for o, _ in grad_out}
+    for o, name in grad_out:
+        if o in grad_pin and grad_stage[o] != grad_pin[o]:
+            raise PipelineSplitError(f"the gradient of {name!r} is computed on stage {grad_stage[o]} but the "
+                                     f"parameter lives on stage {grad_pin[o]}; not supported")
+    for n in bwd_seq:
+        for a in n.all_input_nodes:
+            if a in pstage and pstage[a] != stage[n]:
+                raise PipelineSplitError(f"backward node {n.name} on stage {stage[n]} reads parameter "
+                                         f"{state_ph[a].target!r} of stage {pstage[a]}; not supported")
+
+    # Sanity (networkx): forward edges never go to an earlier stage, gradient edges never to a
+    # later one, and the stage-level graph of F_s / B_s programs is acyclic.
+    g = nx.DiGraph()
+    for n in fwd_seq + bwd_seq:
+        for a in n.all_input_nodes:
+            if a not in stage:
+                continue
+            ok = stage[a] <= stage[n] if a in forward else stage[a] >= stage[n]
+            if not ok:
+                raise PipelineSplitError(f"edge {a.name}->{n.name} goes from stage {stage[a]} to "
+                                         f"{stage[n]} against the pipeline; please report this")
+            u = ("F" if a in forward else "B", stage[a])
+            v = ("F" if n in forward else "B", stage[n])
+            if u != v:
+                g.add_edge(u, v)
+    if not nx.is_directed_acyclic_graph(g):
+        raise PipelineSplitError(f"the stage programs depend on each other in a cycle: {nx.find_cycle(g)}")
+
+    # --- consumers and messages -----------------------------------------------------------------
+    consumers: dict[fx.Node, set[int]] = {}
+    for n in fwd_seq + bwd_seq:
+        for a in n.all_input_nodes:
+            if a in stage:
+                consumers.setdefault(a, set()).add(stage[n])
+    consumers.setdefault(loss_node, set()).add(P - 1)
+    for o, _ in grad_out:
+        consumers.setdefault(o, set()).add(grad_stage[o])
+
+    fmsg: list[list[fx.Node]] = [[] for _ in range(P + 1)]  # fmsg[s]: into stage s from s-1
+    bmsg: list[list[fx.Node]] = [[] for _ in range(P + 1)]  # bmsg[s]: into stage s from s+1
+    saved: list[list[fx.Node]] = [[] for _ in range(P)]
+    for n in fwd_seq:
+        cs = consumers.get(n, set())
+        if not cs:
+            continue
+        for t in range(stage[n] + 1, max(cs) + 1):
+            fmsg[t].append(n)
+        for t in {stage[u] for u in n.users if u in bwd_set}:
+            saved[t].append(n)
+    for n in bwd_seq:
+        cs = consumers.get(n, set())
+        if not cs:
+            continue
+        for t in range(min(cs), stage[n]):
+            bmsg[t].append(n)
+    for t in range(P):
+        saved[t].sort(key=nodes.index)
+
+    # --- build the programs ---------------------------------------------------------------------
+    programs = []
+    for s in range(P):
+        state = [ph for ph in phs if ph in state_ph
+                 and any(u in stage and stage[u] == s for u in ph.users)]
+        fwd_local = [n for n in fwd_seq if stage[n] == s]
+        bwd_local = [n for n in bwd_seq if stage[n] == s]
+        f_outs = fmsg[s + 1] + saved[s] + ([loss_node] if s == P - 1 else [])
+        fgm = _build(gm, state, batch_ph, fmsg[s], fwd_local, f_outs, free)
+        b_grads = [(o, name) for o, name in grad_out if grad_stage[o] == s]
+        b_outs = (bmsg[s - 1] if s > 0 else []) + [o for o, _ in b_grads]
+        bgm = _build(gm, state, batch_ph, saved[s] + bmsg[s], bwd_local, b_outs, free)
+        programs.append(StageProgram(
+            stage=s, n_stages=P, forward=fgm, backward=bgm, state=[state_ph[ph] for ph in state],
+            n_batch=len(batch_ph), recv_f=[_meta(n) for n in fmsg[s]] if s > 0 else [],
+            send_f=[_meta(n) for n in fmsg[s + 1]] if s < P - 1 else [], n_saved=len(saved[s]),
+            has_loss=s == P - 1, recv_b=[_meta(n) for n in bmsg[s]] if s < P - 1 else [],
+            send_b=[_meta(n) for n in bmsg[s - 1]] if s > 0 else [], grads=[name for _, name in b_grads],
+            tied={state_ph[ph].target: sig.tied[state_ph[ph].target] for ph in state
+                  if state_ph[ph].target in sig.tied} | {n: sig.tied[n] for _, n in b_grads if n in sig.tied},
+            nodes={"forward_nodes": len(fwd_local), "backward_nodes": len(bwd_local)}))
+    return programs
+
+
+def _build(root: fx.GraphModule, state: list[fx.Node], batch: list[fx.Node], received: list[fx.Node],
+           body: list[fx.Node], results: list[fx.Node], free: set[fx.Node]) -> fx.GraphModule:
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in [*state, *batch, *received]:
+        if n in env:
+            continue
+        ph = g.placeholder(n.name)
+        ph.meta = dict(n.meta)
+        env[n] = ph
+    def get(a: fx.Node) -> fx.Node:
+        if a in env:
+            return env[a]
+        if a in free:
+            for inp in a.all_input_nodes:
+                get(inp)
+            env[a] = g.node_copy(a, lambda x: env[x])
+            return env[a]
+        raise PipelineSplitError(f"value {a.name!r} is needed on a stage that neither computes nor receives it; "
+                                 "please report this")
+
+    for n in body:
+        env[n] = g.node_copy(n, get)
+    g.output(tuple(get(r) for r in results))
+    gm = fx.GraphModule(root, g)
+    gm.graph.lint()
+    return gm

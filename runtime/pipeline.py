@@ -1,0 +1,180 @@
+"""Pipeline runtime: executes one rank's action list (runtime/schedule.py) over its stage programs.
+
+A stage s is two GraphModules made by the split_stages pass:
+
+    F_s(*state_s, *batch_mb, *recv_f)            -> (*send_f, *saved, [loss on the last stage])
+    B_s(*state_s, *batch_mb, *saved, *recv_b)    -> (*send_b, *param_grads)
+
+`state_s` are the stage's parameters (and read-only buffers), bound once; `batch_mb` is the
+micro-batch's tensors (every stage gets them: a stage reads only what it needs); `recv_f` are
+the activations produced upstream (the message of RECV_F), `send_f` what goes downstream;
+`recv_b`/`send_b` are the gradient messages. The last stage seeds its backward from the loss
+inside B_s, so it receives nothing backward.
+
+Point-to-point: sends are `isend`s whose completion is awaited only at STEP (a blocking send
+deadlocks 1F1B); a recv blocks until its message arrived. Each tensor of a message has its
+own tag (direction, edge, micro-batch, index), so messages between two ranks cannot be
+confused whatever order the transport delivers them in.
+
+This module never decides anything: it runs the schedule and accumulates gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from fxspeed.ir import IOSpec
+
+from .schedule import B, F, I, RECV_B, RECV_F, REDUCE, SEND_B, SEND_F, STEP, W, Action
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class StageProgram:
+    """The two programs of one pipeline stage and the layout of their inputs and outputs."""
+
+    stage: int
+    n_stages: int
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    state: list[IOSpec]              # parameters / buffers, fed first to both programs
+    n_batch: int                     # batch tensors fed after the state
+    recv_f: list[TensorMeta]         # forward message from stage - 1
+    send_f: list[TensorMeta]         # forward message to stage + 1
+    n_saved: int                     # F's outputs after send_f that B reads
+    has_loss: bool                   # the last stage's F returns the micro-batch loss last
+    recv_b: list[TensorMeta]         # gradient message from stage + 1
+    send_b: list[TensorMeta]         # gradient message to stage - 1
+    grads: list[str]                 # parameter names of B's outputs after send_b
+    tied: dict[str, str] = field(default_factory=dict)  # alias -> canonical, for names this stage uses
+    nodes: dict[str, int] = field(default_factory=dict)  # forward/backward node counts, for reports
+
+    def names(self) -> set[str]:
+        """Every parameter/buffer name this stage reads or returns a gradient for."""
+        return {s.target for s in self.state} | set(self.grads)
+
+    def describe(self) -> dict[str, Any]:
+        return {"stage": self.stage, "params": [s.target for s in self.state if s.kind == "param"],
+                "recv_f": [list(m.shape) for m in self.recv_f], "send_f": [list(m.shape) for m in self.send_f],
+                "saved": self.n_saved, "recv_b": [list(m.shape) for m in self.recv_b],
+                "send_b": [list(m.shape) for m in self.send_b], "grads": list(self.grads), **self.nodes}
+
+
+def _tag(direction: int, edge: int, mb: int, idx: int, n_mb: int) -> int:
+    # direction 0: activations over edge (edge, edge+1); 1: gradients over the same edge.
+    return ((edge * 2 + direction) * n_mb + mb) * 256 + idx
+
+
+class PipelineRuntime:
+    """Runs the actions of one rank. `bind(spec)` gives the live tensor of a state input."""
+
+    def __init__(self, programs: dict[int, StageProgram], n_microbatches: int,
+                 bind: Callable[[IOSpec], torch.Tensor], group: Any = None):
+        self.programs = programs
+        self.M = n_microbatches
+        self.group = group
+        self._state = {s: [bind(spec) for spec in p.state] for s, p in programs.items()}
+        for p in programs.values():
+            if len(p.send_f) > 256 or len(p.send_b) > 256:
+                raise ValueError(f"stage {p.stage} sends more than 256 tensors per message; not supported")
+
+    # --- one step --------------------------------------------------------------------------
+    def run(self, actions: list[Action], microbatches: list[list[torch.Tensor]],
+            on_reduce: Callable[[int], None] | None = None, on_step: Callable[[], None] | None = None
+            ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """Execute `actions`; returns (sum of micro-batch losses or None, summed gradients by name).
+
+        `on_reduce(stage)` runs at REDUCE, `on_step()` at STEP after every send completed.
+        """
+        recv_f: dict[tuple[int, int], list[torch.Tensor]] = {}
+        send_f: dict[tuple[int, int], list[torch.Tensor]] = {}
+        saved: dict[tuple[int, int], list[torch.Tensor]] = {}
+        recv_b: dict[tuple[int, int], list[torch.Tensor]] = {}
+        send_b: dict[tuple[int, int], list[torch.Tensor]] = {}
+        pending: list[tuple[Any, torch.Tensor]] = []
+        grads: dict[str, torch.Tensor] = {}
+        loss: torch.Tensor | None = None
+        for a in actions:
+            s, m = a.stage, a.microbatch
+            if a.kind == F:
+                p = self.programs[s]
+                ins = [*self._state[s], *microbatches[m], *(recv_f.pop((s, m)) if s > 0 else [])]
+                with torch.no_grad():
+                    outs = list(p.forward(*ins))
+                k = len(p.send_f)
+                send_f[(s, m)] = outs[:k]
+                saved[(s, m)] = outs[k:k + p.n_saved]
+                if p.has_loss:
+                    lm = outs[k + p.n_saved].detach()
+                    loss = lm.clone() if loss is None else loss + lm
+                del outs, ins
+            elif a.kind in (B, I):
+                # I (input gradient) runs the whole backward; the matching W is then a no-op.
+                p = self.programs[s]
+                ins = [*self._state[s], *microbatches[m], *saved.pop((s, m)),
+                       *(recv_b.pop((s, m)) if s < p.n_stages - 1 else [])]
+                with torch.no_grad():
+                    outs = list(p.backward(*ins))
+                del ins
+                k = len(p.send_b)
+                send_b[(s, m)] = outs[:k]
+                for name, g in zip(p.grads, outs[k:]):
+                    grads[name] = g if name not in grads else grads[name] + g
+                del outs
+            elif a.kind == W:
+                pass
+            elif a.kind == SEND_F:
+                pending += self._send(send_f.pop((s, m)), a.peer, 0, s, m)
+            elif a.kind == SEND_B:
+                pending += self._send(send_b.pop((s, m)), a.peer, 1, s - 1, m)
+            elif a.kind == RECV_F:
+                recv_f[(s, m)] = self._recv(self.programs[s].recv_f, a.peer, 0, s - 1, m)
+            elif a.kind == RECV_B:
+                recv_b[(s, m)] = self._recv(self.programs[s].recv_b, a.peer, 1, s, m)
+            elif a.kind == REDUCE:
+                if on_reduce is not None:
+                    on_reduce(s)
+            elif a.kind == STEP:
+                for work, _ in pending:
+                    work.wait()
+                pending.clear()
+                if on_step is not None:
+                    on_step()
+        leftovers = [name for name, d in (("saved", saved), ("recv_f", recv_f), ("recv_b", recv_b),
+                                          ("send_f", send_f), ("send_b", send_b)) if d]
+        if leftovers:
+            raise RuntimeError(f"pipeline step ended with unconsumed {leftovers}: the schedule does not match "
+                               "the stage programs")
+        return loss, grads
+
+    def _send(self, tensors: list[torch.Tensor], peer: int, direction: int, edge: int, mb: int
+              ) -> list[tuple[Any, torch.Tensor]]:
+        works = []
+        for i, t in enumerate(tensors):
+            t = t.detach()
+            if t.dtype == torch.bool:
+                t = t.to(torch.uint8)
+            t = t.contiguous()
+            works.append((dist.isend(t, peer, group=self.group, tag=_tag(direction, edge, mb, i, self.M)), t))
+        return works
+
+    def _recv(self, metas: list[TensorMeta], peer: int, direction: int, edge: int, mb: int) -> list[torch.Tensor]:
+        bufs, works = [], []
+        for i, meta in enumerate(metas):
+            dtype = torch.uint8 if meta.dtype == torch.bool else meta.dtype
+            buf = torch.empty(meta.shape, dtype=dtype)
+            works.append(dist.irecv(buf, peer, group=self.group, tag=_tag(direction, edge, mb, i, self.M)))
+            bufs.append(buf)
+        for w in works:
+            w.wait()
+        return [b.to(torch.bool) if m.dtype == torch.bool else b for b, m in zip(bufs, metas)]

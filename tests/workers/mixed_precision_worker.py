@@ -1,0 +1,60 @@
+"""Two ranks: fp16 ZeRO-2 with an overflow on rank 1 only; bytes all-gathered per step by
+ZeRO-3 in fp32 vs bf16 (summed over the collective nodes of the compiled graph)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+import fxspeed
+from tests.test_mixed_precision import Scaler, batch, tiny_gpt
+
+GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+
+
+def gathered_bytes(engine: fxspeed.Engine, world: int) -> int:
+    total = 0
+    for n in engine.graph().graph.nodes:
+        if n.target == GATHER:
+            v = n.args[0].meta["val"]
+            total += v.numel() * v.element_size() * world
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    g = torch.Generator().manual_seed(rank)
+    good = [torch.randn(4, 8, generator=g) for _ in range(3)]
+    model = Scaler()
+    engine = fxspeed.compile(model, world, fxspeed.Config(precision="fp16", zero=2, loss_scale=2.0**10),
+                             example_inputs=(good[0],))
+    skipped = []
+    for step, b in enumerate(good):
+        if step == 1 and rank == 1:
+            b = torch.full((4, 8), 6e4)
+        before = engine.stats["skipped_steps"]
+        engine.train_step(b)
+        skipped.append(engine.stats["skipped_steps"] - before)
+    state = engine.state_dict()
+    volume = {}
+    for precision in ("fp32", "bf16"):
+        x, y = batch()
+        e = fxspeed.compile(tiny_gpt(), world, fxspeed.Config(zero=3, precision=precision, bucket_mb=0.01),
+                            example_inputs=(x, y))
+        e.train_step(x, y)
+        volume[precision] = gathered_bytes(e, world)
+    torch.save({"skipped": skipped, "state": state, "gather_bytes": volume}, os.path.join(a.out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
