@@ -52,6 +52,12 @@ def compile(model: nn.Module, devices: Devices = 1, config: Config | dict | str 
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     args, kwargs = _split_example(example_inputs, "compile")
+    if cfg.pipeline > 1:
+        from .pipeline_engine import PipelineEngine
+
+        pipe = PipelineEngine(model, devs, cfg, loss_fn)
+        pipe.compile(args, kwargs)
+        return pipe  # type: ignore[return-value]
     engine = Engine(model, devs, cfg, loss_fn)
     engine._executor(args, kwargs, train=True)
     return engine

@@ -23,9 +23,7 @@ OFFLOADS = ("none", "optimizer", "parameters", "activations", "all")
 # Fields whose meaning later capabilities provide. Until then a non-default value is refused
 # with a clear message rather than silently ignored.
 _NOT_YET = {
-    "pipeline": (1, "pipeline parallelism is not implemented yet"),
     "tensor": (1, "tensor parallelism is not implemented yet"),
-    "microbatches": (1, "micro-batching belongs to pipeline parallelism, not implemented yet"),
     "offload": ("none", "offload is not implemented yet"),
 }
 
@@ -97,6 +95,12 @@ class Config:
             _positive("grad_clip", self.grad_clip)
         for key in ("pipeline", "tensor", "microbatches", "grad_accum"):
             _positive_int(key, getattr(self, key))
+        if self.pipeline > 1 and self.schedule == "interleaved" and self.microbatches % self.pipeline:
+            lo, hi = (self.microbatches // self.pipeline) * self.pipeline, (self.microbatches // self.pipeline + 1) * self.pipeline
+            works = f"{lo} or {hi}" if lo else f"{hi}"
+            raise ConfigError(f"Config.microbatches={self.microbatches!r} is not a multiple of Config.pipeline="
+                              f"{self.pipeline}, which schedule='interleaved' needs; use microbatches={works}, or "
+                              "schedule='gpipe', '1f1b' or 'zb' (any number of micro-batches)")
         _positive_int("warmup_steps", self.warmup_steps, allow_zero=True)
         if self.total_steps is not None:
             _positive_int("total_steps", self.total_steps)
@@ -108,6 +112,9 @@ class Config:
 
     def check_supported(self) -> None:
         """Refuse settings whose capability is not built yet, naming the key."""
+        if self.microbatches != 1 and self.pipeline == 1:
+            raise ConfigError(f"Config.microbatches={self.microbatches!r} needs pipeline > 1 (micro-batches feed a "
+                              "pipeline); on one stage use grad_accum to split the batch, or set pipeline")
         for key, (default, why) in _NOT_YET.items():
             value = getattr(self, key)
             if value != default:

@@ -39,6 +39,7 @@ class Plan:
     zero_formula: list[int] = field(default_factory=list)  # ZeRO paper model-state bytes per rank
     # rank 0 bytes by category in each phase: "step" (graph peak, states resident), "optimizer"
     phase_memory: dict[str, dict[str, int]] = field(default_factory=dict)
+    dtypes: dict[str, str] = field(default_factory=dict)  # tensor category -> dtype(s) it is held in
 
     # --- queries ---------------------------------------------------------------------------
     def memory(self, rank: int = 0) -> dict[str, int]:
@@ -100,7 +101,10 @@ class Plan:
         fit = "fits" if mem["total"] <= self.devices[0]["memory"] else "DOES NOT FIT"
         lines.append(f"  {'total (peak, ' + self.peak_phase[0] + ')':<26}{gb(mem['total'])}   {fit}")
         if self.zero_formula:
-            lines.append(f"  {'ZeRO paper model states':<26}{gb(self.zero_formula[0])}   (fp32 Adam: 16Ψ/N per stage formula)")
+            k = "K=12, 2-byte params/grads" if self.strategy["precision"] != "fp32" else "fp32 Adam: 4+4+8 bytes"
+            lines.append(f"  {'ZeRO paper model states':<26}{gb(self.zero_formula[0])}   ({k})")
+        if self.dtypes:
+            lines.append("  dtypes: " + "; ".join(f"{c} {d}" for c, d in self.dtypes.items()))
         t = self.time
         lines += ["", f"time per step (predicted): {t['total'] * 1e3:,.2f} ms = forward {t['forward'] * 1e3:,.2f} + "
                   f"backward {t['backward'] * 1e3:,.2f} + optimizer {t['optimizer'] * 1e3:,.2f} + comm {t['communication'] * 1e3:,.2f}",

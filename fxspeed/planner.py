@@ -190,8 +190,10 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     flops["total"] = flops["forward"] + flops["backward"]
 
     n_params = int(round(costs.n_params))
-    # The planner models fp32 training: 4-byte params and grads, 4 * state_f bytes of states.
-    formula = zero_paper_bytes(n_params, z, dp, k=4 * state_f, bytes_per_param=4)
+    if config.precision == "fp32":
+        formula = zero_paper_bytes(n_params, z, dp, k=4 * state_f, bytes_per_param=4)
+    else:  # the paper's mixed-precision accounting: 2-byte params and grads, K=12
+        formula = zero_paper_bytes(n_params, z, dp, k=12, bytes_per_param=2)
     timeline = dict(costs.timeline)
     timeline["resident"] = [int(step[OPTIMIZER_STATES] + comm)]
     return Plan(
@@ -203,8 +205,25 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
               "total": fwd + bwd + t_opt + t_comm},
         flops=flops, passes=passes, timeline=timeline,
         notes=list(notes or []), zero_formula=[int(formula)] * n,
-        phase_memory={"step": step_i, "optimizer": opt_i},
+        phase_memory={"step": step_i, "optimizer": opt_i}, dtypes=category_dtypes(config),
     )
+
+
+def category_dtypes(config: Config) -> dict[str, str]:
+    """The dtype each tensor category is held in under `config` (what insert_casts and the
+    runtime do: fp32 master weights, gradients and states; low-precision compute copies)."""
+    if config.precision == "fp32":
+        return {c: "float32" for c in ("parameters", "gradients", "optimizer_states", "activations")}
+    low = {"bf16": "bfloat16", "fp16": "float16"}[config.precision]
+    reduce = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[config.reduce_dtype]
+    d = {"parameters": f"float32 master + {low} compute copies", "gradients": "float32",
+         "optimizer_states": "float32", "activations": f"{low} (matmul/attention operands), float32 elsewhere",
+         "gradient_reduction": reduce}
+    if config.zero >= 3:
+        d["parameter_gathers"] = low
+    if config.precision == "fp16":
+        d["loss_scale"] = "float32 (dynamic)"
+    return d
 
 
 def grad_scale(config: Config, n_devices: int) -> float:

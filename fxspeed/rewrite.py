@@ -14,10 +14,20 @@ def fake_value(target: Any, args: tuple, kwargs: dict | None = None) -> Any:
     """Run `target` on the fake values of its node arguments."""
     kwargs = kwargs or {}
     # Values in one graph may come from different fake modes (capture, earlier passes); re-create
-    # them as empty tensors of the same shape/stride/dtype under one fresh mode.
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    # them as empty tensors of the same shape/stride/dtype under our own mode.
+    with _mode():
         vals = fx.node.map_arg((args, kwargs), lambda n: _like(n.meta["val"]))
         return target(*vals[0], **vals[1])
+
+
+_MODE: FakeTensorMode | None = None
+
+
+def _mode() -> FakeTensorMode:
+    global _MODE
+    if _MODE is None:  # one mode for all rewrites: creating a mode per node is slow
+        _MODE = FakeTensorMode(allow_non_fake_inputs=True)
+    return _MODE
 
 
 def _like(v: Any) -> Any:

@@ -248,14 +248,41 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
             if n.target is operator.getitem and n.args[0] in bwd_set:
                 stage[n] = stage[n.args[0]]
 
+    def anchor(n: fx.Node) -> int | None:
+        """Stage bound from forward values / parameters the node reads (None: reads none)."""
+        st = [stage[a] for a in n.all_input_nodes if a in forward] + \
+             [pstage[a] for a in n.all_input_nodes if a in pstage]
+        return max(st) if st else None
+
     place_backward()
     if tied_grads:
-        # A tied weight's per-name gradient is computed where its inputs are (the stage of the
-        # forward use it differentiates), not dragged to the first stage: pin it there and redo.
+        # A tied weight's per-name gradient is computed on the stage of the forward use it
+        # differentiates: the nearest backward ancestors that read forward values say which.
         for o, name in tied_grads:
-            ins = [stage[a] for a in o.all_input_nodes if a in bwd_set]
-            grad_pin[o] = min(ins) if ins else stage.get(o, 0)
+            frontier, seen, found = [o], set(), []
+            while frontier:
+                n = frontier.pop()
+                if n in seen or n not in bwd_set:
+                    continue
+                seen.add(n)
+                a = anchor(n)
+                if a is not None:
+                    found.append(a)
+                else:
+                    frontier.extend(x for x in n.all_input_nodes if x in bwd_set)
+            grad_pin[o] = min(found) if found else 0
         place_backward()
+    # Lift nodes that read only gradients (residual sums, views) to the stage their inputs come
+    # from: a sum of two incoming gradients then crosses the boundary once, not twice.
+    for n in bwd_seq:
+        if n in grad_pin or n.target is operator.getitem or anchor(n) is not None:
+            continue
+        ins = [stage[a] for a in n.all_input_nodes if a in bwd_set]
+        if sum(1 for t in ins if t > stage[n]) >= 2:
+            stage[n] = max(stage[n], min(ins))
+    for n in bwd_seq:
+        if n.target is operator.getitem and n.args[0] in bwd_set:
+            stage[n] = stage[n.args[0]]
     grad_stage = {o: stage.get(o, grad_pin.get(o, 0)) for o, _ in grad_out}
     for o, name in grad_out:
         if o in grad_pin and grad_stage[o] != grad_pin[o]:

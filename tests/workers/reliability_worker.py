@@ -71,7 +71,8 @@ def main() -> None:
         msg = f"ConfigError: {e}"
     with open(os.path.join(a.out, f"rank{rank}.txt"), "w") as f:
         f.write(msg)
-    dist.destroy_process_group() if dist.is_initialized() else None
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
