@@ -49,6 +49,10 @@ TARGET_REL = 0.02  # |final loss / fp32 final loss - 1|
 LAST = 10  # final loss = mean of the last LAST steps
 
 FULL_MODEL = dict(vocab_size=256, block_size=256, n_layer=7, n_head=8, n_embd=512)
+# CPU fp16 GEMM has no fast kernel (~0.2 GFLOPS vs ~30 fp32 on one thread): fp16 on FULL_MODEL
+# takes ~2 min per step, so by default fp16 convergence runs on this small model (with its own
+# fp32 and bf16 reference); --precisions fp32,bf16,fp16 forces fp16 on the full model.
+SMALL_MODEL = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)
 TINY_MODEL = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)
 
 
@@ -96,7 +100,7 @@ def _low_precision_ops(gm, low: str) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def _build(a: argparse.Namespace, precision: str, batch: int, seq: int):
+def _build(a: argparse.Namespace, precision: str, batch: int, seq: int, model: dict | None = None):
     import torch
 
     import fxspeed
@@ -105,7 +109,7 @@ def _build(a: argparse.Namespace, precision: str, batch: int, seq: int):
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
-    model_cfg = dict(TINY_MODEL if a.tiny else FULL_MODEL)
+    model_cfg = dict(model or (TINY_MODEL if a.tiny else FULL_MODEL))
     model_cfg["block_size"] = max(model_cfg["block_size"], seq)
     model = GPT(GPTConfig(**model_cfg))
     n_params = sum(p.numel() for p in model.parameters())
@@ -120,28 +124,28 @@ def _build(a: argparse.Namespace, precision: str, batch: int, seq: int):
     return engine, data, gen, (x, y), n_params, model_cfg, compile_s
 
 
-def train_one(a: argparse.Namespace, precision: str) -> dict:
+def train_one(a: argparse.Namespace, precision: str, model: dict, bsz: int, seq: int, steps: int) -> dict:
     from fxspeed.demo import get_batch
 
     t0 = time.perf_counter()
-    engine, data, gen, batch, n_params, model_cfg, compile_s = _build(a, precision, a.batch, a.seq)
+    engine, data, gen, batch, n_params, model_cfg, compile_s = _build(a, precision, bsz, seq, model)
     losses, times = [], []
     first_bad = None
-    for step in range(a.steps):
+    for step in range(steps):
         if step:
-            batch = get_batch(data, a.batch, a.seq, gen)
+            batch = get_batch(data, bsz, seq, gen)
         t = time.perf_counter()
         loss = engine.train_step(*batch)
         times.append(time.perf_counter() - t)
         losses.append(loss)
         if first_bad is None and not math.isfinite(loss):
             first_bad = step
-        if a.progress and (step % 20 == 0 or step == a.steps - 1):
+        if a.progress and (step % 20 == 0 or step == steps - 1):
             print(f"[{precision}] step {step} loss {loss:.4f} {times[-1]:.2f} s", file=sys.stderr, flush=True)
     params_finite = all(bool(p.detach().isfinite().all()) for p in engine.model.parameters())
     k = min(LAST, len(losses))
-    return {"precision": precision, "params": n_params, "model": model_cfg, "batch": a.batch, "seq": a.seq,
-            "steps": a.steps, "compile_s": compile_s, "losses": losses, "step_times_s": times,
+    return {"precision": precision, "params": n_params, "model": model_cfg, "batch": bsz, "seq": seq,
+            "steps": steps, "compile_s": compile_s, "losses": losses, "step_times_s": times,
             "final_loss": sum(losses[-k:]) / k, "first_loss": losses[0],
             "median_step_s": statistics.median(times[1:] if len(times) > 1 else times),
             "any_nan": first_bad is not None, "first_nonfinite_step": first_bad, "params_finite": params_finite,
@@ -198,6 +202,32 @@ def _spawn(kind: str, precision: str, a: argparse.Namespace, tmp: Path) -> dict:
     return rec
 
 
+def convergence(a: argparse.Namespace, label: str, model: dict, precs: list[str], bsz: int, seq: int,
+                steps: int) -> dict:
+    runs = {p: train_one(a, p, model, bsz, seq, steps) for p in precs}
+    ref = runs["fp32"]["final_loss"]
+    for r in runs.values():
+        r["rel_diff_vs_fp32"] = r["final_loss"] / ref - 1.0 if math.isfinite(r["final_loss"]) else float("nan")
+        r["within_target"] = bool(math.isfinite(r["final_loss"]) and abs(r["rel_diff_vs_fp32"]) <= TARGET_REL
+                                  and not r["any_nan"])
+        r["step_ratio_vs_fp32"] = r["median_step_s"] / runs["fp32"]["median_step_s"]
+    r0 = runs["fp32"]
+    print(f"\n{label} convergence: byte-level GPT {r0['model']} = {r0['params']:,} params ({r0['params'] / 1e6:.2f}M), "
+          f"batch {bsz} x {seq}, {steps} steps, AdamW lr {a.lr} (warmup {a.warmup_steps}), grad_clip 1.0, "
+          f"seed {a.seed}, {a.threads} thread(s); final loss = mean of the last {min(LAST, steps)} steps")
+    print(f"{'precision':<9} {'first loss':>10} {'final loss':>10} {'vs fp32':>8} {'<=2%':>5} {'NaN':>4} "
+          f"{'skipped':>7} {'scale':>8} {'step s':>8} {'x fp32':>7}")
+    for p, r in runs.items():
+        scale = f"{r['loss_scale']:g}" if r.get("loss_scale") is not None else "-"
+        print(f"{p:<9} {r['first_loss']:>10.4f} {r['final_loss']:>10.4f} {r['rel_diff_vs_fp32'] * 100:>7.2f}% "
+              f"{'yes' if r['within_target'] else 'NO':>5} {'yes' if r['any_nan'] else 'no':>4} "
+              f"{r['skipped_steps']:>7} {scale:>8} {r['median_step_s']:>8.3f} {r['step_ratio_vs_fp32']:>7.2f}")
+    for p, r in runs.items():
+        if r["low_precision_ops"]:
+            print(f"  {p} graph nodes with {p} outputs: " + ", ".join(f"{k} x{v}" for k, v in r["low_precision_ops"].items()))
+    return runs
+
+
 def _mb(b: float) -> str:
     return f"{b / 2**20:,.1f} MB"
 
@@ -206,7 +236,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="write results as JSON here")
     ap.add_argument("--tiny", action="store_true", help="tiny model, few steps (a smoke test, seconds)")
-    ap.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated subset of fp32,bf16,fp16")
+    ap.add_argument("--precisions", default=None,
+                    help="precisions trained on the main model (default fp32,bf16; tiny fp32,bf16,fp16). fp16 on the "
+                         "full model is very slow on CPU (~2 min/step: no fast fp16 GEMM), see --fp16-small-steps")
+    ap.add_argument("--fp16-small-steps", type=int, default=200,
+                    help="steps of the fp32/bf16/fp16 comparison on the small model (not in --tiny; 0 skips it)")
+    ap.add_argument("--small-batch", type=int, default=4)
+    ap.add_argument("--small-seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=None, help="training steps per precision (default 200; tiny 12)")
     ap.add_argument("--batch", type=int, default=None, help="training batch (default 8; tiny 4)")
     ap.add_argument("--seq", type=int, default=None, help="training sequence length (default 128; tiny 32)")
@@ -238,6 +274,8 @@ def main() -> int:
         a._result.write_text(json.dumps(rec))
         return 0
 
+    if a.precisions is None:
+        a.precisions = ",".join(PRECISIONS) if a.tiny else "fp32,bf16"
     precs = [p.strip() for p in a.precisions.split(",") if p.strip()]
     bad = [p for p in precs if p not in PRECISIONS]
     if bad or "fp32" not in precs:
@@ -257,28 +295,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as td:
         tmp = Path(td)
         if not a.skip_train:
-            runs = {p: train_one(a, p) for p in precs}
-            ref = runs["fp32"]["final_loss"]
-            for p, r in runs.items():
-                r["rel_diff_vs_fp32"] = r["final_loss"] / ref - 1.0 if math.isfinite(r["final_loss"]) else float("nan")
-                r["within_target"] = bool(math.isfinite(r["final_loss"]) and abs(r["rel_diff_vs_fp32"]) <= TARGET_REL
-                                          and not r["any_nan"])
-                r["step_ratio_vs_fp32"] = r["median_step_s"] / runs["fp32"]["median_step_s"]
-            result["train"] = runs
-            print(f"\n(1) convergence: byte-level GPT {runs['fp32']['model']} = {runs['fp32']['params']:,} params "
-                  f"({runs['fp32']['params'] / 1e6:.2f}M), batch {a.batch} x {a.seq}, {a.steps} steps, AdamW lr {a.lr} "
-                  f"(warmup {a.warmup_steps}), grad_clip 1.0, seed {a.seed}, {a.threads} thread(s)")
-            print(f"{'precision':<9} {'first loss':>10} {'final loss':>10} {'vs fp32':>8} {'<=2%':>5} {'NaN':>4} "
-                  f"{'skipped':>7} {'scale':>8} {'step s':>7} {'x fp32':>7}")
-            for p, r in runs.items():
-                scale = f"{r['loss_scale']:g}" if r.get("loss_scale") is not None else "-"
-                print(f"{p:<9} {r['first_loss']:>10.4f} {r['final_loss']:>10.4f} {r['rel_diff_vs_fp32'] * 100:>7.2f}% "
-                      f"{'yes' if r['within_target'] else 'NO':>5} {'yes' if r['any_nan'] else 'no':>4} "
-                      f"{r['skipped_steps']:>7} {scale:>8} {r['median_step_s']:>7.3f} {r['step_ratio_vs_fp32']:>7.2f}")
-            for p, r in runs.items():
-                if r["low_precision_ops"]:
-                    print(f"  {p} graph ops with {p} outputs: "
-                          + ", ".join(f"{k} x{v}" for k, v in r["low_precision_ops"].items()))
+            main_model = TINY_MODEL if a.tiny else FULL_MODEL
+            result["train"] = convergence(a, "(1)", main_model, precs, a.batch, a.seq, a.steps)
+            if a.fp16_small_steps and not a.tiny:
+                result["train_fp16_small"] = convergence(a, "(1b) fp16 on a small model (CPU fp16 matmuls are slow)",
+                                                         SMALL_MODEL, list(PRECISIONS), a.small_batch, a.small_seq,
+                                                         a.fp16_small_steps)
         if not a.skip_mem:
             mem_precs = [p.strip() for p in a.mem_precisions.split(",") if p.strip()]
             mems = {p: _spawn("mem", p, a, tmp) for p in mem_precs}

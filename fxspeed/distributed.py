@@ -65,3 +65,15 @@ def check_agreement(ctx: DistContext, what: str, value: str, fix: str) -> None:
     differ = [r for r, v in enumerate(values) if v != values[0]]
     if differ:
         raise ConfigError(f"ranks disagree on {what}: rank(s) {differ} differ from rank 0. {fix}")
+
+
+def check_same_everywhere(ctx: DistContext, what: str, value: str, fix: str) -> None:
+    """Cheap per-step agreement (one 2-element all-reduce): raise on every rank when ranks
+    hold different `value`s, before they diverge into mismatched collectives."""
+    if not ctx.active:
+        return
+    h = int(value[:15], 16)
+    t = torch.tensor([h, -h], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
+    if int(t[0]) != h or -int(t[1]) != h:  # same result on every rank: all take this path
+        check_agreement(ctx, what, value, fix)  # names the ranks that differ

@@ -20,7 +20,7 @@ from .capture import LossFn, input_key, tensor_leaves
 from .compiler import compile_step
 from .config import Config
 from .devices import DeviceSpec
-from .distributed import check_agreement, fingerprint, join
+from .distributed import check_agreement, check_same_everywhere, fingerprint, join
 from .errors import ConfigError, FxspeedError
 from .ir import Bucket, IOSpec, StepSignature
 from .plan import Plan
@@ -79,13 +79,15 @@ class Engine:
     # --- compile -----------------------------------------------------------------------------
     def _executor(self, args: tuple, kwargs: dict, train: bool) -> StepExecutor:
         key = (train, input_key(args, kwargs))
+        if self.dist.active:
+            # Every step: a rank meeting a new shape alone would otherwise trace and run
+            # collectives the others never join.
+            check_same_everywhere(self.dist, "the batch signature (shapes, dtypes, structure)", fingerprint(key),
+                                  "every rank must pass local batches of the same shapes; split the global batch "
+                                  "evenly with fxspeed.data.local_batch")
         ex = self._executors.get(key)
         if ex is not None:
             return ex
-        if self.dist.active:
-            check_agreement(self.dist, "the batch signature (shapes, dtypes, structure)", fingerprint(key),
-                            "every rank must pass local batches of the same shapes; split the global batch evenly "
-                            "with fxspeed.data.local_batch")
         # ZeRO-3 keeps only shards between steps; tracing needs the full parameters once.
         with self._flat.gathered() if self._flat is not None else contextlib.nullcontext():
             compiled = compile_step(self.model, args, kwargs, config=self.config, loss_fn=self.loss_fn, train=train,

@@ -270,7 +270,11 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
                     found.append(a)
                 else:
                     frontier.extend(x for x in n.all_input_nodes if x in bwd_set)
-            grad_pin[o] = min(found) if found else 0
+            # ... and it must be a stage that holds the weight (reads it in forward).
+            group = sig.tied.get(name, name)
+            holders = sorted({t for ph in state_ph if group_of[ph] == group for t in readers[ph]})
+            bound = min(found) if found else 0
+            grad_pin[o] = max((t for t in holders if t <= bound), default=holders[0] if holders else 0)
         place_backward()
     # Lift nodes that read only gradients (residual sums, views) to the stage their inputs come
     # from: a sum of two incoming gradients then crosses the boundary once, not twice.

@@ -104,7 +104,7 @@ class FlatParameters:
         # of the model.
         pending = None
         for k in range(len(self.buckets)):
-            work = dist.all_gather_into_tensor(self.full[k], self.shards[k].clone(), group=self.group, async_op=True)
+            work = _all_gather(self.full[k], self.shards[k].clone(), group=self.group, async_op=True)
             if pending is not None:
                 pending.wait()
             pending = work
@@ -132,7 +132,7 @@ class FlatParameters:
         out = []
         for k, b in enumerate(self.buckets):
             flat = torch.empty(b.padded, dtype=self.shards[k].dtype, device=self.shards[k].device)
-            dist.all_gather_into_tensor(flat, self.shards[k], group=self.group)
+            _all_gather(flat, self.shards[k], group=self.group)
             out.append(flat)
         return out
 
@@ -166,6 +166,11 @@ class FlatParameters:
             for mine, saved in zip(self.shards, shards):
                 mine.copy_(saved)
         self.after_step()
+
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (same arguments); 2.11 has
+# only the old name.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _numel(shape: tuple[int, ...]) -> int:

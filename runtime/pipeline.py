@@ -112,7 +112,8 @@ class PipelineRuntime:
                 with torch.no_grad():
                     outs = list(p.forward(*ins))
                 k = len(p.send_f)
-                send_f[(s, m)] = outs[:k]
+                if s < p.n_stages - 1:
+                    send_f[(s, m)] = outs[:k]
                 saved[(s, m)] = outs[k:k + p.n_saved]
                 if p.has_loss:
                     lm = outs[k + p.n_saved].detach()
@@ -127,7 +128,8 @@ class PipelineRuntime:
                     outs = list(p.backward(*ins))
                 del ins
                 k = len(p.send_b)
-                send_b[(s, m)] = outs[:k]
+                if s > 0:
+                    send_b[(s, m)] = outs[:k]
                 for name, g in zip(p.grads, outs[k:]):
                     grads[name] = g if name not in grads else grads[name] + g
                 del outs
