@@ -241,7 +241,7 @@ def main() -> int:
                          "full model is very slow on CPU (~2 min/step: no fast fp16 GEMM), see --fp16-small-steps")
     ap.add_argument("--fp16-small-steps", type=int, default=200,
                     help="steps of the fp32/bf16/fp16 comparison on the small model (not in --tiny; 0 skips it)")
-    ap.add_argument("--small-batch", type=int, default=4)
+    ap.add_argument("--small-batch", type=int, default=8)
     ap.add_argument("--small-seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=None, help="training steps per precision (default 200; tiny 12)")
     ap.add_argument("--batch", type=int, default=None, help="training batch (default 8; tiny 4)")
