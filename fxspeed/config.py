@@ -96,7 +96,8 @@ class Config:
         for key in ("pipeline", "tensor", "microbatches", "grad_accum"):
             _positive_int(key, getattr(self, key))
         if self.pipeline > 1 and self.schedule == "interleaved" and self.microbatches % self.pipeline:
-            lo, hi = (self.microbatches // self.pipeline) * self.pipeline, (self.microbatches // self.pipeline + 1) * self.pipeline
+            lo = (self.microbatches // self.pipeline) * self.pipeline
+            hi = lo + self.pipeline
             works = f"{lo} or {hi}" if lo else f"{hi}"
             raise ConfigError(f"Config.microbatches={self.microbatches!r} is not a multiple of Config.pipeline="
                               f"{self.pipeline}, which schedule='interleaved' needs; use microbatches={works}, or "

@@ -29,14 +29,14 @@ and one gradient per name). Output: one `runtime.pipeline.StageProgram` per stag
 from __future__ import annotations
 
 import operator
-from typing import Any, Sequence
+from typing import Sequence
 
 import networkx as nx
 import torch
 import torch.fx as fx
 
 from fxspeed.errors import ConfigError, FxspeedError
-from fxspeed.ir import FORWARD, META_KEY, IOSpec, StepSignature
+from fxspeed.ir import FORWARD, META_KEY, StepSignature
 from fxspeed.runtime.pipeline import StageProgram, TensorMeta
 
 

@@ -88,7 +88,8 @@ def test_too_many_stages_names_the_limit_and_the_split_points() -> None:
     model = build_model("gpt")  # 2 blocks: embeddings | blocks.0 | blocks.1 | ln_f+head -> at most 4 stages
     x, y = global_batches("gpt", 1)[0]
     cap = _joint(model, (x[:4], y[:4]))
-    with pytest.raises(ConfigError, match=r"Config.pipeline=5.*at most 4 stages.*blocks.0, blocks.1, ln_f.*pipeline <= 4"):
+    with pytest.raises(ConfigError,
+                       match=r"Config.pipeline=5.*at most 4 stages.*blocks.0, blocks.1, ln_f.*pipeline <= 4"):
         split_stages(cap.gm, cap.signature, 5, model_name="GPT")
 
 
@@ -103,7 +104,8 @@ def test_user_split_points() -> None:
 
 
 def test_bad_pipeline_configs_are_refused_with_what_works() -> None:
-    with pytest.raises(ConfigError, match=r"microbatches=3 is not a multiple of Config.pipeline=2.*microbatches=2 or 4"):
+    with pytest.raises(ConfigError,
+                       match=r"microbatches=3 is not a multiple of Config.pipeline=2.*microbatches=2 or 4"):
         fxspeed.Config(pipeline=2, microbatches=3, schedule="interleaved")
     fxspeed.Config(pipeline=2, microbatches=3, schedule="1f1b")  # any M works for 1f1b / gpipe
     model = build_model("gpt")
@@ -180,10 +182,12 @@ def assert_parity(out: Path, tag: str, world: int, ref) -> None:
 
 
 @pytest.mark.slow
-def test_pipeline_2_ranks_gpipe_and_1f1b_match_eager(tmp_path: Path) -> None:
-    launch(2, tmp_path, "--schedules", "gpipe,1f1b", "--microbatches", "2,4")
+def test_pipeline_2_ranks_every_schedule_matches_eager(tmp_path: Path) -> None:
+    # zb runs I as the full backward and W as a no-op (correct, not yet zero-bubble);
+    # interleaved puts 2 chunks per rank: 4 stages (embeddings | blocks.0 | blocks.1 | head).
+    launch(2, tmp_path, "--schedules", "gpipe,1f1b,zb,interleaved", "--microbatches", "2,4")
     ref = eager_reference()
-    for sched in ("gpipe", "1f1b"):
+    for sched in ("gpipe", "1f1b", "zb", "interleaved"):
         for M in (2, 4):
             assert_parity(tmp_path, f"{sched}_m{M}", 2, ref)
 
