@@ -1,28 +1,34 @@
 """Mixed-precision benchmark on CPU: fxspeed fp32 vs bf16 vs fp16 (dynamic loss scaling).
 
-    python benchmarks/bench_mixed_precision.py --out mp.json           # GPT 7x512 (~22.5M params), 200 steps each
+    python benchmarks/bench_mixed_precision.py --out mp.json              # GPT 7x512 (22.3M params), 200 steps each
     python benchmarks/bench_mixed_precision.py --tiny --out /tmp/mp.json  # seconds: smoke test
 
 (1) Convergence. The same byte-level GPT (same initial weights: torch.manual_seed(--seed)) is
     trained for --steps steps on the `fxspeed demo` corpus (Python standard library source,
     fxspeed.demo.load_corpus / get_batch; the same seeded batches for every precision) with
     fxspeed.compile(..., Config(precision=P, optimizer="adamw", lr=--lr, linear warmup of
-    --warmup-steps, grad_clip=1.0)) for P in fp32, bf16, fp16. Reported per precision: the final
+    --warmup-steps, grad_clip=1.0)) for P in fp32 and bf16 (--precisions). Reported per precision: the final
     loss (mean of the last 10 steps), its relative difference to fp32 (target |diff| <= 2%),
     whether any loss was NaN/inf, fp16 skipped steps and the final loss scale, the median step
     time, and which ops the compiled graph runs in low precision. CPU bf16/fp16 speed is not a
     target (CPU kernels for half types are not tuned like GPU tensor cores); it is reported only.
+(1b) fp16. torch's CPU fp16 GEMM has no fast kernel (~0.2 GFLOPS on one thread vs ~30 fp32 and
+    ~50 bf16 with AVX512-BF16), so one fp16 step of the 22M model takes ~2 minutes and 200 steps
+    would take hours. By default fp16 (dynamic loss scaling, initial scale 2**16) is therefore
+    compared on SMALL_MODEL (0.12M params, batch --small-batch x --small-seq, --fp16-small-steps
+    steps) against fp32 and bf16 on that same model; `--precisions fp32,bf16,fp16` forces fp16
+    on the main model. --tiny trains all three on the tiny model.
 (2) Activation memory. For a configuration where activations dominate (--mem-batch x
     --mem-seq, default 16 x 256 on the same model) each precision runs in its own process with
     MALLOC_MMAP_THRESHOLD_=65536 (large frees go back to the OS, so RSS follows live tensors).
     After compile + the first step (parameters, optimizer state and caches exist), the peak is
     reset (/proc/self/clear_refs <- 5: VmHWM := VmRSS); after --mem-steps more steps, peak RSS
     growth = VmHWM - VmRSS(at reset): activations saved for backward, gradients and
-    temporaries. Reported for fp32 and bf16 (and fp16) with the ratio bf16/fp32.
+    temporaries. Reported for --mem-precisions (default fp32, bf16) with the ratio bf16/fp32.
 
-Every run (training and memory) is a separate subprocess of this script with --threads intra-op
-threads (default 1), so the runs do not share allocator state. Results go to --out as JSON and
-a table is printed.
+Training runs one precision after another in this process; each memory run is a separate
+subprocess of this script (so the runs do not share allocator state). All use --threads intra-op
+threads (default 1). Results go to --out as JSON and a table is printed.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Command line (also `python -m fxspeed ...`):
 
     fxspeed run -n N script.py [args...]   launch N local processes (torch.distributed.run)
-    fxspeed demo [--devices N --zero S]    compile a byte-level GPT and train it
+    fxspeed demo [--devices N --zero S | --pipeline P] [--precision bf16]
+                                           compile a byte-level GPT and train it
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
                    help="ZeRO stage: 0 replicates everything (DDP), 1 shards optimizer state, 2 also "
                         "gradients, 3 also parameters (default: 0)")
+    d.add_argument("--pipeline", type=int, default=1,
+                   help="pipeline stages (default: 1); needs --devices equal to it; every rank sees the "
+                        "whole batch, split into 2 x pipeline micro-batches")
+    d.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="compute precision (default: fp32); bf16/fp16 keep fp32 master weights")
 
     r = sub.add_parser("run", help="launch N local processes of a training script (torch.distributed.run)",
                        description="Run `script.py` (or `-m module`) in N local processes joined by "

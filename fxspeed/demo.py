@@ -76,7 +76,12 @@ def run(args: Any) -> int:
     if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
         print("fxspeed demo: --steps and --batch-size must be >= 1 and --seq-len >= 2", file=sys.stderr)
         return 2
-    if args.batch_size % devices:
+    pipeline = getattr(args, "pipeline", 1)
+    if pipeline > 1 and (devices != pipeline or zero):
+        print(f"fxspeed demo: --pipeline {pipeline} needs --devices {pipeline} and --zero 0 (pipeline x data "
+              "parallel is not supported yet)", file=sys.stderr)
+        return 2
+    if pipeline == 1 and args.batch_size % devices:
         print(f"fxspeed demo: --batch-size {args.batch_size} is the global batch and must be divisible by "
               f"--devices {devices} (each rank trains on batch_size / devices sequences)", file=sys.stderr)
         return 2
@@ -125,13 +130,18 @@ def _train(args: Any, devices: int, zero: int) -> int:
     say(f"batch {args.batch_size} x {args.seq_len} tokens, {args.steps} steps, AdamW lr {args.lr}, "
         f"{where}{torch.get_num_threads()} CPU threads" + (" per process" if devices > 1 else ""))
 
-    # Every rank draws the same global batch from the same seeded generator and keeps its slice.
-    x, y = local_batch(get_batch(data, args.batch_size, args.seq_len, gen))
+    # Every rank draws the same global batch from the same seeded generator and keeps its slice
+    # (data parallel) or all of it (pipeline: the runtime splits it into micro-batches).
+    pipeline = getattr(args, "pipeline", 1)
+    part = local_batch if pipeline == 1 else (lambda b: b)
+    x, y = part(get_batch(data, args.batch_size, args.seq_len, gen))
     tc = time.perf_counter()
-    engine = fxspeed.compile(model, devices, fxspeed.Config(optimizer="adamw", lr=args.lr, grad_clip=1.0, zero=zero),
-                             example_inputs=(x, y))
+    config = fxspeed.Config(optimizer="adamw", lr=args.lr, grad_clip=1.0, zero=zero,
+                            precision=getattr(args, "precision", "fp32"), pipeline=pipeline,
+                            microbatches=2 * pipeline if pipeline > 1 else 1)
+    engine = fxspeed.compile(model, devices, config, example_inputs=(x, y))
     say(f"compiled in {time.perf_counter() - tc:.1f} s\n")
-    say(engine.plan.summary())
+    say(engine.plan.summary() if engine.plan is not None else _pipeline_summary(engine.describe()))
     say(flush=True)
 
     tokens = args.batch_size * args.seq_len
@@ -141,7 +151,7 @@ def _train(args: Any, devices: int, zero: int) -> int:
     tt = time.perf_counter()
     for step in bar:
         if step:
-            x, y = local_batch(get_batch(data, args.batch_size, args.seq_len, gen))
+            x, y = part(get_batch(data, args.batch_size, args.seq_len, gen))
         losses.append(engine.train_step(x, y))  # the mean over ranks: the global batch's loss
         elapsed = time.perf_counter() - tt
         bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens * (step + 1) / elapsed:,.0f}", refresh=False)
@@ -164,6 +174,12 @@ def _train(args: Any, devices: int, zero: int) -> int:
         if lead:
             print("\nsample:", repr(sample(model, data, args.sample, gen)))
     return 0
+
+
+def _pipeline_summary(d: dict) -> str:
+    lines = [f"stage {st['stage']}: {len(st['params'])} parameter tensors, {st['forward_nodes']} forward / "
+             f"{st['backward_nodes']} backward nodes, sends {st['send_f']} forward" for st in d["stages"]]
+    return "\n".join(lines + ["", d["schedule"].rstrip()])
 
 
 @torch.no_grad()
