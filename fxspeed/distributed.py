@@ -77,3 +77,10 @@ def check_same_everywhere(ctx: DistContext, what: str, value: str, fix: str) -> 
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
     if int(t[0]) != h or -int(t[1]) != h:  # same result on every rank: all take this path
         check_agreement(ctx, what, value, fix)  # names the ranks that differ
+
+
+def check_same_model(ctx: DistContext, model: Any, config: Any) -> None:
+    """Every rank must build the same model (parameter names, shapes, dtypes) and Config."""
+    shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    check_agreement(ctx, "the model and config", fingerprint(type(model).__name__, shapes, config.to_dict()),
+                    "every rank must build the same model (same parameter names, shapes, dtypes) and Config")

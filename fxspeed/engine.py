@@ -20,7 +20,7 @@ from .capture import LossFn, input_key, tensor_leaves
 from .compiler import compile_step
 from .config import Config
 from .devices import DeviceSpec
-from .distributed import check_agreement, check_same_everywhere, fingerprint, join
+from .distributed import check_same_everywhere, check_same_model, fingerprint, join
 from .errors import ConfigError, FxspeedError
 from .ir import Bucket, IOSpec, StepSignature
 from .plan import Plan
@@ -64,9 +64,7 @@ class Engine:
         self._options = {"world_size": self.dist.world, "zero": config.zero, "group_name": self.dist.group_name,
                          "bucket_bytes": int(config.bucket_mb * 2**20)}
         if self.dist.active:
-            shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
-            check_agreement(self.dist, "the model and config", fingerprint(type(model).__name__, shapes, config.to_dict()),
-                            "every rank must build the same model (same parameter names, shapes, dtypes) and Config")
+            check_same_model(self.dist, model, config)
 
     @property
     def rank(self) -> int:

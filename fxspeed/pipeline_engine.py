@@ -83,9 +83,7 @@ class PipelineEngine:
         self._owned: list[nn.Parameter] = []
         self._tied_groups: list[tuple[Any, list[int], nn.Parameter]] = []  # (group, ranks, param)
         self.plan = None
-        shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
-        check_agreement(self.dist, "the model and config", fingerprint(type(model).__name__, shapes, config.to_dict()),
-                        "every rank must build the same model (same parameter names, shapes, dtypes) and Config")
+        check_same_model(self.dist, model, config)
 
     @property
     def rank(self) -> int:
