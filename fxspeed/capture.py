@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator

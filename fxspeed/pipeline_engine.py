@@ -34,7 +34,7 @@ from .capture import LossFn, input_key, tensor_leaves
 from .compiler import compile_step
 from .config import Config
 from .devices import DeviceSpec
-from .distributed import check_agreement, fingerprint, join
+from .distributed import check_agreement, check_same_model, fingerprint, join
 from .engine import _optimizer_spec
 from .errors import ConfigError, FxspeedError
 from .ir import IOSpec

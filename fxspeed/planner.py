@@ -23,10 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
 from .config import Config
 from .cost_model import estimate_times, optimizer_time
