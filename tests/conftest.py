@@ -8,7 +8,6 @@ configured optimizer and its learning-rate schedule.
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any, Callable, Sequence
 
 import pytest

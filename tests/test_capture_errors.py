@@ -10,7 +10,6 @@ import os
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from conftest import assert_close_rel, assert_models_match, eager_train
 
 import fxspeed
