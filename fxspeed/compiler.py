@@ -50,7 +50,8 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     t1 = time.perf_counter()
     annotate = make_annotate_pass()
     known = [*ALL_PASSES, *(p.name for p in extra_passes)]
-    opts = {"precision": config.precision, "fp32_modules": tuple(config.fp32_modules), **(options or {})}
+    opts = {"precision": config.precision, "fp32_modules": tuple(config.fp32_modules),
+            "reduce_dtype": config.reduce_dtype, **(options or {})}
     ctx = PassContext(signature=cap.signature, module_of=cap.module_of, options=opts)
     local = PassManager(SINGLE_DEVICE_PASSES, analyses=[annotate], disabled=config.disable_passes, known=known)
     gm = local.ensure("annotate", local.run(cap.gm, ctx), ctx)

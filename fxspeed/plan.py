@@ -40,6 +40,7 @@ class Plan:
     # rank 0 bytes by category in each phase: "step" (graph peak, states resident), "optimizer"
     phase_memory: dict[str, dict[str, int]] = field(default_factory=dict)
     dtypes: dict[str, str] = field(default_factory=dict)  # tensor category -> dtype(s) it is held in
+    communication: dict[str, int] = field(default_factory=dict)  # bytes sent per rank per step, by collective
 
     # --- queries ---------------------------------------------------------------------------
     def memory(self, rank: int = 0) -> dict[str, int]:
@@ -105,6 +106,8 @@ class Plan:
             lines.append(f"  {'ZeRO paper model states':<26}{gb(self.zero_formula[0])}   ({k})")
         if self.dtypes:
             lines.append("  dtypes: " + "; ".join(f"{c} {d}" for c, d in self.dtypes.items()))
+        if self.communication:
+            lines.append("  communication per step: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in self.communication.items()))
         t = self.time
         lines += ["", f"time per step (predicted): {t['total'] * 1e3:,.2f} ms = forward {t['forward'] * 1e3:,.2f} + "
                   f"backward {t['backward'] * 1e3:,.2f} + optimizer {t['optimizer'] * 1e3:,.2f} + comm {t['communication'] * 1e3:,.2f}",

@@ -181,7 +181,8 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
 
     dev = devices[0]
     t_opt = optimizer_time(shard(t_bytes, 1), config.optimizer, dev)
-    comm_bytes = 0.0 if dp == 1 else (2 * (dp - 1) / dp * t_bytes if z < 3 else 3 * (dp - 1) / dp * t_bytes)
+    communication = communication_bytes(costs, config, dp)
+    comm_bytes = sum(communication.values())
     t_comm = comm_bytes / dev.link_bandwidth if dp > 1 and dev.link_bandwidth else 0.0
     fwd, bwd = costs.times.get("forward", 0.0), costs.times.get("backward", 0.0)
     flops = {"forward": int(round(costs.flops.get("forward", 0))), "backward": int(round(costs.flops.get("backward", 0)))}
@@ -204,7 +205,27 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
         flops=flops, passes=passes, timeline=timeline,
         notes=list(notes or []), zero_formula=[int(formula)] * n,
         phase_memory={"step": step_i, "optimizer": opt_i}, dtypes=category_dtypes(config),
+        communication={k: int(v) for k, v in communication.items()},
     )
+
+
+def communication_bytes(costs: GraphCosts, config: Config, dp: int) -> dict[str, float]:
+    """Bytes each rank sends per step (ring collectives: (N-1)/N of the buffer per pass).
+
+    gradient reduction: all-reduce = 2 passes (ZeRO-0/1), reduce-scatter = 1 pass (ZeRO-2/3);
+    ZeRO-1/2 all-gather updated shards after the step (1 pass); ZeRO-3 all-gathers parameters
+    twice (forward and backward), in the compute dtype under mixed precision."""
+    if dp == 1:
+        return {}
+    ring = (dp - 1) / dp
+    elem = {"fp32": 4, "bf16": 2, "fp16": 2}
+    grads = costs.trainable_bytes / 4 * elem[config.reduce_dtype]
+    out = {"gradient_reduction": (2 if config.zero < 2 else 1) * ring * grads}
+    if config.zero in (1, 2):
+        out["parameter_all_gather"] = ring * costs.trainable_bytes
+    if config.zero >= 3:
+        out["parameter_all_gather"] = 2 * ring * costs.param_bytes / 4 * elem[config.precision]
+    return out
 
 
 def category_dtypes(config: Config) -> dict[str, str]:
