@@ -1,7 +1,8 @@
 """FlatParameters: the model's trainable parameters laid out in the compiler's buckets, full
 or sharded per rank, and the tensors the optimizer steps for each ZeRO stage.
 
-    zero 0    full flat buckets on every rank; optimizer over the full buckets (DDP)
+    zero 0    full flat buckets on every rank; optimizer over the Parameters (views into them),
+              gradients as views into the reduced buckets (DDP with gradient_as_bucket_view)
     zero 1    full flat buckets; optimizer (and its states) over this rank's shard of each
               bucket; updated shards all-gathered back into the full buckets after the step
     zero 2    as zero 1, but the graph hands back only this rank's gradient shard
@@ -71,7 +72,12 @@ class FlatParameters:
 
     # --- what the optimizer steps -----------------------------------------------------------
     def optimizer_tensors(self) -> list[torch.Tensor]:
-        return [f for f in self.full] if self.zero == 0 else list(self.shards)  # type: ignore[misc]
+        if self.zero == 0:
+            # The Parameters themselves (views into the full buckets), with gradients that are
+            # views into the reduced buckets: the optimizer sees what it sees under DDP, and
+            # torch's CPU optimizers are faster on these than on whole 25 MB buckets.
+            return [self.params[n] for b in self.buckets for n in b.names]
+        return list(self.shards)
 
     def set_grads(self, reduced: dict[int, torch.Tensor]) -> None:
         """Attach the graph's reduced bucket outputs as .grad of the optimizer tensors.
@@ -83,7 +89,8 @@ class FlatParameters:
             k, t = reduced.popitem()
             b = self.buckets[k]
             if self.zero == 0:
-                self.full[k].grad = t  # type: ignore[union-attr]
+                for name, shape, off in zip(b.names, b.shapes, b.offsets):
+                    self.params[name].grad = t[off:off + _numel(shape)].view(shape)
             elif self.zero == 1:
                 lo, hi = self._range(b)
                 self.shards[k].grad = t[lo:hi].clone()  # keep only our shard; the full bucket dies
