@@ -40,7 +40,10 @@ def annotate(gm: fx.GraphModule, signature: StepSignature, module_of: dict[str, 
     for n in nodes:
         if n.op != "call_function":
             continue
-        role = FORWARD if n in forward else BACKWARD
+        # An element of a forward op's tuple that only backward reads (layer norm's mean/rstd,
+        # attention's logsumexp) is still produced by forward.
+        parent = n.args[0] if n.target is _getitem() and n.args and isinstance(n.args[0], fx.Node) else None
+        role = FORWARD if n in forward or (parent is not None and parent in forward) else BACKWARD
         module = module_of.get(n.name) if role == FORWARD else None
         if module is None:
             module = _module_from_inputs(n, param_module)
