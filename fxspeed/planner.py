@@ -277,13 +277,6 @@ def step_phase_series(costs: GraphCosts, config: Config, n_devices: int) -> list
     return out
 
 
-def build_plan(gm: fx.GraphModule, signature: StepSignature, *, model_name: str, config: Config,
-               devices: Sequence[DeviceSpec], passes: list[dict], notes: list[str] | None = None) -> Plan:
-    """The plan of one traced graph."""
-    return finish_plan(graph_costs(gm, signature, devices[0], grad_scale(config, len(devices))), model_name=model_name, config=config,
-                       devices=devices, passes=passes, notes=notes)
-
-
 # --------------------------------------------------------------------------------------------
 # Model -> Plan: meta models, repeated blocks
 # --------------------------------------------------------------------------------------------
@@ -383,5 +376,5 @@ def plan_model(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, d
                        passes=passes, notes=notes)
 
 
-__all__ = ["GraphCosts", "build_plan", "finish_plan", "graph_costs", "opt_factors", "plan_model",
+__all__ = ["GraphCosts", "finish_plan", "graph_costs", "opt_factors", "plan_model",
            "repeated_blocks", "trace_costs", "zero_paper_bytes"]
