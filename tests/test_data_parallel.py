@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.multiprocess import run_ranks
 from tests.workers.common import build_model, global_batches
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,13 +30,7 @@ def launch(n: int, out: Path, *args: str, timeout: int = 600) -> subprocess.Comp
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", "tests.workers.data_parallel_worker", "--out", str(out), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
-        # Seen once (CI run on a machine at load ~7): a rank aborted inside gloo's C++ with no
-        # Python error; not reproduced in 8 later runs. Retry once so that flake does not mask
-        # real failures, and say so in the output.
-        print("retrying after a gloo std::terminate in a rank:\n" + proc.stderr[-2000:])
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 

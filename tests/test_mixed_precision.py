@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import fxspeed
 from fxspeed.ir import META_KEY
 from fxspeed.models import GPT, GPTConfig
 from passes.insert_casts import LOW_OPS
+from tests.multiprocess import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 aten = torch.ops.aten
@@ -157,7 +157,7 @@ def test_on_two_ranks_an_overflow_on_one_rank_skips_everywhere_and_zero3_gathers
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "tests.workers.mixed_precision_worker", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in res:

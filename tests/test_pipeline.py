@@ -12,7 +12,6 @@ turns its float noise into ±lr steps) is masked.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from fxspeed.devices import normalize_devices
 from fxspeed.errors import ConfigError
 from fxspeed.passes.split_stages import split_stages
 from tests.workers.common import build_model, global_batches
+from tests.multiprocess import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -134,7 +134,7 @@ def launch(n: int, out: Path, *args: str, timeout: int = 900) -> float:
            "-m", "tests.workers.pipeline_worker", "--out", str(out), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return time.perf_counter() - t0
 
