@@ -24,7 +24,10 @@ def fxspeed(*args: str, env: dict | None = None, timeout: float = 120) -> subpro
 
 
 def probes(stdout: str) -> dict[int, str]:
-    return {int(m.group(1)): m.group(0) for m in re.finditer(r"probe rank=(\d+) .*", stdout)}
+    # Ranks share one stdout pipe, so two probes can land on one line: match each probe by its
+    # own fields rather than by line.
+    pattern = r"probe rank=(\d+) world=\d+ local=\d+ omp=\S+ args=\[[^\]]*\]"
+    return {int(m.group(1)): m.group(0) for m in re.finditer(pattern, stdout)}
 
 
 def test_run_starts_n_ranked_processes_and_passes_the_script_arguments_through() -> None:
