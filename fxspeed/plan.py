@@ -41,6 +41,8 @@ class Plan:
     phase_memory: dict[str, dict[str, int]] = field(default_factory=dict)
     dtypes: dict[str, str] = field(default_factory=dict)  # tensor category -> dtype(s) it is held in
     communication: dict[str, int] = field(default_factory=dict)  # bytes sent per rank per step, by collective
+    # pipeline parallelism: per stage modules, params, predicted time/memory; simulated bubble
+    pipeline: dict[str, Any] = field(default_factory=dict)
 
     # --- queries ---------------------------------------------------------------------------
     def memory(self, rank: int = 0) -> dict[str, int]:

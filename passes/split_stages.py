@@ -147,8 +147,10 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
     output = nodes[-1]
     outs = list(output.args[0])
     batch_ph = [ph for ph, s in zip(phs, sig.inputs) if s.kind == "input"]
-    state_ph = {ph: s for ph, s in zip(phs, sig.inputs) if s.kind in ("param", "buffer")}
-    other = [s for s in sig.inputs if s.kind not in ("param", "buffer", "input")]
+    # The fp16 loss scale is bound like a weight: a tensor the engine owns, read by the last
+    # stage's backward seed.
+    state_ph = {ph: s for ph, s in zip(phs, sig.inputs) if s.kind in ("param", "buffer", "loss_scale")}
+    other = [s for s in sig.inputs if s.kind not in ("param", "buffer", "input", "loss_scale")]
     if other:
         raise PipelineSplitError(f"graph inputs {other} are not supported by pipeline parallelism yet")
     if any(s.kind == "buffer_update" for s in sig.outputs):
@@ -358,6 +360,20 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
         b_grads = [(o, name) for o, name in grad_out if grad_stage[o] == s]
         b_outs = (bmsg[s - 1] if s > 0 else []) + [o for o, _ in b_grads]
         bgm = _build(gm, state, batch_ph, saved[s] + bmsg[s], bwd_local, b_outs, free)
+        i_nodes, w_nodes, carry = _split_backward(bwd_local, bmsg[s - 1] if s > 0 else [], [o for o, _ in b_grads])
+        igm = wgm = None
+        if w_nodes:
+            igm = _build(gm, state, batch_ph, saved[s] + bmsg[s], i_nodes, (bmsg[s - 1] if s > 0 else []) + carry,
+                         free)
+            wgm = _build(gm, state, batch_ph, saved[s] + bmsg[s] + carry, w_nodes, [o for o, _ in b_grads], free)
+        secs = lambda ns: sum(_cost(n, True) for n in ns)  # noqa: E731
+        predicted = {"forward": secs(fwd_local), "backward_input": secs(i_nodes) if w_nodes else secs(bwd_local),
+                     "backward_weight": secs(w_nodes),
+                     "params": float(sum(_nbytes(ph) // max(1, ph.meta["val"].element_size()) for ph in state
+                                         if state_ph[ph].kind == "param")),
+                     "param_bytes": float(sum(_nbytes(ph) for ph in state if state_ph[ph].kind == "param")),
+                     "saved_bytes": float(sum(_nbytes(n) for n in saved[s] + bmsg[s])),
+                     "send_bytes": float(sum(_nbytes(n) for n in fmsg[s + 1]))}
         programs.append(StageProgram(
             stage=s, n_stages=P, forward=fgm, backward=bgm, state=[state_ph[ph] for ph in state],
             n_batch=len(batch_ph), recv_f=[_meta(n) for n in fmsg[s]] if s > 0 else [],
@@ -366,8 +382,55 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
             send_b=[_meta(n) for n in bmsg[s - 1]] if s > 0 else [], grads=[name for _, name in b_grads],
             tied={state_ph[ph].target: sig.tied[state_ph[ph].target] for ph in state
                   if state_ph[ph].target in sig.tied} | {n: sig.tied[n] for _, n in b_grads if n in sig.tied},
-            nodes={"forward_nodes": len(fwd_local), "backward_nodes": len(bwd_local)}))
+            nodes={"forward_nodes": len(fwd_local), "backward_nodes": len(bwd_local)},
+            backward_input=igm, backward_weight=wgm, n_carry=len(carry), predicted=predicted,
+            modules=_modules(fwd_local)))
     return programs
+
+
+def _modules(nodes: list[fx.Node]) -> list[str]:
+    """The blocks (or top-level modules) a stage's forward runs, in order: ['wte', 'blocks.0']."""
+    out: list[str] = []
+    for n in nodes:
+        m = n.meta[META_KEY].module if META_KEY in n.meta else ""
+        u = _unit(m) or (m.split(".")[0] if m else None)
+        if u and u not in out:
+            out.append(u)
+    return out
+
+
+def _nbytes(n: fx.Node) -> int:
+    v = n.meta.get("val")
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def _split_backward(body: list[fx.Node], input_grads: list[fx.Node], param_grads: list[fx.Node]
+                    ) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node]]:
+    """Zero-bubble split of one stage's backward: (I nodes, W nodes, carry).
+
+    I = the nodes the input gradient (what the stage sends upstream) depends on; W = the rest,
+    i.e. the weight-gradient matmuls and reductions, which nothing upstream waits for. `carry`
+    are I's values W reads (and weight gradients that happen to be computed on I's path).
+
+        B: dx = g @ w ; dw = g.T @ x ; db = g.sum(0)     ->   I: dx = g @ w      W: dw = g.T @ x ; db = ...
+    """
+    local = set(body)
+    need: set[fx.Node] = set()
+    stack = [n for n in input_grads if n in local]
+    while stack:
+        n = stack.pop()
+        if n in need:
+            continue
+        need.add(n)
+        stack.extend(a for a in n.all_input_nodes if a in local)
+    for n in body:  # a tuple's getitems go with it, so no tuple crosses from I to W
+        if n.target is operator.getitem and n.args[0] in need:
+            need.add(n)
+    i_nodes = [n for n in body if n in need]
+    w_nodes = [n for n in body if n not in need]
+    w_set = set(w_nodes)
+    carry = [n for n in i_nodes if any(u in w_set for u in n.users) or n in param_grads]
+    return i_nodes, w_nodes, carry
 
 
 def _build(root: fx.GraphModule, state: list[fx.Node], batch: list[fx.Node], received: list[fx.Node],

@@ -1,9 +1,14 @@
 """Pipeline runtime: executes one rank's action list (runtime/schedule.py) over its stage programs.
 
-A stage s is two GraphModules made by the split_stages pass:
+A stage s is GraphModules made by the split_stages pass:
 
-    F_s(*state_s, *batch_mb, *recv_f)            -> (*send_f, *saved, [loss on the last stage])
-    B_s(*state_s, *batch_mb, *saved, *recv_b)    -> (*send_b, *param_grads)
+    F_s(*state_s, *batch_mb, *recv_f)                    -> (*send_f, *saved, [loss on the last stage])
+    B_s(*state_s, *batch_mb, *saved, *recv_b)            -> (*send_b, *param_grads)
+    I_s(*state_s, *batch_mb, *saved, *recv_b)            -> (*send_b, *carry)       (zero-bubble split)
+    W_s(*state_s, *batch_mb, *saved, *recv_b, *carry)    -> (*param_grads)
+
+I_s holds only the backward nodes the input gradient (send_b) depends on; W_s the rest (the
+weight gradients), reading what I_s computed for it (`carry`). B = I then W.
 
 `state_s` are the stage's parameters (and read-only buffers), bound once; `batch_mb` is the
 micro-batch's tensors (every stage gets them: a stage reads only what it needs); `recv_f` are
@@ -16,13 +21,17 @@ deadlocks 1F1B); a recv blocks until its message arrived. Each tensor of a messa
 own tag (direction, edge, micro-batch, index), so messages between two ranks cannot be
 confused whatever order the transport delivers them in.
 
-This module never decides anything: it runs the schedule and accumulates gradients.
+This module never decides anything: it runs the schedule and accumulates gradients. It
+records when each compute action ran (`PipelineRuntime.timeline`, perf_counter seconds from
+the start of the step), so the engine can report busy/idle time per rank and per stage.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -56,6 +65,11 @@ class StageProgram:
     recv_b: list[TensorMeta]         # gradient message from stage + 1
     send_b: list[TensorMeta]         # gradient message to stage - 1
     grads: list[str]                 # parameter names of B's outputs after send_b
+    backward_input: fx.GraphModule | None = None   # I_s; None: I runs B_s whole and W is a no-op
+    backward_weight: fx.GraphModule | None = None  # W_s
+    n_carry: int = 0                 # I_s outputs after send_b that W_s reads
+    predicted: dict[str, float] = field(default_factory=dict)  # planner seconds: forward, backward_input, ...
+    modules: list[str] = field(default_factory=list)  # blocks / top-level modules the forward runs
     tied: dict[str, str] = field(default_factory=dict)  # alias -> canonical, for names this stage uses
     nodes: dict[str, int] = field(default_factory=dict)  # forward/backward node counts, for reports
 
@@ -67,7 +81,9 @@ class StageProgram:
         return {"stage": self.stage, "params": [s.target for s in self.state if s.kind == "param"],
                 "recv_f": [list(m.shape) for m in self.recv_f], "send_f": [list(m.shape) for m in self.send_f],
                 "saved": self.n_saved, "recv_b": [list(m.shape) for m in self.recv_b],
-                "send_b": [list(m.shape) for m in self.send_b], "grads": list(self.grads), **self.nodes}
+                "send_b": [list(m.shape) for m in self.send_b], "grads": list(self.grads),
+                "split_backward": self.backward_input is not None, "carry": self.n_carry,
+                "predicted_s": dict(self.predicted), **self.nodes}
 
 
 def _tag(direction: int, edge: int, mb: int, idx: int, n_mb: int) -> int:
@@ -79,11 +95,13 @@ class PipelineRuntime:
     """Runs the actions of one rank. `bind(spec)` gives the live tensor of a state input."""
 
     def __init__(self, programs: dict[int, StageProgram], n_microbatches: int,
-                 bind: Callable[[IOSpec], torch.Tensor], group: Any = None):
+                 bind: Callable[[IOSpec], torch.Tensor], group: Any = None, peers: list[int] | None = None):
         self.programs = programs
         self.M = n_microbatches
         self.group = group
+        self.peers = peers  # global rank of each pipeline position (schedules name positions)
         self._state = {s: [bind(spec) for spec in p.state] for s, p in programs.items()}
+        self.timeline: list[tuple[str, int, int, float, float]] = []  # (kind, stage, mb, start, end)
         for p in programs.values():
             if len(p.send_f) > 256 or len(p.send_b) > 256:
                 raise ValueError(f"stage {p.stage} sends more than 256 tensors per message; not supported")
@@ -102,10 +120,19 @@ class PipelineRuntime:
         recv_b: dict[tuple[int, int], list[torch.Tensor]] = {}
         send_b: dict[tuple[int, int], list[torch.Tensor]] = {}
         pending: list[tuple[Any, torch.Tensor]] = []
+        weight_work: dict[tuple[int, int], list[torch.Tensor]] = {}  # I done, W pending: W's inputs
         grads: dict[str, torch.Tensor] = {}
         loss: torch.Tensor | None = None
+        self.timeline = []
+        t0 = time.perf_counter()
+
+        def add_grads(p: StageProgram, gs: list[torch.Tensor]) -> None:
+            for name, g in zip(p.grads, gs):
+                grads[name] = g if name not in grads else grads[name] + g
+
         for a in actions:
             s, m = a.stage, a.microbatch
+            start = time.perf_counter()
             if a.kind == F:
                 p = self.programs[s]
                 ins = [*self._state[s], *microbatches[m], *(recv_f.pop((s, m)) if s > 0 else [])]
@@ -120,21 +147,26 @@ class PipelineRuntime:
                     loss = lm.clone() if loss is None else loss + lm
                 del outs, ins
             elif a.kind in (B, I):
-                # I (input gradient) runs the whole backward; the matching W is then a no-op.
                 p = self.programs[s]
                 ins = [*self._state[s], *microbatches[m], *saved.pop((s, m)),
                        *(recv_b.pop((s, m)) if s < p.n_stages - 1 else [])]
+                split = a.kind == I and p.backward_input is not None
                 with torch.no_grad():
-                    outs = list(p.backward(*ins))
-                del ins
+                    outs = list((p.backward_input if split else p.backward)(*ins))
                 k = len(p.send_b)
                 if s > 0:
                     send_b[(s, m)] = outs[:k]
-                for name, g in zip(p.grads, outs[k:]):
-                    grads[name] = g if name not in grads else grads[name] + g
-                del outs
+                if split:
+                    # W reads the same inputs plus what I computed for it; they stay alive until W.
+                    weight_work[(s, m)] = [*ins, *outs[k:]]
+                else:  # B, or I of a stage without a split: the whole backward ran, W is a no-op
+                    add_grads(p, outs[k:])
+                del ins, outs
             elif a.kind == W:
-                pass
+                p = self.programs[s]
+                if p.backward_weight is not None and (s, m) in weight_work:
+                    with torch.no_grad():
+                        add_grads(p, list(p.backward_weight(*weight_work.pop((s, m)))))
             elif a.kind == SEND_F:
                 pending += self._send(send_f.pop((s, m)), a.peer, 0, s, m)
             elif a.kind == SEND_B:
@@ -152,12 +184,18 @@ class PipelineRuntime:
                 pending.clear()
                 if on_step is not None:
                     on_step()
+            if a.kind in (F, B, I, W):
+                self.timeline.append((a.kind, s, m, start - t0, time.perf_counter() - t0))
         leftovers = [name for name, d in (("saved", saved), ("recv_f", recv_f), ("recv_b", recv_b),
-                                          ("send_f", send_f), ("send_b", send_b)) if d]
+                                          ("send_f", send_f), ("send_b", send_b), ("weight_work", weight_work))
+                     if d]
         if leftovers:
             raise RuntimeError(f"pipeline step ended with unconsumed {leftovers}: the schedule does not match "
                                "the stage programs")
         return loss, grads
+
+    def _global(self, position: int) -> int:
+        return self.peers[position] if self.peers is not None else position
 
     def _send(self, tensors: list[torch.Tensor], peer: int, direction: int, edge: int, mb: int
               ) -> list[tuple[Any, torch.Tensor]]:
@@ -167,7 +205,7 @@ class PipelineRuntime:
             if t.dtype == torch.bool:
                 t = t.to(torch.uint8)
             t = t.contiguous()
-            works.append((dist.isend(t, peer, group=self.group, tag=_tag(direction, edge, mb, i, self.M)), t))
+            works.append((dist.isend(t, self._global(peer), group=self.group, tag=_tag(direction, edge, mb, i, self.M)), t))
         return works
 
     def _recv(self, metas: list[TensorMeta], peer: int, direction: int, edge: int, mb: int) -> list[torch.Tensor]:
@@ -175,7 +213,7 @@ class PipelineRuntime:
         for i, meta in enumerate(metas):
             dtype = torch.uint8 if meta.dtype == torch.bool else meta.dtype
             buf = torch.empty(meta.shape, dtype=dtype)
-            works.append(dist.irecv(buf, peer, group=self.group, tag=_tag(direction, edge, mb, i, self.M)))
+            works.append(dist.irecv(buf, self._global(peer), group=self.group, tag=_tag(direction, edge, mb, i, self.M)))
             bufs.append(buf)
         for w in works:
             w.wait()

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.multiprocess import run_ranks
-from tests.workers.common import build_model, global_batches
+from tests.workers.common import build_model, global_batches, key_bias_masked
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -33,14 +33,6 @@ def launch(n: int, out: Path, *args: str, timeout: int = 600) -> subprocess.Comp
     proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
-
-
-def key_bias_masked(name: str, t: torch.Tensor) -> torch.Tensor:
-    if name.endswith(("qkv.bias", "c_attn.bias")):
-        t = t.clone()
-        c = t.numel() // 3
-        t[c:2 * c] = 0
-    return t
 
 
 def assert_parity(path: Path, name: str, optimizer: str, ref: tuple[list[float], dict[str, torch.Tensor]]) -> None:

@@ -8,13 +8,15 @@ from fxspeed.models import GPT, GPTConfig
 
 
 def build_model(name: str) -> torch.nn.Module:
+    """'gpt' / 'gpt2': 2 blocks; 'gpt6' / 'gpt2-6': 6 blocks (enough stages for P=4 interleaved)."""
     torch.manual_seed(0)
-    if name == "gpt":
-        return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
-    if name == "gpt2":
+    layers = 6 if name.endswith("6") else 2
+    if name in ("gpt", "gpt6"):
+        return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=layers, n_head=2, n_embd=32))
+    if name in ("gpt2", "gpt2-6"):
         import transformers
 
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+        cfg = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return transformers.GPT2LMHeadModel(cfg)
     raise ValueError(name)
@@ -26,5 +28,16 @@ def global_batches(name: str, steps: int, batch: int = 8, seq: int = 16) -> list
     for _ in range(steps):
         x = torch.randint(0, 64, (batch, seq), generator=g)
         y = torch.randint(0, 64, (batch, seq), generator=g)
-        out.append((x, y) if name == "gpt" else {"input_ids": x, "labels": x})
+        out.append({"input_ids": x, "labels": x} if name.startswith("gpt2") else (x, y))
     return out
+
+
+def key_bias_masked(name: str, t: torch.Tensor) -> torch.Tensor:
+    """The key third of a QKV bias zeroed: its true gradient is exactly zero (softmax ignores a
+    per-row shift), so under Adam its float noise becomes +-lr steps that differ between
+    mathematically equal programs. Parity checks compare everything else."""
+    if name.endswith(("qkv.bias", "c_attn.bias")):
+        t = t.clone()
+        c = t.numel() // 3
+        t[c:2 * c] = 0
+    return t

@@ -1,9 +1,11 @@
-"""Run under torch.distributed.run with N = pipeline ranks: trains the tiny GPT (tied wte/head)
-with fxspeed pipeline parallelism for each requested (schedule, micro-batches) and writes, per
-rank, the losses and the parameters the rank holds to --out/{schedule}_m{M}_rank{r}.pt.
+"""Run under torch.distributed.run with N = pipeline x data-parallel ranks: trains a tiny model
+(the GPT with tied wte/head, or GPT2LMHeadModel) with fxspeed pipeline parallelism for each
+requested (schedule, micro-batches) and writes, per rank, the losses and the parameters the rank
+holds to --out/{schedule}_m{M}_rank{r}.pt.
 
-Every rank passes the same full batch. The test merges the ranks' parameters and compares
-with one eager process on the whole batch.
+The ranks of one pipeline pass the same batch: their replica's slice of the global batch
+(fxspeed.data.local_batch with the engine's dp_rank / dp_size). The test merges one
+pipeline's parameters and compares with one process on the whole global batch.
 """
 
 from __future__ import annotations
@@ -15,13 +17,18 @@ import torch
 import torch.distributed as dist
 
 import fxspeed
+from fxspeed.data import local_batch
 from tests.workers.common import build_model, global_batches
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gpt", choices=("gpt", "gpt2", "gpt6", "gpt2-6"))
     ap.add_argument("--schedules", default="gpipe,1f1b")
     ap.add_argument("--microbatches", default="")  # comma list; default P and 2P
+    ap.add_argument("--pipeline", type=int, default=0, help="pipeline degree (default: every rank)")
+    ap.add_argument("--zero", type=int, default=0)
+    ap.add_argument("--precision", default="fp32")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--grad-clip", type=float, default=None)
     ap.add_argument("--out", required=True)
@@ -29,17 +36,24 @@ def main() -> None:
     os.environ.setdefault("FXSPEED_BACKEND", "gloo")
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
-    mbs = [int(m) for m in a.microbatches.split(",")] if a.microbatches else [world, 2 * world]
-    batches = global_batches("gpt", a.steps)
+    P = a.pipeline or world
+    mbs = [int(m) for m in a.microbatches.split(",")] if a.microbatches else [P, 2 * P]
+    batches = global_batches(a.model, a.steps)
     for sched in a.schedules.split(","):
         for M in mbs:
-            model = build_model("gpt")
-            cfg = fxspeed.Config(pipeline=world, microbatches=M, schedule=sched, lr=1e-2, optimizer="adamw",
-                                 grad_clip=a.grad_clip)
-            engine = fxspeed.compile(model, world, cfg, example_inputs=batches[0])
-            losses = [engine.train_step(*b) for b in batches]
+            model = build_model(a.model)
+            cfg = fxspeed.Config(pipeline=P, microbatches=M, schedule=sched, lr=1e-2, optimizer="adamw",
+                                 grad_clip=a.grad_clip, zero=a.zero, precision=a.precision)
+            rank, dp_size = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"]), world // P
+            mine = [local_batch(b, rank // P, dp_size) for b in batches]
+            engine = fxspeed.compile(model, world, cfg, example_inputs=mine[0])
+            assert (engine.dp_rank, engine.dp_size) == (rank // P, dp_size)
+            losses = [engine.train_step(*b) if isinstance(b, tuple) else engine.train_step(**b) for b in mine]
             state = {k: v.clone() for k, v in engine.state_dict().items()}
-            torch.save({"losses": losses, "state": state, "stages": engine.stages,
+            low = {n.meta["val"].dtype for p in engine.programs for n in p.forward.graph.nodes
+                   if n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)}
+            torch.save({"losses": losses, "state": state, "stages": engine.stages, "stats": dict(engine.stats),
+                        "matmul_dtypes": sorted(str(d) for d in low), "plan": engine.plan.pipeline,
                         "describe": engine.describe() if dist.get_rank() == 0 else None},
                        os.path.join(a.out, f"{sched}_m{M}_rank{dist.get_rank()}.pt"))
             dist.barrier()
