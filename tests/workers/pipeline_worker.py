@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--grad-clip", type=float, default=None)
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="also: save after 2 steps, resume a fresh engine from it, record both runs' losses")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     os.environ.setdefault("FXSPEED_BACKEND", "gloo")
@@ -57,7 +59,29 @@ def main() -> None:
                         "describe": engine.describe() if dist.get_rank() == 0 else None},
                        os.path.join(a.out, f"{sched}_m{M}_rank{dist.get_rank()}.pt"))
             dist.barrier()
+            if a.checkpoint:
+                resume_check(a, model_name=a.model, world=world, cfg=cfg, batches=mine, tag=f"{sched}_m{M}")
     dist.destroy_process_group()
+
+
+def resume_check(a: argparse.Namespace, *, model_name: str, world: int, cfg: fxspeed.Config, batches: list,
+                 tag: str) -> None:
+    """Losses of steps 3.. of an uninterrupted run and of a fresh engine loaded from a step-2 checkpoint."""
+    step = lambda e, b: e.train_step(*b) if isinstance(b, tuple) else e.train_step(**b)  # noqa: E731
+    ckpt = os.path.join(a.out, f"ckpt_{tag}")
+    engine = fxspeed.compile(build_model(model_name), world, cfg, example_inputs=batches[0])
+    for b in batches[:2]:
+        step(engine, b)
+    engine.save(ckpt)
+    straight = [step(engine, b) for b in batches[2:]]
+    fresh = fxspeed.compile(build_model(model_name), world, cfg, example_inputs=batches[0])
+    fresh.load(ckpt)
+    resumed = [step(fresh, b) for b in batches[2:]]
+    state = {k: v.clone() for k, v in fresh.state_dict().items()}
+    same = all(torch.equal(v, engine.state_dict()[k]) for k, v in state.items())
+    torch.save({"straight": straight, "resumed": resumed, "same_params": same},
+               os.path.join(a.out, f"resume_{tag}_rank{dist.get_rank()}.pt"))
+    dist.barrier()
 
 
 if __name__ == "__main__":
