@@ -179,6 +179,7 @@ class PipelineEngine:
         self.plan = finish_plan(compiled.costs, model_name=type(self.model).__name__, config=cfg,
                                 devices=self.devices[:1], passes=[r.to_dict() for r in compiled.records])
         self.plan.pipeline = self.pipeline_report()
+        self._per_rank_memory()
         log.info("fxspeed: pipeline %d stages x %d micro-batches (%s) x %d replicas; rank %d runs stages %s",
                  n_stages, self.M, sched.name, self.dp_size, self.rank, self.stages)
 
@@ -380,6 +381,24 @@ class PipelineEngine:
         return {"schedule": self.schedule.name, "stages_n": len(self.programs), "microbatches": self.M,
                 "replicas": self.dp_size, "stages": stages, "bubble": sim.bubble, "step_s": sim.step_time,
                 "idle_fraction": [i / sim.step_time if sim.step_time else 0.0 for i in sim.idle]}
+
+    def _per_rank_memory(self) -> None:
+        """plan.rank_memory per rank from its stages (the captured graph is the whole model's)."""
+        from .ir import ACTIVATIONS, GRADIENTS, OPTIMIZER_STATES, PARAMETERS
+
+        by_pos: dict[int, dict[str, int]] = {}
+        for st in self.plan.pipeline["stages"]:
+            m = st["memory_bytes"]
+            d = by_pos.setdefault(st["rank"], {})
+            for cat, key in ((PARAMETERS, "parameters"), (GRADIENTS, "gradients"),
+                             (OPTIMIZER_STATES, "optimizer_states")):
+                d[cat] = d.get(cat, 0) + int(m[key])
+            d[ACTIVATIONS] = int(m["activations"])  # the simulator's peak is per rank already
+        self.plan.rank_memory = [by_pos.get(g % self.P, {}) for g in range(self.world_size)]
+        self.plan.peak_phase = ["step"] * self.world_size
+        self.plan.devices = [self.plan.devices[0]] * self.world_size
+        self.plan.notes.append("pipeline: per-rank memory = the rank's stages' weights, gradients, optimizer "
+                               "states (sharded over replicas under ZeRO-1) and the simulated activation peak")
 
     def measured_costs(self) -> "Any":
         """simulator.Costs from the last step's measured per-micro-batch stage times (all ranks)."""

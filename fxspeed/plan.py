@@ -114,6 +114,20 @@ class Plan:
         lines += ["", f"time per step (predicted): {t['total'] * 1e3:,.2f} ms = forward {t['forward'] * 1e3:,.2f} + "
                   f"backward {t['backward'] * 1e3:,.2f} + optimizer {t['optimizer'] * 1e3:,.2f} + comm {t['communication'] * 1e3:,.2f}",
                   f"FLOPs per step: {self.flops['total'] / 1e12:,.3f} TFLOP (forward {self.flops['forward'] / 1e12:,.3f})"]
+        if self.pipeline:
+            pp = self.pipeline
+            lines += ["", f"pipeline: {pp['stages_n']} stages, schedule {pp['schedule']}, {pp['microbatches']} "
+                      f"micro-batches, {pp['replicas']} replica(s); simulated bubble {pp['bubble']:.3f}, "
+                      f"step {pp['step_s'] * 1e3:,.2f} ms (costs of one micro-batch)",
+                      f"  {'stage':<6}{'rank':>5}{'params':>12}{'fwd ms':>9}{'bwd ms':>9}{'weights+grads+opt':>19}"
+                      f"{'act peak':>10}  modules"]
+            for st in pp["stages"]:
+                m = st["memory_bytes"]
+                w = m["parameters"] + m["gradients"] + m["optimizer_states"]
+                mods = st["modules"]
+                shown = ", ".join(mods if len(mods) <= 4 else [mods[0], mods[1], "...", mods[-1]])
+                lines.append(f"  {st['stage']:<6}{st['rank']:>5}{st['params']:>12,}{st['forward_s'] * 1e3:9.2f}"
+                             f"{st['backward_s'] * 1e3:9.2f}{gb(w):>19}{m['activations'] / 1e6:8.1f}MB  {shown}")
         if self.symbolic:
             lines += ["", "symbolic (fitted over dynamic dims " + ", ".join(f"{k}∈{v}" for k, v in self.dynamic.items()) + "):"]
             for k, v in self.symbolic.items():

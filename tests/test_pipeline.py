@@ -247,6 +247,18 @@ def test_pipeline_2_ranks_every_schedule_matches_eager(tmp_path: Path, model: st
     for sched in EVERY_SCHEDULE:
         for M in (2, 4):
             assert_parity(tmp_path, f"{sched}_m{M}", 2, ref)
+    # The plan shows each stage's modules, parameters, predicted time and memory, and the bubble.
+    got = torch.load(tmp_path / "1f1b_m4_rank0.pt")
+    plan = got["plan"]
+    assert [st["rank"] for st in plan["stages"]] == [0, 1] and 0 < plan["bubble"] < 1
+    assert plan["stages"][0]["modules"][-1].endswith(".0") and plan["stages"][1]["modules"][0].endswith(".1")
+    m = build_model(model)
+    n_params = sum(p.numel() for p in m.parameters())
+    tied = (m.wte if model == "gpt" else m.transformer.wte).weight.numel()  # held (and counted) by both stages
+    assert sum(st["params"] for st in plan["stages"]) == n_params + tied
+    assert all(st["forward_s"] > 0 and st["backward_s"] > 0 for st in plan["stages"])
+    assert "pipeline: 2 stages, schedule 1f1b" in got["summary"]
+    assert got["rank_memory"]["parameters"] == plan["stages"][0]["memory_bytes"]["parameters"]
 
 
 @pytest.mark.slow

@@ -56,6 +56,7 @@ def main() -> None:
                    if n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)}
             torch.save({"losses": losses, "state": state, "stages": engine.stages, "stats": dict(engine.stats),
                         "matmul_dtypes": sorted(str(d) for d in low), "plan": engine.plan.pipeline,
+                        "summary": engine.plan.summary(), "rank_memory": engine.plan.memory(dist.get_rank()),
                         "describe": engine.describe() if dist.get_rank() == 0 else None},
                        os.path.join(a.out, f"{sched}_m{M}_rank{dist.get_rank()}.pt"))
             dist.barrier()
