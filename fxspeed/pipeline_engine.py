@@ -465,6 +465,11 @@ class PipelineEngine:
             self.scaler.load_state_dict(ck["scaler"])
         self.stats.update(ck["stats"])
 
+    def eval_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("eval_step is not implemented for pipeline parallelism yet (it needs a forward-only "
+                                  "capture split like the training step); evaluate with a devices=1 engine on the "
+                                  "merged state_dict() of the pipeline's ranks")
+
     def describe(self) -> dict[str, Any]:
         return {"schedule": self.schedule.format() if self.schedule else None,
                 "stages": [p.describe() for p in self.programs]}
