@@ -38,7 +38,7 @@ from fxspeed.runtime import build_optimizer
 from fxspeed.runtime.flat_parameters import FlatParameters
 from fxspeed.runtime.loss_scale import DynamicLossScaler
 from fxspeed.runtime.pipeline import PipelineRuntime, StageProgram
-from fxspeed.runtime.schedule import Schedule, validate
+from fxspeed.runtime.schedule import F, RECV_F, SEND_F, STEP, Action, Schedule, validate
 
 from .capture import LossFn, input_key, tensor_leaves
 from .compiler import compile_step
@@ -96,6 +96,8 @@ class PipelineEngine:
         self.programs: list[StageProgram] = []
         self._key: tuple | None = None
         self._runtime: PipelineRuntime | None = None
+        self._eval_runtime: PipelineRuntime | None = None
+        self._freed_shapes: dict[int, tuple[int, ...]] = {}  # id(Parameter) -> shape, for other stages' weights
         self._owned: list[nn.Parameter] = []
         self._owned_names: list[str] = []
         self._tied_groups: list[tuple[Any, list[int], nn.Parameter]] = []  # (group, global ranks, param)
@@ -215,6 +217,7 @@ class PipelineEngine:
         with torch.no_grad():
             for pid, (_, p) in by_id.items():
                 if pid not in mine:
+                    self._freed_shapes[pid] = tuple(p.shape)
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         tensors: list[torch.Tensor] = list(self._owned)
         if self.config.zero == 1 and self.dp_size > 1:
@@ -274,13 +277,7 @@ class PipelineEngine:
         for t in self._opt_tensors():
             t.grad = None
         self.stats["steps"] += 1
-        last = self.pipe_ranks[self.schedule.placement[-1]]
-        out = (loss / self.M).detach().float().clone() if loss is not None else torch.zeros((), dtype=torch.float32)
-        dist.broadcast(out, src=last, group=self.pipe_group)
-        if self.dp_group is not None:
-            dist.all_reduce(out, group=self.dp_group)
-            out /= self.dp_size
-        return float(out)
+        return self._global_mean(loss)
 
     def _opt_tensors(self) -> list[torch.Tensor]:
         return self._flat.optimizer_tensors() if self._flat is not None else list(self._owned)
@@ -465,10 +462,66 @@ class PipelineEngine:
             self.scaler.load_state_dict(ck["scaler"])
         self.stats.update(ck["stats"])
 
-    def eval_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("eval_step is not implemented for pipeline parallelism yet (it needs a forward-only "
-                                  "capture split like the training step); evaluate with a devices=1 engine on the "
-                                  "merged state_dict() of the pipeline's ranks")
+    @torch.no_grad()
+    def eval_step(self, *args: Any, **kwargs: Any) -> float:
+        """Forward only through the pipeline, model in eval mode (no dropout); returns the mean
+        loss over the global batch on every rank. The model must return a loss (or loss_fn be
+        set). The first call captures the eval graph and splits it at the training split's
+        module boundaries, so every rank runs the same stages with the weights it holds."""
+        self.compile(args, kwargs)
+        if self._eval_runtime is None:
+            self._eval_runtime = self._compile_eval(args, kwargs)
+        micro = [tensor_leaves(a, kw) for a, kw in split_batch(args, kwargs, self.M)]
+        actions = [a for a in self.schedule.actions[self.position] if a.kind in (F, SEND_F, RECV_F)]
+        loss, _ = self._eval_runtime.run(actions + [Action(STEP)], micro, forward_only=True)
+        return self._global_mean(loss)
+
+    def _compile_eval(self, args: tuple, kwargs: dict) -> PipelineRuntime:
+        from fxspeed.passes.split_stages import split_stages
+
+        margs, mkw = split_batch(args, kwargs, self.M)[0]
+        cfg = dataclasses.replace(self.config, disable_passes=tuple({*self.config.disable_passes,
+                                                                      "dedupe_tied_parameters"}),
+                                  pipeline=1, microbatches=1, schedule="1f1b", zero=0)
+        # Other stages' weights were freed; tracing needs only their shapes: meta stand-ins
+        # (one per Parameter, so tied weights stay tied) are swapped in for the capture.
+        stand_in: dict[int, nn.Parameter] = {}
+        swapped: list[tuple[dict, str, nn.Parameter]] = []
+        was_training = self.model.training
+        try:
+            for mod in self.model.modules():
+                for name, t in list(mod._parameters.items()):
+                    if t is not None and id(t) in self._freed_shapes:
+                        if id(t) not in stand_in:
+                            stand_in[id(t)] = nn.Parameter(torch.empty(self._freed_shapes[id(t)], dtype=t.dtype,
+                                                                        device="meta"), requires_grad=t.requires_grad)
+                        swapped.append((mod._parameters, name, t))
+                        mod._parameters[name] = stand_in[id(t)]
+            self.model.eval()
+            cap = compile_step(self.model, margs, mkw, config=cfg, loss_fn=self.loss_fn, train=False, options={},
+                               devices=None).captured
+        finally:
+            self.model.train(was_training)
+            for store, name, t in swapped:
+                store[name] = t
+        if not any(s.kind == "loss" for s in cap.signature.outputs):
+            raise ConfigError(f"eval_step under pipeline parallelism needs a loss: {type(self.model).__name__} "
+                              "returns no loss for this batch; pass targets or compile with loss_fn=")
+        starts = [p.starts_at for p in self.programs[1:]]
+        progs = split_stages(cap.gm, cap.signature, len(self.programs), split_points=starts,
+                             model_name=type(self.model).__name__)
+        mine = {s: progs[s] for s in self.stages}
+        return PipelineRuntime(mine, self.M, self._bind, group=self.pipe_group, peers=self.pipe_ranks)
+
+    def _global_mean(self, loss: torch.Tensor | None) -> float:
+        """Mean micro-batch loss from the last stage, on every rank, averaged over replicas."""
+        last = self.pipe_ranks[self.schedule.placement[-1]]
+        out = (loss / self.M).detach().float().clone() if loss is not None else torch.zeros((), dtype=torch.float32)
+        dist.broadcast(out, src=last, group=self.pipe_group)
+        if self.dp_group is not None:
+            dist.all_reduce(out, group=self.dp_group)
+            out /= self.dp_size
+        return float(out)
 
     def describe(self) -> dict[str, Any]:
         return {"schedule": self.schedule.format() if self.schedule else None,

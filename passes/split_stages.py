@@ -98,8 +98,8 @@ def candidate_cuts(fwd: list[fx.Node], split_points: Sequence[str] | None = None
             last_block = i
     if last_block is not None:
         after = next((i for i in range(last_block + 1, len(mods)) if mods[i] and _unit(mods[i]) is None), None)
-        if after is not None:
-            cuts.append((after, mods[after].split(".")[0]))
+        if after is not None:  # the full path: 'transformer.ln_f', not the 'transformer' that also holds wte
+            cuts.append((after, mods[after]))
     else:
         prev = None
         for i, m in enumerate(mods):
@@ -192,6 +192,7 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
     use_time = any(_cost(n, True) > 0 for n in fwd_seq)
     costs = [_cost(n, use_time) for n in fwd_seq]
     cuts = [p for p, _ in cands] if split_points else choose_cuts(costs, [p for p, _ in cands], P)
+    cut_names = dict(cands)
     stage: dict[fx.Node, int] = {}
     s = 0
     for i, n in enumerate(fwd_seq):
@@ -384,7 +385,7 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
                   if state_ph[ph].target in sig.tied} | {n: sig.tied[n] for _, n in b_grads if n in sig.tied},
             nodes={"forward_nodes": len(fwd_local), "backward_nodes": len(bwd_local)},
             backward_input=igm, backward_weight=wgm, n_carry=len(carry), predicted=predicted,
-            modules=_modules(fwd_local)))
+            modules=_modules(fwd_local), starts_at=cut_names[cuts[s - 1]] if s > 0 else ""))
     return programs
 
 
@@ -393,7 +394,7 @@ def _modules(nodes: list[fx.Node]) -> list[str]:
     out: list[str] = []
     for n in nodes:
         m = n.meta[META_KEY].module if META_KEY in n.meta else ""
-        u = _unit(m) or (m.split(".")[0] if m else None)
+        u = _unit(m) or m or None
         if u and u not in out:
             out.append(u)
     return out

@@ -70,6 +70,7 @@ class StageProgram:
     n_carry: int = 0                 # I_s outputs after send_b that W_s reads
     predicted: dict[str, float] = field(default_factory=dict)  # planner seconds: forward, backward_input, ...
     modules: list[str] = field(default_factory=list)  # blocks / top-level modules the forward runs
+    starts_at: str = ""              # the module the stage's cut is at (a split point reproducing it)
     tied: dict[str, str] = field(default_factory=dict)  # alias -> canonical, for names this stage uses
     nodes: dict[str, int] = field(default_factory=dict)  # forward/backward node counts, for reports
 
@@ -108,11 +109,12 @@ class PipelineRuntime:
 
     # --- one step --------------------------------------------------------------------------
     def run(self, actions: list[Action], microbatches: list[list[torch.Tensor]],
-            on_reduce: Callable[[int], None] | None = None, on_step: Callable[[], None] | None = None
-            ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+            on_reduce: Callable[[int], None] | None = None, on_step: Callable[[], None] | None = None,
+            forward_only: bool = False) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """Execute `actions`; returns (sum of micro-batch losses or None, summed gradients by name).
 
         `on_reduce(stage)` runs at REDUCE, `on_step()` at STEP after every send completed.
+        `forward_only`: the actions are F / SEND_F / RECV_F (+ STEP) and nothing is kept for a backward.
         """
         recv_f: dict[tuple[int, int], list[torch.Tensor]] = {}
         send_f: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -141,7 +143,8 @@ class PipelineRuntime:
                 k = len(p.send_f)
                 if s < p.n_stages - 1:
                     send_f[(s, m)] = outs[:k]
-                saved[(s, m)] = outs[k:k + p.n_saved]
+                if not forward_only:
+                    saved[(s, m)] = outs[k:k + p.n_saved]
                 if p.has_loss:
                     lm = outs[k + p.n_saved].detach()
                     loss = lm.clone() if loss is None else loss + lm

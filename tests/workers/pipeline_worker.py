@@ -52,11 +52,13 @@ def main() -> None:
             assert (engine.dp_rank, engine.dp_size) == (rank // P, dp_size)
             losses = [engine.train_step(*b) if isinstance(b, tuple) else engine.train_step(**b) for b in mine]
             state = {k: v.clone() for k, v in engine.state_dict().items()}
+            ev = mine[0]
+            eval_loss = engine.eval_step(*ev) if isinstance(ev, tuple) else engine.eval_step(**ev)
             low = {n.meta["val"].dtype for p in engine.programs for n in p.forward.graph.nodes
                    if n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)}
             torch.save({"losses": losses, "state": state, "stages": engine.stages, "stats": dict(engine.stats),
                         "matmul_dtypes": sorted(str(d) for d in low), "plan": engine.plan.pipeline,
-                        "summary": engine.plan.summary(), "rank_memory": engine.plan.memory(dist.get_rank()),
+                        "summary": engine.plan.summary(), "eval_loss": eval_loss, "rank_memory": engine.plan.memory(dist.get_rank()),
                         "describe": engine.describe() if dist.get_rank() == 0 else None},
                        os.path.join(a.out, f"{sched}_m{M}_rank{dist.get_rank()}.pt"))
             dist.barrier()
