@@ -7,16 +7,19 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEDULES = ["gpipe", "1f1b"]  # the must-have rows; the smoke test keeps to them to stay fast
 
 
+@pytest.mark.slow
 def test_tiny_pipeline_benchmark_times_fxspeed_torch_pipelining_and_one_process_with_matching_losses(tmp_path) -> None:
     out = tmp_path / "pp.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_pipeline.py"), "--tiny",
                         "--schedules", ",".join(SCHEDULES), "--out", str(out)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "fx:1f1b" in r.stdout and "torch:1f1b" in r.stdout and "checks:" in r.stdout
     d = json.loads(out.read_text())
