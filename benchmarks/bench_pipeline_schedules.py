@@ -11,7 +11,11 @@ Per rank and timed step the runtime records when each compute action ran; from t
 
     idle fraction      1 - (time in F/B/I/W) / (time of the action list), per rank
     simulated idle     fxspeed.simulator.simulate(schedule, stage costs measured in that step)
-                       -> this rank's idle fraction; the check is |measured - simulated| <= 5 points
+                       -> the same quantity for this rank: waiting within its own action list
+                       (SimResult.own_idle_fraction; a rank's list ends when its last action
+                       does, before the slowest rank's); the check is |measured - simulated| <= 5
+                       points. The pipeline-level bubble (idle up to the slowest rank's end) is
+                       in the JSON too (sim_pipeline_idle_fraction).
     planner idle       the same simulation from the planner's predicted stage times (reported)
     balance            per stage, measured seconds per micro-batch of F + backward; the slowest
                        stage vs the mean of the stages (target <= 10%, on the 1f1b run)

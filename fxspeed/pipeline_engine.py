@@ -48,6 +48,7 @@ from .distributed import check_agreement, check_same_model, fingerprint, join
 from .engine import _optimizer_spec
 from .errors import ConfigError, FxspeedError
 from .ir import IOSpec
+from .rewrite import scale_backward_seed
 
 log = logging.getLogger("fxspeed")
 
@@ -170,6 +171,11 @@ class PipelineEngine:
                                 options={"world_size": 1, "zero": 0, "group_name": "", "bucket_bytes": 1 << 30},
                                 devices=self.devices[:1])
         cap = compiled.captured
+        # Gradients of the global-batch mean come straight out of backward: the seed carries
+        # 1/(M x replicas) (exact for powers of two), so no pass over the gradients divides them.
+        self._grad_divisor = 1.0 if scale_backward_seed(cap.gm, cap.signature, 1.0 / (self.M * self.dp_size)) \
+            else float(self.M * self.dp_size)
+        cap.gm.recompile()
         self.programs = split_stages(cap.gm, cap.signature, n_stages, split_points=self.split_points,
                                      model_name=type(self.model).__name__)
         self.schedule = sched
@@ -289,7 +295,8 @@ class PipelineEngine:
             p.grad = None
         for name, g in grads.items():
             p = self._params[name]
-            g = g / self.M
+            if self._grad_divisor != 1.0:
+                g = g / self._grad_divisor
             p.grad = g if p.grad is None else p.grad + g
         for p in self._owned:
             if p.grad is None:
@@ -301,8 +308,7 @@ class PipelineEngine:
             return
         if self._flat is None:
             flat = torch.cat([p.grad.reshape(-1) for p in self._owned])
-            dist.all_reduce(flat, group=self.dp_group)
-            flat /= self.dp_size
+            dist.all_reduce(flat, group=self.dp_group)  # a sum: each replica's share is pre-divided
             off = 0
             for p in self._owned:
                 p.grad = flat[off:off + p.numel()].view_as(p)
@@ -315,7 +321,7 @@ class PipelineEngine:
                 full[off:off + g.numel()].copy_(g.reshape(-1))
             shard = torch.empty_like(self._flat.shards[k])
             _reduce_scatter(shard, full, group=self.dp_group)
-            self._flat.shards[k].grad = shard / self.dp_size
+            self._flat.shards[k].grad = shard
         for p in self._owned:
             p.grad = None
 
@@ -377,7 +383,8 @@ class PipelineEngine:
                                             "activations": sim.peak_activations[rank]}})
         return {"schedule": self.schedule.name, "stages_n": len(self.programs), "microbatches": self.M,
                 "replicas": self.dp_size, "stages": stages, "bubble": sim.bubble, "step_s": sim.step_time,
-                "idle_fraction": [i / sim.step_time if sim.step_time else 0.0 for i in sim.idle]}
+                "idle_fraction": [i / sim.step_time if sim.step_time else 0.0 for i in sim.idle],
+                "own_idle_fraction": [sim.own_idle_fraction(r) for r in range(len(sim.idle))]}
 
     def _per_rank_memory(self) -> None:
         """plan.rank_memory per rank from its stages (the captured graph is the whole model's)."""

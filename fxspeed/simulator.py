@@ -69,6 +69,13 @@ class SimResult:
     peak_activations: list[float]  # per rank, see the module docstring
     # per rank: (action text, start, end) for drawing timelines
     timeline: list[list[tuple[str, float, float]]] = field(default_factory=list)
+    finish: list[float] = field(default_factory=list)  # per rank: when its last action ends
+
+    def own_idle_fraction(self, rank: int) -> float:
+        """Share of the rank's own action list (start to its last action) spent waiting: what a
+        rank measures around its run of the schedule, which ends before the step's slowest rank."""
+        f = self.finish[rank] if self.finish else self.step_time
+        return (f - self.busy[rank]) / f if f > 0 else 0.0
 
 
 def simulate(schedule: Schedule, costs: Costs | Sequence[StageCosts]) -> SimResult:
@@ -144,7 +151,7 @@ def simulate(schedule: Schedule, costs: Costs | Sequence[StageCosts]) -> SimResu
     step_time = max(clock) if n else 0.0
     idle = [step_time - b for b in busy]
     bubble = sum(idle) / (n * step_time) if step_time > 0 else 0.0
-    return SimResult(step_time, busy, idle, bubble, peak, timeline)
+    return SimResult(step_time, busy, idle, bubble, peak, timeline, list(clock))
 
 
 def analytic_bubble(P: int, M: int, v: int = 1) -> float:

@@ -180,7 +180,24 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
     bwd_seq = [n for n in nodes if n.op == "call_function" and n not in forward and n not in free]
 
     # --- forward placement ----------------------------------------------------------------------
-    cands = candidate_cuts(fwd_seq, split_points)
+    # Nodes computed from weights alone (insert_casts' one cast per parameter, hoisted to the
+    # top of the graph; transposes/views of weights) are not part of the activation flow: they
+    # neither mark where a module starts nor take a stage by position. Each runs on the stage
+    # that uses it, so a weight and its low-precision copy live on one rank and never travel.
+    from_batch = set(batch_ph)
+    for n in nodes:
+        if any(a in from_batch for a in n.all_input_nodes):
+            from_batch.add(n)
+    weight_only: list[fx.Node] = []
+    wo_set: set[fx.Node] = set()
+    for n in fwd_seq:
+        ins = n.all_input_nodes
+        if n not in from_batch and all(a in state_ph or a in wo_set or a in free for a in ins) \
+                and any(a in state_ph or a in wo_set for a in ins):
+            weight_only.append(n)
+            wo_set.add(n)
+    flow = [n for n in fwd_seq if n not in wo_set]
+    cands = candidate_cuts(flow, split_points)
     if len(cands) + 1 < P:
         where = ", ".join(name for _, name in cands) or "nowhere"
         raise ConfigError(f"Config.pipeline={P}: {model_name} can be split into at most {len(cands) + 1} stages "
@@ -189,16 +206,22 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
     if split_points and len(cands) != P - 1:
         raise ConfigError(f"{len(cands)} pipeline split points {list(split_points)} give {len(cands) + 1} stages, "
                           f"but Config.pipeline={P}; give exactly {P - 1}")
-    use_time = any(_cost(n, True) > 0 for n in fwd_seq)
-    costs = [_cost(n, use_time) for n in fwd_seq]
+    use_time = any(_cost(n, True) > 0 for n in flow)
+    costs = [_cost(n, use_time) for n in flow]
     cuts = [p for p, _ in cands] if split_points else choose_cuts(costs, [p for p, _ in cands], P)
     cut_names = dict(cands)
     stage: dict[fx.Node, int] = {}
     s = 0
-    for i, n in enumerate(fwd_seq):
+    for i, n in enumerate(flow):
         while s < len(cuts) and i >= cuts[s]:
             s += 1
         stage[n] = s
+    for n in reversed(weight_only):  # users first: a chain of casts/views follows its final reader
+        used_on = [stage[u] for u in n.users if u in stage]
+        if not used_on:  # read by backward only: go where the weight's forward readers are
+            roots = [a for a in n.all_input_nodes if a in state_ph]
+            used_on = [stage[u] for r in roots for u in r.users if u in stage]
+        stage[n] = min(used_on, default=0)
     if stage.get(loss_node, P - 1) != P - 1:
         raise PipelineSplitError("the loss is not computed on the last stage; please report this")
 
@@ -385,7 +408,7 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
                   if state_ph[ph].target in sig.tied} | {n: sig.tied[n] for _, n in b_grads if n in sig.tied},
             nodes={"forward_nodes": len(fwd_local), "backward_nodes": len(bwd_local)},
             backward_input=igm, backward_weight=wgm, n_carry=len(carry), predicted=predicted,
-            modules=_modules(fwd_local), starts_at=cut_names[cuts[s - 1]] if s > 0 else ""))
+            modules=_modules([n for n in fwd_local if n not in wo_set]), starts_at=cut_names[cuts[s - 1]] if s > 0 else ""))
     return programs
 
 

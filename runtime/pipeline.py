@@ -128,9 +128,17 @@ class PipelineRuntime:
         self.timeline = []
         t0 = time.perf_counter()
 
+        summed: set[str] = set()  # gradients this runtime allocated, safe to add into in place
+
         def add_grads(p: StageProgram, gs: list[torch.Tensor]) -> None:
             for name, g in zip(p.grads, gs):
-                grads[name] = g if name not in grads else grads[name] + g
+                if name not in grads:
+                    grads[name] = g  # the program's output may alias another one: never written into
+                elif name in summed:
+                    grads[name].add_(g)
+                else:
+                    grads[name] = grads[name] + g
+                    summed.add(name)
 
         for a in actions:
             s, m = a.stage, a.microbatch

@@ -316,3 +316,8 @@ def test_mixed_precision_under_a_pipeline_tracks_one_process_at_the_same_precisi
         assert got["matmul_dtypes"] == [str({"bf16": torch.bfloat16, "fp16": torch.float16}[precision])]
         if precision == "fp16":
             assert got["stats"]["loss_scale"] > 0
+        # The weight casts (hoisted to the graph's top by insert_casts) run on the stage that
+        # uses them: the split is fp32's, and only the activation crosses the boundary.
+        first = got["plan"]["stages"][0]["modules"]
+        assert "blocks.0" in first and "blocks.1" not in first, first
+        assert [d["send_f"] for d in got["describe"]["stages"][:1]] == [[[4, 16, 32]]]

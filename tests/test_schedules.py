@@ -236,3 +236,14 @@ def test_rendezvous_sends_deadlock_1f1b_but_not_gpipe():
     validate(gpipe(4, 8), send_buffer=0)
     with pytest.raises(ScheduleError, match="deadlock"):
         validate(one_f_one_b(4, 8), send_buffer=0)
+
+
+def test_a_ranks_own_idle_fraction_counts_waiting_until_its_last_action_not_the_pipelines_end() -> None:
+    from fxspeed.schedules import gpipe
+    from fxspeed.simulator import Costs, simulate
+
+    # F = 1, B = I + W = 2. Rank 1 ends at 7 (its B0); rank 0 at 9 (B1 at 5..7, B0 at 7..9).
+    r = simulate(gpipe(2, 2), Costs.uniform(2))
+    assert r.finish == [9.0, 7.0] and r.busy == [6.0, 6.0]
+    assert r.own_idle_fraction(0) == 3 / 9 and r.own_idle_fraction(1) == 1 / 7
+    assert r.idle == [3.0, 3.0]  # the pipeline view: both wait until the step's end

@@ -73,7 +73,8 @@ def main() -> None:
         pos = engine.position
         steps.append({"wall_s": wall, "step_s": engine.stats["step_s"], "compute_s": engine.stats["compute_s"],
                       "idle_fraction": engine.stats["idle_fraction"],
-                      "sim_idle_fraction": sim.idle[pos] / sim.step_time if sim.step_time else 0.0,
+                      "sim_idle_fraction": sim.own_idle_fraction(pos),
+                      "sim_pipeline_idle_fraction": sim.idle[pos] / sim.step_time if sim.step_time else 0.0,
                       "sim_step_s": sim.step_time,
                       "stage_s": {str(s): {"F": c.forward, "I": c.backward_input, "W": c.backward_weight}
                                   for s, c in enumerate(measured.stages)}})
@@ -83,7 +84,7 @@ def main() -> None:
     out = {"rank": rank, "position": engine.position, "stages": engine.stages, "schedule": engine.schedule.name,
            "losses": losses, "steps": steps, "median": {k: med(k) for k in ("wall_s", "step_s", "compute_s",
                                                                                 "idle_fraction", "sim_idle_fraction")},
-           "planner_idle_fraction": plan["idle_fraction"][engine.position], "planner_bubble": plan["bubble"],
+           "planner_idle_fraction": plan["own_idle_fraction"][engine.position], "planner_bubble": plan["bubble"],
            "plan_stages": plan["stages"], "peak_growth_bytes": peak_kb * 1024,
            "n_params": sum(p.numel() for p in model.parameters())}
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
