@@ -9,8 +9,11 @@ trains the same GPT (same weights, same batches, M micro-batches, AdamW) for --w
 --steps steps, one intra-op thread per rank (benchmarks/workers/pp_schedule_worker.py).
 Per rank and timed step the runtime records when each compute action ran; from that:
 
-    idle fraction      1 - (time in F/B/I/W) / (time of the action list), per rank
-    simulated idle     fxspeed.simulator.simulate(schedule, stage costs measured in that step)
+    idle fraction      time blocked in receives (and at STEP waiting for sends to be taken) /
+                       time of the rank's action list (engine.stats["idle_fraction"])
+    simulated idle     fxspeed.simulator.simulate(schedule, stage costs measured in that step,
+                       each rank's overhead - posting sends, glue between actions - spread over
+                       its compute so the simulated rank is as busy as the real one)
                        -> the same quantity for this rank: waiting within its own action list
                        (SimResult.own_idle_fraction; a rank's list ends when its last action
                        does, before the slowest rank's); the check is |measured - simulated| <= 5

@@ -38,7 +38,7 @@ from fxspeed.runtime import build_optimizer
 from fxspeed.runtime.flat_parameters import FlatParameters
 from fxspeed.runtime.loss_scale import DynamicLossScaler
 from fxspeed.runtime.pipeline import PipelineRuntime, StageProgram
-from fxspeed.runtime.schedule import F, RECV_F, SEND_F, STEP, Action, Schedule, validate
+from fxspeed.runtime.schedule import B, F, I, RECV_B, RECV_F, SEND_F, STEP, W, Action, Schedule, validate
 
 from .capture import LossFn, input_key, tensor_leaves
 from .compiler import compile_step
@@ -343,18 +343,25 @@ class PipelineEngine:
             torch.nn.utils.clip_grads_with_norm_(stepped, self.config.grad_clip, norm, foreach=True)
 
     def _record_timing(self, step_s: float) -> None:
-        """This rank's last step: busy (compute actions) vs idle (waiting for messages)."""
-        busy = sum(end - start for _, _, _, start, end in self._runtime.timeline)
+        """This rank's last step: compute (F/B/I/W), blocked (in receives, and at STEP waiting
+        for its sends to be taken) and overhead (the rest: posting sends, Python between actions).
+        The idle fraction is the blocked share: the bubble as this rank lives it."""
+        tl = self._runtime.timeline
+        compute = sum(e - b for k, _, _, b, e in tl if k in (F, B, I, W))
+        blocked = sum(e - b for k, _, _, b, e in tl if k in (RECV_F, RECV_B, STEP))
         self.stats["step_s"] = step_s
-        self.stats["compute_s"] = busy
-        self.stats["idle_fraction"] = max(0.0, 1.0 - busy / step_s) if step_s > 0 else 0.0
+        self.stats["compute_s"] = compute
+        self.stats["blocked_s"] = blocked
+        self.stats["idle_fraction"] = blocked / step_s if step_s > 0 else 0.0
+        self.stats["overhead_fraction"] = max(0.0, 1.0 - (compute + blocked) / step_s) if step_s > 0 else 0.0
 
     def stage_times(self) -> dict[int, dict[str, float]]:
         """Measured seconds per micro-batch of each of this rank's stages in the last step, by
         action kind (F, B, I, W)."""
         acc: dict[int, dict[str, list[float]]] = {}
         for kind, s, _, start, end in self._runtime.timeline if self._runtime else []:
-            acc.setdefault(s, {}).setdefault(kind, []).append(end - start)
+            if kind in (F, B, I, W):
+                acc.setdefault(s, {}).setdefault(kind, []).append(end - start)
         return {s: {k: sum(v) / len(v) for k, v in d.items()} for s, d in acc.items()}
 
     # --- plan --------------------------------------------------------------------------------
@@ -405,15 +412,21 @@ class PipelineEngine:
                                "states (sharded over replicas under ZeRO-1) and the simulated activation peak")
 
     def measured_costs(self) -> "Any":
-        """simulator.Costs from the last step's measured per-micro-batch stage times (all ranks)."""
+        """simulator.Costs from the last step's measured per-micro-batch stage times (all ranks;
+        collective over the pipeline)."""
         from .simulator import Costs, StageCosts
 
         mine = self.stage_times()
+        # The rank's overhead (posting sends, glue between actions) is work the simulator has no
+        # action for: spread it over the rank's compute, so the simulated rank is as busy.
+        compute = self.stats.get("compute_s", 0.0)
+        grow = 1.0 + (self.stats.get("overhead_fraction", 0.0) * self.stats.get("step_s", 0.0) / compute
+                      if compute > 0 else 0.0)
         rows = []
         for s in range(len(self.programs)):
             d = mine.get(s, {})
             f, i, w = d.get("F", 0.0), d.get("I", d.get("B", 0.0)), d.get("W", 0.0)
-            rows.append([f, i, w])
+            rows.append([f * grow, i * grow, w * grow])
         t = torch.tensor(rows, dtype=torch.float64)
         dist.all_reduce(t, group=self.pipe_group)  # each stage's times come from the one rank running it
         return Costs([StageCosts(*map(float, r)) for r in t])

@@ -6,7 +6,10 @@ Model (the same p2p semantics `fxspeed.runtime.schedule.validate` assumes):
     takes I + W; REDUCE and STEP take `reduce` / `step` seconds;
   * a send costs the sender nothing (it is posted and the rank moves on); its message arrives
     `p2p_latency + bytes / p2p_bandwidth` after the send is posted;
-  * a recv finishes when both the rank reaches it and the message has arrived.
+  * a recv finishes when both the rank reaches it and the message has arrived;
+  * STEP waits until every send of the rank has been received (the runtime awaits its isends
+    there, and a send completes only once its receiver took it), so a rank's own action list
+    ends no earlier than its last message is consumed.
 
 Activation memory, in units of one stage's activations for one micro-batch (`activation[s]`,
 default 1.0): F(s,m) adds a unit; B(s,m) frees it; I(s,m) frees all but `weight_grad_fraction`
@@ -95,6 +98,7 @@ def simulate(schedule: Schedule, costs: Costs | Sequence[StageCosts]) -> SimResu
     peak = [0.0] * n
     arrivals: dict[tuple[int, int], list[float]] = {}  # (src, dst) -> arrival times, FIFO
     received = {}  # (src, dst) -> how many consumed
+    consumed_at: dict[int, float] = {}  # src rank -> latest time one of its messages was taken
     timeline: list[list[tuple[str, float, float]]] = [[] for _ in range(n)]
 
     def duration(a) -> float:
@@ -133,8 +137,14 @@ def simulate(schedule: Schedule, costs: Costs | Sequence[StageCosts]) -> SimResu
                     start = clock[r]
                     clock[r] = max(clock[r], q[k])
                     received[key] = k + 1
+                    consumed_at[a.peer] = max(consumed_at.get(a.peer, 0.0), clock[r])
                     timeline[r].append((str(a), start, clock[r]))
+                elif a.kind == STEP and any(received.get(key, 0) < len(q) for key, q in arrivals.items()
+                                            if key[0] == r):
+                    break  # a send of this rank is not taken yet; its receiver must run first
                 else:
+                    if a.kind == STEP:
+                        clock[r] = max(clock[r], consumed_at.get(r, 0.0))
                     d = duration(a)
                     timeline[r].append((str(a), clock[r], clock[r] + d))
                     clock[r] += d

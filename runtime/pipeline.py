@@ -22,8 +22,9 @@ own tag (direction, edge, micro-batch, index), so messages between two ranks can
 confused whatever order the transport delivers them in.
 
 This module never decides anything: it runs the schedule and accumulates gradients. It
-records when each compute action ran (`PipelineRuntime.timeline`, perf_counter seconds from
-the start of the step), so the engine can report busy/idle time per rank and per stage.
+records when each action ran (`PipelineRuntime.timeline`, perf_counter seconds from the start
+of the step), so the engine can report compute, blocked (receives and the final wait for sends)
+and overhead time per rank, and per-stage compute times.
 """
 
 from __future__ import annotations
@@ -195,8 +196,7 @@ class PipelineRuntime:
                 pending.clear()
                 if on_step is not None:
                     on_step()
-            if a.kind in (F, B, I, W):
-                self.timeline.append((a.kind, s, m, start - t0, time.perf_counter() - t0))
+            self.timeline.append((a.kind, s, m, start - t0, time.perf_counter() - t0))
         leftovers = [name for name, d in (("saved", saved), ("recv_f", recv_f), ("recv_b", recv_b),
                                           ("send_f", send_f), ("send_b", send_b), ("weight_work", weight_work))
                      if d]
