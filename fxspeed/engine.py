@@ -171,17 +171,7 @@ class Engine:
             self._flat.set_grads(buckets)
         del grads, buckets  # free before the optimizer allocates its temporaries
         stepped = self._opt_tensors()
-        overflow = False
-        if self.scaler is not None:
-            overflow = self.scaler.unscale_and_check([t.grad for t in stepped])
-            self.scaler.update(overflow)
-            self.stats["loss_scale"] = float(self.scaler.scale)
-        if overflow:
-            # Parameters, optimizer states and the lr schedule stay as they were.
-            self.stats["skipped_steps"] += 1
-            log.warning("fxspeed: step %d overflowed in fp16; skipped (loss scale now %g, %d skipped so far)",
-                        self.stats["steps"], float(self.scaler.scale), self.stats["skipped_steps"])
-        else:
+        if not unscale_or_skip(self.scaler, stepped, self.stats):
             if self.config.grad_clip is not None:
                 self._clip(stepped)
             self.optimizer.step()
@@ -310,6 +300,22 @@ class _ScaleRef:
 
     def current(self) -> torch.Tensor:
         return self.scaler.scale
+
+
+def unscale_or_skip(scaler: DynamicLossScaler | None, stepped: list[torch.Tensor], stats: dict) -> bool:
+    """fp16: unscale the gradients of `stepped` in place and agree on overflow with every rank;
+    True means skip this step (parameters, optimizer states and the lr schedule stay as they
+    were). Counts skipped steps and the scale in `stats`, and says so in the log."""
+    if scaler is None:
+        return False
+    overflow = scaler.unscale_and_check([t.grad for t in stepped if t.grad is not None])
+    scaler.update(overflow)
+    stats["loss_scale"] = float(scaler.scale)
+    if overflow:
+        stats["skipped_steps"] += 1
+        log.warning("fxspeed: step %d overflowed in fp16; skipped (loss scale now %g, %d skipped so far)",
+                    stats["steps"], float(scaler.scale), stats["skipped_steps"])
+    return overflow
 
 
 def _accumulate(into: dict, new: dict) -> None:

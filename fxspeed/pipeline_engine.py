@@ -45,7 +45,7 @@ from .compiler import compile_step
 from .config import Config
 from .devices import DeviceSpec
 from .distributed import check_agreement, check_same_model, fingerprint, join
-from .engine import _optimizer_spec
+from .engine import _optimizer_spec, unscale_or_skip
 from .errors import ConfigError, FxspeedError
 from .ir import IOSpec
 from .rewrite import scale_backward_seed
@@ -264,16 +264,8 @@ class PipelineEngine:
             self._set_grads(grads)
             del grads
             stepped = [t for t in self._opt_tensors() if t.grad is not None]
-            overflow = False
-            if self.scaler is not None:
-                overflow = self.scaler.unscale_and_check([t.grad for t in stepped])
-                self.scaler.update(overflow)
-                self.stats["loss_scale"] = float(self.scaler.scale)
-            if overflow:
-                self.stats["skipped_steps"] += 1
-                log.warning("fxspeed: step %d overflowed in fp16; skipped (loss scale now %g)", self.stats["steps"],
-                            float(self.scaler.scale))
-            elif self.config.grad_clip is not None:
+            overflow = unscale_or_skip(self.scaler, stepped, self.stats)
+            if not overflow and self.config.grad_clip is not None:
                 self._clip(stepped)
         if not overflow:
             self.optimizer.step()
