@@ -321,3 +321,16 @@ def test_mixed_precision_under_a_pipeline_tracks_one_process_at_the_same_precisi
         first = got["plan"]["stages"][0]["modules"]
         assert "blocks.0" in first and "blocks.1" not in first, first
         assert [d["send_f"] for d in got["describe"]["stages"][:1]] == [[[4, 16, 32]]]
+
+
+@pytest.mark.slow
+def test_an_fp16_overflow_on_the_last_stage_skips_the_step_on_every_stage(tmp_path: Path) -> None:
+    # 2**24 overflows fp16 at the loss's backward seed, on the last stage only; stage 0 sees
+    # the infs it is sent. Both ranks skip, back off, and go on with finite losses.
+    launch(2, tmp_path, "--precision", "fp16", "--loss-scale", str(2.0**24), "--schedules", "1f1b",
+           "--microbatches", "2")
+    runs = [torch.load(tmp_path / f"1f1b_m2_rank{r}.pt") for r in range(2)]
+    skipped = [r["stats"]["skipped_steps"] for r in runs]
+    assert skipped[0] == skipped[1] and 1 <= skipped[0] < 5, skipped  # some steps skipped, then training
+    assert runs[0]["stats"]["loss_scale"] == runs[1]["stats"]["loss_scale"] == 2.0**24 / 2**skipped[0]
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in runs)

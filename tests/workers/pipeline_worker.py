@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--pipeline", type=int, default=0, help="pipeline degree (default: every rank)")
     ap.add_argument("--zero", type=int, default=0)
     ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--loss-scale", type=float, default=None)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--grad-clip", type=float, default=None)
     ap.add_argument("--checkpoint", action="store_true",
@@ -45,7 +46,8 @@ def main() -> None:
         for M in mbs:
             model = build_model(a.model)
             cfg = fxspeed.Config(pipeline=P, microbatches=M, schedule=sched, lr=1e-2, optimizer="adamw",
-                                 grad_clip=a.grad_clip, zero=a.zero, precision=a.precision)
+                                 grad_clip=a.grad_clip, zero=a.zero, precision=a.precision,
+                                 loss_scale=a.loss_scale)
             rank, dp_size = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"]), world // P
             mine = [local_batch(b, rank // P, dp_size) for b in batches]
             engine = fxspeed.compile(model, world, cfg, example_inputs=mine[0])
