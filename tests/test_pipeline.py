@@ -150,6 +150,10 @@ def test_bad_pipeline_configs_are_refused_with_what_works() -> None:
         fxspeed.compile(model, 1, fxspeed.Config(microbatches=2), example_inputs=(x, y))
     with pytest.raises(ConfigError, match=r"pipeline=2 with devices=1.*devices=2"):
         fxspeed.compile(model, 1, fxspeed.Config(pipeline=2, microbatches=2), example_inputs=(x, y))
+    with pytest.raises(ConfigError, match=r"pipeline=2 with devices=3: devices must be a multiple.*devices=2 or 4"):
+        fxspeed.compile(model, 3, fxspeed.Config(pipeline=2, microbatches=2), example_inputs=(x, y))
+    with pytest.raises(ConfigError, match=r"Config.zero=2 with pipeline=2.*use zero=1"):
+        fxspeed.compile(model, 4, fxspeed.Config(pipeline=2, microbatches=2, zero=2), example_inputs=(x, y))
 
 
 def test_microbatches_must_divide_the_batch() -> None:
