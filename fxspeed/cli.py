@@ -1,7 +1,7 @@
 """Command line (also `python -m fxspeed ...`):
 
     fxspeed run -n N script.py [args...]   launch N local processes (torch.distributed.run)
-    fxspeed demo [--devices N --zero S | --pipeline P] [--precision bf16]
+    fxspeed demo [--devices N] [--zero S] [--pipeline P] [--precision bf16]
                                            compile a byte-level GPT and train it
 """
 
@@ -38,8 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO stage: 0 replicates everything (DDP), 1 shards optimizer state, 2 also "
                         "gradients, 3 also parameters (default: 0)")
     d.add_argument("--pipeline", type=int, default=1,
-                   help="pipeline stages (default: 1); needs --devices equal to it; every rank sees the "
-                        "whole batch, split into 2 x pipeline micro-batches")
+                   help="pipeline stages (default: 1); --devices must be a multiple of it (the rest are "
+                        "data-parallel replicas); a pipeline's ranks share their replica's batch, split into "
+                        "2 x pipeline micro-batches")
     d.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="compute precision (default: fp32); bf16/fp16 keep fp32 master weights")
 

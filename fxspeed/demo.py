@@ -77,13 +77,15 @@ def run(args: Any) -> int:
         print("fxspeed demo: --steps and --batch-size must be >= 1 and --seq-len >= 2", file=sys.stderr)
         return 2
     pipeline = getattr(args, "pipeline", 1)
-    if pipeline > 1 and (devices != pipeline or zero):
-        print(f"fxspeed demo: --pipeline {pipeline} needs --devices {pipeline} and --zero 0 (pipeline x data "
-              "parallel is not supported yet)", file=sys.stderr)
+    if pipeline > 1 and (devices % pipeline or zero > 1):
+        print(f"fxspeed demo: --pipeline {pipeline} needs --devices a multiple of it (pipeline x data-parallel "
+              f"replicas) and --zero 0 or 1", file=sys.stderr)
         return 2
-    if pipeline == 1 and args.batch_size % devices:
+    replicas = devices // pipeline
+    if args.batch_size % replicas:
         print(f"fxspeed demo: --batch-size {args.batch_size} is the global batch and must be divisible by "
-              f"--devices {devices} (each rank trains on batch_size / devices sequences)", file=sys.stderr)
+              f"the {replicas} data-parallel replicas (each trains on batch_size / {replicas} sequences)",
+              file=sys.stderr)
         return 2
     if devices > 1 and not _in_launched_group(devices):
         return _relaunch(args)
@@ -125,15 +127,18 @@ def _train(args: Any, devices: int, zero: int) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     say(f"fxspeed demo: byte-level GPT '{args.model}' ({n_params / 1e6:.2f}M params) on {data.numel() / 1e6:.2f} MB "
         f"of Python standard library source ({Path(os.__file__).resolve().parent})")
-    where = (f"{devices} processes, ZeRO-{zero}, {args.batch_size // devices} sequences per rank, "
-             if devices > 1 else "")
+    pp = getattr(args, "pipeline", 1)
+    where = (f"{devices} processes ({pp}-stage pipeline x {devices // pp} replicas), ZeRO-{zero}, "
+             f"{args.batch_size // (devices // pp)} sequences per replica, " if devices > 1 else "")
     say(f"batch {args.batch_size} x {args.seq_len} tokens, {args.steps} steps, AdamW lr {args.lr}, "
         f"{where}{torch.get_num_threads()} CPU threads" + (" per process" if devices > 1 else ""))
 
-    # Every rank draws the same global batch from the same seeded generator and keeps its slice
-    # (data parallel) or all of it (pipeline: the runtime splits it into micro-batches).
+    # Every rank draws the same global batch from the same seeded generator and keeps its
+    # replica's slice; the ranks of one pipeline share a slice (the runtime splits it into
+    # micro-batches).
     pipeline = getattr(args, "pipeline", 1)
-    part = local_batch if pipeline == 1 else (lambda b: b)
+    replicas = devices // pipeline
+    part = (lambda b: local_batch(b, rank // pipeline, replicas)) if replicas > 1 else (lambda b: b)
     x, y = part(get_batch(data, args.batch_size, args.seq_len, gen))
     tc = time.perf_counter()
     config = fxspeed.Config(optimizer="adamw", lr=args.lr, grad_clip=1.0, zero=zero,
@@ -141,7 +146,7 @@ def _train(args: Any, devices: int, zero: int) -> int:
                             microbatches=2 * pipeline if pipeline > 1 else 1)
     engine = fxspeed.compile(model, devices, config, example_inputs=(x, y))
     say(f"compiled in {time.perf_counter() - tc:.1f} s\n")
-    say(engine.plan.summary() if engine.plan is not None else _pipeline_summary(engine.describe()))
+    say(engine.plan.summary())
     say(flush=True)
 
     tokens = args.batch_size * args.seq_len
@@ -165,7 +170,16 @@ def _train(args: Any, devices: int, zero: int) -> int:
     say(f"trained {args.steps} steps in {train_s:.1f} s ({tokens * args.steps / train_s:,.0f} tokens/s"
         + (" over all ranks" if devices > 1 else "") + f"); total {time.perf_counter() - t0:.1f} s")
     if args.sample > 0:
-        if zero >= 3:
+        if pipeline > 1:
+            # Each rank holds its stages' weights: merge every rank's part into a full copy.
+            import torch.distributed as dist
+
+            parts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, engine.state_dict())
+            if lead:
+                model = GPT(cfg)
+                model.load_state_dict({k: v for d in parts for k, v in d.items()})
+        elif zero >= 3:
             # ZeRO-3 keeps only shards in the model: gather full weights (a collective) into a copy.
             state = engine.state_dict()
             if lead:
@@ -174,12 +188,6 @@ def _train(args: Any, devices: int, zero: int) -> int:
         if lead:
             print("\nsample:", repr(sample(model, data, args.sample, gen)))
     return 0
-
-
-def _pipeline_summary(d: dict) -> str:
-    lines = [f"stage {st['stage']}: {len(st['params'])} parameter tensors, {st['forward_nodes']} forward / "
-             f"{st['backward_nodes']} backward nodes, sends {st['send_f']} forward" for st in d["stages"]]
-    return "\n".join(lines + ["", d["schedule"].rstrip()])
 
 
 @torch.no_grad()

@@ -428,7 +428,7 @@ class PipelineEngine:
         """This rank's parameters (every name of the weights it holds) and buffers; merging the
         dicts of one pipeline's ranks gives the model's full state."""
         owned = {id(p) for p in self._owned}
-        out = {n: p.detach() for n, p in self.model.named_parameters() if id(p) in owned}
+        out = {n: p.detach() for n, p in self.model.named_parameters(remove_duplicate=False) if id(p) in owned}
         out.update({n: b.detach() for n, b in self.model.named_buffers()})
         return out
 

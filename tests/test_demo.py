@@ -67,3 +67,13 @@ def test_batches_are_next_byte_targets_of_their_inputs() -> None:
 def test_cli_rejects_bad_values_for(flag: str) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["demo", flag, "huge" if flag == "--model" else "fast"])
+
+
+@pytest.mark.slow
+def test_demo_as_two_pipelines_of_two_stages_with_zero1_trains_and_samples_from_the_merged_weights() -> None:
+    r = _run("demo", "--devices", "4", "--pipeline", "2", "--zero", "1", "--model", "tiny", "--steps", "3",
+             "--batch-size", "8", "--seq-len", "32", "--sample", "16", timeout=400)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "2-stage pipeline x 2 replicas" in r.stdout and "pipeline: 2 stages, schedule 1f1b" in r.stdout
+    assert "loss: first" in r.stdout and "sample:" in r.stdout
