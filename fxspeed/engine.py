@@ -65,7 +65,8 @@ class Engine:
                          "group_name": self.dist.group_name, "bucket_bytes": int(config.bucket_mb * 2**20),
                          # gloo's reduce-scatter measured 2-3x slower than its all-reduce of the same
                          # 25 MB bucket (2 CPU ranks), so ZeRO-2/3 all-reduce and keep their slice there.
-                         "scatter_via_all_reduce": self.dist.active and dist.get_backend(self.dist.group) == "gloo"}
+                         "scatter_via_all_reduce": self.dist.active and dist.get_backend(self.dist.group) == "gloo",
+                         "reuse_grad_buckets": True}
         if self.dist.active:
             check_same_model(self.dist, model, config)
 
@@ -135,6 +136,8 @@ class Engine:
             return self._buffers[spec.target]
         if spec.kind == "param_shard" and self._flat is not None:
             return self._flat.shards[int(spec.target)]
+        if spec.kind == "grad_buffer" and self._flat is not None:
+            return self._flat.grad_buffer(int(spec.target))
         if spec.kind == "loss_scale" and self.scaler is not None:
             return _ScaleRef(self.scaler)
         raise FxspeedError(f"the program has an input {spec} the engine cannot bind")
@@ -171,7 +174,8 @@ class Engine:
             out = ex.run(tensor_leaves(a, kw))
             total = out.loss if total is None else total + out.loss
             _accumulate(grads, out.grads)
-            _accumulate(buckets, out.grad_buckets)
+            # Reduced buckets may be persistent buffers the next micro-batch overwrites: copy them.
+            _accumulate(buckets, out.grad_buckets if k == 1 else {n: t.clone() for n, t in out.grad_buckets.items()})
         del out  # the accumulated dicts now hold the only references
         self.synchronize()  # a no-op when the program waited; the optimizer must not race a gather
         if k > 1:

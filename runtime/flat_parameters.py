@@ -2,7 +2,8 @@
 or sharded per rank, and the tensors the optimizer steps for each ZeRO stage.
 
     zero 0    full flat buckets on every rank; optimizer over the Parameters (views into them),
-              gradients as views into the reduced buckets (DDP with gradient_as_bucket_view)
+              gradients as views into the reduced buckets (DDP with gradient_as_bucket_view),
+              which are persistent buffers (grad_buffer) the program reduces into every step
     zero 1    full flat buckets; optimizer (and its states) over this rank's shard of each
               bucket; updated shards all-gathered back into the full buckets after the step
               (synchronously, or left in flight for a program that waits for them: defer=True)
@@ -37,6 +38,7 @@ class FlatParameters:
         self.rank, self.world, self.zero, self.group = rank, world, zero, group
         self.gather_group = gather_group
         self.in_flight = False  # deferred gathers issued and not yet known to be finished
+        self.grad_buffers: dict[int, torch.Tensor] = {}  # persistent reduced-gradient buckets
         self.full: list[torch.Tensor | None] = []
         self.shards: list[torch.Tensor] = []
         # One bucket at a time: each Parameter is re-pointed (or released) as soon as its bucket
@@ -88,6 +90,15 @@ class FlatParameters:
             # torch's CPU optimizers are faster on these than on whole 25 MB buckets.
             return [self.params[n] for b in self.buckets for n in b.names]
         return list(self.shards)
+
+    def grad_buffer(self, k: int) -> torch.Tensor:
+        """Bucket k's persistent gradient buffer (ZeRO-0), which the program flattens into and
+        reduces in place every step, as DDP reuses its buckets: a new tensor would be
+        page-faulted in again each step. Zero-filled once, so the padding stays zero."""
+        if k not in self.grad_buffers:
+            b, ref = self.buckets[k], self.shards[k]
+            self.grad_buffers[k] = torch.zeros(b.padded, dtype=getattr(torch, b.dtype), device=ref.device)
+        return self.grad_buffers[k]
 
     def set_grads(self, reduced: dict[int, torch.Tensor]) -> None:
         """Attach the graph's reduced bucket outputs as .grad of the optimizer tensors.

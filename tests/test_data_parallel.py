@@ -108,3 +108,14 @@ def test_a_zero1_or_zero2_step_returns_with_its_parameter_gathers_in_flight_and_
         for k, want in rec["want"].items():
             assert not torch.equal(rec["state"][k], rec["initial"][k]) or torch.equal(want, rec["initial"][k]), k
             torch.testing.assert_close(rec["state"][k], want, rtol=1e-6, atol=1e-7, msg=k)
+
+
+def test_zero0_reduces_gradients_into_one_persistent_buffer_per_bucket_reused_every_step(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "tests.workers.deferred_gather_worker", "--out", str(tmp_path), "--zero", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "FXSPEED_BACKEND": "gloo"}
+    proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rec = torch.load(tmp_path / "zero0.pt")
+    assert rec["buckets"] > 1 and rec["grad_buffers"] == rec["buckets"] and rec["grad_buffers_kept"]
+    assert not rec["in_flight_after_step"]  # ZeRO-0 steps every full bucket: nothing to gather

@@ -1,4 +1,5 @@
-"""Run under torch.distributed.run: watches a ZeRO-1/2 engine's post-step parameter all-gathers.
+"""Run under torch.distributed.run: watches a ZeRO-1/2 engine's post-step parameter all-gathers
+(and ZeRO-0's persistent gradient buckets).
 
 For each stage in --zero, on the GPT with small buckets: one step, then records
   * how many collectives are still registered (in flight or finished but not waited for) and
@@ -6,7 +7,8 @@ For each stage in --zero, on the GPT with small buckets: one step, then records
   * the same after running the compiled program once more by itself (forward + backward, no
     optimizer step): the program's own waits consumed every gather;
   * whether every bucket Parameter's first reader in the program is a wait_tensor;
-  * the state_dict after one step, and the weights of a ZeRO-0 engine after the same step.
+  * the state_dict after one step, and the weights of a ZeRO-0 engine after the same step;
+  * how many persistent gradient buffers there are and whether a second step reused them.
 Rank 0 writes them to --out/zero{k}.pt.
 """
 
@@ -64,6 +66,11 @@ def main() -> None:
         ex.run(list(first))
         rec["registered_after_program"] = _get_work_registry_size()
         rec["state"] = {k: v.clone() for k, v in engine.state_dict().items()}
+        # ZeRO-0 reduces into persistent buckets: the same memory on every step.
+        before = [t.data_ptr() for _, t in sorted(engine._flat.grad_buffers.items())]
+        engine.train_step(*first)
+        rec["grad_buffers"] = len(engine._flat.grad_buffers)
+        rec["grad_buffers_kept"] = before == [t.data_ptr() for _, t in sorted(engine._flat.grad_buffers.items())]
         rec["initial"], rec["want"] = initial, want
         if dist.get_rank() == 0:
             torch.save(rec, os.path.join(a.out, f"zero{zero}.pt"))
