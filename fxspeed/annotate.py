@@ -17,7 +17,7 @@ from .ir import (ACTIVATIONS, BACKWARD, BUFFERS, FORWARD, GRADIENTS, INPUTS, IO,
                  TEMPORARIES, NodeInfo, StepSignature, dtype_name, tensor_bytes)
 
 _INPUT_CATEGORY = {"param": PARAMETERS, "param_shard": PARAMETERS, "buffer": BUFFERS, "input": INPUTS,
-                   "loss_scale": INPUTS}
+                   "loss_scale": INPUTS, "grad_buffer": GRADIENTS}
 
 
 def annotate(gm: fx.GraphModule, signature: StepSignature, module_of: dict[str, str] | None = None) -> None:

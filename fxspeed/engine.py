@@ -61,8 +61,12 @@ class Engine:
                                             config.loss_scale_backoff, config.loss_scale_growth,
                                             self.dist.group if self.dist.active else None)
             self.stats["loss_scale"] = float(self.scaler.scale)
-        self._options = {"world_size": self.dist.world, "zero": config.zero, "group_name": self.dist.group_name,
-                         "bucket_bytes": int(config.bucket_mb * 2**20)}
+        self._options = {"world_size": self.dist.world, "rank": self.dist.rank, "zero": config.zero,
+                         "group_name": self.dist.group_name, "bucket_bytes": int(config.bucket_mb * 2**20),
+                         # gloo's reduce-scatter of a 25 MB bucket took 1.5x as long as all-reduce plus
+                         # the slice copy (2 CPU ranks), so ZeRO-2/3 all-reduce and keep their slice there.
+                         "scatter_via_all_reduce": self.dist.active and dist.get_backend(self.dist.group) == "gloo",
+                         "reuse_grad_buckets": True}
         if self.dist.active:
             check_same_model(self.dist, model, config)
 
@@ -86,6 +90,7 @@ class Engine:
         ex = self._executors.get(key)
         if ex is not None:
             return ex
+        self.synchronize()  # tracing reads the weights
         # ZeRO-3 keeps only shards between steps; tracing needs the full parameters once.
         with self._flat.gathered() if self._flat is not None else contextlib.nullcontext():
             compiled = compile_step(self.model, args, kwargs, config=self.config, loss_fn=self.loss_fn, train=train,
@@ -112,8 +117,13 @@ class Engine:
     def _setup_state(self, sig: StepSignature) -> None:
         if sig.buckets:
             canonical = {b_name: self._params[b_name] for b in sig.buckets for b_name in b.names}
+            gather_group = None
+            if sig.waits_for_parameters:
+                # Deferred post-step gathers get their own group (same ranks): on the main one the
+                # next step's batch-signature check and loss mean would queue behind all of them.
+                gather_group = dist.new_group(list(range(self.dist.world)), backend=dist.get_backend(self.dist.group))
             self._flat = FlatParameters(canonical, sig.buckets, rank=self.dist.rank, world=self.dist.world,
-                                        zero=self.config.zero, group=self.dist.group)
+                                        zero=self.config.zero, group=self.dist.group, gather_group=gather_group)
             tensors = self._flat.optimizer_tensors()
         else:
             tensors = [p for p in self._unique if p.requires_grad]
@@ -126,6 +136,8 @@ class Engine:
             return self._buffers[spec.target]
         if spec.kind == "param_shard" and self._flat is not None:
             return self._flat.shards[int(spec.target)]
+        if spec.kind == "grad_buffer" and self._flat is not None:
+            return self._flat.grad_buffer(int(spec.target))
         if spec.kind == "loss_scale" and self.scaler is not None:
             return _ScaleRef(self.scaler)
         raise FxspeedError(f"the program has an input {spec} the engine cannot bind")
@@ -153,12 +165,19 @@ class Engine:
         total: torch.Tensor | None = None
         grads: dict[str, torch.Tensor] = {}
         buckets: dict[int, torch.Tensor] = {}
+        defer = False
         for a, kw in micro:
-            out = self._executor(a, kw, train=True).run(tensor_leaves(a, kw))
+            ex = self._executor(a, kw, train=True)
+            defer = ex.program.signature.waits_for_parameters
+            if not defer:
+                self.synchronize()
+            out = ex.run(tensor_leaves(a, kw))
             total = out.loss if total is None else total + out.loss
             _accumulate(grads, out.grads)
-            _accumulate(buckets, out.grad_buckets)
+            # Reduced buckets may be persistent buffers the next micro-batch overwrites: copy them.
+            _accumulate(buckets, out.grad_buckets if k == 1 else {n: t.clone() for n, t in out.grad_buckets.items()})
         del out  # the accumulated dicts now hold the only references
+        self.synchronize()  # a no-op when the program waited; the optimizer must not race a gather
         if k > 1:
             total = total / k
             grads = {n: t / k for n, t in grads.items()}
@@ -177,7 +196,9 @@ class Engine:
             self.optimizer.step()
             self.lr_scheduler.step()
             if self._flat is not None:
-                self._flat.after_step()
+                # Deferred: the gathers overlap the next forward, which waits for each bucket
+                # just before its first use (passes/wait_parameter_gathers).
+                self._flat.after_step(defer=defer)
         for t in stepped:
             t.grad = None  # free gradients now rather than holding them through the next forward
         self.stats["steps"] += 1
@@ -186,6 +207,13 @@ class Engine:
             dist.all_reduce(total, group=self.dist.group)
             total /= self.dist.world
         return float(total)
+
+    def synchronize(self) -> None:
+        """Finish the parameter all-gathers a ZeRO-1/2 step left in flight; afterwards the model's
+        Parameters hold the updated weights. state_dict(), save(), load() and eval_step() call it;
+        call it yourself before reading the model's Parameters directly between steps."""
+        if self._flat is not None:
+            self._flat.wait_gathers()
 
     def _opt_tensors(self) -> list[torch.Tensor]:
         return [t for g in self.optimizer.param_groups for t in g["params"] if t.grad is not None]
@@ -206,6 +234,7 @@ class Engine:
         output has one (or loss_fn is set), else the model's outputs as tensors. Under ZeRO-3
         the parameters are gathered for the call (a collective: call it on every rank)."""
         ex = self._executor(args, kwargs, train=False)
+        self.synchronize()
         with self._flat.gathered() if self._flat is not None else contextlib.nullcontext():
             out = ex.run(tensor_leaves(args, kwargs))
         if out.loss is not None:
@@ -219,6 +248,7 @@ class Engine:
         loadable into the plain model with `load_state_dict(strict=True)`. Under ZeRO-3 the full
         tensors are gathered into new tensors: call it on every rank. Under ZeRO 0-2, as with
         nn.Module.state_dict(), the tensors alias the live weights: clone them to keep a snapshot."""
+        self.synchronize()
         if self._flat is None or self.config.zero < 3:
             return self.model.state_dict()
         full = self._flat.full_state()
@@ -230,6 +260,7 @@ class Engine:
         return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.synchronize()  # an in-flight gather would overwrite what is loaded
         if self._flat is not None and self.config.zero >= 3:
             with self._flat.gathered():
                 self.model.load_state_dict(state)
@@ -241,6 +272,7 @@ class Engine:
         """Write this rank's parameters (its shards under ZeRO), buffers, optimizer and RNG
         state to `directory/rank{r}.pt`. Resuming with load() continues bit-exactly on CPU."""
         os.makedirs(directory, exist_ok=True)
+        self.synchronize()
         state = {
             "world_size": self.dist.world, "zero": self.config.zero, "stats": dict(self.stats),
             "layout": _layout(self._flat.buckets) if self._flat else None,
@@ -267,6 +299,7 @@ class Engine:
             raise ConfigError(f"checkpoint {directory} was saved with world_size={state['world_size']} "
                               f"zero={state['zero']}, this engine has world_size={self.dist.world} "
                               f"zero={self.config.zero}; resharding is not supported yet")
+        self.synchronize()
         if self.optimizer is None:
             raise FxspeedError("load() needs a compiled engine: call fxspeed.compile(..., example_inputs=...) first")
         if state["layout"] != (_layout(self._flat.buckets) if self._flat else None):

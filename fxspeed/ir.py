@@ -100,6 +100,9 @@ class StepSignature:
     # Set by the gradient-reduction pass: flat layout of trainable parameters, in the order
     # backward produces their gradients. Inputs "param_shard" / outputs "grad_bucket" index it.
     buckets: list[Bucket] = field(default_factory=list)
+    # Set by wait_parameter_gathers (ZeRO-1/2): the program waits for each bucket's post-step
+    # all-gather before it reads the bucket, so the runtime may leave the gathers in flight.
+    waits_for_parameters: bool = False
 
     def is_alias(self, name: str) -> bool:
         return name in self.tied
@@ -112,7 +115,8 @@ class StepSignature:
 
     def to_dict(self) -> dict[str, Any]:
         return {"inputs": [s.__dict__ for s in self.inputs], "outputs": [s.__dict__ for s in self.outputs],
-                "tied": dict(self.tied), "buckets": [b.to_dict() for b in self.buckets]}
+                "tied": dict(self.tied), "buckets": [b.to_dict() for b in self.buckets],
+                "waits_for_parameters": self.waits_for_parameters}
 
 
 def info(node: fx.Node) -> NodeInfo:

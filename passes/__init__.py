@@ -8,9 +8,10 @@
     scale_loss               fp16: backward seeded with the dynamic loss scale (a graph input)
     eliminate_dead_code      drop values nothing reads (keeps random and mutating ops)
     reduce_gradients         bucketed async all-reduce / reduce-scatter of gradients (data parallel)
+    wait_parameter_gathers   ZeRO-1/2: wait for each bucket's post-step all-gather at its first use
     shard_parameters         ZeRO-3: parameter shards as inputs, gathered before use, prefetched
 
-The last two read ctx.options (world_size, zero, group_name) and do nothing on one device.
+The last three read ctx.options (world_size, zero, group_name) and do nothing on one device.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from .normalize_graph import normalize_graph
 from .reduce_gradients import reduce_gradients
 from .scale_loss import scale_loss
 from .shard_parameters import shard_parameters
+from .wait_parameter_gathers import wait_parameter_gathers
 
 # DCE after the casts: it removes the fp32 views (W^T) that only low-precision ops used to read.
 SINGLE_DEVICE_PASSES = (normalize_graph, dedupe_tied_parameters, insert_casts, scale_loss, eliminate_dead_code)
-DISTRIBUTED_PASSES = (reduce_gradients, shard_parameters)
+DISTRIBUTED_PASSES = (reduce_gradients, wait_parameter_gathers, shard_parameters)
 ALL_PASSES: dict[str, GraphPass] = {p.name: p for p in (*SINGLE_DEVICE_PASSES, *DISTRIBUTED_PASSES)}
 
 
@@ -36,4 +38,5 @@ def default_pipeline() -> list[GraphPass]:
 
 
 __all__ = ["ALL_PASSES", "DISTRIBUTED_PASSES", "SINGLE_DEVICE_PASSES", "insert_casts", "reduce_gradients", "scale_loss",
-           "shard_parameters", "dedupe_tied_parameters", "default_pipeline", "eliminate_dead_code", "normalize_graph"]
+           "shard_parameters", "wait_parameter_gathers", "dedupe_tied_parameters", "default_pipeline",
+           "eliminate_dead_code", "normalize_graph"]

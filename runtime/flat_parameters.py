@@ -2,9 +2,11 @@
 or sharded per rank, and the tensors the optimizer steps for each ZeRO stage.
 
     zero 0    full flat buckets on every rank; optimizer over the Parameters (views into them),
-              gradients as views into the reduced buckets (DDP with gradient_as_bucket_view)
+              gradients as views into the reduced buckets (DDP with gradient_as_bucket_view),
+              which are persistent buffers (grad_buffer) the program reduces into every step
     zero 1    full flat buckets; optimizer (and its states) over this rank's shard of each
               bucket; updated shards all-gathered back into the full buckets after the step
+              (synchronously, or left in flight for a program that waits for them: defer=True)
     zero 2    as zero 1, but the graph hands back only this rank's gradient shard
     zero 3    only this rank's shard of each bucket exists between steps; the graph gathers
 
@@ -16,6 +18,7 @@ and `full_state()` gathers them on request.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterator
 
 import torch
@@ -27,10 +30,15 @@ from fxspeed.ir import Bucket
 
 class FlatParameters:
     def __init__(self, params: dict[str, nn.Parameter], buckets: list[Bucket], *, rank: int, world: int,
-                 zero: int, group: dist.ProcessGroup | None):
+                 zero: int, group: dist.ProcessGroup | None, gather_group: dist.ProcessGroup | None = None):
+        """`gather_group` (same ranks as `group`) carries deferred post-step gathers, so the next
+        step's small collectives on `group` do not queue behind them; without it none are deferred."""
         self.params = params  # canonical name -> Parameter (tied aliases resolved by the caller)
         self.buckets = buckets
         self.rank, self.world, self.zero, self.group = rank, world, zero, group
+        self.gather_group = gather_group
+        self.in_flight = False  # deferred gathers issued and not yet known to be finished
+        self.grad_buffers: dict[int, torch.Tensor] = {}  # persistent reduced-gradient buckets
         self.full: list[torch.Tensor | None] = []
         self.shards: list[torch.Tensor] = []
         # One bucket at a time: each Parameter is re-pointed (or released) as soon as its bucket
@@ -47,6 +55,10 @@ class FlatParameters:
                     self.full.append(flat)
                     self.shards.append(flat[lo:hi])  # a view: the optimizer updates in place
                     self._point_into(b, flat)
+        if gather_group is not None:
+            # Gathers left in flight when the engine is dropped (or the process exits) are waited
+            # for: the collective registry would otherwise keep the buckets alive and warn at exit.
+            weakref.finalize(self, _wait_all, list(self.full))
 
     def _flatten(self, b: Bucket) -> torch.Tensor:
         """A new padded flat buffer holding the bucket's parameters' current values."""
@@ -79,6 +91,15 @@ class FlatParameters:
             return [self.params[n] for b in self.buckets for n in b.names]
         return list(self.shards)
 
+    def grad_buffer(self, k: int) -> torch.Tensor:
+        """Bucket k's persistent gradient buffer (ZeRO-0), which the program flattens into and
+        reduces in place every step, as DDP reuses its buckets: a new tensor would be
+        page-faulted in again each step. Zero-filled once, so the padding stays zero."""
+        if k not in self.grad_buffers:
+            b, ref = self.buckets[k], self.shards[k]
+            self.grad_buffers[k] = torch.zeros(b.padded, dtype=getattr(torch, b.dtype), device=ref.device)
+        return self.grad_buffers[k]
+
     def set_grads(self, reduced: dict[int, torch.Tensor]) -> None:
         """Attach the graph's reduced bucket outputs as .grad of the optimizer tensors.
 
@@ -102,9 +123,26 @@ class FlatParameters:
         for t in self.optimizer_tensors():
             t.grad = None
 
-    def after_step(self) -> None:
-        """ZeRO-1/2: every rank updated its shard; gather them so all ranks hold full weights."""
+    def after_step(self, defer: bool = False) -> None:
+        """ZeRO-1/2: every rank updated its shard; gather them so all ranks hold full weights.
+
+        defer=True (the next program waits for the gathers, see passes/wait_parameter_gathers):
+
+            before:  step -> gather b0, b1, ... (wait for all) -> return      | next forward
+            after:   step -> issue gather b0, b1, ... -> return               | next forward:
+                                                          wait(b0) before b0's first use, ...
+
+        Each bucket is gathered in place (its shard is a view of the full bucket), so nothing is
+        copied; the functional collective registers the work against the bucket's storage, where
+        `wait_tensor` on any of its Parameters finds it. Until then the full buckets hold other
+        ranks' old values: call wait_gathers() before reading them."""
         if self.zero not in (1, 2):
+            return
+        if defer and self.gather_group is not None:
+            name = self.gather_group.group_name
+            for k in range(len(self.buckets)):
+                _c10d.all_gather_into_tensor_out(self.shards[k], self.world, name, out=self.full[k])
+            self.in_flight = True
             return
         # At most two gathers in flight: each needs a private copy of the shard (the shard is
         # a view into the output buffer), and copies of every bucket at once would cost 1/N
@@ -117,6 +155,14 @@ class FlatParameters:
             pending = work
         if pending is not None:
             pending.wait()
+
+    def wait_gathers(self) -> None:
+        """Finish deferred gathers still in flight (a no-op for those the program waited for)."""
+        if not self.in_flight:
+            return
+        for f in self.full:
+            _c10d.wait_tensor(f)
+        self.in_flight = False
 
     # --- state -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -169,6 +215,7 @@ class FlatParameters:
         return [s.detach().clone() for s in self.shards]
 
     def load_shards(self, shards: list[torch.Tensor]) -> None:
+        self.wait_gathers()  # an in-flight gather would overwrite the loaded values
         with torch.no_grad():
             for mine, saved in zip(self.shards, shards):
                 mine.copy_(saved)
@@ -178,6 +225,13 @@ class FlatParameters:
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (same arguments); 2.11 has
 # only the old name.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_c10d = torch.ops._c10d_functional
+
+
+def _wait_all(tensors: list[torch.Tensor | None]) -> None:
+    for t in tensors:
+        if t is not None:
+            _c10d.wait_tensor(t)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

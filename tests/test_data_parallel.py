@@ -86,3 +86,36 @@ def _reference(name: str, optimizer: str, clip: float | None, steps: int = 5):
         opt.step()
         losses.append(loss.item())
     return losses, model.state_dict()
+
+
+def test_a_zero1_or_zero2_step_returns_with_its_parameter_gathers_in_flight_and_the_next_forward_waits_for_them(
+        tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "tests.workers.deferred_gather_worker", "--out", str(tmp_path), "--zero", "1,2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "FXSPEED_BACKEND": "gloo"}
+    proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    for zero in (1, 2):
+        rec = torch.load(tmp_path / f"zero{zero}.pt")
+        assert rec["buckets"] > 1
+        # The step returned with one gather per bucket issued and none waited for ...
+        assert rec["in_flight_after_step"] and rec["registered_after_step"] == rec["buckets"]
+        # ... every bucket Parameter is read only through a wait, and running the program alone
+        # consumes every gather: the forward itself waited for them.
+        assert rec["first_readers_are_waits"]
+        assert rec["registered_after_program"] == 0
+        # state_dict() after the step shows the updated weights: those of a ZeRO-0 step.
+        for k, want in rec["want"].items():
+            assert not torch.equal(rec["state"][k], rec["initial"][k]) or torch.equal(want, rec["initial"][k]), k
+            torch.testing.assert_close(rec["state"][k], want, rtol=1e-6, atol=1e-7, msg=k)
+
+
+def test_zero0_reduces_gradients_into_one_persistent_buffer_per_bucket_reused_every_step(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "tests.workers.deferred_gather_worker", "--out", str(tmp_path), "--zero", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "FXSPEED_BACKEND": "gloo"}
+    proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rec = torch.load(tmp_path / "zero0.pt")
+    assert rec["buckets"] > 1 and rec["grad_buffers"] == rec["buckets"] and rec["grad_buffers_kept"]
+    assert not rec["in_flight_after_step"]  # ZeRO-0 steps every full bucket: nothing to gather
