@@ -13,7 +13,9 @@ Per rank and timed step the runtime records when each compute action ran; from t
                        time of the rank's action list (engine.stats["idle_fraction"])
     simulated idle     fxspeed.simulator.simulate(schedule, stage costs measured in that step,
                        each rank's overhead - posting sends, glue between actions - spread over
-                       its compute so the simulated rank is as busy as the real one)
+                       its compute so the simulated rank is as busy as the real one, and every
+                       message delayed by the one-way latency a ping-pong of the activation
+                       measured before training: engine.measure_p2p_latency())
                        -> the same quantity for this rank: waiting within its own action list
                        (SimResult.own_idle_fraction; a rank's list ends when its last action
                        does, before the slowest rank's); the check is |measured - simulated| <= 5
@@ -112,6 +114,7 @@ def main() -> None:
                 "stage_s": stages, "imbalance": max(stages.values()) / mean - 1.0,
                 "peak_growth_bytes": [r["peak_growth_bytes"] for r in ranks],
                 "losses": ranks[0]["losses"], "n_params": ranks[0]["n_params"],
+                "p2p_latency_s": ranks[0]["p2p_latency_s"],
                 "plan_stages": ranks[0]["plan_stages"]}
     checks: dict[str, bool] = {}
     for s, r in rows.items():
@@ -139,7 +142,7 @@ def main() -> None:
               f"{fmt(r['planner_idle_fraction']):<18}{r['imbalance'] * 100:9.1f}%  "
               f"{' '.join(f'{b / 2**20:.0f}' for b in r['peak_growth_bytes']):<20}")
     for s, r in rows.items():
-        print(f"  {s} stage seconds per micro-batch (F+backward): "
+        print(f"  {s}: p2p latency {r['p2p_latency_s'] * 1e3:.2f} ms per message; stage seconds per micro-batch (F+backward): "
               + ", ".join(f"stage {k}: {v * 1e3:.1f} ms" for k, v in r["stage_s"].items()))
     print("checks: " + ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in checks.items()))
     print(f"total {time.time() - t0:.0f} s; load average start {load0:.2f}, end {os.getloadavg()[0]:.2f} "

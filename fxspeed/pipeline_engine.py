@@ -98,7 +98,8 @@ class PipelineEngine:
         self._key: tuple | None = None
         self._runtime: PipelineRuntime | None = None
         self._eval_runtime: PipelineRuntime | None = None
-        self._freed_shapes: dict[int, tuple[int, ...]] = {}  # id(Parameter) -> shape, for other stages' weights
+        self._freed_shapes: dict[int, tuple[int, ...]] = {}
+        self._p2p_latency = 0.0  # seconds per message for measured_costs(); see measure_p2p_latency  # id(Parameter) -> shape, for other stages' weights
         self._owned: list[nn.Parameter] = []
         self._owned_names: list[str] = []
         self._tied_groups: list[tuple[Any, list[int], nn.Parameter]] = []  # (group, global ranks, param)
@@ -403,6 +404,32 @@ class PipelineEngine:
         self.plan.notes.append("pipeline: per-rank memory = the rank's stages' weights, gradients, optimizer "
                                "states (sharded over replicas under ZeRO-1) and the simulated activation peak")
 
+    def measure_p2p_latency(self, repeats: int = 20) -> float:
+        """One-way seconds for a stage-boundary message (the largest activation sent), measured
+        by ping-pong between pipeline positions 0 and 1 and shared over the pipeline. The
+        simulator charges it to every message; it includes what a receive costs even when the
+        message is ready (gloo wakes the receiving thread). Collective over the pipeline."""
+        shape = max((m.shape for p in self.programs for m in p.send_f),
+                    key=lambda sh: torch.Size(sh).numel(), default=(1,))
+        t = torch.zeros(shape)
+        out = torch.zeros(())
+        a, b = self.pipe_ranks[0], self.pipe_ranks[1]
+        if self.position in (0, 1):
+            times = []
+            for _ in range(repeats + 2):
+                t0 = time.perf_counter()
+                if self.position == 0:
+                    dist.send(t, b, group=self.pipe_group)
+                    dist.recv(t, b, group=self.pipe_group)
+                else:
+                    dist.recv(t, a, group=self.pipe_group)
+                    dist.send(t, a, group=self.pipe_group)
+                times.append(time.perf_counter() - t0)
+            out = torch.tensor(sorted(times[2:])[len(times[2:]) // 2] / 2)
+        dist.broadcast(out, src=a, group=self.pipe_group)
+        self._p2p_latency = float(out)
+        return self._p2p_latency
+
     def measured_costs(self) -> "Any":
         """simulator.Costs from the last step's measured per-micro-batch stage times (all ranks;
         collective over the pipeline)."""
@@ -421,7 +448,7 @@ class PipelineEngine:
             rows.append([f * grow, i * grow, w * grow])
         t = torch.tensor(rows, dtype=torch.float64)
         dist.all_reduce(t, group=self.pipe_group)  # each stage's times come from the one rank running it
-        return Costs([StageCosts(*map(float, r)) for r in t])
+        return Costs([StageCosts(*map(float, r)) for r in t], p2p_latency=self._p2p_latency)
 
     # --- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

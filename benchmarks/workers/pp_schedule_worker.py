@@ -56,6 +56,7 @@ def main() -> None:
     cfg = fxspeed.Config(pipeline=world, microbatches=a.microbatches, schedule=a.schedule, optimizer="adamw", lr=1e-4,
                          extra={"pipeline_chunks": a.chunks})
     engine = fxspeed.compile(model, world, cfg, example_inputs=batches[0])
+    p2p = engine.measure_p2p_latency()
     rank = dist.get_rank()
     losses, steps = [], []
     baseline_kb = 0
@@ -86,7 +87,7 @@ def main() -> None:
                                                                                 "idle_fraction", "sim_idle_fraction")},
            "planner_idle_fraction": plan["own_idle_fraction"][engine.position], "planner_bubble": plan["bubble"],
            "plan_stages": plan["stages"], "peak_growth_bytes": peak_kb * 1024,
-           "n_params": sum(p.numel() for p in model.parameters())}
+           "n_params": sum(p.numel() for p in model.parameters()), "p2p_latency_s": p2p}
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.barrier()
