@@ -83,9 +83,10 @@ def run(args: Any) -> int:
         return 2
     replicas = devices // pipeline
     if args.batch_size % replicas:
-        print(f"fxspeed demo: --batch-size {args.batch_size} is the global batch and must be divisible by "
-              f"the {replicas} data-parallel replicas (each trains on batch_size / {replicas} sequences)",
-              file=sys.stderr)
+        by = f"--devices {devices}" if pipeline == 1 else \
+            f"the {replicas} data-parallel replicas (--devices {devices} / --pipeline {pipeline})"
+        print(f"fxspeed demo: --batch-size {args.batch_size} is the global batch and must be divisible by {by} "
+              f"(each replica trains on batch_size / {replicas} sequences)", file=sys.stderr)
         return 2
     if devices > 1 and not _in_launched_group(devices):
         return _relaunch(args)
@@ -128,8 +129,12 @@ def _train(args: Any, devices: int, zero: int) -> int:
     say(f"fxspeed demo: byte-level GPT '{args.model}' ({n_params / 1e6:.2f}M params) on {data.numel() / 1e6:.2f} MB "
         f"of Python standard library source ({Path(os.__file__).resolve().parent})")
     pp = getattr(args, "pipeline", 1)
-    where = (f"{devices} processes ({pp}-stage pipeline x {devices // pp} replicas), ZeRO-{zero}, "
-             f"{args.batch_size // (devices // pp)} sequences per replica, " if devices > 1 else "")
+    where = ""
+    if devices > 1 and pp == 1:
+        where = f"{devices} processes, ZeRO-{zero}, {args.batch_size // devices} sequences per rank, "
+    elif devices > 1:
+        where = (f"{devices} processes ({pp}-stage pipeline x {devices // pp} replicas), ZeRO-{zero}, "
+                 f"{args.batch_size // (devices // pp)} sequences per replica, ")
     say(f"batch {args.batch_size} x {args.seq_len} tokens, {args.steps} steps, AdamW lr {args.lr}, "
         f"{where}{torch.get_num_threads()} CPU threads" + (" per process" if devices > 1 else ""))
 
