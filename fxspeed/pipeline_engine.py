@@ -165,9 +165,7 @@ class PipelineEngine:
         sched = make(_SCHEDULE_NAMES[self.config.schedule], self.P, self.M, self.chunks)
         validate(sched)
         margs, mkw = split_batch(args, kwargs, self.M)[0]
-        cfg = dataclasses.replace(self.config, disable_passes=tuple({*self.config.disable_passes,
-                                                                      "dedupe_tied_parameters"}),
-                                  pipeline=1, microbatches=1, schedule="1f1b", zero=0)
+        cfg = self._micro_config()
         compiled = compile_step(self.model, margs, mkw, config=cfg, loss_fn=self.loss_fn, train=True,
                                 options={"world_size": 1, "zero": 0, "group_name": "", "bucket_bytes": 1 << 30},
                                 devices=self.devices[:1])
@@ -191,6 +189,13 @@ class PipelineEngine:
         self._per_rank_memory()
         log.info("fxspeed: pipeline %d stages x %d micro-batches (%s) x %d replicas; rank %d runs stages %s",
                  n_stages, self.M, sched.name, self.dp_size, self.rank, self.stages)
+
+    def _micro_config(self) -> Config:
+        """The config one micro-batch's graph is captured with: single-device passes only, tied
+        weights kept under each name (stages may hold either), no ZeRO inside the graph."""
+        return dataclasses.replace(self.config, disable_passes=tuple({*self.config.disable_passes,
+                                                                       "dedupe_tied_parameters"}),
+                                   pipeline=1, microbatches=1, schedule="1f1b", zero=0)
 
     def _setup_ownership(self) -> None:
         by_id: dict[int, tuple[str, nn.Parameter]] = {}
@@ -259,7 +264,7 @@ class PipelineEngine:
             self._scale.copy_(self.scaler.scale)
         actions = self.schedule.actions[self.position]
         t0 = time.perf_counter()
-        loss, grads = self._runtime.run(actions, micro, on_step=lambda: None)
+        loss, grads = self._runtime.run(actions, micro)
         self._record_timing(time.perf_counter() - t0)
         with torch.no_grad():
             self._set_grads(grads)
@@ -307,13 +312,9 @@ class PipelineEngine:
                 p.grad = flat[off:off + p.numel()].view_as(p)
                 off += p.numel()
             return
-        for k, b in enumerate(self._flat.buckets):
-            full = torch.zeros(b.padded, dtype=self._flat.shards[k].dtype)
-            for name, off in zip(b.names, b.offsets):
-                g = self._flat.params[name].grad
-                full[off:off + g.numel()].copy_(g.reshape(-1))
+        for k in range(len(self._flat.buckets)):
             shard = torch.empty_like(self._flat.shards[k])
-            _reduce_scatter(shard, full, group=self.dp_group)
+            _reduce_scatter(shard, self._flat.flat_grads(k), group=self.dp_group)
             self._flat.shards[k].grad = shard
         for p in self._owned:
             p.grad = None
@@ -519,9 +520,7 @@ class PipelineEngine:
         from fxspeed.passes.split_stages import split_stages
 
         margs, mkw = split_batch(args, kwargs, self.M)[0]
-        cfg = dataclasses.replace(self.config, disable_passes=tuple({*self.config.disable_passes,
-                                                                      "dedupe_tied_parameters"}),
-                                  pipeline=1, microbatches=1, schedule="1f1b", zero=0)
+        cfg = self._micro_config()
         # Other stages' weights were freed; tracing needs only their shapes: meta stand-ins
         # (one per Parameter, so tied weights stay tied) are swapped in for the capture.
         stand_in: dict[int, nn.Parameter] = {}

@@ -393,8 +393,7 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
         secs = lambda ns: sum(_cost(n, True) for n in ns)  # noqa: E731
         predicted = {"forward": secs(fwd_local), "backward_input": secs(i_nodes) if w_nodes else secs(bwd_local),
                      "backward_weight": secs(w_nodes),
-                     "params": float(sum(_nbytes(ph) // max(1, ph.meta["val"].element_size()) for ph in state
-                                         if state_ph[ph].kind == "param")),
+                     "params": float(sum(ph.meta["val"].numel() for ph in state if state_ph[ph].kind == "param")),
                      "param_bytes": float(sum(_nbytes(ph) for ph in state if state_ph[ph].kind == "param")),
                      "saved_bytes": float(sum(_nbytes(n) for n in saved[s] + bmsg[s])),
                      "send_bytes": float(sum(_nbytes(n) for n in fmsg[s + 1]))}

@@ -60,14 +60,19 @@ class FlatParameters:
             # for: the collective registry would otherwise keep the buckets alive and warn at exit.
             weakref.finalize(self, _wait_all, list(self.full))
 
-    def _flatten(self, b: Bucket) -> torch.Tensor:
-        """A new padded flat buffer holding the bucket's parameters' current values."""
+    def _flatten(self, b: Bucket, grads: bool = False) -> torch.Tensor:
+        """A new padded flat buffer holding the bucket's parameters' current values (or, with
+        `grads`, their .grad)."""
         p0 = self.params[b.names[0]]
         flat = torch.zeros(b.padded, dtype=p0.dtype, device=p0.device)
         for name, off in zip(b.names, b.offsets):
-            p = self.params[name]
-            flat[off:off + p.numel()].copy_(p.reshape(-1))
+            t = self.params[name].grad if grads else self.params[name]
+            flat[off:off + t.numel()].copy_(t.reshape(-1))
         return flat
+
+    def flat_grads(self, k: int) -> torch.Tensor:
+        """Bucket k's parameter gradients (.grad, set by the caller) in the bucket's flat layout."""
+        return self._flatten(self.buckets[k], grads=True)
 
     def _range(self, b: Bucket) -> tuple[int, int]:
         s = b.shard_size(self.world)
