@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fxspeed
 from fxspeed.compiler import compile_step
@@ -38,8 +40,9 @@ def _joint(model, batch):
     return c.captured
 
 
-def _run_stages_in_one_process(progs, params, batch):
-    """F of every stage in order, then B of every stage in reverse, messages passed by hand."""
+def _run_stages_in_one_process(progs, params, batch, split: bool = False):
+    """F of every stage in order, then B (with `split`: I then W, as ZB-H1 runs them) of every
+    stage in reverse, messages passed by hand."""
     bind = lambda s: params[s.target]  # noqa: E731
     acts, saved, loss = [], {}, None
     for p in progs:
@@ -50,8 +53,13 @@ def _run_stages_in_one_process(progs, params, batch):
             loss = outs[-1]
     grads, g = {}, []
     for p in reversed(progs):
-        outs = p.backward(*[bind(s) for s in p.state], *batch, *saved[p.stage], *g)
+        ins = [*[bind(s) for s in p.state], *batch, *saved[p.stage], *g]
         k = len(p.send_b)
+        if split and p.backward_input is not None:
+            i_out = list(p.backward_input(*ins))
+            outs = i_out[:k] + list(p.backward_weight(*ins, *i_out[k:]))
+        else:
+            outs = p.backward(*ins)
         g = list(outs[:k])
         for n, t in zip(p.grads, outs[k:]):
             grads[n] = t
@@ -338,3 +346,34 @@ def test_an_fp16_overflow_on_the_last_stage_skips_the_step_on_every_stage(tmp_pa
     assert skipped[0] == skipped[1] and 1 <= skipped[0] < 5, skipped  # some steps skipped, then training
     assert runs[0]["stats"]["loss_scale"] == runs[1]["stats"]["loss_scale"] == 2.0**24 / 2**skipped[0]
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in runs)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(layers=st.integers(2, 4), width=st.sampled_from([16, 32]), rows=st.sampled_from([2, 4]),
+       stages=st.integers(2, 5), precision=st.sampled_from(["fp32", "bf16"]))
+def test_for_random_gpts_and_stage_counts_the_stages_compose_to_the_joint_graph_and_i_then_w_is_b(
+        layers: int, width: int, rows: int, stages: int, precision: str) -> None:
+    from fxspeed.models import GPT, GPTConfig
+
+    P = min(stages, layers + 2)  # cuts: each block start and ln_f
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=layers, n_head=2, n_embd=width))
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, 64, (rows, 8), generator=g) for _ in range(2))
+    cfg = fxspeed.Config(precision=precision, disable_passes=("dedupe_tied_parameters",))
+    cap = compile_step(model, (x, y), {}, config=cfg, loss_fn=None, devices=normalize_devices(1),
+                       options={"world_size": 1}).captured
+    progs = split_stages(cap.gm, cap.signature, P)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    ref = cap.gm(*[params[s.target] if s.kind == "param" else (x, y)[int(s.target)] for s in cap.signature.inputs])
+    want = {s.target: o for s, o in zip(cap.signature.outputs, ref) if s.kind == "grad"}
+    for split in (False, True):
+        loss, grads = _run_stages_in_one_process(progs, params, [x, y], split=split)
+        assert torch.equal(loss, ref[0])
+        assert grads.keys() == want.keys() and all(torch.equal(grads[k], want[k]) for k in want), split
+    # Every weight (and its low-precision cast) lives on one stage; only the tied
+    # embedding/head is held by the first and the last.
+    tied = {"wte.weight", "head.weight"}
+    assert [p.stage for p in progs if p.names() & tied] == [0, P - 1]
+    for name in set(params) - tied:
+        assert len([p.stage for p in progs if name in p.names()]) == 1, name
