@@ -61,11 +61,15 @@ class Engine:
                                             config.loss_scale_backoff, config.loss_scale_growth,
                                             self.dist.group if self.dist.active else None)
             self.stats["loss_scale"] = float(self.scaler.scale)
+        gloo = self.dist.active and dist.get_backend(self.dist.group) == "gloo"
         self._options = {"world_size": self.dist.world, "rank": self.dist.rank, "zero": config.zero,
                          "group_name": self.dist.group_name, "bucket_bytes": int(config.bucket_mb * 2**20),
                          # gloo's reduce-scatter of a 25 MB bucket took 1.5x as long as all-reduce plus
                          # the slice copy (2 CPU ranks), so ZeRO-2/3 all-reduce and keep their slice there.
-                         "scatter_via_all_reduce": self.dist.active and dist.get_backend(self.dist.group) == "gloo",
+                         "scatter_via_all_reduce": gloo,
+                         # gloo's all-gather allocates a full-size temporary per call and took 1.6x an
+                         # all-reduce of the zero-padded shard, so ZeRO-3 gathers that way there.
+                         "gather_via_all_reduce": gloo,
                          "reuse_grad_buckets": True}
         if self.dist.active:
             check_same_model(self.dist, model, config)

@@ -10,8 +10,9 @@
     reduce_gradients         bucketed async all-reduce / reduce-scatter of gradients (data parallel)
     wait_parameter_gathers   ZeRO-1/2: wait for each bucket's post-step all-gather at its first use
     shard_parameters         ZeRO-3: parameter shards as inputs, gathered before use, prefetched
+    reuse_buffers            gathered / flattened buckets written into a few reused workspaces
 
-The last three read ctx.options (world_size, zero, group_name) and do nothing on one device.
+The distributed passes read ctx.options (world_size, zero, group_name) and do nothing on one device.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from .eliminate_dead_code import eliminate_dead_code
 from .insert_casts import insert_casts
 from .normalize_graph import normalize_graph
 from .reduce_gradients import reduce_gradients
+from .reuse_buffers import reuse_buffers
 from .scale_loss import scale_loss
 from .shard_parameters import shard_parameters
 from .wait_parameter_gathers import wait_parameter_gathers
 
 # DCE after the casts: it removes the fp32 views (W^T) that only low-precision ops used to read.
 SINGLE_DEVICE_PASSES = (normalize_graph, dedupe_tied_parameters, insert_casts, scale_loss, eliminate_dead_code)
-DISTRIBUTED_PASSES = (reduce_gradients, wait_parameter_gathers, shard_parameters)
+DISTRIBUTED_PASSES = (reduce_gradients, wait_parameter_gathers, shard_parameters, reuse_buffers)
 ALL_PASSES: dict[str, GraphPass] = {p.name: p for p in (*SINGLE_DEVICE_PASSES, *DISTRIBUTED_PASSES)}
 
 
@@ -37,6 +39,6 @@ def default_pipeline() -> list[GraphPass]:
     return [*SINGLE_DEVICE_PASSES, *DISTRIBUTED_PASSES]
 
 
-__all__ = ["ALL_PASSES", "DISTRIBUTED_PASSES", "SINGLE_DEVICE_PASSES", "insert_casts", "reduce_gradients", "scale_loss",
+__all__ = ["ALL_PASSES", "DISTRIBUTED_PASSES", "SINGLE_DEVICE_PASSES", "insert_casts", "reduce_gradients", "reuse_buffers", "scale_loss",
            "shard_parameters", "wait_parameter_gathers", "dedupe_tied_parameters", "default_pipeline",
            "eliminate_dead_code", "normalize_graph"]

@@ -162,6 +162,8 @@ def test_on_two_ranks_an_overflow_on_one_rank_skips_everywhere_and_zero3_gathers
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in res:
         assert r["skipped"] == [0, 1, 0], r["skipped"]  # step 2 overflowed on rank 1 only
+        assert r["gather_bytes"]["fp32"] > 0
+        assert r["workspaces"]["fp32"] > 0 and r["workspaces"]["bf16"] > 0
         assert r["gather_bytes"]["bf16"] * 2 == r["gather_bytes"]["fp32"]
     assert res[0]["state"].keys() == res[1]["state"].keys()
     for k in res[0]["state"]:

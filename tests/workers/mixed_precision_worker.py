@@ -10,17 +10,17 @@ import torch
 import torch.distributed as dist
 
 import fxspeed
+from fxspeed.passes.shard_parameters import GATHER_KEY
 from tests.test_mixed_precision import Scaler, batch, tiny_gpt
 
-GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
-
-
 def gathered_bytes(engine: fxspeed.Engine, world: int) -> int:
+    """Bytes of the full buckets ZeRO-3 gathers per step (an all-gather, or on gloo an all-reduce
+    of the zero-padded shard: shard_parameters marks the collective either way)."""
     total = 0
     for n in engine.graph().graph.nodes:
-        if n.target == GATHER:
-            v = n.args[0].meta["val"]
-            total += v.numel() * v.element_size() * world
+        if GATHER_KEY in n.meta:
+            v = n.meta["val"]
+            total += v.numel() * v.element_size()
     return total
 
 
@@ -44,14 +44,16 @@ def main() -> None:
         engine.train_step(b)
         skipped.append(engine.stats["skipped_steps"] - before)
     state = engine.state_dict()
-    volume = {}
+    volume, workspaces = {}, {}
     for precision in ("fp32", "bf16"):
         x, y = batch()
         e = fxspeed.compile(tiny_gpt(), world, fxspeed.Config(zero=3, precision=precision, bucket_mb=0.01),
                             example_inputs=(x, y))
         e.train_step(x, y)
         volume[precision] = gathered_bytes(e, world)
-    torch.save({"skipped": skipped, "state": state, "gather_bytes": volume}, os.path.join(a.out, f"rank{rank}.pt"))
+        # Gathered and flattened buckets share a few workspaces (passes/reuse_buffers).
+        workspaces[precision] = sum(n.target is torch.ops.aten.empty.memory_format for n in e.graph().graph.nodes)
+    torch.save({"skipped": skipped, "state": state, "gather_bytes": volume, "workspaces": workspaces}, os.path.join(a.out, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
 
