@@ -1,12 +1,12 @@
 """reduce_gradients: average gradients across data-parallel ranks in buckets, as backward
-produces them, with asynchronous collectives; each wait sits right after the next bucket is issued.
+produces them, with asynchronous collectives; each wait sits just before the next bucket is flattened.
 
     before:  ... g_w2 = mm(...) ... g_w1 = mm(...) ...      return (loss, g_w2, g_w1)
     after:   ... g_w2 = mm(...)
                  b0 = all_reduce(pad(cat(g_w2 / N, ...)))      # issued here, runs in the
              ... g_w1 = mm(...)                                # background while backward
-                 b1 = all_reduce(pad(cat(g_w1 / N, ...)))      # goes on
-                 w0 = wait(b0)                                 # one bucket in flight
+                 w0 = wait(b0)                                 # goes on; one bucket in flight
+                 b1 = all_reduce(pad(cat(g_w1 / N, ...)))
              w1 = wait(b1)                                     return (loss, w0, w1)
 
 ZeRO-0/1 all-reduce (each rank gets the whole averaged bucket); ZeRO-2/3 reduce-scatter (each
@@ -117,6 +117,12 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             buf.meta["val"] = nodes[0].meta["val"].new_empty(padded)
             buffers.append(k)
         with g.inserting_before(last.next):  # keeps the new nodes in creation order
+            # Wait for the previous bucket just before flattening this one: its collective ran
+            # behind the backward that produced this bucket's gradients, and once it is waited
+            # for (and, under ZeRO-2/3, its shard copied out) its flat buffer is dead, so this
+            # bucket can be flattened into the same memory (passes/reuse_buffers).
+            if pending is not None:
+                waits.append(call(g, c10d.wait_tensor.default, (pending,)))
             pieces = [call(g, aten.reshape.default, (n, [-1])) for n in nodes]  # a view when contiguous
             if padded != total:
                 val = nodes[0].meta["val"]
@@ -130,11 +136,6 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             else:
                 coll = _flatten_and_reduce(g, pieces, scale, reduce_dtype, zero >= 2 and not via_all_reduce,
                                            world, group)
-        # Wait for the previous bucket right after this one is issued: one bucket stays in
-        # flight behind backward, and a finished collective releases its (full-size) input.
-        if pending is not None:
-            with g.inserting_after(coll):
-                waits.append(call(g, c10d.wait_tensor.default, (pending,)))
         pending = coll
     if pending is not None:
         with g.inserting_before(out):

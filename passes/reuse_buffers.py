@@ -144,13 +144,16 @@ def _aliases(u: fx.Node, arg: fx.Node) -> bool:
 
 
 def _pick(workspaces: list[_Workspace], val: torch.Tensor, start: int) -> _Workspace:
-    """A free workspace of the same dtype: the smallest that fits, else the largest (grown)."""
+    """A free workspace of the same dtype: the smallest that fits, else the largest (grown).
+    Among equals the one freed last: reusing few workspaces lets the others die early (taking
+    the first free one cycled all four of ZeRO-3's through to the end of backward, 54 MB more
+    at the peak)."""
     free = [ws for ws in workspaces if ws.dtype == val.dtype and ws.device == val.device and ws.free_after < start]
     fits = [ws for ws in free if ws.numel >= val.numel()]
     if fits:
-        return min(fits, key=lambda ws: ws.numel)
+        return min(fits, key=lambda ws: (ws.numel, -ws.free_after))
     if free:
-        return max(free, key=lambda ws: ws.numel)
+        return max(free, key=lambda ws: (ws.numel, ws.free_after))
     workspaces.append(_Workspace(val.dtype, val.device))
     return workspaces[-1]
 

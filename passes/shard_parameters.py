@@ -32,6 +32,8 @@ Options read from ctx.options: world_size, rank, group_name, precision, gather_v
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 import torch.fx as fx
 
@@ -91,17 +93,15 @@ def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     # Backward first: forward views of a parameter (W^T) still hang off its placeholder, so the
     # backward users reached through them can be moved onto copies fed by the backward gather.
     for phase in (BACKWARD, FORWARD):
-        # Nodes of this phase that read each bucket (through forward views for backward).
-        first_use: dict[int, int] = {}
-        for b in sig.buckets:
-            uses = [u for name in b.names for u in _phase_users(roots[name], phase)]
-            if uses:
-                first_use[b.index] = min(order[u] for u in uses)
-        seq = sorted(first_use, key=first_use.__getitem__)
+        # Nodes of this phase that read each bucket (through forward views for backward), cut
+        # into clusters that each get their own gather.
+        users = {b.index: {name: _phase_users(roots[name], phase) for name in b.names} for b in sig.buckets}
+        items = [(order[c[0]], k, set(c)) for k, c in _clusters(users, order)]
+        items.sort(key=lambda it: it[0])
         prev_wait: fx.Node | None = None
-        for k in seq:
+        for first, k, cluster in items:
             b = sig.buckets[k]
-            anchor = next(n for n in g.nodes if order.get(n) == first_use[k])
+            anchor = next(n for n in g.nodes if order.get(n) == first)
             # Issue the gather one bucket ahead: right after the previous bucket's wait.
             with g.inserting_before(prev_wait.next if prev_wait is not None else anchor):
                 src = shards[k]
@@ -117,6 +117,8 @@ def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             with g.inserting_before(anchor):
                 full = call(g, c10d.wait_tensor.default, (gathered,))
                 for name, shape, off in zip(b.names, b.shapes, b.offsets):
+                    if not cluster.intersection(users[k][name]):
+                        continue
                     n = 1
                     for d in shape:
                         n *= d
@@ -124,7 +126,7 @@ def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                     param = call(g, aten.view.default, (flat, list(shape)))
                     if param.meta["val"].dtype != roots[name].meta["val"].dtype:
                         param = call(g, aten._to_copy.default, (param,), {"dtype": roots[name].meta["val"].dtype})
-                    _rewire(g, roots[name], param, phase)
+                    _rewire(g, roots[name], param, phase, cluster)
             prev_wait = full
         order = {n: i for i, n in enumerate(g.nodes)}
 
@@ -161,8 +163,36 @@ def _phase_users(root: fx.Node, phase: str) -> list[fx.Node]:
     return found
 
 
-def _rewire(g: fx.Graph, root: fx.Node, replacement: fx.Node, phase: str) -> None:
-    """Point `phase` users of `root` at `replacement`; for backward, re-derive forward views."""
+def _clusters(users: dict[int, dict[str, list[fx.Node]]], order: dict[fx.Node, int]
+              ) -> list[tuple[int, list[fx.Node]]]:
+    """(bucket, its users in graph order) per gather: a bucket's users in one phase, cut wherever
+    two or more other buckets are read between two of them.
+
+    A GPT's last gradient bucket holds the tied embedding and the first block's norms: read at
+    the start of backward (the head's input gradient) and again at its end. One gather for both
+    kept 25 MB alive through all of backward (and, in forward, embedding to head); gathering
+    again costs one more collective, overlapped like the others."""
+    flat = sorted((order[u], k) for k, by_name in users.items() for us in by_name.values() for u in us)
+    positions = [p for p, _ in flat]
+    out = []
+    for k, by_name in users.items():
+        us = sorted({u for lst in by_name.values() for u in lst}, key=order.__getitem__)
+        if not us:
+            continue
+        current = [us[0]]
+        for a, b in zip(us, us[1:]):
+            lo, hi = bisect.bisect_right(positions, order[a]), bisect.bisect_left(positions, order[b])
+            if len({kk for _, kk in flat[lo:hi] if kk != k}) >= 2:
+                out.append((k, current))
+                current = []
+            current.append(b)
+        out.append((k, current))
+    return out
+
+
+def _rewire(g: fx.Graph, root: fx.Node, replacement: fx.Node, phase: str, only: set[fx.Node]) -> None:
+    """Point the `phase` users of `root` that are in `only` at `replacement`; for backward,
+    re-derive the forward views they read through."""
     copies = {root: replacement}
     stack = [root]
     while stack:
@@ -172,7 +202,8 @@ def _rewire(g: fx.Graph, root: fx.Node, replacement: fx.Node, phase: str) -> Non
                 continue
             r = _role(u)
             if r == phase:
-                u.replace_input_with(n, copies[n])
+                if u in only:
+                    u.replace_input_with(n, copies[n])
             elif phase == BACKWARD and r == FORWARD and _is_view(u):
                 if u not in copies:
                     with g.inserting_after(copies[n]):
@@ -180,3 +211,7 @@ def _rewire(g: fx.Graph, root: fx.Node, replacement: fx.Node, phase: str) -> Non
                         c.meta = {"val": u.meta["val"], META_KEY: u.meta.get(META_KEY)}
                     copies[u] = c
                     stack.append(u)
+    # View copies whose readers all belong to another cluster: drop them (newest first).
+    for c in reversed(list(copies.values())[1:]):
+        if not c.users:
+            g.erase_node(c)

@@ -162,9 +162,12 @@ def test_on_two_ranks_an_overflow_on_one_rank_skips_everywhere_and_zero3_gathers
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in res:
         assert r["skipped"] == [0, 1, 0], r["skipped"]  # step 2 overflowed on rank 1 only
-        assert r["gather_bytes"]["fp32"] > 0
+        # Bytes per gathered element (how many gathers a precision needs can differ a little:
+        # shard_parameters re-gathers a bucket whose readers are far apart).
+        (b32, n32), (b16, n16) = r["gather_bytes"]["fp32"], r["gather_bytes"]["bf16"]
+        assert n32 > 0 and n16 > 0
+        assert b32 == 4 * n32 and b16 == 2 * n16
         assert r["workspaces"]["fp32"] > 0 and r["workspaces"]["bf16"] > 0
-        assert r["gather_bytes"]["bf16"] * 2 == r["gather_bytes"]["fp32"]
     assert res[0]["state"].keys() == res[1]["state"].keys()
     for k in res[0]["state"]:
         assert torch.equal(res[0]["state"][k], res[1]["state"][k]), k

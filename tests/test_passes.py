@@ -267,3 +267,43 @@ def test_training_the_tiny_tied_gpt_for_three_steps_matches_eager_adamw(disabled
     assert model.head.weight is model.wte.weight
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert _rel_err(p.detach(), q.detach()) <= 1e-5, name
+
+
+# ------------------------------------------------------------------------------------------
+# shard_parameters (ZeRO-3), rewritten for rank 0 of 2 without running it
+# ------------------------------------------------------------------------------------------
+
+def _zero3_graph(**extra):  # noqa: ANN202
+    from fxspeed.compiler import compile_step
+
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=512, block_size=32, n_layer=4, n_head=2, n_embd=64))
+    x, y = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
+    opts = {"world_size": 2, "rank": 0, "zero": 3, "group_name": "unused", "bucket_bytes": 100_000, **extra}
+    c = compile_step(m, (x, y), {}, config=fxspeed.Config(zero=3), loss_fn=None, options=opts)
+    return c.captured.gm, c.captured.signature
+
+
+def test_zero3_gathers_a_bucket_again_when_its_readers_are_far_apart_instead_of_keeping_it_alive():
+    from collections import Counter
+
+    from fxspeed.passes.shard_parameters import GATHER_KEY
+
+    gm, sig = _zero3_graph(gather_via_all_reduce=True)
+    gathers = Counter(n.meta[GATHER_KEY] for n in gm.graph.nodes if GATHER_KEY in n.meta)
+    tied = next(b.index for b in sig.buckets if "wte.weight" in b.names)
+    # The tied embedding's bucket is read at both ends of forward (embedding, head) and of
+    # backward (head's input gradient, first block's norms): two gathers per phase.
+    assert gathers[tied] == 4
+    assert all(gathers[b.index] == 2 for b in sig.buckets if b.index != tied)
+    # gloo: every gather is an in-place all-reduce of the zero-padded shard.
+    assert all(n.target is torch.ops._c10d_functional.all_reduce_.default
+               for n in gm.graph.nodes if GATHER_KEY in n.meta)
+
+
+def test_zero3_gathered_and_flattened_buckets_share_a_few_workspaces():
+    gm, sig = _zero3_graph(gather_via_all_reduce=True, scatter_via_all_reduce=True)
+    workspaces = [n for n in gm.graph.nodes if n.target is aten.empty.memory_format]
+    flats = sum(n.target is aten.cat.out for n in gm.graph.nodes)
+    assert flats == len(sig.buckets)  # every gradient bucket flattened into a workspace
+    assert 2 <= len(workspaces) <= 4  # current + prefetched gather, one gradient bucket (+ a size)

@@ -13,15 +13,16 @@ import fxspeed
 from fxspeed.passes.shard_parameters import GATHER_KEY
 from tests.test_mixed_precision import Scaler, batch, tiny_gpt
 
-def gathered_bytes(engine: fxspeed.Engine, world: int) -> int:
-    """Bytes of the full buckets ZeRO-3 gathers per step (an all-gather, or on gloo an all-reduce
-    of the zero-padded shard: shard_parameters marks the collective either way)."""
-    total = 0
+def gathered(engine: fxspeed.Engine) -> tuple[int, int]:
+    """(bytes, elements) of the full buckets ZeRO-3 gathers per step (an all-gather, or on gloo
+    an all-reduce of the zero-padded shard: shard_parameters marks the collective either way)."""
+    nbytes = numel = 0
     for n in engine.graph().graph.nodes:
         if GATHER_KEY in n.meta:
             v = n.meta["val"]
-            total += v.numel() * v.element_size()
-    return total
+            nbytes += v.numel() * v.element_size()
+            numel += v.numel()
+    return nbytes, numel
 
 
 def main() -> None:
@@ -50,7 +51,7 @@ def main() -> None:
         e = fxspeed.compile(tiny_gpt(), world, fxspeed.Config(zero=3, precision=precision, bucket_mb=0.01),
                             example_inputs=(x, y))
         e.train_step(x, y)
-        volume[precision] = gathered_bytes(e, world)
+        volume[precision] = gathered(e)
         # Gathered and flattened buckets share a few workspaces (passes/reuse_buffers).
         workspaces[precision] = sum(n.target is torch.ops.aten.empty.memory_format for n in e.graph().graph.nodes)
     torch.save({"skipped": skipped, "state": state, "gather_bytes": volume, "workspaces": workspaces}, os.path.join(a.out, f"rank{rank}.pt"))
