@@ -21,6 +21,14 @@ deadlocks 1F1B); a recv blocks until its message arrived. Each tensor of a messa
 own tag (direction, edge, micro-batch, index), so messages between two ranks cannot be
 confused whatever order the transport delivers them in.
 
+Receives are posted ahead (`recv_prefetch` per stream, a stream being one (direction, stage)
+pair): gloo's TCP transport moves a message only once both sides posted it (the receiver
+announces its buffer, the sender's event-loop thread then writes the data). A receive posted
+only when the schedule reaches it therefore pays a full rendezvous, and on a loaded machine
+the sender's loop thread waits for a CPU first: measured 0.2-6 ms per message even when the
+send was posted long before. Posted ahead, the data moves when it is sent and the RECV finds
+it there, which is what the simulator assumes (a message arrives `p2p_latency` after its send).
+
 This module never decides anything: it runs the schedule and accumulates gradients. It
 records when each action ran (`PipelineRuntime.timeline`, perf_counter seconds from the start
 of the step), so the engine can report compute, blocked (receives and the final wait for sends)
@@ -97,13 +105,18 @@ class PipelineRuntime:
     """Runs the actions of one rank. `bind(spec)` gives the live tensor of a state input."""
 
     def __init__(self, programs: dict[int, StageProgram], n_microbatches: int,
-                 bind: Callable[[IOSpec], torch.Tensor], group: Any = None, peers: list[int] | None = None):
+                 bind: Callable[[IOSpec], torch.Tensor], group: Any = None, peers: list[int] | None = None,
+                 recv_prefetch: int = 2):
+        if recv_prefetch < 1:
+            raise ValueError(f"recv_prefetch={recv_prefetch!r}: at least the receive being waited for is posted; use >= 1")
         self.programs = programs
         self.M = n_microbatches
+        self.recv_prefetch = recv_prefetch  # receives posted ahead per (kind, stage) stream, the awaited one included
         self.group = group
         self.peers = peers  # global rank of each pipeline position (schedules name positions)
         self._state = {s: [bind(spec) for spec in p.state] for s, p in programs.items()}
         self.timeline: list[tuple[str, int, int, float, float]] = []  # (kind, stage, mb, start, end)
+        self.t0 = 0.0  # perf_counter at the start of the last run (CLOCK_MONOTONIC: comparable across ranks)
         for p in programs.values():
             if len(p.send_f) > 256 or len(p.send_b) > 256:
                 raise ValueError(f"stage {p.stage} sends more than 256 tensors per message; not supported")
@@ -127,7 +140,26 @@ class PipelineRuntime:
         grads: dict[str, torch.Tensor] = {}
         loss: torch.Tensor | None = None
         self.timeline = []
-        t0 = time.perf_counter()
+        # Each receive stream in schedule order; the first `recv_prefetch` of each are posted now,
+        # and every RECV posts the next one of its stream before it waits.
+        streams: dict[tuple[str, int], list[Action]] = {}
+        for a in actions:
+            if a.kind in (RECV_F, RECV_B):
+                streams.setdefault((a.kind, a.stage), []).append(a)
+        cursor = {key: 0 for key in streams}
+        posted: dict[tuple[str, int, int], tuple[list[torch.Tensor], list[Any]]] = {}
+
+        def post_next(key: tuple[str, int]) -> None:
+            i, queue = cursor[key], streams[key]
+            if i < len(queue):
+                r = queue[i]
+                posted[(r.kind, r.stage, r.microbatch)] = self._post_recv(r)
+                cursor[key] = i + 1
+
+        t0 = self.t0 = time.perf_counter()
+        for key in streams:
+            for _ in range(self.recv_prefetch):
+                post_next(key)
 
         summed: set[str] = set()  # gradients this runtime allocated, safe to add into in place
 
@@ -183,10 +215,17 @@ class PipelineRuntime:
                 pending += self._send(send_f.pop((s, m)), a.peer, 0, s, m)
             elif a.kind == SEND_B:
                 pending += self._send(send_b.pop((s, m)), a.peer, 1, s - 1, m)
-            elif a.kind == RECV_F:
-                recv_f[(s, m)] = self._recv(self.programs[s].recv_f, a.peer, 0, s - 1, m)
-            elif a.kind == RECV_B:
-                recv_b[(s, m)] = self._recv(self.programs[s].recv_b, a.peer, 1, s, m)
+            elif a.kind in (RECV_F, RECV_B):
+                key = (a.kind, s)
+                if (a.kind, s, m) not in posted:  # the stream's order is the action order: only a bad list gets here
+                    posted[(a.kind, s, m)] = self._post_recv(a)
+                bufs, works = posted.pop((a.kind, s, m))
+                post_next(key)  # before waiting, so the next message of the stream can move meanwhile
+                for w in works:
+                    w.wait()
+                metas = self.programs[s].recv_f if a.kind == RECV_F else self.programs[s].recv_b
+                (recv_f if a.kind == RECV_F else recv_b)[(s, m)] = [
+                    b.to(torch.bool) if meta.dtype == torch.bool else b for b, meta in zip(bufs, metas)]
             elif a.kind == REDUCE:
                 if on_reduce is not None:
                     on_reduce(s)
@@ -198,7 +237,8 @@ class PipelineRuntime:
                     on_step()
             self.timeline.append((a.kind, s, m, start - t0, time.perf_counter() - t0))
         leftovers = [name for name, d in (("saved", saved), ("recv_f", recv_f), ("recv_b", recv_b),
-                                          ("send_f", send_f), ("send_b", send_b), ("weight_work", weight_work))
+                                          ("send_f", send_f), ("send_b", send_b), ("weight_work", weight_work),
+                                          ("posted receives", posted))
                      if d]
         if leftovers:
             raise RuntimeError(f"pipeline step ended with unconsumed {leftovers}: the schedule does not match "
@@ -219,13 +259,18 @@ class PipelineRuntime:
             works.append((dist.isend(t, self._global(peer), group=self.group, tag=_tag(direction, edge, mb, i, self.M)), t))
         return works
 
-    def _recv(self, metas: list[TensorMeta], peer: int, direction: int, edge: int, mb: int) -> list[torch.Tensor]:
+    def _post_recv(self, a: Action) -> tuple[list[torch.Tensor], list[Any]]:
+        """Post the irecvs of one RECV action's message; returns (buffers, works)."""
+        s, m = a.stage, a.microbatch
+        if a.kind == RECV_F:
+            metas, direction, edge = self.programs[s].recv_f, 0, s - 1
+        else:
+            metas, direction, edge = self.programs[s].recv_b, 1, s
         bufs, works = [], []
         for i, meta in enumerate(metas):
             dtype = torch.uint8 if meta.dtype == torch.bool else meta.dtype
             buf = torch.empty(meta.shape, dtype=dtype)
-            works.append(dist.irecv(buf, self._global(peer), group=self.group, tag=_tag(direction, edge, mb, i, self.M)))
+            works.append(dist.irecv(buf, self._global(a.peer), group=self.group,
+                                    tag=_tag(direction, edge, m, i, self.M)))
             bufs.append(buf)
-        for w in works:
-            w.wait()
-        return [b.to(torch.bool) if m.dtype == torch.bool else b for b, m in zip(bufs, metas)]
+        return bufs, works
