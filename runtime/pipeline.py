@@ -37,6 +37,7 @@ and overhead time per rank, and per-stage compute times.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -45,6 +46,11 @@ import time
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+
+try:  # torch's boxed calling convention for generated code (private, present since 2.1)
+    from torch.fx.graph import _BoxedCodeGen
+except ImportError:  # pragma: no cover - older/newer torch: programs keep holding their inputs
+    _BoxedCodeGen = None
 
 from fxspeed.ir import IOSpec
 
@@ -100,6 +106,21 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _storages(ts: list[Any]) -> set[int]:
+    return {_storage(t) for t in ts if isinstance(t, torch.Tensor)}
+
+
+def _boxed(gm: fx.GraphModule | None) -> Callable[[list[Any]], Any] | None:
+    """`gm` as a function of one list of inputs, which it empties (see PipelineRuntime.__init__)."""
+    if gm is None:
+        return None
+    if _BoxedCodeGen is None:
+        return lambda args: gm(*args)
+    graph = copy.deepcopy(gm.graph)
+    graph.set_codegen(_BoxedCodeGen())
+    return fx.GraphModule(gm, graph).forward
+
+
 def _private_storages(outs: list[torch.Tensor], others: list[torch.Tensor]) -> set[int]:
     """Storages of `outs` holding data that no other output and nothing in `others` shares."""
     count: dict[int, int] = {}
@@ -130,6 +151,13 @@ class PipelineRuntime:
         self.group = group
         self.peers = peers  # global rank of each pipeline position (schedules name positions)
         self._state = {s: [bind(spec) for spec in p.state] for s, p in programs.items()}
+        # F, B and W as programs that take one list of inputs and empty it: each input (a received
+        # activation, a saved one) is then freed at its last use inside the program, as autograd
+        # frees saved tensors during backward, instead of when the program returns. I keeps the
+        # plain call: W reads the same inputs after it.
+        self._run_f = {s: _boxed(p.forward) for s, p in programs.items()}
+        self._run_b = {s: _boxed(p.backward) for s, p in programs.items()}
+        self._run_w = {s: _boxed(p.backward_weight) for s, p in programs.items() if p.backward_weight is not None}
         self.timeline: list[tuple[str, int, int, float, float]] = []  # (kind, stage, mb, start, end)
         self.t0 = 0.0  # perf_counter at the start of the last run (CLOCK_MONOTONIC: comparable across ranks)
         for p in programs.values():
@@ -178,15 +206,16 @@ class PipelineRuntime:
 
         summed: set[str] = set()  # gradients safe to add into in place
 
-        def add_grads(p: StageProgram, gs: list[torch.Tensor], others: list[torch.Tensor]) -> None:
+        def add_grads(p: StageProgram, gs: list[torch.Tensor], others: list[torch.Tensor], seen: set[int]) -> None:
             # The first micro-batch's gradient is the program's output. Adding the next one out of
             # place allocated a fresh set of gradient-sized buffers every step (on CPU the page
             # faults cost 5x the add: 20 ms vs 3 ms for 9.5M floats), so an output is added into
             # in place whenever nothing else can see it: it shares storage with no other output of
-            # this call and no input (parameters, saved activations, the carry W still reads).
+            # this call and no input (parameters, saved activations, the carry W still reads):
+            # `seen`, the inputs' storages.
             private: set[int] = set()
             if any(name not in grads for name in p.grads):
-                private = _private_storages(gs, others)
+                private = _private_storages(gs, others) - seen
             for name, g in zip(p.grads, gs):
                 if name not in grads:
                     grads[name] = g
@@ -205,7 +234,7 @@ class PipelineRuntime:
                 p = self.programs[s]
                 ins = [*self._state[s], *microbatches[m], *(recv_f.pop((s, m)) if s > 0 else [])]
                 with torch.no_grad():
-                    outs = list(p.forward(*ins))
+                    outs = list(self._run_f[s](ins))
                 k = len(p.send_f)
                 if s < p.n_stages - 1:
                     send_f[(s, m)] = outs[:k]
@@ -220,8 +249,10 @@ class PipelineRuntime:
                 ins = [*self._state[s], *microbatches[m], *saved.pop((s, m)),
                        *(recv_b.pop((s, m)) if s < p.n_stages - 1 else [])]
                 split = a.kind == I and p.backward_input is not None
+                # Storages of the inputs, taken before B frees them, for add_grads' aliasing check.
+                seen = _storages(ins) if not split and any(n not in grads for n in p.grads) else set()
                 with torch.no_grad():
-                    outs = list((p.backward_input if split else p.backward)(*ins))
+                    outs = list(p.backward_input(*ins) if split else self._run_b[s](ins))
                 k = len(p.send_b)
                 if s > 0:
                     send_b[(s, m)] = outs[:k]
@@ -229,15 +260,15 @@ class PipelineRuntime:
                     # W reads the same inputs plus what I computed for it; they stay alive until W.
                     weight_work[(s, m)] = [*ins, *outs[k:]]
                 else:  # B, or I of a stage without a split: the whole backward ran, W is a no-op
-                    add_grads(p, outs[k:], ins + outs[:k])
+                    add_grads(p, outs[k:], outs[:k], seen)
                 del ins, outs
             elif a.kind == W:
                 p = self.programs[s]
                 if p.backward_weight is not None and (s, m) in weight_work:
                     w_ins = weight_work.pop((s, m))
+                    seen = _storages(w_ins) if any(n not in grads for n in p.grads) else set()
                     with torch.no_grad():
-                        add_grads(p, list(p.backward_weight(*w_ins)), w_ins)
-                    del w_ins
+                        add_grads(p, list(self._run_w[s](w_ins)), [], seen)
             elif a.kind == SEND_F:
                 pending += self._send(send_f.pop((s, m)), a.peer, 0, s, m)
             elif a.kind == SEND_B:
