@@ -22,8 +22,8 @@ previous occupant (views, waits, the in-place collective's result) is dead and a
 still reading or writing it has been waited for. A workspace is a graph value, so the
 generated code frees it after its last occupant, as it freed the buckets before.
 
-Only 1-D `cat`s, `constant_pad_nd`s and `all_gather_into_tensor`s of at least `min_bytes` whose value never reaches
-the graph's outputs are rewritten (a bucket the runtime keeps, as under ZeRO-1, needs its own
+Only 1-D `cat`s, `constant_pad_nd`s and `all_gather_into_tensor`s of at least `min_bytes`
+whose value never reaches the graph's outputs are rewritten (a bucket the runtime keeps, as under ZeRO-1, needs its own
 memory). Does nothing on one device. Options read from ctx.options: world_size, reuse_min_bytes
 (default 0: every such buffer).
 """
@@ -43,9 +43,10 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 DEFAULT_MIN_BYTES = 0  # small buckets gain little, but one code path for every size is tested by every run
-# Allocating op -> its variant writing into `out`.
-_OUT_VARIANTS = {aten.cat.default: aten.cat.out, aten.constant_pad_nd.default: aten.constant_pad_nd.out,
+# Allocating op -> its variant writing into `out` (zero padding is written by _pad_into instead).
+_OUT_VARIANTS = {aten.cat.default: aten.cat.out,
                  c10d.all_gather_into_tensor.default: c10d.all_gather_into_tensor_out.default}
+_REWRITTEN = {*_OUT_VARIANTS, aten.constant_pad_nd.default}
 _WAIT = c10d.wait_tensor.default
 
 
@@ -89,7 +90,7 @@ def reuse_buffers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
 
 def _candidate(n: fx.Node, min_bytes: int) -> bool:
-    if n.op != "call_function" or n.target not in _OUT_VARIANTS:
+    if n.op != "call_function" or n.target not in _REWRITTEN:
         return False
     val = n.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() != 1 or val.numel() * val.element_size() < min_bytes:
@@ -121,7 +122,7 @@ def _last_use(n: fx.Node, order: dict[fx.Node, int]) -> int | None:
                 if not waits:
                     return None
                 end = max(end, *(order[w] for w in waits))
-            if _aliases(u, a) and u not in seen:
+            if _aliases(u) and u not in seen:
                 seen.add(u)
                 stack.append(u)
     return end
@@ -131,16 +132,14 @@ def _is_collective(u: fx.Node) -> bool:
     return getattr(u.target, "namespace", None) == "_c10d_functional" and u.target is not _WAIT
 
 
-def _aliases(u: fx.Node, arg: fx.Node) -> bool:
-    """Whether `u`'s result may share memory with its argument `arg` (conservative)."""
+def _aliases(u: fx.Node) -> bool:
+    """Whether `u`'s result may share memory with an argument (conservative)."""
     if u.target is _WAIT or u.target is operator.getitem:
         return True
     schema = getattr(u.target, "_schema", None)
     if schema is None:
         return True  # unknown callable: assume it may return a view
-    if not any(r.alias_info is not None for r in schema.returns):
-        return False
-    return True
+    return any(r.alias_info is not None for r in schema.returns)
 
 
 def _pick(workspaces: list[_Workspace], val: torch.Tensor, start: int) -> _Workspace:
