@@ -43,13 +43,13 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     off that program (ZeRO and data parallelism are then applied to them analytically, the
     same way `fxspeed.plan` does), then the distributed passes rewrite it for this rank.
     """
-    from fxspeed.passes import ALL_PASSES, DISTRIBUTED_PASSES, SINGLE_DEVICE_PASSES
+    from fxspeed.passes import ALL_PASSES, DISTRIBUTED_PASSES, SINGLE_DEVICE_PASSES, STAGE_PASS_NAMES
 
     t0 = time.perf_counter()
     cap = capture_step(model, args, kwargs, loss_fn=loss_fn, train=train)
     t1 = time.perf_counter()
     annotate = make_annotate_pass()
-    known = [*ALL_PASSES, *(p.name for p in extra_passes)]
+    known = [*ALL_PASSES, *STAGE_PASS_NAMES, *(p.name for p in extra_passes)]
     opts = {"precision": config.precision, "fp32_modules": tuple(config.fp32_modules),
             "reduce_dtype": config.reduce_dtype, **(options or {})}
     ctx = PassContext(signature=cap.signature, module_of=cap.module_of, options=opts)

@@ -149,6 +149,7 @@ class PipelineEngine:
 
     # --- compile -----------------------------------------------------------------------------
     def compile(self, args: tuple, kwargs: dict) -> None:
+        from fxspeed.passes.accumulate_gradients import accumulate_stage_gradients
         from fxspeed.passes.split_stages import split_stages
         from fxspeed.planner import finish_plan
         from fxspeed.schedules import make
@@ -178,6 +179,9 @@ class PipelineEngine:
         self.programs = split_stages(cap.gm, cap.signature, n_stages, split_points=self.split_points,
                                      model_name=type(self.model).__name__)
         self.schedule = sched
+        if "accumulate_gradients" not in self.config.disable_passes:
+            for s in self.stages:
+                self.programs[s] = accumulate_stage_gradients(self.programs[s])
         mine = {s: self.programs[s] for s in self.stages}
         self._runtime = PipelineRuntime(mine, self.M, self._bind, group=self.pipe_group, peers=self.pipe_ranks)
         self._setup_ownership()

@@ -13,6 +13,13 @@
     reuse_buffers            gathered / flattened buckets written into a few reused workspaces
 
 The distributed passes read ctx.options (world_size, zero, group_name) and do nothing on one device.
+
+Pipeline parallelism cuts the rewritten step into stage programs (`split_stages`, a function
+of the graph, not a GraphPass: it returns P programs), then rewrites each rank's stages:
+
+    accumulate_gradients     weight-gradient matmuls accumulate into persistent buffers
+
+Their names are in STAGE_PASS_NAMES, so `Config.disable_passes` can turn them off too.
 """
 
 from __future__ import annotations
@@ -33,12 +40,13 @@ from .wait_parameter_gathers import wait_parameter_gathers
 SINGLE_DEVICE_PASSES = (normalize_graph, dedupe_tied_parameters, insert_casts, scale_loss, eliminate_dead_code)
 DISTRIBUTED_PASSES = (reduce_gradients, wait_parameter_gathers, shard_parameters, reuse_buffers)
 ALL_PASSES: dict[str, GraphPass] = {p.name: p for p in (*SINGLE_DEVICE_PASSES, *DISTRIBUTED_PASSES)}
+STAGE_PASS_NAMES = ("accumulate_gradients",)
 
 
 def default_pipeline() -> list[GraphPass]:
     return [*SINGLE_DEVICE_PASSES, *DISTRIBUTED_PASSES]
 
 
-__all__ = ["ALL_PASSES", "DISTRIBUTED_PASSES", "SINGLE_DEVICE_PASSES", "insert_casts", "reduce_gradients", "reuse_buffers", "scale_loss",
+__all__ = ["ALL_PASSES", "STAGE_PASS_NAMES", "DISTRIBUTED_PASSES", "SINGLE_DEVICE_PASSES", "insert_casts", "reduce_gradients", "reuse_buffers", "scale_loss",
            "shard_parameters", "wait_parameter_gathers", "dedupe_tied_parameters", "default_pipeline",
            "eliminate_dead_code", "normalize_graph"]

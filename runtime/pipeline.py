@@ -10,6 +10,11 @@ A stage s is GraphModules made by the split_stages pass:
 I_s holds only the backward nodes the input gradient (send_b) depends on; W_s the rest (the
 weight gradients), reading what I_s computed for it (`carry`). B = I then W.
 
+Gradients named in `grads_into` are not returned: B and W accumulate them into this runtime's
+per-stage buffers (`beta, *buffers` follow their other inputs; beta is 0 on the stage's first
+backward of the step, which overwrites, and 1 after). The buffers persist across steps and are
+what `run` returns for those names.
+
 `state_s` are the stage's parameters (and read-only buffers), bound once; `batch_mb` is the
 micro-batch's tensors (every stage gets them: a stage reads only what it needs); `recv_f` are
 the activations produced upstream (the message of RECV_F), `send_f` what goes downstream;
@@ -88,16 +93,21 @@ class StageProgram:
     starts_at: str = ""              # the module the stage's cut is at (a split point reproducing it)
     tied: dict[str, str] = field(default_factory=dict)  # alias -> canonical, for names this stage uses
     nodes: dict[str, int] = field(default_factory=dict)  # forward/backward node counts, for reports
+    # Gradients B (and W) accumulate into buffers instead of returning (passes/accumulate_gradients):
+    # those programs then take `beta, *buffers` after their other inputs; `grads` excludes these.
+    grads_into: list[str] = field(default_factory=list)
+    grads_into_meta: list[TensorMeta] = field(default_factory=list)
 
     def names(self) -> set[str]:
         """Every parameter/buffer name this stage reads or returns a gradient for."""
-        return {s.target for s in self.state} | set(self.grads)
+        return {s.target for s in self.state} | set(self.grads) | set(self.grads_into)
 
     def describe(self) -> dict[str, Any]:
         return {"stage": self.stage, "params": [s.target for s in self.state if s.kind == "param"],
                 "recv_f": [list(m.shape) for m in self.recv_f], "send_f": [list(m.shape) for m in self.send_f],
                 "saved": self.n_saved, "recv_b": [list(m.shape) for m in self.recv_b],
-                "send_b": [list(m.shape) for m in self.send_b], "grads": list(self.grads),
+                "send_b": [list(m.shape) for m in self.send_b], "grads": [*self.grads, *self.grads_into],
+                "grads_accumulated_in_place": list(self.grads_into),
                 "split_backward": self.backward_input is not None, "carry": self.n_carry,
                 "predicted_s": dict(self.predicted), **self.nodes}
 
@@ -158,6 +168,8 @@ class PipelineRuntime:
         self._run_f = {s: _boxed(p.forward) for s, p in programs.items()}
         self._run_b = {s: _boxed(p.backward) for s, p in programs.items()}
         self._run_w = {s: _boxed(p.backward_weight) for s, p in programs.items() if p.backward_weight is not None}
+        # Gradient buffers of the stages' `grads_into`, allocated at the first step, kept across steps.
+        self._grad_bufs: dict[int, list[torch.Tensor]] = {}
         self.timeline: list[tuple[str, int, int, float, float]] = []  # (kind, stage, mb, start, end)
         self.t0 = 0.0  # perf_counter at the start of the last run (CLOCK_MONOTONIC: comparable across ranks)
         for p in programs.values():
@@ -205,6 +217,18 @@ class PipelineRuntime:
                 post_next(key)
 
         summed: set[str] = set()  # gradients safe to add into in place
+        written: set[int] = set()  # stages whose gradient buffers hold this step's sum so far
+
+        def into(s: int) -> list[Any]:
+            """The trailing inputs (beta, *buffers) of stage s's gradient-accumulating programs."""
+            p = self.programs[s]
+            if not p.grads_into:
+                return []
+            if s not in self._grad_bufs:
+                self._grad_bufs[s] = [torch.empty(m.shape, dtype=m.dtype) for m in p.grads_into_meta]
+            beta = 1.0 if s in written else 0.0
+            written.add(s)
+            return [beta, *self._grad_bufs[s]]
 
         def add_grads(p: StageProgram, gs: list[torch.Tensor], others: list[torch.Tensor], seen: set[int]) -> None:
             # The first micro-batch's gradient is the program's output. Adding the next one out of
@@ -251,6 +275,8 @@ class PipelineRuntime:
                 split = a.kind == I and p.backward_input is not None
                 # Storages of the inputs, taken before B frees them, for add_grads' aliasing check.
                 seen = _storages(ins) if not split and any(n not in grads for n in p.grads) else set()
+                if not split:
+                    ins += into(s)  # the same list: B empties it, freeing each input at its last use
                 with torch.no_grad():
                     outs = list(p.backward_input(*ins) if split else self._run_b[s](ins))
                 k = len(p.send_b)
@@ -268,6 +294,7 @@ class PipelineRuntime:
                     w_ins = weight_work.pop((s, m))
                     seen = _storages(w_ins) if any(n not in grads for n in p.grads) else set()
                     with torch.no_grad():
+                        w_ins += into(s)
                         add_grads(p, list(self._run_w[s](w_ins)), [], seen)
             elif a.kind == SEND_F:
                 pending += self._send(send_f.pop((s, m)), a.peer, 0, s, m)
@@ -294,6 +321,10 @@ class PipelineRuntime:
                 if on_step is not None:
                     on_step()
             self.timeline.append((a.kind, s, m, start - t0, time.perf_counter() - t0))
+        for s in sorted(written):
+            for name, buf in zip(self.programs[s].grads_into, self._grad_bufs[s]):
+                # Another stage of this rank may return the same (shared) weight's gradient.
+                grads[name] = grads[name] + buf if name in grads else buf
         leftovers = [name for name, d in (("saved", saved), ("recv_f", recv_f), ("recv_b", recv_b),
                                           ("send_f", send_f), ("send_b", send_b), ("weight_work", weight_work),
                                           ("posted receives", posted))
