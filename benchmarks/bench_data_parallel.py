@@ -5,7 +5,7 @@
     python benchmarks/bench_data_parallel.py --tiny --out /tmp/dp.json  # seconds: smoke test
 
 Each configuration trains the same fxspeed.models.GPT (same initial weights) with torch Adam
-(lr 1e-4, foreach default) on `--nproc` gloo ranks, one intra-op thread per rank, the same local
+(lr 1e-4, fused kernel) on `--nproc` gloo ranks, one intra-op thread per rank, the same local
 batch per rank and step (default 2 x 128 tokens); a step ends with the global-batch loss (see
 benchmarks/workers/dp_worker.py). Rows:
 
@@ -159,7 +159,7 @@ def main() -> None:
 
     result = {"setup": {"nproc": a.nproc, "backend": "gloo", "preset": a.preset, "params": ddp["params"],
                         "local_batch": [a.batch, a.seq], "threads_per_rank": 1, "warmup": a.warmup, "steps": a.steps,
-                        "rounds": a.rounds, "single_launch": a.single_launch, "paired": a.paired, "optimizer": "torch.optim.Adam lr=1e-4",
+                        "rounds": a.rounds, "single_launch": a.single_launch, "paired": a.paired, "optimizer": "torch.optim.Adam(fused=True) lr=1e-4",
                         "deepspeed_available": has_ds, "torch": _version("torch"), "python": platform.python_version(),
                         "cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": load_after,
                         "command": " ".join([os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT))

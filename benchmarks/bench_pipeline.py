@@ -18,7 +18,8 @@ Rows, for each schedule S in --schedules (gpipe, 1f1b, interleaved, zb):
     single    plain eager torch, one process (rank 0; the other rank waits), the global batch
 
 Same for every row: the GPT (seed 0), global batch per step (every pipeline rank passes the
-same full batch), torch AdamW (lr 3e-4, weight_decay 0, no clipping), one intra-op thread per
+same full batch), torch AdamW with its fused kernel (what fxspeed's runtime uses on CPU; lr 3e-4,
+weight_decay 0, no clipping), one intra-op thread per
 process. A pipeline step ends with the mean loss on every rank (see workers/pp_worker.py), so
 fxspeed and torch rows do the same work; their losses must agree (same weights, same math).
 
@@ -185,7 +186,7 @@ def main() -> None:
     result = {"setup": {"nproc": NPROC, "backend": "gloo", "preset": a.preset, "model": w["model"], "params": w["params"],
                         "global_batch": [a.batch, a.seq], "microbatches": a.microbatches, "chunks": a.chunks,
                         "schedules": schedules, "threads_per_process": w["threads"], "warmup": a.warmup,
-                        "steps": a.steps, "rounds": a.rounds, "optimizer": f"torch.optim.AdamW lr={a.lr} weight_decay=0",
+                        "steps": a.steps, "rounds": a.rounds, "optimizer": f"torch.optim.AdamW(fused=True) lr={a.lr} weight_decay=0",
                         "grad_clip": None, "torch": _version("torch"), "python": platform.python_version(),
                         "cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                         "command": " ".join([os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT))

@@ -64,7 +64,7 @@ def bench_step(cfg: GPTConfig, batch: int, seq: int, warmup: int, steps: int, lr
     batches = [(torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen),
                 torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)) for _ in range(4)]
 
-    opt = torch.optim.AdamW(eager.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    opt = torch.optim.AdamW(eager.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True)
     t = time.perf_counter()
     engine = fxspeed.compile(compiled_model, 1, fxspeed.Config(optimizer="adamw", lr=lr, betas=(0.9, 0.999), eps=1e-8,
                                                                weight_decay=0.0), example_inputs=batches[0])

@@ -8,22 +8,13 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-import fxspeed
-from fxspeed.compiler import compile_step
-from fxspeed.devices import normalize_devices
-from fxspeed.models import GPT, GPTConfig
 from fxspeed.passes.accumulate_gradients import accumulate_gradients, accumulate_stage_gradients
 from fxspeed.passes.split_stages import split_stages
+from tests.workers.common import captured_gpt_step
 
 
 def _stages(layers: int, width: int, rows: int, P: int, precision: str = "fp32"):
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=layers, n_head=2, n_embd=width))
-    g = torch.Generator().manual_seed(1)
-    x, y = (torch.randint(0, 64, (rows, 8), generator=g) for _ in range(2))
-    cfg = fxspeed.Config(precision=precision, disable_passes=("dedupe_tied_parameters",))
-    cap = compile_step(model, (x, y), {}, config=cfg, loss_fn=None, devices=normalize_devices(1),
-                       options={"world_size": 1}).captured
+    model, _, cap = captured_gpt_step(layers, width, rows, precision)
     params = dict(model.named_parameters(remove_duplicate=False))
     return split_stages(cap.gm, cap.signature, min(P, layers + 2)), params
 

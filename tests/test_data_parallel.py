@@ -72,9 +72,9 @@ def _reference(name: str, optimizer: str, clip: float | None, steps: int = 5):
     torch.set_num_threads(1)
     model = build_model(name)
     if optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, fused=True)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
     losses = []
     for b in global_batches(name, steps):
         opt.zero_grad()

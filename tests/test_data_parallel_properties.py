@@ -122,9 +122,9 @@ def eager_reference(case: dict[str, Any], world: int) -> tuple[list[float], dict
     model = build(case)
     params = [p for p in model.parameters() if p.requires_grad]
     if case["optimizer"] == "sgd":
-        opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=case["weight_decay"])
+        opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=case["weight_decay"], fused=True)
     else:
-        opt = torch.optim.AdamW(params, lr=LR, weight_decay=case["weight_decay"])
+        opt = torch.optim.AdamW(params, lr=LR, weight_decay=case["weight_decay"], fused=True)
     losses, with_grad = [], set()
     for x, y in global_batches(case, world):
         opt.zero_grad(set_to_none=True)

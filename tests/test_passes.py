@@ -231,7 +231,7 @@ def test_dedupe_runs_after_normalize_and_before_dead_code_elimination_by_default
 
 
 def _eager_adamw(model: nn.Module, batches, lr: float) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)  # Config default
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True)  # Config default
     losses = []
     for idx, tgt in batches:
         loss = model(idx, tgt)

@@ -26,7 +26,7 @@ from fxspeed.compiler import compile_step
 from fxspeed.devices import normalize_devices
 from fxspeed.errors import ConfigError
 from fxspeed.passes.split_stages import split_stages
-from tests.workers.common import build_model, global_batches, key_bias_masked
+from tests.workers.common import build_model, captured_gpt_step, global_batches, key_bias_masked
 from tests.multiprocess import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,7 +198,7 @@ def eager_reference(model: str = "gpt", steps: int = 5, clip: float | None = Non
 
     torch.set_num_threads(1)
     m = build_model(model)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
     losses = []
     for b in global_batches(model, steps):
         opt.zero_grad()
@@ -353,16 +353,8 @@ def test_an_fp16_overflow_on_the_last_stage_skips_the_step_on_every_stage(tmp_pa
        stages=st.integers(2, 5), precision=st.sampled_from(["fp32", "bf16"]))
 def test_for_random_gpts_and_stage_counts_the_stages_compose_to_the_joint_graph_and_i_then_w_is_b(
         layers: int, width: int, rows: int, stages: int, precision: str) -> None:
-    from fxspeed.models import GPT, GPTConfig
-
     P = min(stages, layers + 2)  # cuts: each block start and ln_f
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=layers, n_head=2, n_embd=width))
-    g = torch.Generator().manual_seed(1)
-    x, y = (torch.randint(0, 64, (rows, 8), generator=g) for _ in range(2))
-    cfg = fxspeed.Config(precision=precision, disable_passes=("dedupe_tied_parameters",))
-    cap = compile_step(model, (x, y), {}, config=cfg, loss_fn=None, devices=normalize_devices(1),
-                       options={"world_size": 1}).captured
+    model, (x, y), cap = captured_gpt_step(layers, width, rows, precision)
     progs = split_stages(cap.gm, cap.signature, P)
     params = dict(model.named_parameters(remove_duplicate=False))
     ref = cap.gm(*[params[s.target] if s.kind == "param" else (x, y)[int(s.target)] for s in cap.signature.inputs])

@@ -191,13 +191,21 @@ def test_adam_states_are_two_per_parameter_and_sgd_with_momentum_keeps_one():
     assert opt_factors(fxspeed.Config(optimizer="sgd"))[0] == 0
 
 
-def test_optimizer_temporaries_are_one_copy_of_the_parameters_with_foreach_and_two_of_the_largest_on_cpu():
+def test_optimizer_temporaries_are_none_with_fused_kernels_on_cpu_and_cuda():
     gpu, cpu = fxspeed.devices("H100-80GB")[0], fxspeed.devices("cpu")[0]
-    adamw = fxspeed.Config(optimizer="adamw")
-    assert optimizer_temporaries(adamw, gpu, 1000.0, 100.0) == 1000.0
-    assert optimizer_temporaries(adamw, cpu, 1000.0, 100.0) == 200.0
-    assert optimizer_temporaries(fxspeed.Config(optimizer="adam", weight_decay=0.1), cpu, 1000.0, 100.0) == 300.0
-    assert optimizer_temporaries(fxspeed.Config(optimizer="sgd"), cpu, 1000.0, 100.0) == 0.0
+    for cfg in (fxspeed.Config(optimizer="adamw"), fxspeed.Config(optimizer="adam", weight_decay=0.1),
+                fxspeed.Config(optimizer="sgd")):
+        assert optimizer_temporaries(cfg, gpu, 1000.0, 100.0) == 0.0
+        assert optimizer_temporaries(cfg, cpu, 1000.0, 100.0) == 0.0
+
+
+def test_the_runtime_builds_fused_optimizers_on_cpu():
+    from fxspeed.runtime.optimizer import OptimizerSpec, build_optimizer
+
+    p = torch.nn.Parameter(torch.randn(4))
+    for name in ("adamw", "adam", "sgd"):
+        opt, _ = build_optimizer([p], OptimizerSpec(name=name))
+        assert opt.defaults["fused"] is True, name
 
 
 # --------------------------------------------------------------------------------------------

@@ -91,7 +91,7 @@ def test_two_compiled_training_steps_of_a_random_model_match_eager_adamw(s: Spec
     engine = fxspeed.compile(model, config=fxspeed.Config(optimizer="adamw", lr=lr), example_inputs=(batches[0],))
     losses = [engine.train_step(x) for x in batches]
 
-    opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.0)  # fxspeed.Config's default decay
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.0, fused=True)  # fxspeed.Config's default decay
     ref_losses = []
     for x in batches:
         loss = ref(x)

@@ -11,7 +11,8 @@ Rows (--rows, comma separated):
               interleaved -> ScheduleInterleaved1F1B, zb -> ScheduleInterleavedZeroBubble)
     single    plain eager torch on rank 0 on the global batch (the other ranks wait)
 
-Every row: the same GPT (seed 0), torch AdamW (same lr, weight_decay 0, no clipping), the same
+Every row: the same GPT (seed 0), torch AdamW with its fused kernel (fxspeed's runtime uses it
+too, so optimizer speed is not what the rows compare; same lr, weight_decay 0, no clipping), the same
 global batch per step on every rank, one intra-op thread per process. A step is forward +
 backward over M micro-batches + the tied weight's gradient summed over the ranks holding it +
 optimizer step + zero grad + the mean loss on every rank (broadcast from the last stage, as
@@ -68,7 +69,7 @@ def batches(a: argparse.Namespace, vocab: int, n: int) -> list[tuple[torch.Tenso
 
 def adamw(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
     # fxspeed's Config defaults: betas (0.9, 0.999), eps 1e-8, weight_decay 0 (torch's AdamW default is 0.01).
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True)
 
 
 # --- fxspeed -----------------------------------------------------------------------------------

@@ -41,3 +41,21 @@ def key_bias_masked(name: str, t: torch.Tensor) -> torch.Tensor:
         c = t.numel() // 3
         t[c:2 * c] = 0
     return t
+
+
+def captured_gpt_step(layers: int, width: int, rows: int, precision: str = "fp32"):  # noqa: ANN201
+    """A small GPT (vocab 64, 8 tokens), its batch and its captured single-device training step
+    with the tied weight kept under both names (as the pipeline engine captures it):
+    (model, (x, y), captured)."""
+    import fxspeed
+    from fxspeed.compiler import compile_step
+    from fxspeed.devices import normalize_devices
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=layers, n_head=2, n_embd=width))
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, 64, (rows, 8), generator=g) for _ in range(2))
+    cfg = fxspeed.Config(precision=precision, disable_passes=("dedupe_tied_parameters",))
+    cap = compile_step(model, (x, y), {}, config=cfg, loss_fn=None, devices=normalize_devices(1),
+                       options={"world_size": 1}).captured
+    return model, (x, y), cap
