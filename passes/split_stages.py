@@ -391,6 +391,9 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
                          free)
             wgm = _build(gm, state, batch_ph, saved[s] + bmsg[s] + carry, w_nodes, [o for o, _ in b_grads], free)
         secs = lambda ns: sum(_cost(n, True) for n in ns)  # noqa: E731
+        with_grad = {sig.tied.get(n, n) for _, n in b_grads}
+        frozen = [state_ph[ph].target for ph in state if state_ph[ph].kind == "param"
+                  and sig.tied.get(state_ph[ph].target, state_ph[ph].target) not in with_grad]
         predicted = {"forward": secs(fwd_local), "backward_input": secs(i_nodes) if w_nodes else secs(bwd_local),
                      "backward_weight": secs(w_nodes),
                      "params": float(sum(ph.meta["val"].numel() for ph in state if state_ph[ph].kind == "param")),
@@ -407,17 +410,21 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
                   if state_ph[ph].target in sig.tied} | {n: sig.tied[n] for _, n in b_grads if n in sig.tied},
             nodes={"forward_nodes": len(fwd_local), "backward_nodes": len(bwd_local)},
             backward_input=igm, backward_weight=wgm, n_carry=len(carry), predicted=predicted,
-            modules=_modules([n for n in fwd_local if n not in wo_set]), starts_at=cut_names[cuts[s - 1]] if s > 0 else ""))
+            modules=_modules([n for _, n in b_grads] + frozen), starts_at=cut_names[cuts[s - 1]] if s > 0 else ""))
     return programs
 
 
-def _modules(nodes: list[fx.Node]) -> list[str]:
-    """The blocks (or top-level modules) a stage's forward runs, in order: ['wte', 'blocks.0']."""
+def _modules(names: list[str]) -> list[str]:
+    """The blocks (or modules) holding the given parameter names, in order: ['wte', 'wpe',
+    'blocks.0']. A stage's modules are read off the weights it computes gradients for (then its
+    frozen ones), not off the nodes' module tags: a tied weight's lookup is tagged with the
+    weight's other owner ('head' for the embedding), and values recomputed from the batch with
+    the block that first computed them."""
     out: list[str] = []
-    for n in nodes:
-        m = n.meta[META_KEY].module if META_KEY in n.meta else ""
-        u = _unit(m) or m or None
-        if u and u not in out:
+    for name in names:
+        module = name.rpartition(".")[0] or name
+        u = _unit(module) or module
+        if u not in out:
             out.append(u)
     return out
 

@@ -81,6 +81,9 @@ def test_stage_programs_compose_to_the_joint_graph(P: int) -> None:
     # The tied weight is held by the first and the last stage only.
     holders = [p.stage for p in progs if p.names() & {"wte.weight", "head.weight"}]
     assert holders == [0, P - 1]
+    # Each stage lists the modules whose weights it holds, the tied embedding under its own name.
+    assert progs[0].modules[:2] == ["wte", "wpe"] and progs[-1].modules[-2:] == ["ln_f", "head"]
+    assert [m for p in progs for m in p.modules if m.startswith("blocks.")] == ["blocks.0", "blocks.1"]
     params = dict(model.named_parameters(remove_duplicate=False))
     loss, grads = _run_stages_in_one_process(progs, params, [x[:4], y[:4]])
     ref = cap.gm(*[params[s.target] if s.kind == "param" else (x[:4], y[:4])[int(s.target)]
