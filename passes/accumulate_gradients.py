@@ -16,11 +16,21 @@ that was an mm (6.1 ms for a 2048x512 weight from 256 rows) plus an add (3.3 ms)
 addmm into the buffer (5.7 ms). The buffers live across steps (the engine hands them to the
 optimizer as `.grad`), so a steady-state step allocates no weight gradients at all.
 
+Embedding tables the same way, with rows instead of a GEMM:
+
+    before:  g_e = embedding_dense_backward(dy, ids, V, -1, False)   # a fresh zeroed [V, C] per micro-batch
+    after:   accumulate_rows_(buf_e, beta, ids, dy)                  # (zero it if beta is 0) index_add_ the rows
+
+which for a 50k vocabulary saves a [V, C] fill, a [V, C] add and their page faults per
+micro-batch, touching only the rows of the batch's tokens.
+
 Which outputs: a gradient output computed by an `mm` through a chain of transposes only, where
 no other node reads the mm or the chain, so that writing it into the buffer changes nothing
 else. The buffer has the gradient's shape; the mm writes to it through the chain's net view
 (an even number of `t`s: the buffer itself; odd: its transpose, which BLAS writes as a
-column-major matrix). Other gradients (biases, norms, embeddings) stay outputs. A program
+column-major matrix). And an `embedding_dense_backward` output without padding_idx or
+scale_grad_by_freq (those change which rows count). Other gradients (biases, norms) stay
+outputs. A program
 without any such output is returned unchanged. With `fuse=` the caller names the gradients to
 consider (a stage whose backward is also split into I and W needs the same set in B and W).
 """
@@ -33,11 +43,12 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from fxspeed.runtime.pipeline import StageProgram, TensorMeta
+from fxspeed.runtime.pipeline import StageProgram, TensorMeta, accumulate_rows_
 
 _MM = torch.ops.aten.mm.default
 _T = torch.ops.aten.t.default
 _ADDMM_OUT = torch.ops.aten.addmm.out
+_EMBEDDING_BACKWARD = torch.ops.aten.embedding_dense_backward.default
 
 
 def accumulate_stage_gradients(p: StageProgram) -> StageProgram:
@@ -58,7 +69,7 @@ def accumulate_stage_gradients(p: StageProgram) -> StageProgram:
 
 def fusible_gradients(gm: fx.GraphModule, first: int, names: list[str]) -> list[str]:
     """Names of the gradient outputs (outputs `first:`, one per name) an mm computes through
-    transposes that nothing else reads."""
+    transposes that nothing else reads, or an embedding backward without padding index."""
     return [name for name, _ in _matches(gm, first, names)]
 
 
@@ -95,8 +106,11 @@ def accumulate_gradients(gm: fx.GraphModule, first: int, names: list[str], fuse:
     for buf, (_, chain) in zip(bufs, found):
         mm = chain[-1]
         with graph.inserting_before(mm):
-            target = graph.call_function(_T, (buf,)) if (len(chain) - 1) % 2 else buf
-            acc = graph.call_function(_ADDMM_OUT, (target, *mm.args), {"beta": beta, "out": target})
+            if mm.target is _EMBEDDING_BACKWARD:
+                acc = graph.call_function(accumulate_rows_, (buf, beta, mm.args[1], mm.args[0]))
+            else:
+                target = graph.call_function(_T, (buf,)) if (len(chain) - 1) % 2 else buf
+                acc = graph.call_function(_ADDMM_OUT, (target, *mm.args), {"beta": beta, "out": target})
         acc.meta = dict(mm.meta)
         for n in chain:  # the output first: each node's only user is the one before it
             graph.erase_node(n)
@@ -105,7 +119,7 @@ def accumulate_gradients(gm: fx.GraphModule, first: int, names: list[str], fuse:
 
 
 def _matches(gm: fx.GraphModule, first: int, names: list[str]) -> list[tuple[str, list[fx.Node]]]:
-    """(name, [output value, ..., mm]) for each fusible gradient output."""
+    """(name, [output value, ..., mm or embedding backward]) for each fusible gradient output."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     results = list(out.args[0])
     grads = results[first:]
@@ -120,8 +134,15 @@ def _matches(gm: fx.GraphModule, first: int, names: list[str]) -> list[tuple[str
             n = n.args[0]
             chain.append(n)
         val = v.meta.get("val")
-        if n.op != "call_function" or n.target is not _MM or not isinstance(val, torch.Tensor) \
-                or val.dtype != n.meta["val"].dtype or not val.dtype.is_floating_point:
+        if n.op != "call_function" or not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
+            continue
+        if n.target is _EMBEDDING_BACKWARD:
+            if len(n.args) != 5:
+                continue
+            dy, _, _, padding_idx, by_freq = n.args
+            if padding_idx != -1 or by_freq or not isinstance(dy, fx.Node) or dy.meta["val"].dtype != val.dtype:
+                continue
+        elif n.target is not _MM or val.dtype != n.meta["val"].dtype:
             continue
         found.append((name, chain))
     return found
