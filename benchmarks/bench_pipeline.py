@@ -4,6 +4,8 @@ and vs one process on the global batch.
     python benchmarks/bench_pipeline.py --out pp.json              # GPT 'small' (6 x 512), batch 8 x 128, M=4
     python benchmarks/bench_pipeline.py --rounds 2 --out pp.json   # two launches, step times pooled
     python benchmarks/bench_pipeline.py --tiny --out /tmp/pp.json  # seconds: smoke test
+    python benchmarks/bench_pipeline.py --vocab 50257 --n-layer 2 --schedules 1f1b --no-single --out pp.json
+                                                                   # GPT-2's vocabulary: embedding-heavy stages
 
 Rows, for each schedule S in --schedules (gpipe, 1f1b, interleaved, zb):
 
@@ -67,6 +69,8 @@ def launch(rows: list[str], a: argparse.Namespace, out: Path) -> float:
            "--warmup", str(a.warmup), "--steps", str(a.steps), "--out", str(out)]
     if a.n_layer is not None:
         cmd += ["--n-layer", str(a.n_layer)]
+    if a.vocab is not None:
+        cmd += ["--vocab", str(a.vocab)]
     t = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=a.launch_timeout)
     if proc.returncode != 0:
@@ -147,6 +151,7 @@ def main() -> None:
     ap.add_argument("--no-single", action="store_true", help="skip the one-process row")
     ap.add_argument("--preset", default="small", help="GPTConfig.preset name")
     ap.add_argument("--n-layer", type=int, default=None, help="override the preset's layer count")
+    ap.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary (GPT-2's: 50257)")
     ap.add_argument("--batch", type=int, default=8, help="global batch (rows)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--microbatches", type=int, default=4)
