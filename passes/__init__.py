@@ -17,7 +17,7 @@ The distributed passes read ctx.options (world_size, zero, group_name) and do no
 Pipeline parallelism cuts the rewritten step into stage programs (`split_stages`, a function
 of the graph, not a GraphPass: it returns P programs), then rewrites each rank's stages:
 
-    accumulate_gradients     weight-gradient matmuls accumulate into persistent buffers
+    accumulate_gradients     weight-gradient matmuls and embedding rows accumulate into persistent buffers
 
 Their names are in STAGE_PASS_NAMES, so `Config.disable_passes` can turn them off too.
 """

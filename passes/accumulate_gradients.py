@@ -70,20 +70,20 @@ def accumulate_stage_gradients(p: StageProgram) -> StageProgram:
 def fusible_gradients(gm: fx.GraphModule, first: int, names: list[str]) -> list[str]:
     """Names of the gradient outputs (outputs `first:`, one per name) an mm computes through
     transposes that nothing else reads, or an embedding backward without padding index."""
-    return [name for name, _ in _matches(gm, first, names)]
+    return [name for name, _ in _matches(gm.graph, first, names)]
 
 
 def accumulate_gradients(gm: fx.GraphModule, first: int, names: list[str], fuse: list[str] | None = None
                          ) -> tuple[fx.GraphModule, list[str], list[TensorMeta]]:
     """Rewrite the gradient outputs `first:` of `gm` (named `names`) that `fusible_gradients`
-    finds, restricted to `fuse` when given, into addmm-accumulation into buffers.
+    finds, restricted to `fuse` when given, into accumulation into buffers (addmm into the
+    buffer for a matmul, a row scatter-add for an embedding table).
 
     Returns (program, fused names, their buffers' metas). The program takes, after its old
     inputs, `beta` (a float) and one buffer per fused name, and no longer returns those
     gradients; its other outputs keep their order."""
     graph = copy.deepcopy(gm.graph)
-    moved = fx.GraphModule(gm, graph)  # node lookups below are in the copy
-    found = [(name, chain) for name, chain in _matches(moved, first, names) if fuse is None or name in fuse]
+    found = [(name, chain) for name, chain in _matches(graph, first, names) if fuse is None or name in fuse]
     if not found:
         return gm, [], []
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -118,9 +118,9 @@ def accumulate_gradients(gm: fx.GraphModule, first: int, names: list[str], fuse:
     return fx.GraphModule(gm, graph), [name for name, _ in found], metas
 
 
-def _matches(gm: fx.GraphModule, first: int, names: list[str]) -> list[tuple[str, list[fx.Node]]]:
+def _matches(graph: fx.Graph, first: int, names: list[str]) -> list[tuple[str, list[fx.Node]]]:
     """(name, [output value, ..., mm or embedding backward]) for each fusible gradient output."""
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
     results = list(out.args[0])
     grads = results[first:]
     if len(grads) != len(names):
@@ -137,7 +137,7 @@ def _matches(gm: fx.GraphModule, first: int, names: list[str]) -> list[tuple[str
         if n.op != "call_function" or not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
             continue
         if n.target is _EMBEDDING_BACKWARD:
-            if len(n.args) != 5:
+            if len(chain) != 1 or len(n.args) != 5:  # rows are scattered into the table as it is, untransposed
                 continue
             dy, _, _, padding_idx, by_freq = n.args
             if padding_idx != -1 or by_freq or not isinstance(dy, fx.Node) or dy.meta["val"].dtype != val.dtype:

@@ -131,3 +131,12 @@ def test_an_embedding_with_a_padding_index_keeps_its_gradient_as_an_output() -> 
         (padded,) = out(emb.weight, ids, torch.ones(1, 3, 4), 0.0, buf)
     assert padded[0].eq(0).all() and padded[3].eq(2).all()
     assert buf[3].eq(2).all() and buf[0].eq(1).all() and buf[1].eq(0).all()
+
+
+def test_a_transposed_embedding_gradient_stays_an_output() -> None:
+    # Rows are scattered into the buffer as the table is laid out: a transposed gradient is not.
+    gm = torch.fx.experimental.proxy_tensor.make_fx(
+        lambda i, dy: (torch.ops.aten.embedding_dense_backward(dy, i, 10, -1, False).t(),))(
+        torch.tensor([[1, 2]]), torch.ones(1, 2, 4))
+    out, fused, _ = accumulate_gradients(gm, 0, ["table"])
+    assert out is gm and fused == []
