@@ -110,7 +110,7 @@ def _build(a: argparse.Namespace, precision: str, batch: int, seq: int, model: d
     import torch
 
     import fxspeed
-    from fxspeed.demo import get_batch, load_corpus
+    from fxspeed.tools.demo import get_batch, load_corpus
     from fxspeed.models.gpt import GPT, GPTConfig
 
     torch.set_num_threads(a.threads)
@@ -131,7 +131,7 @@ def _build(a: argparse.Namespace, precision: str, batch: int, seq: int, model: d
 
 
 def train_one(a: argparse.Namespace, precision: str, model: dict, bsz: int, seq: int, steps: int) -> dict:
-    from fxspeed.demo import get_batch
+    from fxspeed.tools.demo import get_batch
 
     t0 = time.perf_counter()
     engine, data, gen, batch, n_params, model_cfg, compile_s = _build(a, precision, bsz, seq, model)
@@ -162,7 +162,7 @@ def train_one(a: argparse.Namespace, precision: str, model: dict, bsz: int, seq:
 
 
 def worker_mem(a: argparse.Namespace) -> dict:
-    from fxspeed.demo import get_batch
+    from fxspeed.tools.demo import get_batch
 
     engine, data, gen, batch, n_params, model_cfg, compile_s = _build(a, a.precision, a.mem_batch, a.mem_seq)
     engine.train_step(*batch)  # first step: optimizer state, allocator and kernel caches

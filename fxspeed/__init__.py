@@ -6,12 +6,12 @@
 """
 
 from .api import compile, plan  # noqa: A004
-from .capture import extract_loss
+from .compiler.capture import extract_loss
 from .config import Config
 from .devices import PRESETS, DeviceSpec, devices
-from .engine import Engine
+from .runtime.engine import Engine
 from .errors import CaptureError, ConfigError, FxspeedError, PassError
-from .plan import Plan
+from .planner.plan import Plan
 
 __version__ = "0.1.0"
 __all__ = ["CaptureError", "Config", "ConfigError", "DeviceSpec", "Engine", "FxspeedError", "PRESETS", "PassError",

@@ -7,13 +7,13 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from .capture import LossFn
-from .config import Config
-from .devices import DeviceSpec, normalize_devices
-from .engine import Engine
-from .errors import ConfigError
-from .plan import Plan
-from .planner import plan_model
+from fxspeed.compiler.capture import LossFn
+from fxspeed.config import Config
+from fxspeed.devices import DeviceSpec, normalize_devices
+from fxspeed.runtime.engine import Engine
+from fxspeed.errors import ConfigError
+from fxspeed.planner.plan import Plan
+from fxspeed.planner import plan_model
 
 Devices = int | str | DeviceSpec | Sequence[DeviceSpec]
 ExampleInputs = tuple | dict
@@ -53,7 +53,7 @@ def compile(model: nn.Module, devices: Devices = 1, config: Config | dict | str 
         torch.manual_seed(cfg.seed)
     args, kwargs = _split_example(example_inputs, "compile")
     if cfg.pipeline > 1:
-        from .pipeline_engine import PipelineEngine
+        from fxspeed.runtime.pipeline_engine import PipelineEngine
 
         pipe = PipelineEngine(model, devs, cfg, loss_fn)
         pipe.compile(args, kwargs)
@@ -78,14 +78,14 @@ def plan(model: nn.Module, devices: Devices = 1, config: Config | dict | str | N
     devs = normalize_devices(devices)
     args, kwargs = _split_example(example_inputs, "plan")
     if dynamic:
-        from .symbolic import check_dynamic
+        from fxspeed.planner.symbolic import check_dynamic
 
         check_dynamic(args, kwargs, dynamic)  # a bad mark fails before any tracing
     # Meta models trace as fake CPU tensors; deep stacks of identical blocks are traced with a
     # few blocks and extrapolated (see planner.plan_model).
     p = plan_model(model, args, kwargs, config=cfg, devices=devs, loss_fn=loss_fn)
     if dynamic:
-        from .symbolic import fit_symbolic
+        from fxspeed.planner.symbolic import fit_symbolic
 
         fit_symbolic(p, model, args, kwargs, dynamic, cfg, devs, loss_fn)
     return p

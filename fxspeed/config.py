@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from fxspeed.errors import ConfigError
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 PRECISIONS = ("fp32", "bf16", "fp16")

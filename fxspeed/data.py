@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.utils.data import DataLoader, DistributedSampler
 
-from .errors import ConfigError
+from fxspeed.errors import ConfigError
 
 
 def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .errors import ConfigError
+from fxspeed.errors import ConfigError
 
 GB = 1e9
 GiB = 2**30

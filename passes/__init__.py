@@ -24,17 +24,17 @@ Their names are in STAGE_PASS_NAMES, so `Config.disable_passes` can turn them of
 
 from __future__ import annotations
 
-from fxspeed.pass_manager import GraphPass
+from fxspeed.compiler.pass_manager import GraphPass
 
-from .dedupe_tied_parameters import dedupe_tied_parameters
-from .eliminate_dead_code import eliminate_dead_code
-from .insert_casts import insert_casts
-from .normalize_graph import normalize_graph
-from .reduce_gradients import reduce_gradients
-from .reuse_buffers import reuse_buffers
-from .scale_loss import scale_loss
-from .shard_parameters import shard_parameters
-from .wait_parameter_gathers import wait_parameter_gathers
+from .graph.dedupe_tied_parameters import dedupe_tied_parameters
+from .graph.eliminate_dead_code import eliminate_dead_code
+from .graph.insert_casts import insert_casts
+from .graph.normalize_graph import normalize_graph
+from .parallel.reduce_gradients import reduce_gradients
+from .memory.reuse_buffers import reuse_buffers
+from .graph.scale_loss import scale_loss
+from .parallel.shard_parameters import shard_parameters
+from .parallel.wait_parameter_gathers import wait_parameter_gathers
 
 # DCE after the casts: it removes the fp32 views (W^T) that only low-precision ops used to read.
 SINGLE_DEVICE_PASSES = (normalize_graph, dedupe_tied_parameters, insert_casts, scale_loss, eliminate_dead_code)

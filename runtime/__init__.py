@@ -4,6 +4,6 @@ from .executor import StepExecutor, StepOutputs
 from .flat_parameters import FlatParameters
 from .loss_scale import DynamicLossScaler
 from .optimizer import OptimizerSpec, build_optimizer
-from .program import Program
+from fxspeed.ir.program import Program
 
 __all__ = ["DynamicLossScaler", "FlatParameters", "OptimizerSpec", "Program", "StepExecutor", "StepOutputs", "build_optimizer"]

@@ -18,7 +18,7 @@ import torch
 
 from fxspeed.ir import IOSpec
 
-from .program import Program
+from fxspeed.ir.program import Program
 
 
 @dataclass

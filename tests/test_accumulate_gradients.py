@@ -8,8 +8,8 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from fxspeed.passes.accumulate_gradients import accumulate_gradients, accumulate_stage_gradients
-from fxspeed.passes.split_stages import split_stages
+from fxspeed.passes.program.accumulate_gradients import accumulate_gradients, accumulate_stage_gradients
+from fxspeed.passes.program.split_stages import split_stages
 from tests.workers.common import captured_gpt_step
 
 

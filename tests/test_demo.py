@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from fxspeed.cli import build_parser
-from fxspeed.demo import get_batch, load_corpus
+from fxspeed.tools.cli import build_parser
+from fxspeed.tools.demo import get_batch, load_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,7 +41,7 @@ def test_cli_defaults_are_the_ones_measured_to_finish_in_two_minutes() -> None:
 
 
 def test_cli_without_a_command_prints_help_and_fails() -> None:
-    from fxspeed.cli import main
+    from fxspeed.tools.cli import main
 
     assert main([]) == 1
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import assert_close_rel, assert_models_match, eager_train
 
 import fxspeed
-from fxspeed.engine import RETRACE_WARN_AFTER
+from fxspeed.runtime.engine import RETRACE_WARN_AFTER
 
 
 class Classifier(nn.Module):

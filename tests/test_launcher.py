@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fxspeed.cli import build_parser, default_threads
+from fxspeed.tools.cli import build_parser, default_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = str(ROOT / "tests" / "workers" / "launch_probe.py")

@@ -9,11 +9,11 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fxspeed.annotate import make_annotate_pass
+from fxspeed.compiler.annotate import make_annotate_pass
 from fxspeed import Config, ConfigError, PassError
 from fxspeed.compiler import compile_step
 from fxspeed.ir import IOSpec, StepSignature
-from fxspeed.pass_manager import PassContext, PassManager, PassRecord, PassResult, graph_pass, verify
+from fxspeed.compiler.pass_manager import PassContext, PassManager, PassRecord, PassResult, graph_pass, verify
 from fxspeed.passes import ALL_PASSES, SINGLE_DEVICE_PASSES, default_pipeline
 
 aten = torch.ops.aten

@@ -11,11 +11,11 @@ import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxspeed
-from fxspeed.annotate import make_annotate_pass
-from fxspeed.capture import capture_step
+from fxspeed.compiler.annotate import make_annotate_pass
+from fxspeed.compiler.capture import capture_step
 from fxspeed.ir import IOSpec, StepSignature
 from fxspeed.models import GPT, GPTConfig
-from fxspeed.pass_manager import PassContext, PassManager, verify
+from fxspeed.compiler.pass_manager import PassContext, PassManager, verify
 from fxspeed.passes import (ALL_PASSES, dedupe_tied_parameters, default_pipeline, eliminate_dead_code,
                             normalize_graph)
 
@@ -287,7 +287,7 @@ def _zero3_graph(**extra):  # noqa: ANN202
 def test_zero3_gathers_a_bucket_again_when_its_readers_are_far_apart_instead_of_keeping_it_alive():
     from collections import Counter
 
-    from fxspeed.passes.shard_parameters import GATHER_KEY
+    from fxspeed.passes.parallel.shard_parameters import GATHER_KEY
 
     gm, sig = _zero3_graph(gather_via_all_reduce=True)
     gathers = Counter(n.meta[GATHER_KEY] for n in gm.graph.nodes if GATHER_KEY in n.meta)

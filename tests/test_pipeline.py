@@ -25,7 +25,7 @@ import fxspeed
 from fxspeed.compiler import compile_step
 from fxspeed.devices import normalize_devices
 from fxspeed.errors import ConfigError
-from fxspeed.passes.split_stages import split_stages
+from fxspeed.passes.program.split_stages import split_stages
 from tests.workers.common import build_model, captured_gpt_step, global_batches, key_bias_masked
 from tests.multiprocess import run_ranks
 
@@ -35,7 +35,7 @@ TOL = 1e-5
 
 def _joint(model, batch):
     cfg = fxspeed.Config(disable_passes=("dedupe_tied_parameters",))
-    c = compile_step(model, batch, {}, config=cfg, loss_fn=None, devices=normalize_devices(1),
+    c = compile_step(model, batch, {}, config=cfg, loss_fn=None,
                      options={"world_size": 1})
     return c.captured
 
@@ -103,7 +103,7 @@ def test_the_zero_bubble_split_of_each_backward_into_input_and_weight_parts_comp
     args = tuple(t[:4] for t in batch) if isinstance(batch, tuple) else ()
     kwargs = {} if args else {k: v[:4] for k, v in batch.items()}
     cfg = fxspeed.Config(disable_passes=("dedupe_tied_parameters",))
-    cap = compile_step(model, args, kwargs, config=cfg, loss_fn=None, devices=normalize_devices(1),
+    cap = compile_step(model, args, kwargs, config=cfg, loss_fn=None,
                        options={"world_size": 1}).captured
     progs = split_stages(cap.gm, cap.signature, 2)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -168,7 +168,7 @@ def test_bad_pipeline_configs_are_refused_with_what_works() -> None:
 
 
 def test_microbatches_must_divide_the_batch() -> None:
-    from fxspeed.pipeline_engine import split_batch
+    from fxspeed.runtime.pipeline_engine import split_batch
 
     x, y = global_batches("gpt", 1)[0]  # 8 rows
     with pytest.raises(ConfigError, match=r"microbatches=3 must divide the batch dimension.*\(8, 16\)"):
@@ -197,7 +197,7 @@ def eager_reference(model: str = "gpt", steps: int = 5, clip: float | None = Non
     (the same step mathematically): each matmul then sees the rows the pipeline's do, so the
     comparison is not blurred by how CPU GEMMs block 2 rows vs 8 (seen: 3.5e-5 absolute on
     one GPT-2 weight after 5 AdamW steps at lr 1e-2)."""
-    from fxspeed.pipeline_engine import split_batch
+    from fxspeed.runtime.pipeline_engine import split_batch
 
     torch.set_num_threads(1)
     m = build_model(model)

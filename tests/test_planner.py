@@ -12,12 +12,12 @@ import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxspeed
-from fxspeed.annotate import node_flops
+from fxspeed.compiler.annotate import node_flops
 from fxspeed.ir import (ACTIVATIONS, GRADIENTS, META_KEY, OPTIMIZER_STATES, PARAMETERS, TEMPORARIES, NodeInfo)
-from fxspeed.memory import memory_timeline
+from fxspeed.planner.memory import memory_timeline
 from fxspeed.models.gpt import GPT, GPTConfig
 from fxspeed.planner import opt_factors, optimizer_temporaries, repeated_blocks, zero_paper_bytes
-from fxspeed.symbolic import fit_polynomial, is_batch_like, sample_values
+from fxspeed.planner.symbolic import fit_polynomial, is_batch_like, sample_values
 
 aten = torch.ops.aten
 F32 = 4

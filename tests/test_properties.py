@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import fxspeed
-from fxspeed.annotate import make_annotate_pass
-from fxspeed.capture import capture_step
+from fxspeed.compiler.annotate import make_annotate_pass
+from fxspeed.compiler.capture import capture_step
 from fxspeed.ir import StepSignature
-from fxspeed.pass_manager import PassContext, PassManager
+from fxspeed.compiler.pass_manager import PassContext, PassManager
 from fxspeed.passes import SINGLE_DEVICE_PASSES
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh, "silu": F.silu}

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxspeed.ir import IOSpec, StepSignature
-from fxspeed.pass_manager import PassContext, PassManager
+from fxspeed.compiler.pass_manager import PassContext, PassManager
 from fxspeed.passes import reuse_buffers
 
 aten = torch.ops.aten

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxspeed.errors import ConfigError
-from fxspeed.runtime.schedule import (Action, Schedule, ScheduleError, parse_action, validate)
-from fxspeed.schedules import SCHEDULES, gpipe, interleaved_1f1b, make, one_f_one_b, zero_bubble_h1
-from fxspeed.simulator import Costs, StageCosts, analytic_bubble, simulate
+from fxspeed.ir.schedule import (Action, Schedule, ScheduleError, parse_action, validate)
+from fxspeed.planner.schedules import SCHEDULES, gpipe, interleaved_1f1b, make, one_f_one_b, zero_bubble_h1
+from fxspeed.planner.simulator import Costs, StageCosts, analytic_bubble, simulate
 
 GOLDEN = Path(__file__).parent / "golden"
 GOLDEN_CASES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1}  # name -> v, all at P=4, M=8
@@ -239,8 +239,8 @@ def test_rendezvous_sends_deadlock_1f1b_but_not_gpipe():
 
 
 def test_a_ranks_own_idle_fraction_counts_waiting_until_its_last_action_not_the_pipelines_end() -> None:
-    from fxspeed.schedules import gpipe
-    from fxspeed.simulator import Costs, simulate
+    from fxspeed.planner.schedules import gpipe
+    from fxspeed.planner.simulator import Costs, simulate
 
     # F = 1, B = I + W = 2. Rank 1 ends at 7 (its B0); rank 0 at 9 (B1 at 5..7, B0 at 7..9).
     r = simulate(gpipe(2, 2), Costs.uniform(2))

@@ -45,7 +45,7 @@ def main() -> None:
 
     import fxspeed
     from fxspeed.models import GPT, GPTConfig
-    from fxspeed.simulator import simulate
+    from fxspeed.planner.simulator import simulate
 
     world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)

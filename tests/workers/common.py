@@ -56,6 +56,6 @@ def captured_gpt_step(layers: int, width: int, rows: int, precision: str = "fp32
     g = torch.Generator().manual_seed(1)
     x, y = (torch.randint(0, 64, (rows, 8), generator=g) for _ in range(2))
     cfg = fxspeed.Config(precision=precision, disable_passes=("dedupe_tied_parameters",))
-    cap = compile_step(model, (x, y), {}, config=cfg, loss_fn=None, devices=normalize_devices(1),
+    cap = compile_step(model, (x, y), {}, config=cfg, loss_fn=None,
                        options={"world_size": 1}).captured
     return model, (x, y), cap

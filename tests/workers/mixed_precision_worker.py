@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import fxspeed
-from fxspeed.passes.shard_parameters import GATHER_KEY
+from fxspeed.passes.parallel.shard_parameters import GATHER_KEY
 from tests.test_mixed_precision import Scaler, batch, tiny_gpt
 
 def gathered(engine: fxspeed.Engine) -> tuple[int, int]:

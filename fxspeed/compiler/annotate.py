@@ -1,0 +1,136 @@
+"""Annotate: the analysis that gives every node a `NodeInfo` (see ir.py).
+
+It only reads the graph and writes `node.meta["fxspeed"]`; it never rewrites.
+FLOPs come from torch's own formula registry (torch.utils.flop_counter: matmul, conv,
+attention forward and backward), so they agree with `FlopCounterMode`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+from fxspeed.ir import (ACTIVATIONS, BACKWARD, BUFFERS, FORWARD, GRADIENTS, INPUTS, IO, META_KEY, PARAMETERS,
+                 TEMPORARIES, NodeInfo, StepSignature, dtype_name, tensor_bytes)
+
+_INPUT_CATEGORY = {"param": PARAMETERS, "param_shard": PARAMETERS, "buffer": BUFFERS, "input": INPUTS,
+                   "loss_scale": INPUTS, "grad_buffer": GRADIENTS}
+
+
+def annotate(gm: fx.GraphModule, signature: StepSignature, module_of: dict[str, str] | None = None) -> None:
+    """Write a NodeInfo on every node of `gm` (shape, dtype, bytes, FLOPs, module, role, category)."""
+    module_of = module_of or {}
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    output = nodes[-1]
+    outs = list(output.args[0])
+
+    forward = _forward_nodes(outs, signature)
+    grad_outputs = {o for o, s in zip(outs, signature.outputs) if s.kind in ("grad", "grad_bucket") and isinstance(o, fx.Node)}
+    param_module = {ph: signature.inputs[i].target.rpartition(".")[0] for i, ph in enumerate(placeholders)
+                    if signature.inputs[i].kind == "param"}
+
+    for i, ph in enumerate(placeholders):
+        spec = signature.inputs[i]
+        ph.meta[META_KEY] = _base_info(ph, role=IO, category=_INPUT_CATEGORY[spec.kind],
+                                       module=param_module.get(ph, ""))
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        # An element of a forward op's tuple that only backward reads (layer norm's mean/rstd,
+        # attention's logsumexp) is still produced by forward.
+        parent = n.args[0] if n.target is _getitem() and n.args and isinstance(n.args[0], fx.Node) else None
+        role = FORWARD if n in forward or (parent is not None and parent in forward) else BACKWARD
+        module = module_of.get(n.name) if role == FORWARD else None
+        if module is None:
+            module = _module_from_inputs(n, param_module)
+        inf = _base_info(n, role=role, category=TEMPORARIES, module=module)
+        inf.is_view = _is_view(n)
+        inf.bytes_read = sum(tensor_bytes(a.meta.get("val")) for a in n.all_input_nodes) if not inf.is_view else 0
+        inf.bytes_written = 0 if inf.is_view else inf.output_bytes
+        inf.flops = node_flops(n)
+        if n in grad_outputs:
+            inf.category = GRADIENTS
+        elif role == FORWARD and any(u not in forward and u.op != "output" for u in n.users):
+            inf.category = ACTIVATIONS  # produced in forward, read by backward: saved for backward
+        n.meta[META_KEY] = inf
+    output.meta[META_KEY] = NodeInfo(role=IO, category=TEMPORARIES)
+
+
+def _base_info(n: fx.Node, *, role: str, category: str, module: str) -> NodeInfo:
+    val = n.meta.get("val")
+    t = val if isinstance(val, torch.Tensor) else None
+    return NodeInfo(shape=tuple(int(s) for s in t.shape) if t is not None else None,
+                    dtype=dtype_name(t.dtype) if t is not None else None,
+                    output_bytes=0 if n.target is _getitem() else tensor_bytes(val),
+                    module=module, role=role, category=category)
+
+
+def _getitem() -> Any:
+    import operator
+
+    return operator.getitem
+
+
+def _forward_nodes(outs: list[Any], signature: StepSignature) -> set[fx.Node]:
+    """Forward = everything the loss, buffer updates and user outputs depend on."""
+    seeds = [o for o, s in zip(outs, signature.outputs)
+             if s.kind in ("loss", "buffer_update", "output") and isinstance(o, fx.Node)]
+    seen: set[fx.Node] = set()
+    stack = list(seeds)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _module_from_inputs(n: fx.Node, param_module: dict[fx.Node, str]) -> str:
+    """Backward nodes inherit the module of the parameter or forward value they read."""
+    best = ""
+    for a in n.all_input_nodes:
+        if a in param_module:
+            return param_module[a]
+        inf = a.meta.get(META_KEY)
+        if inf is not None and inf.module and len(inf.module) > len(best):
+            best = inf.module
+    return best
+
+
+def _is_view(n: fx.Node) -> bool:
+    t = n.target
+    if t is _getitem():
+        return True
+    return bool(getattr(t, "is_view", False))
+
+
+def node_flops(n: fx.Node) -> int:
+    """FLOPs of one ATen node from torch's formula registry; 0 for ops it has no formula for."""
+    target = n.target
+    packet = getattr(target, "overloadpacket", None)
+    fn = flop_registry.get(packet) if packet is not None else None
+    if fn is None:
+        return 0
+    args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
+    try:
+        return int(fn(*args, **kwargs, out_val=n.meta.get("val")))
+    except Exception:  # noqa: BLE001 - a formula that cannot handle these args costs 0, not a crash
+        return 0
+
+
+def _annotate_pass_fn(gm: fx.GraphModule, ctx: Any) -> Any:
+    from fxspeed.compiler.pass_manager import PassResult
+
+    annotate(gm, ctx.signature, ctx.module_of)
+    return PassResult(gm, modified=False)
+
+
+def make_annotate_pass() -> Any:
+    from fxspeed.compiler.pass_manager import graph_pass
+
+    return graph_pass("annotate", is_analysis=True)(_annotate_pass_fn)

@@ -1,0 +1,142 @@
+"""The IR schema: what analyses write into `node.meta` and what passes read.
+
+Every node of a captured graph carries one `NodeInfo` under `node.meta["fxspeed"]`. Sizes and
+FLOPs are Python ints for concrete shapes; the planner may fit sympy expressions over the
+dims the user marked dynamic, but node-level records stay concrete.
+
+The program's I/O is described by a `StepSignature`: what each graph input and output means
+(a parameter, a buffer, a user input, the loss, a gradient, a buffer update). Passes that
+add inputs or outputs (shards, communication buffers) update it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+META_KEY = "fxspeed"
+
+# Roles of a node in the training step.
+FORWARD, BACKWARD, IO = "forward", "backward", "io"
+
+# Memory categories (plan.memory breaks the peak down by these).
+PARAMETERS = "parameters"
+GRADIENTS = "gradients"
+OPTIMIZER_STATES = "optimizer_states"
+ACTIVATIONS = "activations"
+TEMPORARIES = "temporaries"
+BUFFERS = "buffers"
+INPUTS = "inputs"
+COMM_BUFFERS = "communication_buffers"
+CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATES, ACTIVATIONS, TEMPORARIES, BUFFERS, INPUTS, COMM_BUFFERS)
+
+
+@dataclass
+class NodeInfo:
+    """Per-node annotation. `bytes_read`/`bytes_written` count tensor storage touched."""
+
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    output_bytes: int = 0
+    flops: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    module: str = ""
+    role: str = FORWARD
+    category: str = TEMPORARIES
+    is_view: bool = False  # output aliases an input's storage: allocates nothing
+    time: float = 0.0  # predicted seconds on the plan's device (roofline)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass(frozen=True)
+class IOSpec:
+    """Meaning of one graph input or output. `kind` is one of
+    inputs:  "param", "buffer", "input", "param_shard" (target: bucket index)
+    outputs: "buffer_update", "loss", "output", "grad", "grad_bucket" (target: bucket index;
+             the reduced flat bucket, or this rank's shard of it under ZeRO-2/3)
+    `target` is the parameter/buffer name (user's original name) or the input's position.
+    """
+
+    kind: str
+    target: str
+
+
+@dataclass
+class Bucket:
+    """A group of parameters that travel together in collectives, laid out flat.
+
+    `offsets[i]` is where parameter `names[i]` starts in the flat buffer; `padded` is the
+    flat size rounded up to a multiple of the world size, so each rank's shard has
+    `padded // world` elements (uneven sizes are padded, never refused).
+    """
+
+    index: int
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    offsets: list[int]
+    numel: int
+    padded: int
+    dtype: str = "float32"
+
+    def shard_size(self, world: int) -> int:
+        return self.padded // world
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "shapes": [list(s) for s in self.shapes]}
+
+
+@dataclass
+class StepSignature:
+    inputs: list[IOSpec] = field(default_factory=list)
+    outputs: list[IOSpec] = field(default_factory=list)
+    # Tied weights: AOT export feeds a shared Parameter once per name. alias -> canonical name.
+    tied: dict[str, str] = field(default_factory=dict)
+    # Set by the gradient-reduction pass: flat layout of trainable parameters, in the order
+    # backward produces their gradients. Inputs "param_shard" / outputs "grad_bucket" index it.
+    buckets: list[Bucket] = field(default_factory=list)
+    # Set by wait_parameter_gathers (ZeRO-1/2): the program waits for each bucket's post-step
+    # all-gather before it reads the bucket, so the runtime may leave the gathers in flight.
+    waits_for_parameters: bool = False
+
+    def is_alias(self, name: str) -> bool:
+        return name in self.tied
+
+    def input_positions(self, kind: str) -> list[int]:
+        return [i for i, s in enumerate(self.inputs) if s.kind == kind]
+
+    def output_positions(self, kind: str) -> list[int]:
+        return [i for i, s in enumerate(self.outputs) if s.kind == kind]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"inputs": [s.__dict__ for s in self.inputs], "outputs": [s.__dict__ for s in self.outputs],
+                "tied": dict(self.tied), "buckets": [b.to_dict() for b in self.buckets],
+                "waits_for_parameters": self.waits_for_parameters}
+
+
+def info(node: fx.Node) -> NodeInfo:
+    """The node's annotation; raises a clear error when the annotate analysis has not run."""
+    try:
+        return node.meta[META_KEY]
+    except KeyError:
+        raise KeyError(f"node {node.name!r} has no fxspeed annotation; run the 'annotate' analysis first") from None
+
+
+def tensor_bytes(t: Any) -> int:
+    if isinstance(t, torch.Tensor):
+        return int(t.numel()) * t.element_size()
+    if isinstance(t, (list, tuple)):
+        return sum(tensor_bytes(x) for x in t)
+    return 0
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+__all__ = ['META_KEY', 'FORWARD', 'BACKWARD', 'IO', 'PARAMETERS', 'GRADIENTS', 'OPTIMIZER_STATES', 'ACTIVATIONS', 'TEMPORARIES', 'BUFFERS', 'INPUTS', 'COMM_BUFFERS', 'CATEGORIES', 'NodeInfo', 'IOSpec', 'Bucket', 'StepSignature', 'info', 'tensor_bytes', 'dtype_name']

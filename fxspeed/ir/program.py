@@ -1,0 +1,77 @@
+"""Program: the contract between compiler and runtime for one rank.
+
+A GraphModule whose inputs and outputs are described by a StepSignature. The runtime binds
+the signature to tensors (parameters, buffers, the batch) and interprets the outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from fxspeed.ir.nodes import IOSpec, StepSignature
+
+
+@dataclass
+class Program:
+    gm: fx.GraphModule
+    signature: StepSignature
+    train: bool = True
+    out_spec: pytree.TreeSpec | None = None  # eval programs without a loss: output structure
+
+    def describe(self) -> dict[str, Any]:
+        return {"nodes": len(self.gm.graph.nodes), "train": self.train, "signature": self.signature.to_dict()}
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class StageProgram:
+    """The two programs of one pipeline stage and the layout of their inputs and outputs."""
+
+    stage: int
+    n_stages: int
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    state: list[IOSpec]              # parameters / buffers, fed first to both programs
+    n_batch: int                     # batch tensors fed after the state
+    recv_f: list[TensorMeta]         # forward message from stage - 1
+    send_f: list[TensorMeta]         # forward message to stage + 1
+    n_saved: int                     # F's outputs after send_f that B reads
+    has_loss: bool                   # the last stage's F returns the micro-batch loss last
+    recv_b: list[TensorMeta]         # gradient message from stage + 1
+    send_b: list[TensorMeta]         # gradient message to stage - 1
+    grads: list[str]                 # parameter names of B's outputs after send_b
+    backward_input: fx.GraphModule | None = None   # I_s; None: I runs B_s whole and W is a no-op
+    backward_weight: fx.GraphModule | None = None  # W_s
+    n_carry: int = 0                 # I_s outputs after send_b that W_s reads
+    predicted: dict[str, float] = field(default_factory=dict)  # planner seconds: forward, backward_input, ...
+    modules: list[str] = field(default_factory=list)  # blocks / top-level modules the forward runs
+    starts_at: str = ""              # the module the stage's cut is at (a split point reproducing it)
+    tied: dict[str, str] = field(default_factory=dict)  # alias -> canonical, for names this stage uses
+    nodes: dict[str, int] = field(default_factory=dict)  # forward/backward node counts, for reports
+    # Gradients B (and W) accumulate into buffers instead of returning (passes/accumulate_gradients):
+    # those programs then take `beta, *buffers` after their other inputs; `grads` excludes these.
+    grads_into: list[str] = field(default_factory=list)
+    grads_into_meta: list[TensorMeta] = field(default_factory=list)
+
+    def names(self) -> set[str]:
+        """Every parameter/buffer name this stage reads or returns a gradient for."""
+        return {s.target for s in self.state} | set(self.grads) | set(self.grads_into)
+
+    def describe(self) -> dict[str, Any]:
+        return {"stage": self.stage, "params": [s.target for s in self.state if s.kind == "param"],
+                "recv_f": [list(m.shape) for m in self.recv_f], "send_f": [list(m.shape) for m in self.send_f],
+                "saved": self.n_saved, "recv_b": [list(m.shape) for m in self.recv_b],
+                "send_b": [list(m.shape) for m in self.send_b], "grads": [*self.grads, *self.grads_into],
+                "grads_accumulated_in_place": list(self.grads_into),
+                "split_backward": self.backward_input is not None, "carry": self.n_carry,
+                "predicted_s": dict(self.predicted), **self.nodes}

@@ -1,0 +1,397 @@
+"""Planner: predicted per-rank memory and step time for a strategy, from an annotated graph.
+
+Memory has two phases, and the plan's peak is the larger:
+
+    step       the graph (forward + backward; liveness over its nodes) with the parameters and
+               the optimizer states resident (steady state: states exist from the first step on)
+    optimizer  parameters + gradients + optimizer states + the optimizer's own temporaries
+
+ZeRO stages divide model states across the data-parallel ranks as in the ZeRO paper; the
+paper's formula is kept beside our estimate (`zero_paper_bytes`).
+
+Two steps make a plan: `graph_costs` reads one traced graph into plain numbers (`GraphCosts`),
+and `finish_plan` applies the strategy to them. Between the two, costs of several traces can be
+combined: `plan_model` traces a model whose blocks repeat (an nn.ModuleList of identical
+layers) with 1, 2 and 3 blocks and extrapolates linearly to all of them, which is exact for
+FLOPs and parameters and checked on the third trace for memory and time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch.fx as fx
+import torch.nn as nn
+
+from fxspeed.config import Config
+from fxspeed.planner.cost_model import estimate_times, optimizer_time
+from fxspeed.devices import DeviceSpec
+from fxspeed.ir import (BUFFERS, CATEGORIES, COMM_BUFFERS, GRADIENTS, INPUTS, META_KEY, OPTIMIZER_STATES, PARAMETERS,
+                 TEMPORARIES, StepSignature, tensor_bytes)
+from fxspeed.planner.memory import memory_timeline
+from fxspeed.planner.plan import Plan
+
+# Optimizer states per (fp32) parameter: Adam keeps exp_avg and exp_avg_sq; SGD with momentum
+# keeps one buffer. States are created on the first step (torch.optim allocates them lazily).
+OPT_STATE_FACTOR = {"adamw": 2, "adam": 2, "sgd": 0}
+DDP_BUCKET_BYTES = 25 * 2**20
+# Repeated blocks are extrapolated from 1- and 2-block traces when a model has at least this
+# many (Config.extra["layer_extrapolation"]: True / False / "auto").
+EXTRAPOLATE_MIN_LAYERS = 16
+
+
+def opt_factors(config: Config) -> tuple[float, float]:
+    """(state, temporary) bytes per trainable parameter byte for `config.optimizer` when torch
+    runs its foreach implementation (the default on GPUs); see `optimizer_temporaries`."""
+    state = OPT_STATE_FACTOR[config.optimizer]
+    if config.optimizer == "sgd" and config.momentum:
+        state = 1
+    temp = {"adamw": 1, "adam": 1, "sgd": 1 if config.weight_decay else 0}[config.optimizer]
+    return state, temp
+
+
+# Device kinds where torch.optim has fused Adam/AdamW/SGD kernels, which runtime/optimizer.py uses.
+FUSED_OPTIMIZER_DEVICES = ("cpu", "cuda")
+
+
+def uses_foreach(device: DeviceSpec) -> bool:
+    """Without fused kernels, torch.optim picks its foreach implementation by default only when
+    every parameter is on a device with foreach kernels (CUDA and the like); on the CPU it loops
+    over tensors."""
+    return device.kind != "cpu"
+
+
+def optimizer_temporaries(config: Config, device: DeviceSpec, trainable_bytes: float, largest: float) -> float:
+    """Bytes the optimizer step allocates beyond parameters, gradients and states, read off
+    torch.optim (torch/optim/adam.py, sgd.py) for the rank's `trainable_bytes`:
+
+    fused (CPU, CUDA: what fxspeed's runtime runs there): none, the kernel updates each tensor in
+        place (measured on CPU: AdamW over one 50M-float parameter, peak RSS +0 MiB fused, +381
+        MiB, two of its size, for-loop).
+    foreach (other accelerators): Adam/AdamW build `exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs)`,
+        one tensor per parameter (Adam's L2 decay builds `grads + wd*params` too, but frees it
+        first); SGD builds `grads + wd*params` only with weight decay.
+    single-tensor (a CPU without fused kernels): the same work one parameter at a time, so only
+        the largest parameter matters: `denom = (exp_avg_sq.sqrt() / c).add_(eps)` holds two of
+        its size at once, plus `grad.add(param, alpha=wd)` for Adam with L2 decay; SGD one with
+        weight decay.
+    """
+    if device.kind in FUSED_OPTIMIZER_DEVICES:
+        return 0.0
+    if uses_foreach(device):
+        return opt_factors(config)[1] * trainable_bytes
+    largest = min(largest, trainable_bytes)
+    wd = 1 if config.weight_decay else 0
+    per = {"adamw": 2, "adam": 2 + wd, "sgd": wd}[config.optimizer]
+    return per * largest
+
+
+def zero_paper_bytes(n_params: float, stage: int, dp: int, k: float = 12, bytes_per_param: float = 2,
+                     grad_bytes: float | None = None) -> float:
+    """Model-state bytes per rank from the ZeRO paper (Rajbhandari et al. 2020, Figure 1):
+    parameters (`bytes_per_param`), gradients (`grad_bytes`, default the same) and `k` bytes of
+    optimizer state per parameter, with stage 1/2/3 dividing states / +gradients / +parameters
+    by the data-parallel degree `dp`. Mixed-precision Adam: k=12, 2-byte params and grads
+    (the paper's 7.5B on 64 GPUs: 120, 31.4, 16.6, 1.88 GB). fp32 Adam: k=8, 4 and 4."""
+    g = bytes_per_param if grad_bytes is None else grad_bytes
+    p, s = bytes_per_param * n_params, k * n_params
+    gr = g * n_params
+    return {0: p + gr + s, 1: p + gr + s / dp, 2: p + (gr + s) / dp, 3: (p + gr + s) / dp}[stage]
+
+
+# --------------------------------------------------------------------------------------------
+# One traced graph -> plain numbers
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class GraphCosts:
+    """What the planner reads off one traced step, before any strategy is applied."""
+
+    step: dict[str, float]  # liveness peak by category (the graph's own full-size params and grads)
+    param_bytes: float  # unique parameters (a tied weight counted once)
+    trainable_bytes: float
+    largest_param: float
+    largest_trainable: float
+    n_params: float
+    n_trainable: float
+    flops: dict[str, float]  # forward, backward
+    times: dict[str, float]  # forward, backward (seconds on the plan's device)
+    timeline: dict[str, list[Any]] = field(default_factory=dict)
+
+    def extrapolate(self, two: "GraphCosts", layers: int) -> "GraphCosts":
+        """`self` traced with 1 block, `two` with 2: costs with `layers` blocks, linear in the
+        count (a maximum, the largest parameter, is taken from the 2-block trace)."""
+        k = layers - 1
+
+        def lin(a: float, b: float) -> float:
+            return a + (b - a) * k
+
+        def lin_d(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+            return {c: lin(a.get(c, 0), b.get(c, 0)) for c in {*a, *b}}
+
+        return GraphCosts(step=lin_d(self.step, two.step), param_bytes=lin(self.param_bytes, two.param_bytes),
+                          trainable_bytes=lin(self.trainable_bytes, two.trainable_bytes),
+                          largest_param=two.largest_param, largest_trainable=two.largest_trainable,
+                          n_params=lin(self.n_params, two.n_params),
+                          n_trainable=lin(self.n_trainable, two.n_trainable), flops=lin_d(self.flops, two.flops),
+                          times=lin_d(self.times, two.times), timeline=two.timeline)
+
+
+def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec,
+                grad_scale: float = 1.0) -> GraphCosts:
+    """`grad_scale`: the fraction of each gradient a rank keeps (1/dp under ZeRO-2 and 3)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # Count each tensor once: a tied weight appears under several names.
+    owned = [(s, ph) for s, ph in zip(signature.inputs, placeholders) if s.kind == "param" and not signature.is_alias(s.target)]
+    params = {s.target: tensor_bytes(ph.meta.get("val")) for s, ph in owned}
+    numel = {s.target: ph.meta["val"].numel() for s, ph in owned}
+    trainable = {s.target for s in signature.outputs if s.kind == "grad" and s.target in params}
+
+    tl = memory_timeline(gm, grad_scale)
+    by_role = estimate_times(gm, device)
+    flops = {"forward": 0, "backward": 0}
+    for node in gm.graph.nodes:
+        inf = node.meta.get(META_KEY)
+        if inf is not None and inf.role in flops:
+            flops[inf.role] += inf.flops
+    return GraphCosts(
+        step={c: float(v) for c, v in tl.peak.items()}, param_bytes=float(sum(params.values())),
+        trainable_bytes=float(sum(params[n] for n in trainable)), largest_param=float(max(params.values(), default=0)),
+        largest_trainable=float(max((params[n] for n in trainable), default=0)),
+        n_params=float(sum(numel.values())), n_trainable=float(sum(numel[n] for n in trainable)),
+        flops={k: float(v) for k, v in flops.items()},
+        times={"forward": by_role.get("forward", 0.0), "backward": by_role.get("backward", 0.0)},
+        timeline={"names": tl.names, "roles": tl.roles, "bytes": tl.totals, "gradients": tl.gradients},
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Numbers + strategy -> Plan
+# --------------------------------------------------------------------------------------------
+
+def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: Sequence[DeviceSpec],
+                passes: list[dict], notes: list[str] | None = None) -> Plan:
+    n = len(devices)
+    dp = n  # pipeline/tensor degrees arrive with their issues
+    z = config.zero
+    state_f, _ = opt_factors(config)
+    p_bytes, t_bytes = costs.param_bytes, costs.trainable_bytes
+
+    shard = lambda b, stage: b / dp if z >= stage else b  # noqa: E731
+    step = step_phase(costs.step, costs, config, n)
+    comm = step[COMM_BUFFERS]
+    opt_phase = {PARAMETERS: shard(p_bytes, 3), GRADIENTS: shard(t_bytes, 2), OPTIMIZER_STATES: shard(state_f * t_bytes, 1),
+                 TEMPORARIES: optimizer_temporaries(config, devices[0], shard(t_bytes, 1), costs.largest_trainable),
+                 BUFFERS: step.get(BUFFERS, 0), INPUTS: step.get(INPUTS, 0)}
+    as_int = lambda d: {c: int(round(d.get(c, 0))) for c in CATEGORIES}  # noqa: E731
+    step_i, opt_i = as_int(step), as_int(opt_phase)
+    peak, phase = (step_i, "step") if sum(step_i.values()) >= sum(opt_i.values()) else (opt_i, "optimizer")
+
+    dev = devices[0]
+    t_opt = optimizer_time(shard(t_bytes, 1), config.optimizer, dev)
+    communication = communication_bytes(costs, config, dp)
+    comm_bytes = sum(communication.values())
+    t_comm = comm_bytes / dev.link_bandwidth if dp > 1 and dev.link_bandwidth else 0.0
+    fwd, bwd = costs.times.get("forward", 0.0), costs.times.get("backward", 0.0)
+    flops = {"forward": int(round(costs.flops.get("forward", 0))), "backward": int(round(costs.flops.get("backward", 0)))}
+    flops["total"] = flops["forward"] + flops["backward"]
+
+    n_params = int(round(costs.n_params))
+    if config.precision == "fp32":
+        formula = zero_paper_bytes(n_params, z, dp, k=4 * state_f, bytes_per_param=4)
+    else:  # the paper's mixed-precision accounting: 2-byte params and grads, K=12
+        formula = zero_paper_bytes(n_params, z, dp, k=12, bytes_per_param=2)
+    timeline = dict(costs.timeline)
+    timeline["resident"] = [int(step[OPTIMIZER_STATES] + comm)]
+    return Plan(
+        model=model_name, n_params=n_params, n_trainable=int(round(costs.n_trainable)),
+        config=config.to_dict(), devices=[d.to_dict() for d in devices],
+        strategy={"dp": dp, "zero": z, "pp": 1, "tp": 1, "precision": config.precision, "optimizer": config.optimizer},
+        rank_memory=[dict(peak) for _ in range(n)], peak_phase=[phase] * n,
+        time={"forward": fwd, "backward": bwd, "optimizer": t_opt, "communication": t_comm,
+              "total": fwd + bwd + t_opt + t_comm},
+        flops=flops, passes=passes, timeline=timeline,
+        notes=list(notes or []), zero_formula=[int(formula)] * n,
+        phase_memory={"step": step_i, "optimizer": opt_i}, dtypes=category_dtypes(config),
+        communication={k: int(v) for k, v in communication.items()},
+    )
+
+
+def communication_bytes(costs: GraphCosts, config: Config, dp: int) -> dict[str, float]:
+    """Bytes each rank sends per step (ring collectives: (N-1)/N of the buffer per pass).
+
+    gradient reduction: all-reduce = 2 passes (ZeRO-0/1), reduce-scatter = 1 pass (ZeRO-2/3);
+    ZeRO-1/2 all-gather updated shards after the step (1 pass); ZeRO-3 all-gathers parameters
+    twice (forward and backward), in the compute dtype under mixed precision."""
+    if dp == 1:
+        return {}
+    ring = (dp - 1) / dp
+    elem = {"fp32": 4, "bf16": 2, "fp16": 2}
+    grads = costs.trainable_bytes / 4 * elem[config.reduce_dtype]
+    out = {"gradient_reduction": (2 if config.zero < 2 else 1) * ring * grads}
+    if config.zero in (1, 2):
+        out["parameter_all_gather"] = ring * costs.trainable_bytes
+    if config.zero >= 3:
+        out["parameter_all_gather"] = 2 * ring * costs.param_bytes / 4 * elem[config.precision]
+    return out
+
+
+def category_dtypes(config: Config) -> dict[str, str]:
+    """The dtype each tensor category is held in under `config` (what insert_casts and the
+    runtime do: fp32 master weights, gradients and states; low-precision compute copies)."""
+    if config.precision == "fp32":
+        return {c: "float32" for c in ("parameters", "gradients", "optimizer_states", "activations")}
+    low = {"bf16": "bfloat16", "fp16": "float16"}[config.precision]
+    reduce = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[config.reduce_dtype]
+    d = {"parameters": f"float32 master + {low} compute copies", "gradients": "float32",
+         "optimizer_states": "float32", "activations": f"{low} (matmul/attention operands), float32 elsewhere",
+         "gradient_reduction": reduce}
+    if config.zero >= 3:
+        d["parameter_gathers"] = low
+    if config.precision == "fp16":
+        d["loss_scale"] = "float32 (dynamic)"
+    return d
+
+
+def grad_scale(config: Config, n_devices: int) -> float:
+    return 1.0 / n_devices if config.zero >= 2 else 1.0
+
+
+def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, n_devices: int) -> dict[str, float]:
+    """Rank bytes by category while the graph runs, from the graph's live bytes at one node.
+
+    The graph's own parameters and gradients are full-size; ZeRO shards what the rank keeps.
+    Optimizer states are resident (steady state) and so are communication buffers."""
+    dp, z = n_devices, config.zero
+    shard = lambda b, stage: b / dp if z >= stage else b  # noqa: E731
+    step = dict(graph_live)
+    step[PARAMETERS] = shard(costs.param_bytes, 3)
+    step[GRADIENTS] = shard(step.get(GRADIENTS, 0), 2)
+    step[OPTIMIZER_STATES] = shard(opt_factors(config)[0] * costs.trainable_bytes, 1)
+    comm = 0.0
+    if dp > 1:
+        comm = 2 * DDP_BUCKET_BYTES if z < 3 else 2 * costs.largest_param  # double-buffered buckets / prefetch
+    step[COMM_BUFFERS] = comm
+    return step
+
+
+def step_phase_series(costs: GraphCosts, config: Config, n_devices: int) -> list[float]:
+    """The rank's total bytes after each node of the graph (the step phase at every node)."""
+    graph_params = costs.step.get(PARAMETERS, 0.0)
+    out = []
+    for total, grads in zip(costs.timeline["bytes"], costs.timeline["gradients"]):
+        live = {PARAMETERS: graph_params, GRADIENTS: grads, TEMPORARIES: total - graph_params - grads}
+        out.append(sum(step_phase(live, costs, config, n_devices).values()))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Model -> Plan: meta models, repeated blocks
+# --------------------------------------------------------------------------------------------
+
+def repeated_blocks(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList] | None:
+    """The nn.ModuleList of structurally identical blocks holding the most parameters, as
+    (parent module, attribute name, list); None if the model has none with 2+ blocks."""
+    best, best_size = None, 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) < 2:
+            continue
+        sigs = {_structure(b) for b in mod}
+        if len(sigs) != 1:
+            continue
+        size = sum(p.numel() for p in mod.parameters())
+        if size > best_size:
+            parent_name, _, attr = name.rpartition(".")
+            best, best_size = (model.get_submodule(parent_name), attr, mod), size
+    return best
+
+
+def _structure(block: nn.Module) -> tuple:
+    return (type(block),
+            tuple((n, type(m).__name__) for n, m in block.named_modules()),
+            tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters()),
+            tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers()))
+
+
+@contextlib.contextmanager
+def truncated(parent: nn.Module, attr: str, k: int) -> Iterator[None]:
+    """Temporarily replace `parent.<attr>` (a ModuleList) by its first `k` blocks."""
+    full = getattr(parent, attr)
+    parent._modules[attr] = nn.ModuleList(list(full)[:k])
+    try:
+        yield
+    finally:
+        parent._modules[attr] = full
+
+
+def _extrapolation_wanted(config: Config, layers: int) -> bool:
+    flag = config.extra.get("layer_extrapolation", "auto")
+    if flag == "auto":
+        return layers >= EXTRAPOLATE_MIN_LAYERS
+    return bool(flag)
+
+
+def costs_reader(config: Config, devices: Sequence[DeviceSpec]) -> Any:
+    """The `analyze` hook of compile_step: reads GraphCosts off the single-device program."""
+    return lambda gm, sig: graph_costs(gm, sig, devices[0], grad_scale(config, len(devices)))
+
+
+def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, devices: Sequence[DeviceSpec],
+                loss_fn: Any = None) -> tuple[GraphCosts, list[dict], list[str]]:
+    """Costs of `model`'s step on this batch: one trace, or 1/2/3-block traces extrapolated to
+    all blocks for a deep stack of identical blocks. Returns (costs, pass records, notes)."""
+    from fxspeed.compiler import compile_step
+
+    def one() -> tuple[GraphCosts, list[dict]]:
+        compiled = compile_step(model, args, kwargs, config=config, loss_fn=loss_fn, train=True,
+                                analyze=costs_reader(config, devices))
+        return compiled.costs, [r.to_dict() for r in compiled.records]
+
+    found = repeated_blocks(model)
+    if found is None or not _extrapolation_wanted(config, len(found[2])):
+        costs, passes = one()
+        return costs, passes, []
+    parent, attr, blocks = found
+    layers = len(blocks)
+    t0 = time.perf_counter()
+    traced = []
+    for k in (1, 2, 3):
+        with truncated(parent, attr, k):
+            traced.append(one())
+    (c1, _), (c2, _), (c3, passes) = traced
+    check = c1.extrapolate(c2, 3)
+    errs = {"peak memory": _rel(sum(check.step.values()), sum(c3.step.values())),
+            "time": _rel(sum(check.times.values()), sum(c3.times.values())),
+            "FLOPs": _rel(sum(check.flops.values()), sum(c3.flops.values()))}
+    worst = max(errs.values())
+    note = (f"repeated-layer extrapolation: {type(model).__name__}.{attr} has {layers} identical "
+            f"{type(blocks[0]).__name__} blocks; traced with 1, 2 and 3 blocks in {time.perf_counter() - t0:.1f}s "
+            f"and extrapolated linearly to {layers} (check at 3 blocks: "
+            + ", ".join(f"{k} error {v:.2%}" for k, v in errs.items())
+            + "); the timeline is the 3-block trace's")
+    notes = [note]
+    if worst > 0.01:
+        notes.append(f"warning: the 3-block check misses by {worst:.1%}; the blocks may not be independent "
+                     "(set Config(extra={'layer_extrapolation': False}) to trace the whole model)")
+    costs = c1.extrapolate(c2, layers)
+    costs.timeline = c3.timeline
+    return costs, passes, notes
+
+
+def _rel(pred: float, true: float) -> float:
+    return abs(pred - true) / abs(true) if true else abs(pred)
+
+
+def plan_model(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, devices: Sequence[DeviceSpec],
+               loss_fn: Any = None) -> Plan:
+    """Trace (on fake tensors) and plan `model`'s training step for `config` on `devices`."""
+    costs, passes, notes = trace_costs(model, args, kwargs, config=config, devices=devices, loss_fn=loss_fn)
+    return finish_plan(costs, model_name=type(model).__name__, config=config, devices=devices,
+                       passes=passes, notes=notes)
+
+
+__all__ = ["GraphCosts", "costs_reader", "finish_plan", "optimizer_temporaries", "step_phase_series", "grad_scale", "graph_costs", "opt_factors", "plan_model",
+           "repeated_blocks", "trace_costs", "zero_paper_bytes"]

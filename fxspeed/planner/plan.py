@@ -1,0 +1,169 @@
+"""Plan: the planner's answer, a plain serializable object to inspect, diff and override.
+
+    plan.summary()        readable table (strategy, per-rank memory by category, time, passes)
+    plan.memory(rank)     bytes by category at that rank's predicted peak
+    plan.to_dict() / Plan.from_dict(d)   round-trips through JSON
+    plan.max_size("batch", 80e9)         largest value of a dynamic dim that fits (if fitted)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sympy
+
+from fxspeed.ir import CATEGORIES
+
+
+@dataclass
+class Plan:
+    model: str
+    n_params: int
+    n_trainable: int
+    config: dict[str, Any]
+    devices: list[dict[str, Any]]
+    strategy: dict[str, Any]
+    rank_memory: list[dict[str, int]]  # per rank: category -> bytes at the peak
+    peak_phase: list[str]  # per rank: "step" (forward/backward) or "optimizer"
+    time: dict[str, float]  # predicted seconds: forward, backward, optimizer, communication, total
+    flops: dict[str, int]
+    passes: list[dict[str, Any]] = field(default_factory=list)
+    timeline: dict[str, list[Any]] = field(default_factory=dict)  # rank 0 live bytes per node
+    symbolic: dict[str, str] = field(default_factory=dict)  # quantity -> sympy expression (str)
+    dynamic: dict[str, list[int]] = field(default_factory=dict)  # symbol -> values traced
+    notes: list[str] = field(default_factory=list)
+    zero_formula: list[int] = field(default_factory=list)  # ZeRO paper model-state bytes per rank
+    # rank 0 bytes by category in each phase: "step" (graph peak, states resident), "optimizer"
+    phase_memory: dict[str, dict[str, int]] = field(default_factory=dict)
+    dtypes: dict[str, str] = field(default_factory=dict)  # tensor category -> dtype(s) it is held in
+    communication: dict[str, int] = field(default_factory=dict)  # bytes sent per rank per step, by collective
+    # pipeline parallelism: per stage modules, params, predicted time/memory; simulated bubble
+    pipeline: dict[str, Any] = field(default_factory=dict)
+
+    # --- queries ---------------------------------------------------------------------------
+    def memory(self, rank: int = 0) -> dict[str, int]:
+        """Predicted bytes by category at `rank`'s peak, plus "total"."""
+        if not 0 <= rank < len(self.rank_memory):
+            raise ValueError(f"rank={rank} is out of range; this plan has ranks 0..{len(self.rank_memory) - 1}")
+        d = {c: int(self.rank_memory[rank].get(c, 0)) for c in CATEGORIES}
+        d["total"] = sum(d.values())
+        return d
+
+    def peak_memory(self, rank: int = 0) -> int:
+        return self.memory(rank)["total"]
+
+    def fits(self) -> bool:
+        return all(self.peak_memory(r) <= d["memory"] for r, d in enumerate(self.devices))
+
+    def expr(self, quantity: str = "peak_memory") -> sympy.Expr:
+        """A fitted quantity as a sympy expression over the dynamic dims' symbols."""
+        if quantity not in self.symbolic:
+            raise KeyError(f"no symbolic {quantity!r}; mark dims dynamic with plan(..., dynamic=...) "
+                           f"(available: {sorted(self.symbolic)})")
+        return sympy.sympify(self.symbolic[quantity])
+
+    def max_size(self, symbol: str, memory_bytes: float, **fixed: int) -> int:
+        """Largest integer value of `symbol` whose predicted peak fits in `memory_bytes`, other
+        dynamic dims held at `fixed` (default: the traced example's values). 0 if none fits."""
+        e = self.expr("peak_memory")
+        subs = {sympy.Symbol(k): v for k, v in fixed.items()}
+        for name, vals in self.dynamic.items():
+            if name != symbol and sympy.Symbol(name) not in subs:
+                subs[sympy.Symbol(name)] = vals[0]
+        f = sympy.lambdify(sympy.Symbol(symbol), e.subs(subs))
+        if f(1) > memory_bytes:
+            return 0
+        lo, hi = 1, 2
+        while f(hi) <= memory_bytes and hi < 2**40:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if f(mid) <= memory_bytes else (lo, mid)
+        return lo
+
+    # --- presentation ----------------------------------------------------------------------
+    def summary(self) -> str:
+        gb = lambda b: f"{b / 1e9:8.3f} GB"  # noqa: E731
+        s = self.strategy
+        lines = [
+            f"fxspeed plan · {self.model} · {self.n_params / 1e6:,.1f}M params ({self.n_trainable / 1e6:,.1f}M trainable)",
+            f"devices: {len(self.devices)} × {self.devices[0]['name']} ({self.devices[0]['memory'] / 1e9:.0f} GB)   "
+            f"strategy: dp={s['dp']} zero={s['zero']} pp={s['pp']} tp={s['tp']} precision={s['precision']} "
+            f"optimizer={s['optimizer']}",
+            "",
+            f"{'memory per rank (rank 0)':<28}{'predicted':>12}",
+        ]
+        mem = self.memory(0)
+        for c in CATEGORIES:
+            if mem[c]:
+                lines.append(f"  {c:<26}{gb(mem[c])}")
+        fit = "fits" if mem["total"] <= self.devices[0]["memory"] else "DOES NOT FIT"
+        lines.append(f"  {'total (peak, ' + self.peak_phase[0] + ')':<26}{gb(mem['total'])}   {fit}")
+        if self.zero_formula:
+            k = "K=12, 2-byte params/grads" if self.strategy["precision"] != "fp32" else "fp32 Adam: 4+4+8 bytes"
+            lines.append(f"  {'ZeRO paper model states':<26}{gb(self.zero_formula[0])}   ({k})")
+        if self.dtypes:
+            lines.append("  dtypes: " + "; ".join(f"{c} {d}" for c, d in self.dtypes.items()))
+        if self.communication:
+            lines.append("  communication per step: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in self.communication.items()))
+        t = self.time
+        lines += ["", f"time per step (predicted): {t['total'] * 1e3:,.2f} ms = forward {t['forward'] * 1e3:,.2f} + "
+                  f"backward {t['backward'] * 1e3:,.2f} + optimizer {t['optimizer'] * 1e3:,.2f} + comm {t['communication'] * 1e3:,.2f}",
+                  f"FLOPs per step: {self.flops['total'] / 1e12:,.3f} TFLOP (forward {self.flops['forward'] / 1e12:,.3f})"]
+        if self.pipeline:
+            pp = self.pipeline
+            lines += ["", f"pipeline: {pp['stages_n']} stages, schedule {pp['schedule']}, {pp['microbatches']} "
+                      f"micro-batches, {pp['replicas']} replica(s); simulated bubble {pp['bubble']:.3f}, "
+                      f"step {pp['step_s'] * 1e3:,.2f} ms (costs of one micro-batch)",
+                      f"  {'stage':<6}{'rank':>5}{'params':>12}{'fwd ms':>9}{'bwd ms':>9}{'weights+grads+opt':>19}"
+                      f"{'act peak':>10}  modules"]
+            for st in pp["stages"]:
+                m = st["memory_bytes"]
+                w = m["parameters"] + m["gradients"] + m["optimizer_states"]
+                mods = st["modules"]
+                shown = ", ".join(mods if len(mods) <= 4 else [mods[0], mods[1], "...", mods[-1]])
+                lines.append(f"  {st['stage']:<6}{st['rank']:>5}{st['params']:>12,}{st['forward_s'] * 1e3:9.2f}"
+                             f"{st['backward_s'] * 1e3:9.2f}{gb(w):>19}{m['activations'] / 1e6:8.1f}MB  {shown}")
+        if self.symbolic:
+            lines += ["", "symbolic (fitted over dynamic dims " + ", ".join(f"{k}∈{v}" for k, v in self.dynamic.items()) + "):"]
+            for k, v in self.symbolic.items():
+                lines.append(f"  {k} = {v}")
+        if self.passes:
+            lines += ["", f"{'pass':<24}{'ms':>9}{'nodes':>16}"]
+            for p in self.passes:
+                state = "disabled" if p["skipped"] else f"{p['nodes_before']}→{p['nodes_after']}"
+                lines.append(f"  {p['name']:<22}{p['seconds'] * 1e3:9.1f}{state:>16}")
+        for n in self.notes:
+            lines.append(f"note: {n}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"Plan({self.model}, {self.n_params / 1e6:.1f}M params, peak rank0 {self.peak_memory(0) / 1e9:.3f} GB)"
+
+    # --- serialization ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self.__dict__))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"Plan.from_dict: unknown key(s) {unknown}; valid keys are {sorted(names)}")
+        return cls(**d)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "Plan":
+        p = Path(text_or_path)
+        text = p.read_text() if len(str(text_or_path)) < 4096 and p.exists() else str(text_or_path)
+        return cls.from_dict(json.loads(text))

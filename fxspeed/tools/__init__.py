@@ -1,0 +1,1 @@
+"""User-facing tools: the command line, the local launcher, the demo, plan visualisation."""

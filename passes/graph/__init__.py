@@ -1,0 +1,1 @@
+"""Single-device graph rewrites: normalization, tied weights, casts, loss scaling, DCE."""

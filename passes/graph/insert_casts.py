@@ -1,0 +1,142 @@
+"""insert_casts: mixed precision as a rewrite of the training-step graph, per op.
+
+Matmuls, convolutions and attention (forward and backward) run in the low precision
+(bf16/fp16); everything else — reductions, norms, softmax, losses, the optimizer's fp32
+master weights and their gradients — stays fp32. Nodes owned by a module named in
+`fp32_modules` are left alone.
+
+    before:  t = t(w);  y = addmm(b, x, t);  z = gelu(y) ...  g_w = mm(g^T, x)
+    after:   w16 = to(w, bf16); b16 = to(b, bf16); x16 = to(x, bf16)     # one cast per value
+             y16 = addmm(b16, x16, t(w16)); y = to(y16, fp32); z = gelu(y) ...
+             g_w = to(mm(to(g^T, bf16), x16), fp32)                      # x16 reused: the
+                                                                        # bf16 copy is what
+                                                                        # backward keeps
+A cast is placed at the root of a view chain (the parameter, not its transpose), and each
+value is cast once however many low-precision ops read it, so each parameter is cast once
+per step; backward reads the same low-precision copies forward made. A low op fed by
+another low op's output takes it directly (no fp32 round trip).
+
+Options read from ctx.options: precision ("bf16" | "fp16"; "fp32" does nothing),
+fp32_modules (module path prefixes kept in fp32).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fxspeed.ir import META_KEY
+from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
+from fxspeed.compiler.rewrite import call
+
+aten = torch.ops.aten
+LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# op -> positions of the tensor arguments that run in low precision
+_ATTENTION_FWD = (0, 1, 2)
+_ATTENTION_BWD = (0, 1, 2, 3, 4)  # grad_out, q, k, v, out; logsumexp stays as produced
+LOW_OPS: dict[torch._ops.OpOverload, tuple[int, ...]] = {
+    aten.mm.default: (0, 1),
+    aten.addmm.default: (0, 1, 2),
+    aten.bmm.default: (0, 1),
+    aten.baddbmm.default: (0, 1, 2),
+    aten.convolution.default: (0, 1, 2),
+    aten.convolution_backward.default: (0, 1, 2),
+}
+for _name, _fwd in (("_scaled_dot_product_flash_attention_for_cpu", True),
+                    ("_scaled_dot_product_flash_attention", True),
+                    ("_scaled_dot_product_efficient_attention", True),
+                    ("_scaled_dot_product_cudnn_attention", True)):
+    for _suffix, _pos in (("", _ATTENTION_FWD), ("_backward", _ATTENTION_BWD)):
+        _op = getattr(aten, _name + _suffix, None)
+        if _op is not None:
+            LOW_OPS[_op.default] = _pos
+
+
+def _is_view(n: fx.Node) -> bool:
+    if n.op != "call_function":
+        return False
+    if n.target is operator.getitem:  # an element of split/unbind (a view), not of a multi-output op
+        return isinstance(n.args[0], fx.Node) and _is_view(n.args[0])
+    return bool(getattr(n.target, "is_view", False))
+
+
+@graph_pass("insert_casts", requires=("annotate",), invalidates=("annotate",))
+def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    precision = ctx.options.get("precision", "fp32")
+    if precision == "fp32":
+        return PassResult(gm, modified=False)
+    low = LOW_DTYPES[precision]
+    keep = tuple(ctx.options.get("fp32_modules", ()))
+    g = gm.graph
+    low_of: dict[fx.Node, fx.Node] = {}  # fp32 value -> its low-precision twin
+    raw_of: dict[fx.Node, fx.Node] = {}  # fp32 cast-back -> the low value it came from
+    changed = False
+
+    def lowered(v: fx.Node) -> fx.Node:
+        """The low-precision twin of `v`, cast at the root of its view chain, made once."""
+        if v in raw_of:
+            return raw_of[v]
+        if v in low_of:
+            return low_of[v]
+        if _is_view(v) and isinstance(v.args[0], fx.Node):
+            base = lowered(v.args[0])
+            with g.inserting_after(base if base.op != "placeholder" else _after_placeholders(g)):
+                twin = call(g, v.target, (base, *v.args[1:]), dict(v.kwargs))
+        else:
+            anchor = v if v.op != "placeholder" else _after_placeholders(g)
+            with g.inserting_after(anchor):
+                twin = call(g, aten._to_copy.default, (v,), {"dtype": low})
+        low_of[v] = twin
+        return twin
+
+    for n in list(g.nodes):
+        positions = LOW_OPS.get(n.target) if n.op == "call_function" else None
+        if positions is None:
+            continue
+        inf = n.meta.get(META_KEY)
+        if keep and inf is not None and any(inf.module == m or inf.module.startswith(m + ".") for m in keep):
+            continue
+        args = list(n.args)
+        for i in positions:
+            a = args[i] if i < len(args) else None
+            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dtype == torch.float32:
+                args[i] = lowered(a)
+        n.args = tuple(args)
+        n.meta["val"] = _fake(n)
+        _cast_back(g, n, raw_of)
+        changed = True
+    return PassResult(gm, modified=changed)
+
+
+def _after_placeholders(g: fx.Graph) -> fx.Node:
+    return [n for n in g.nodes if n.op == "placeholder"][-1]
+
+
+def _fake(n: fx.Node) -> object:
+    from fxspeed.compiler.rewrite import fake_value
+
+    return fake_value(n.target, n.args, n.kwargs)
+
+
+def _cast_back(g: fx.Graph, n: fx.Node, raw_of: dict[fx.Node, fx.Node]) -> None:
+    """Give fp32 consumers of `n`'s low-precision outputs an fp32 value (one cast each)."""
+    val = n.meta["val"]
+    if isinstance(val, torch.Tensor):
+        outs = [n]
+    else:  # tuple outputs are read through getitem nodes
+        outs = [u for u in n.users if u.target is operator.getitem]
+        for u in outs:
+            u.meta["val"] = val[u.args[1]]
+    for o in outs:
+        v = o.meta["val"]
+        if not isinstance(v, torch.Tensor) or v.dtype == torch.float32 or not v.is_floating_point():
+            continue
+        users = [u for u in o.users]
+        with g.inserting_after(o):
+            back = call(g, aten._to_copy.default, (o,), {"dtype": torch.float32})
+        for u in users:
+            u.replace_input_with(o, back)
+        raw_of[back] = o

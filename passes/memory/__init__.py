@@ -1,0 +1,1 @@
+"""Memory rewrites: buffer reuse (later: recompute, offload)."""

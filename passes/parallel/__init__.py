@@ -1,0 +1,1 @@
+"""Distribution over the mesh: gradient reduction, ZeRO parameter sharding and gather waits."""
