@@ -15,7 +15,7 @@ import torch.nn as nn
 import fxspeed
 from fxspeed.ir import META_KEY
 from fxspeed.models import GPT, GPTConfig
-from passes.insert_casts import LOW_OPS
+from fxspeed.passes.graph.insert_casts import LOW_OPS
 from tests.multiprocess import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
