@@ -1,4 +1,15 @@
-"""Joining torch.distributed: the process group, rank facts, and compile-time agreement checks.
+"""The device mesh: every process group fxspeed uses comes from here.
+
+Ranks form a named pp x dp x tp mesh. Global rank g sits at
+
+    g = (d * pp + p) * tp + t          d: data-parallel replica, p: pipeline position, t: tensor rank
+
+so tensor-parallel ranks are adjacent (they talk most: one node), a pipeline's positions come
+next, and replicas are outermost. With pp = tp = 1 every rank is a replica, as plain data
+parallelism expects. The groups are torch DeviceMesh dimensions ("dp", "pp", "tp"); groups over
+other rank sets (a weight tied across pipeline positions; a second group over the same ranks
+for collectives that must not queue behind others) are made by `Mesh.new_group`, which is
+collective over all ranks and must be called in the same order everywhere.
 
 Under `torchrun` (or `fxspeed run`), compile() joins the group from the environment (NCCL on
 CUDA, gloo on CPU), or uses the default group when the script already initialized one.
@@ -84,3 +95,112 @@ def check_same_model(ctx: DistContext, model: Any, config: Any) -> None:
     shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
     check_agreement(ctx, "the model and config", fingerprint(type(model).__name__, shapes, config.to_dict()),
                     "every rank must build the same model (same parameter names, shapes, dtypes) and Config")
+
+
+DIMS = ("dp", "pp", "tp")
+
+
+class Mesh:
+    """A pp x dp x tp arrangement of the job's ranks and the process groups along each dimension.
+
+    >>> mesh = Mesh.join(4, pp=2)            # 2 pipelines of 2 positions; dp = 4 / (2 * 1) = 2
+    >>> mesh.coords(3)                       # {"dp": 1, "pp": 1, "tp": 0}
+    >>> mesh.group("dp"), mesh.ranks("pp")   # this rank's replica group; its pipeline's ranks
+    """
+
+    def __init__(self, ctx: DistContext, pp: int = 1, tp: int = 1):
+        world = ctx.world
+        if pp < 1 or tp < 1 or world % (pp * tp):
+            raise ConfigError(f"devices={world} is not a multiple of Config.pipeline x Config.tensor = {pp} x {tp} = "
+                              f"{pp * tp}; use devices = {pp * tp} x (data-parallel replicas), e.g. "
+                              f"{max(pp * tp, world - world % (pp * tp))} or {(world // (pp * tp) + 1) * pp * tp}")
+        self.ctx = ctx
+        self.pp, self.tp, self.dp = pp, tp, world // (pp * tp)
+        self.rank, self.world = ctx.rank, world
+        self._device_mesh = None
+        self._groups: dict[str, Any] = {}
+        if ctx.active:
+            self._make_groups()
+
+    @classmethod
+    def join(cls, n_devices: int, timeout_s: float = 300.0, *, pp: int = 1, tp: int = 1) -> "Mesh":
+        """Join (or initialize) the process group for `n_devices` ranks and lay them out."""
+        return cls(join(n_devices, timeout_s), pp=pp, tp=tp)
+
+    # --- layout --------------------------------------------------------------------------------
+    @property
+    def shape(self) -> dict[str, int]:
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+
+    @property
+    def active(self) -> bool:
+        return self.ctx.active
+
+    def coords(self, rank: int | None = None) -> dict[str, int]:
+        """The (dp, pp, tp) coordinates of `rank` (default: this rank)."""
+        g = self.rank if rank is None else rank
+        rest, t = divmod(g, self.tp)
+        d, p = divmod(rest, self.pp)
+        return {"dp": d, "pp": p, "tp": t}
+
+    def rank_at(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
+        return (dp * self.pp + pp) * self.tp + tp
+
+    def ranks(self, dim: str, rank: int | None = None) -> list[int]:
+        """Global ranks of `rank`'s group along `dim` (all coordinates equal but `dim`'s), in order."""
+        c = self.coords(rank)
+        size = self.shape[_check_dim(dim)]
+        return [self.rank_at(**{**c, dim: i}) for i in range(size)]
+
+    def group(self, dim: str) -> Any:
+        """This rank's process group along `dim` ("dp", "pp", "tp" or "world"); None on one process."""
+        if not self.active:
+            return None
+        if dim == "world":
+            return self.ctx.group
+        return self._groups[_check_dim(dim)]
+
+    def group_name(self, dim: str) -> str:
+        g = self.group(dim)
+        return g.group_name if g is not None else ""
+
+    def new_group(self, ranks: list[int]) -> Any:
+        """A new group over `ranks` (collective: every rank calls it, in the same order)."""
+        if not self.active:
+            return None
+        return dist.new_group(sorted(ranks), backend=dist.get_backend(self.ctx.group))
+
+    def describe(self) -> str:
+        """The rank layout as a table, one line per rank (shown in plan.summary())."""
+        lines = [f"mesh dp={self.dp} x pp={self.pp} x tp={self.tp} over {self.world} rank(s); "
+                 "rank = (dp_index * pp + pp_index) * tp + tp_index"]
+        for g in range(self.world):
+            c = self.coords(g)
+            lines.append(f"  rank {g}: dp {c['dp']}, pp {c['pp']}, tp {c['tp']}")
+        return "\n".join(lines)
+
+    def _make_groups(self) -> None:
+        # A dimension spanning every rank uses the default group itself: the functional
+        # collectives the passes insert name it, and a copy would be one more communicator.
+        from torch.distributed.device_mesh import DeviceMesh
+
+        backend = dist.get_backend(self.ctx.group)
+        device_type = "cuda" if backend == "nccl" else "cpu"
+        layout = torch.arange(self.world).reshape(self.dp, self.pp, self.tp)
+        self._device_mesh = DeviceMesh(device_type, layout, mesh_dim_names=DIMS)
+        for dim in DIMS:
+            if self.shape[dim] == self.world:
+                self._groups[dim] = self.ctx.group
+            else:
+                self._groups[dim] = self._device_mesh.get_group(dim)
+
+    @property
+    def device_mesh(self) -> Any:
+        """torch's DeviceMesh (dims "dp", "pp", "tp"), for DTensor-based code; None on one process."""
+        return self._device_mesh
+
+
+def _check_dim(dim: str) -> str:
+    if dim not in DIMS:
+        raise ValueError(f"mesh dimension {dim!r} is not one of {DIMS} (or 'world')")
+    return dim

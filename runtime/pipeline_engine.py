@@ -152,7 +152,7 @@ class PipelineEngine:
         from fxspeed.passes.program.accumulate_gradients import accumulate_stage_gradients
         from fxspeed.passes.program.split_stages import split_stages
         from fxspeed.planner import costs_reader, finish_plan
-        from fxspeed.planner.schedules import make
+        from fxspeed.passes.program.lower_schedule import make
 
         key = input_key(args, kwargs)
         if self._key is not None:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from fxspeed.errors import ConfigError
 from fxspeed.ir.schedule import (Action, Schedule, ScheduleError, parse_action, validate)
-from fxspeed.planner.schedules import SCHEDULES, gpipe, interleaved_1f1b, make, one_f_one_b, zero_bubble_h1
+from fxspeed.passes.program.lower_schedule import SCHEDULES, gpipe, interleaved_1f1b, make, one_f_one_b, zero_bubble_h1
 from fxspeed.planner.simulator import Costs, StageCosts, analytic_bubble, simulate
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -239,7 +239,7 @@ def test_rendezvous_sends_deadlock_1f1b_but_not_gpipe():
 
 
 def test_a_ranks_own_idle_fraction_counts_waiting_until_its_last_action_not_the_pipelines_end() -> None:
-    from fxspeed.planner.schedules import gpipe
+    from fxspeed.passes.program.lower_schedule import gpipe
     from fxspeed.planner.simulator import Costs, simulate
 
     # F = 1, B = I + W = 2. Rank 1 ends at 7 (its B0); rank 0 at 9 (B1 at 5..7, B0 at 7..9).
