@@ -10,7 +10,9 @@ import torch.nn as nn
 from fxspeed.compiler.capture import LossFn
 from fxspeed.config import Config
 from fxspeed.devices import DeviceSpec, normalize_devices
-from fxspeed.runtime.engine import Engine
+from fxspeed.compiler import Compiler
+from fxspeed.mesh import Mesh
+from fxspeed.runtime.engine import Engine, check_pipeline_config
 from fxspeed.errors import ConfigError
 from fxspeed.planner.plan import Plan
 from fxspeed.planner import plan_model
@@ -53,13 +55,10 @@ def compile(model: nn.Module, devices: Devices = 1, config: Config | dict | str 
         torch.manual_seed(cfg.seed)
     args, kwargs = _split_example(example_inputs, "compile")
     if cfg.pipeline > 1:
-        from fxspeed.runtime.pipeline_engine import PipelineEngine
-
-        pipe = PipelineEngine(model, devs, cfg, loss_fn)
-        pipe.compile(args, kwargs)
-        return pipe  # type: ignore[return-value]
-    engine = Engine(model, devs, cfg, loss_fn)
-    engine._executor(args, kwargs, train=True)
+        check_pipeline_config(cfg, len(devs))
+    mesh = Mesh.join(len(devs), cfg.dist_timeout_s, pp=cfg.pipeline, tp=cfg.tensor)
+    engine = Engine(model, devs, cfg, loss_fn, compiler=Compiler(cfg, mesh, loss_fn), mesh=mesh)
+    engine.compile(args, kwargs)
     return engine
 
 

@@ -1,79 +1,143 @@
-"""Engine: what `fxspeed.compile` returns. Owns the model's tensors, the optimizer and a cache
-of compiled programs keyed by batch signature (a new shape compiles once, then is reused).
+"""Engine: what `fxspeed.compile` returns, for every mode.
+
+The engine owns the model's live tensors, the optimizer, the loss scaler and the compiled
+programs, and interprets them; the compiler (injected by `fxspeed.compile`, so the runtime
+never imports the compiler or the passes) decides everything else. Two program shapes:
+
+    one stage   (Config.pipeline == 1)  the joint step graph, rewritten for data parallelism
+                and ZeRO inside the graph; a step runs it once per Config.grad_accum slice
+    pipeline    (Config.pipeline > 1)   per stage: forward, backward (or backward_input +
+                backward_weight) programs; a step runs this rank's action list (F, B, I, W,
+                SEND/RECV, REDUCE, STEP) with runtime/runner.py
+
+Everything around the programs is shared: binding of graph inputs, the optimizer over this
+rank's tensors (FlatParameters for ZeRO-1/2/3 over the mesh's dp group), fp16 unscale and skip,
+clipping by the global norm, the lr schedule, state_dict / save / load (through
+runtime/checkpoint.py: one format that reshards across meshes), export.
+
+Ranks come from the mesh (fxspeed/mesh.py): rank g = (dp_index * pp + position) * tp + tp_index.
+Under a pipeline every rank of one pipeline passes the same batch (its replica's batch).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
-from typing import Any, Sequence
+import time
+from typing import Any, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fxspeed.runtime import DynamicLossScaler, FlatParameters, OptimizerSpec, Program, StepExecutor, build_optimizer
-
-from fxspeed.compiler.capture import LossFn, input_key, tensor_leaves
-from fxspeed.compiler import compile_step
 from fxspeed.config import Config
 from fxspeed.devices import DeviceSpec
-from fxspeed.mesh import check_same_everywhere, check_same_model, fingerprint, join
 from fxspeed.errors import ConfigError, FxspeedError
-from fxspeed.ir import Bucket, IOSpec, StepSignature
-from fxspeed.planner.plan import Plan
+from fxspeed.ir import Bucket, IOSpec, Program, StepSignature
+from fxspeed.ir.batch import input_key, split_batch, tensor_leaves
+from fxspeed.ir.schedule import B, F, I, RECV_B, RECV_F, SEND_F, STEP, W, Action, Schedule
+from fxspeed.mesh import Mesh, check_agreement, check_same_everywhere, check_same_model, fingerprint
 from fxspeed.planner import costs_reader, finish_plan
+from fxspeed.planner.plan import Plan
+from fxspeed.runtime.executor import StepExecutor
+from fxspeed.runtime.flat_parameters import FlatParameters
+from fxspeed.runtime.loss_scale import DynamicLossScaler
+from fxspeed.runtime.optimizer import OptimizerSpec, build_optimizer
+from fxspeed.runtime.runner import PipelineRuntime
 
 log = logging.getLogger("fxspeed")
 RETRACE_WARN_AFTER = 8
 
 
+class CompilerLike(Protocol):
+    """What the engine needs from fxspeed.compiler.Compiler."""
+
+    def step(self, model: nn.Module, args: tuple, kwargs: dict, *, train: bool, analyze: Any = None) -> Any: ...
+
+    def program(self, model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, train: bool,
+                positions: Sequence[int] = (), split_points: Sequence[str] | None = None,
+                analyze: Any = None) -> Any: ...
+
+
+def check_pipeline_config(config: Config, n_devices: int) -> None:
+    P = config.pipeline
+    if n_devices % P:
+        lo = max(P, n_devices - n_devices % P)
+        raise ConfigError(f"Config.pipeline={P} with devices={n_devices}: devices must be a multiple of the "
+                          f"pipeline degree (pipeline x data-parallel replicas); use devices={lo} or "
+                          f"{lo + P}, or a pipeline degree dividing {n_devices}")
+    for key, default in (("grad_accum", 1), ("tensor", 1)):
+        value = getattr(config, key)
+        if value != default:
+            hint = " (raise Config.microbatches instead)" if key == "grad_accum" else ""
+            raise ConfigError(f"Config.{key}={value!r} with pipeline={P}: not supported with pipeline parallelism "
+                              f"yet; use {key}={default!r}{hint}")
+
+
 class Engine:
     """Trains `model` in place: its parameters are the ones the optimizer updates.
 
-    On several ranks (data parallel, ZeRO) the trainable parameters live in flat buckets laid
-    out by the gradient-reduction pass (runtime.FlatParameters); zero 0-2 keep the model's
-    Parameters as views into them, ZeRO-3 keeps only this rank's shards.
+    Data parallel / ZeRO: the trainable parameters live in flat buckets laid out by the
+    gradient-reduction pass (zero 0-2 keep the model's Parameters as views into them, ZeRO-3
+    keeps only this rank's shards). Pipeline: a rank keeps only the weights of its stages
+    (others are freed), in per-stage buckets over its replicas when there are several.
     """
 
-    def __init__(self, model: nn.Module, devices: Sequence[DeviceSpec], config: Config, loss_fn: LossFn | None):
+    def __init__(self, model: nn.Module, devices: Sequence[DeviceSpec], config: Config, loss_fn: Any,
+                 compiler: CompilerLike, mesh: Mesh):
         self.model = model
         self.devices = list(devices)
         self.config = config
         self.loss_fn = loss_fn
-        self.dist = join(len(self.devices), config.dist_timeout_s)
+        self.compiler = compiler
+        self.mesh = mesh
+        self.dist = mesh.ctx
+        self.pipelined = config.pipeline > 1
+        self.M = config.microbatches
         # Every name of every tensor: a tied weight is one Parameter reachable under two names,
         # and the trace may refer to it by either.
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self._buffers = dict(model.named_buffers(remove_duplicate=False))
         self._unique = list(model.parameters())
+        self._canonical = _canonical_names(model)  # id(Parameter) -> its first name
         self._flat: FlatParameters | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
-        self._executors: dict[tuple, StepExecutor] = {}
         self.plan: Plan | None = None
-        self.stats: dict[str, float] = {"steps": 0, "compiles": 0, "skipped_steps": 0}
+        self.stats: dict[str, Any] = {"steps": 0, "compiles": 0, "skipped_steps": 0}
         self.scaler: DynamicLossScaler | None = None
+        device = next((p.device for p in self._unique), torch.device("cpu"))
+        self._scale = torch.ones((), dtype=torch.float32, device=device)  # the graph's loss_scale input
         if config.precision == "fp16":
             self.scaler = DynamicLossScaler(config.loss_scale or 2.0**16, config.loss_scale_window,
                                             config.loss_scale_backoff, config.loss_scale_growth,
                                             self.dist.group if self.dist.active else None)
             self.stats["loss_scale"] = float(self.scaler.scale)
-        gloo = self.dist.active and dist.get_backend(self.dist.group) == "gloo"
-        self._options = {"world_size": self.dist.world, "rank": self.dist.rank, "zero": config.zero,
-                         "group_name": self.dist.group_name, "bucket_bytes": int(config.bucket_mb * 2**20),
-                         # gloo's reduce-scatter of a 25 MB bucket took 1.5x as long as all-reduce plus
-                         # the slice copy (2 CPU ranks), so ZeRO-2/3 all-reduce and keep their slice there.
-                         "scatter_via_all_reduce": gloo,
-                         # gloo's all-gather allocates a full-size temporary per call and took 1.6x an
-                         # all-reduce of the zero-padded shard, so ZeRO-3 gathers that way there.
-                         "gather_via_all_reduce": gloo,
-                         "reuse_grad_buckets": True}
+        # One stage: compiled programs by batch signature.
+        self._executors: dict[tuple, StepExecutor] = {}
+        # Pipeline: the program, this rank's runner, what it owns.
+        self.schedule: Schedule | None = None
+        self.programs: list = []
+        self._key: tuple | None = None
+        self._runtime: PipelineRuntime | None = None
+        self._eval_runtime: PipelineRuntime | None = None
+        self._freed_shapes: dict[int, tuple[int, ...]] = {}
+        self._owned: list[nn.Parameter] = []
+        self._tied: list[tuple[Any, nn.Parameter]] = []  # (group over the positions holding it, weight)
+        self._counted: list[nn.Parameter] = []
+        self._counted_buckets: list[int] = []
+        self._stage_buckets: dict[int, list[int]] = {}
+        self._late_buckets: list[int] = []
+        self._pending: list[tuple[int, Any, torch.Tensor]] = []
+        self._grad_divisor = 1.0
+        self._p2p_latency = 0.0
         if self.dist.active:
             check_same_model(self.dist, model, config)
 
+    # --- the mesh ----------------------------------------------------------------------------
     @property
     def rank(self) -> int:
         return self.dist.rank
@@ -82,7 +146,31 @@ class Engine:
     def world_size(self) -> int:
         return self.dist.world
 
-    # --- compile -----------------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.coords()["dp"]
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp
+
+    @property
+    def position(self) -> int:
+        """This rank's pipeline position (0 without a pipeline)."""
+        return self.mesh.coords()["pp"]
+
+    @property
+    def pipe_ranks(self) -> list[int]:
+        return self.mesh.ranks("pp")
+
+    @property
+    def stages(self) -> list[int]:
+        """The stages this rank runs (one, or Config.pipeline_chunks under the interleaved schedule)."""
+        if not self.pipelined:
+            return [0]
+        return [s for s, r in enumerate(self.schedule.placement) if r == self.position] if self.schedule else []
+
+    # --- compile: one stage --------------------------------------------------------------------
     def _executor(self, args: tuple, kwargs: dict, train: bool) -> StepExecutor:
         key = (train, input_key(args, kwargs))
         if self.dist.active:
@@ -95,27 +183,24 @@ class Engine:
         if ex is not None:
             return ex
         self.synchronize()  # tracing reads the weights
+        want_plan = train and self.plan is None
         # ZeRO-3 keeps only shards between steps; tracing needs the full parameters once.
-        with self._flat.gathered() if self._flat is not None else contextlib.nullcontext():
-            compiled = compile_step(self.model, args, kwargs, config=self.config, loss_fn=self.loss_fn, train=train,
-                                    options=self._options if train else {},
-                                    analyze=costs_reader(self.config, self.devices) if train and self.plan is None else None)
+        with self._gathered():
+            compiled = self.compiler.step(self.model, args, kwargs, train=train,
+                                          analyze=costs_reader(self.config, self.devices) if want_plan else None)
         cap = compiled.captured
         if train and self.optimizer is None:
             self._setup_state(cap.signature)
         elif train and self._flat is not None and _layout(cap.signature.buckets) != _layout(self._flat.buckets):
             raise FxspeedError("a new batch shape produced a different gradient bucket layout; please report this "
                                "with the model and shapes")
-        program = Program(cap.gm, cap.signature, train=train, out_spec=cap.out_spec)
-        ex = StepExecutor(program, self._bind)
+        ex = StepExecutor(Program(cap.gm, cap.signature, train=train, out_spec=cap.out_spec), self._bind)
         self._executors[key] = ex
-        self.stats["compiles"] += 1
-        if self.stats["compiles"] == RETRACE_WARN_AFTER:
-            log.warning("fxspeed: %d batch signatures compiled so far; pad batches to a few fixed shapes "
-                        "to avoid recompiling", RETRACE_WARN_AFTER)
-        if train and self.plan is None:
+        self._count_compile()
+        if want_plan:
             self.plan = finish_plan(compiled.costs, model_name=type(self.model).__name__, config=self.config,
                                     devices=self.devices, passes=[r.to_dict() for r in compiled.records])
+            self._note_mesh()
         return ex
 
     def _setup_state(self, sig: StepSignature) -> None:
@@ -125,15 +210,132 @@ class Engine:
             if sig.waits_for_parameters:
                 # Deferred post-step gathers get their own group (same ranks): on the main one the
                 # next step's batch-signature check and loss mean would queue behind all of them.
-                gather_group = dist.new_group(list(range(self.dist.world)), backend=dist.get_backend(self.dist.group))
-            self._flat = FlatParameters(canonical, sig.buckets, rank=self.dist.rank, world=self.dist.world,
-                                        zero=self.config.zero, group=self.dist.group, gather_group=gather_group)
+                gather_group = self.mesh.new_group(self.mesh.ranks("dp"))
+            self._flat = FlatParameters(canonical, sig.buckets, rank=self.dp_rank, world=self.dp_size,
+                                        zero=self.config.zero, group=self.mesh.group("dp"), gather_group=gather_group)
             tensors = self._flat.optimizer_tensors()
+            self._counted_buckets = list(range(len(sig.buckets)))
         else:
             tensors = [p for p in self._unique if p.requires_grad]
+        self._owned = [p for p in self._unique if p.requires_grad]
+        self._counted = list(self._owned)
         self.optimizer, self.lr_scheduler = build_optimizer(tensors, _optimizer_spec(self.config))
 
-    def _bind(self, spec: IOSpec) -> torch.Tensor:
+    # --- compile: pipeline ---------------------------------------------------------------------
+    def _compile_pipeline(self, args: tuple, kwargs: dict) -> None:
+        key = input_key(args, kwargs)
+        if self._key is not None:
+            if key != self._key:
+                raise ConfigError("the pipeline engine was compiled for another batch signature; pass batches of the "
+                                  "shapes given as example_inputs (a new shape would re-split the model across ranks)")
+            return
+        check_agreement(self.dist, "the batch signature (shapes, dtypes, structure)", fingerprint(key),
+                        "every rank must pass a batch of the same shapes (each pipeline: the same batch)")
+        margs, mkw = split_batch(args, kwargs, self.M)[0]
+        micro_cfg = dataclasses.replace(self.config, pipeline=1, microbatches=1, schedule="1f1b", zero=0)
+        cp = self.compiler.program(self.model, margs, mkw, train=True, positions=[self.position],
+                                   split_points=_split_points(self.config),
+                                   analyze=costs_reader(micro_cfg, self.devices[:1]))
+        self.programs, self.schedule, self._grad_divisor = cp.stages, cp.schedule, cp.grad_divisor
+        mine = {s: self.programs[s] for s in self.stages}
+        self._runtime = PipelineRuntime(mine, self.M, self._bind, group=self.mesh.group("pp"), peers=self.pipe_ranks)
+        self._setup_pipeline_state()
+        self._key = key
+        self._count_compile()
+        self.plan = finish_plan(cp.costs, model_name=type(self.model).__name__, config=micro_cfg,
+                                devices=self.devices[:1], passes=[r.to_dict() for r in cp.records])
+        from fxspeed.planner.pipeline import apply_pipeline, pipeline_report
+
+        apply_pipeline(self.plan, pipeline_report(self.programs, self.schedule, self.config, self.dp_size),
+                       self.world_size, self.config.pipeline)
+        self._note_mesh()
+        log.info("fxspeed: pipeline %d stages x %d micro-batches (%s) x %d replicas; rank %d runs stages %s",
+                 len(self.programs), self.M, self.schedule.name, self.dp_size, self.rank, self.stages)
+
+    def _setup_pipeline_state(self) -> None:
+        """Which weights this rank keeps, the groups of weights shared across positions, the
+        per-stage gradient buckets over the replicas, and the optimizer."""
+        P, position = self.config.pipeline, self.position
+        by_id: dict[int, nn.Parameter] = {id(p): p for p in self._params.values()}
+        holders: dict[int, set[int]] = {}  # parameter -> pipeline positions holding it
+        for prog in self.programs:
+            r = self.schedule.placement[prog.stage]
+            for name in prog.names():
+                if name in self._params:
+                    holders.setdefault(id(self._params[name]), set()).add(r)
+        mine = {pid for pid, rs in holders.items() if position in rs}
+        self._owned = [p for pid, p in by_id.items() if pid in mine and p.requires_grad]
+        # A weight read by several positions (tied): a group per replica over the positions
+        # holding it, created on every rank in the same order.
+        self._tied = []
+        for pid in by_id:
+            rs = sorted(holders.get(pid, ()))
+            if len(rs) < 2:
+                continue
+            for d in range(self.dp_size):
+                ranks = [self.mesh.rank_at(dp=d, pp=r) for r in rs]
+                group = self.mesh.new_group(ranks)
+                if self.rank in ranks:
+                    self._tied.append((group, by_id[pid]))
+        tied = {id(p) for _, p in self._tied}
+        # The global norm counts each weight once: at the lowest position holding it.
+        self._counted = [p for p in self._owned if min(holders[id(p)]) == position]
+        with torch.no_grad():
+            for pid, p in by_id.items():
+                if pid not in mine:
+                    self._freed_shapes[pid] = tuple(p.shape)
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        tensors: list[torch.Tensor] = list(self._owned)
+        if self.dp_size > 1:
+            buckets = self._pipeline_buckets(tied)
+            self._flat = FlatParameters({self._canonical[id(p)]: p for p in self._owned}, buckets,
+                                        rank=self.dp_rank, world=self.dp_size, zero=self.config.zero,
+                                        group=self.mesh.group("dp"))
+            tensors = self._flat.optimizer_tensors()
+        self.optimizer, self.lr_scheduler = build_optimizer(tensors, _optimizer_spec(self.config))
+
+    def _pipeline_buckets(self, tied: set[int]) -> list[Bucket]:
+        """One bucket per stage of this rank (its weights no other position holds), reduced at the
+        stage's REDUCE while the rank's remaining backward runs; then the weights shared with other
+        positions (summed over them first, after the schedule), counted and not counted apart."""
+        counted = {id(p) for p in self._counted}
+        reduce_order = [a.stage for a in self.schedule.actions[self.position] if a.kind == "REDUCE"]
+        assigned: set[int] = set()
+        per_stage: dict[int, list[nn.Parameter]] = {}
+        owned = {id(p) for p in self._owned}
+        # Latest REDUCE first: a weight two of this rank's stages read is complete only after both.
+        for s in reversed(reduce_order):
+            names = sorted(self.programs[s].names() & set(self._params))
+            ps = []
+            for n in names:
+                p = self._params[n]
+                if id(p) in owned and id(p) not in tied and id(p) not in assigned:
+                    assigned.add(id(p))
+                    ps.append(p)
+            per_stage[s] = sorted(ps, key=lambda p: self._canonical[id(p)])
+        groups: list[tuple[str, int | None, list[nn.Parameter]]] = []
+        for s in reduce_order:
+            if per_stage.get(s):
+                groups.append(("stage", s, per_stage[s]))
+        late = [p for p in self._owned if id(p) in tied or id(p) not in assigned]
+        groups.append(("late", None, [p for p in late if id(p) in counted]))
+        groups.append(("late", None, [p for p in late if id(p) not in counted]))
+        buckets: list[Bucket] = []
+        self._stage_buckets, self._late_buckets, self._counted_buckets = {}, [], []
+        for kind, s, ps in groups:
+            if not ps:
+                continue
+            k = len(buckets)
+            buckets.append(_bucket(k, [(self._canonical[id(p)], p) for p in ps], self.dp_size))
+            if kind == "stage":
+                self._stage_buckets.setdefault(s, []).append(k)
+            else:
+                self._late_buckets.append(k)
+            if id(ps[0]) in counted:
+                self._counted_buckets.append(k)
+        return buckets
+
+    def _bind(self, spec: IOSpec) -> Any:
         if spec.kind == "param":
             return self._params[spec.target]
         if spec.kind == "buffer":
@@ -142,13 +344,34 @@ class Engine:
             return self._flat.shards[int(spec.target)]
         if spec.kind == "grad_buffer" and self._flat is not None:
             return self._flat.grad_buffer(int(spec.target))
-        if spec.kind == "loss_scale" and self.scaler is not None:
-            return _ScaleRef(self.scaler)
+        if spec.kind == "loss_scale":
+            return self._scale
         raise FxspeedError(f"the program has an input {spec} the engine cannot bind")
+
+    def _count_compile(self) -> None:
+        self.stats["compiles"] += 1
+        if self.stats["compiles"] == RETRACE_WARN_AFTER:
+            log.warning("fxspeed: %d batch signatures compiled so far; pad batches to a few fixed shapes "
+                        "to avoid recompiling", RETRACE_WARN_AFTER)
+
+    def _note_mesh(self) -> None:
+        if self.plan is not None:
+            self.plan.mesh = self.mesh.describe()
+
+    def compile(self, args: tuple, kwargs: dict) -> None:
+        """Compile the training program for this batch signature (fxspeed.compile calls it with
+        example_inputs, so the plan exists before the first step)."""
+        if self.pipelined:
+            self._compile_pipeline(args, kwargs)
+        else:
+            self._executor(args, kwargs, train=True)
 
     def graph(self) -> "torch.fx.GraphModule":
         """The annotated training GraphModule of the first compiled batch signature (each node
-        carries its NodeInfo under node.meta["fxspeed"]). For inspection; do not mutate."""
+        carries its NodeInfo under node.meta["fxspeed"]); under a pipeline, the forward program
+        of this rank's first stage. For inspection; do not mutate."""
+        if self.pipelined and self.programs:
+            return self.programs[self.stages[0]].forward
         for (train, _), ex in self._executors.items():
             if train:
                 return ex.program.gm
@@ -157,20 +380,30 @@ class Engine:
 
     # --- steps -------------------------------------------------------------------------------
     def train_step(self, *args: Any, **kwargs: Any) -> float:
-        """Forward, backward and optimizer step on one batch; returns the loss as a float.
+        """Forward, backward and optimizer step on one batch; returns the loss of the global batch
+        (the mean over ranks) as a float, on every rank.
 
-        On several ranks each passes its own local batch (as with DDP) and the returned loss is
-        the mean over ranks, i.e. the loss of the global batch. With Config.grad_accum=k the
-        batch is split into k equal micro-batches along dim 0 and their gradients averaged,
+        Data parallel: each rank passes its own local batch (as with DDP). Pipeline: every rank of
+        one pipeline passes its replica's batch, split into Config.microbatches. With
+        Config.grad_accum=k the batch is split into k equal slices and their gradients averaged,
         which equals one step on the whole batch for a mean loss.
         """
+        if self.scaler is not None:
+            self._scale.copy_(self.scaler.scale)
+        if self.pipelined:
+            loss = self._pipeline_step(args, kwargs)
+        else:
+            loss = self._joint_step(args, kwargs)
+        self.stats["steps"] += 1
+        return loss
+
+    def _joint_step(self, args: tuple, kwargs: dict) -> float:
         k = self.config.grad_accum
-        micro = [(args, kwargs)] if k == 1 else _split_batch(args, kwargs, k)
         total: torch.Tensor | None = None
         grads: dict[str, torch.Tensor] = {}
         buckets: dict[int, torch.Tensor] = {}
         defer = False
-        for a, kw in micro:
+        for a, kw in split_batch(args, kwargs, k, key="grad_accum"):
             ex = self._executor(a, kw, train=True)
             defer = ex.program.signature.waits_for_parameters
             if not defer:
@@ -178,7 +411,7 @@ class Engine:
             out = ex.run(tensor_leaves(a, kw))
             total = out.loss if total is None else total + out.loss
             _accumulate(grads, out.grads)
-            # Reduced buckets may be persistent buffers the next micro-batch overwrites: copy them.
+            # Reduced buckets may be persistent buffers the next slice overwrites: copy them.
             _accumulate(buckets, out.grad_buckets if k == 1 else {n: t.clone() for n, t in out.grad_buckets.items()})
         del out  # the accumulated dicts now hold the only references
         self.synchronize()  # a no-op when the program waited; the optimizer must not race a gather
@@ -193,7 +426,88 @@ class Engine:
         if self._flat is not None:
             self._flat.set_grads(buckets)
         del grads, buckets  # free before the optimizer allocates its temporaries
-        stepped = self._opt_tensors()
+        self._optimizer_step(defer=defer)
+        if self.dist.active:
+            total = total.detach().clone()
+            dist.all_reduce(total, group=self.dist.group)
+            total /= self.dist.world
+        return float(total)
+
+    def _pipeline_step(self, args: tuple, kwargs: dict) -> float:
+        self._compile_pipeline(args, kwargs)
+        micro = [tensor_leaves(a, kw) for a, kw in split_batch(args, kwargs, self.M)]
+        actions = self.schedule.actions[self.position]
+        t0 = time.perf_counter()
+        with self._gathered():  # ZeRO-3: this rank's stage weights, for the whole schedule
+            loss, grads = self._runtime.run(actions, micro, on_reduce=self._reduce_stage if self._flat else None)
+            self._record_timing(time.perf_counter() - t0)
+            with torch.no_grad():
+                self._finish_pipeline_grads(grads)
+            del grads
+        self._optimizer_step()
+        return self._global_mean(loss)
+
+    def _reduce_stage(self, stage: int, grads: dict[str, torch.Tensor]) -> None:
+        """At REDUCE(stage): start reducing the stage's buckets over the replicas (async); they
+        complete while this rank runs the rest of its schedule."""
+        for k in self._stage_buckets.get(stage, []):
+            self._start_reduce(k, grads)
+
+    def _start_reduce(self, k: int, grads: dict[str, torch.Tensor]) -> None:
+        flat = self._flat
+        b = flat.buckets[k]
+        buf = flat.grad_buffer(k)  # persistent, zero padding
+        with torch.no_grad():
+            for name, shape, off in zip(b.names, b.shapes, b.offsets):
+                g = _grad_of(self._params[name], grads, self._params)
+                seg = buf[off:off + g.numel()]
+                if g.numel():
+                    seg.copy_(g.reshape(-1))
+        work = dist.all_reduce(buf, group=flat.group, async_op=True)
+        self._pending.append((k, work, buf))
+
+    def _finish_pipeline_grads(self, grads: dict[str, torch.Tensor]) -> None:
+        """Per-micro-batch sums -> the gradient of the global-batch mean on every tensor the
+        optimizer steps: weights shared across positions summed over them, then everything not
+        yet reduced over the replicas reduced, and the reduced buckets attached."""
+        for p in self._owned:
+            p.grad = None
+        for name, g in grads.items():
+            p = self._params[name]
+            if self._grad_divisor != 1.0:
+                g = g / self._grad_divisor
+            p.grad = g if p.grad is None else p.grad + g
+        for p in self._owned:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        works = [dist.all_reduce(p.grad, group=group, async_op=True) for group, p in self._tied]
+        for w in works:
+            w.wait()
+        if self._flat is None:
+            return
+        named = {self._canonical[id(p)]: p.grad for p in self._owned}
+        for k in self._late_buckets:
+            self._start_reduce(k, named)
+        reduced = {}
+        for k, work, buf in self._pending:
+            work.wait()
+            if self._grad_divisor != 1.0 and k not in self._late_buckets:
+                buf /= self._grad_divisor
+            reduced[k] = buf
+        self._pending = []
+        for p in self._owned:
+            p.grad = None
+        if self.config.zero == 0:
+            self._flat.set_grads(reduced)
+        else:
+            for k, buf in reduced.items():
+                lo, hi = self._flat._range(self._flat.buckets[k])
+                self._flat.shards[k].grad = buf[lo:hi].clone()
+
+    def _optimizer_step(self, defer: bool = False) -> None:
+        """Unscale and check (fp16), clip by the global norm, step the optimizer and the lr
+        schedule, gather updated ZeRO shards; gradients are freed either way."""
+        stepped = [t for g in self.optimizer.param_groups for t in g["params"] if t.grad is not None]
         if not unscale_or_skip(self.scaler, stepped, self.stats):
             if self.config.grad_clip is not None:
                 self._clip(stepped)
@@ -203,14 +517,33 @@ class Engine:
                 # Deferred: the gathers overlap the next forward, which waits for each bucket
                 # just before its first use (passes/wait_parameter_gathers).
                 self._flat.after_step(defer=defer)
-        for t in stepped:
-            t.grad = None  # free gradients now rather than holding them through the next forward
-        self.stats["steps"] += 1
-        if self.dist.active:
-            total = total.detach().clone()
-            dist.all_reduce(total, group=self.dist.group)
-            total /= self.dist.world
-        return float(total)
+        for g in self.optimizer.param_groups:
+            for t in g["params"]:
+                t.grad = None  # free gradients now rather than holding them through the next forward
+
+    def _clip(self, stepped: list[torch.Tensor]) -> None:
+        """Clip `stepped` by the norm of the whole model's gradient: each weight counted once,
+        wherever it lives (shards over replicas, stages over positions)."""
+        if self._flat is not None and self.config.zero >= 1:
+            # Disjoint shards over replicas (and positions): everyone's counted squares.
+            counted = [self._flat.shards[k].grad for k in self._counted_buckets]
+            group = self.dist.group
+        elif self.pipelined:
+            # Replicas hold identical full gradients: sum over this pipeline's positions only.
+            counted = [p.grad for p in self._counted]
+            group = self.mesh.group("pp")
+        else:
+            counted, group = [t.grad for t in stepped], None
+        counted = [g for g in counted if g is not None]
+        device = stepped[0].device if stepped else torch.device("cpu")
+        sq = torch.zeros((), dtype=torch.float64, device=device)
+        if counted:
+            sq = torch.nn.utils.get_total_norm(counted, foreach=True).double() ** 2
+        if group is not None:
+            dist.all_reduce(sq, group=group)
+        norm = sq.sqrt().to(torch.float32)
+        if stepped:
+            torch.nn.utils.clip_grads_with_norm_(stepped, self.config.grad_clip, norm, foreach=True)
 
     def synchronize(self) -> None:
         """Finish the parameter all-gathers a ZeRO-1/2 step left in flight; afterwards the model's
@@ -219,124 +552,343 @@ class Engine:
         if self._flat is not None:
             self._flat.wait_gathers()
 
-    def _opt_tensors(self) -> list[torch.Tensor]:
-        return [t for g in self.optimizer.param_groups for t in g["params"] if t.grad is not None]
-
-    def _clip(self, tensors: list[torch.Tensor]) -> None:
-        grads = [t.grad for t in tensors]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if self._flat is not None and self.config.zero >= 1:
-            # Each rank holds a disjoint shard of every gradient: the global norm needs all of them.
-            sq = norm.double() ** 2
-            dist.all_reduce(sq, group=self.dist.group)
-            norm = sq.sqrt().to(norm.dtype)
-        torch.nn.utils.clip_grads_with_norm_(tensors, self.config.grad_clip, norm, foreach=True)
+    def _gathered(self) -> Any:
+        return self._flat.gathered() if self._flat is not None else contextlib.nullcontext()
 
     @torch.no_grad()
     def eval_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward only, model in eval mode, no gradients. Returns the loss as a float when the
-        output has one (or loss_fn is set), else the model's outputs as tensors. Under ZeRO-3
-        the parameters are gathered for the call (a collective: call it on every rank)."""
+        """Forward only, model in eval mode, no gradients. Returns the loss of the global batch as
+        a float when the output has one (or loss_fn is set), else the model's outputs (one stage
+        only). A collective under ZeRO-3 and pipelines: call it on every rank."""
+        if self.pipelined:
+            return self._pipeline_eval(args, kwargs)
         ex = self._executor(args, kwargs, train=False)
         self.synchronize()
-        with self._flat.gathered() if self._flat is not None else contextlib.nullcontext():
+        with self._gathered():
             out = ex.run(tensor_leaves(args, kwargs))
         if out.loss is not None:
-            return float(out.loss)
+            loss = out.loss.detach().float().clone()
+            if self.dist.active:
+                dist.all_reduce(loss, group=self.dist.group)
+                loss /= self.dist.world
+            return float(loss)
         spec = ex.program.out_spec
         return pytree.tree_unflatten(out.outputs, spec) if spec is not None else out.outputs
 
+    def _pipeline_eval(self, args: tuple, kwargs: dict) -> float:
+        self._compile_pipeline(args, kwargs)
+        if self._eval_runtime is None:
+            self._eval_runtime = self._compile_pipeline_eval(args, kwargs)
+        micro = [tensor_leaves(a, kw) for a, kw in split_batch(args, kwargs, self.M)]
+        actions = [a for a in self.schedule.actions[self.position] if a.kind in (F, SEND_F, RECV_F)]
+        with self._gathered():
+            loss, _ = self._eval_runtime.run(actions + [Action(STEP)], micro, forward_only=True)
+        return self._global_mean(loss)
+
+    def _compile_pipeline_eval(self, args: tuple, kwargs: dict) -> PipelineRuntime:
+        """The eval program, split at the training split's module boundaries so every rank runs
+        the same stages with the weights it holds. Other stages' weights were freed; tracing needs
+        only their shapes: meta stand-ins (one per Parameter, so tied weights stay tied)."""
+        margs, mkw = split_batch(args, kwargs, self.M)[0]
+        stand_in: dict[int, nn.Parameter] = {}
+        swapped: list[tuple[dict, str, nn.Parameter]] = []
+        was_training = self.model.training
+        try:
+            for mod in self.model.modules():
+                for name, t in list(mod._parameters.items()):
+                    if t is not None and id(t) in self._freed_shapes:
+                        if id(t) not in stand_in:
+                            stand_in[id(t)] = nn.Parameter(torch.empty(self._freed_shapes[id(t)], dtype=t.dtype,
+                                                                        device="meta"), requires_grad=t.requires_grad)
+                        swapped.append((mod._parameters, name, t))
+                        mod._parameters[name] = stand_in[id(t)]
+            self.model.eval()
+            with self._gathered():
+                cp = self.compiler.program(self.model, margs, mkw, train=False,
+                                           split_points=[p.starts_at for p in self.programs[1:]])
+        finally:
+            self.model.train(was_training)
+            for store, name, t in swapped:
+                store[name] = t
+        if not any(s.kind == "loss" for s in cp.captured.signature.outputs):
+            raise ConfigError(f"eval_step under pipeline parallelism needs a loss: {type(self.model).__name__} "
+                              "returns no loss for this batch; pass targets or compile with loss_fn=")
+        mine = {s: cp.stages[s] for s in self.stages}
+        return PipelineRuntime(mine, self.M, self._bind, group=self.mesh.group("pp"), peers=self.pipe_ranks)
+
+    def _global_mean(self, loss: torch.Tensor | None) -> float:
+        """Mean micro-batch loss from the last stage, on every rank, averaged over replicas."""
+        last = self.pipe_ranks[self.schedule.placement[-1]]
+        out = (loss / self.M).detach().float().clone() if loss is not None else torch.zeros((), dtype=torch.float32)
+        dist.broadcast(out, src=last, group=self.mesh.group("pp"))
+        if self.dp_size > 1:
+            dist.all_reduce(out, group=self.mesh.group("dp"))
+            out /= self.dp_size
+        return float(out)
+
+    # --- pipeline measurements -----------------------------------------------------------------
+    def _record_timing(self, step_s: float) -> None:
+        """This rank's last step: compute (F/B/I/W), blocked (in receives, and at STEP waiting
+        for its sends to be taken) and overhead (the rest: posting sends, Python between actions).
+        The idle fraction is the blocked share: the bubble as this rank lives it."""
+        tl = self._runtime.timeline
+        compute = sum(e - b for k, _, _, b, e in tl if k in (F, B, I, W))
+        blocked = sum(e - b for k, _, _, b, e in tl if k in (RECV_F, RECV_B, STEP))
+        self.stats["step_s"] = step_s
+        self.stats["compute_s"] = compute
+        self.stats["blocked_s"] = blocked
+        self.stats["idle_fraction"] = blocked / step_s if step_s > 0 else 0.0
+        self.stats["overhead_fraction"] = max(0.0, 1.0 - (compute + blocked) / step_s) if step_s > 0 else 0.0
+
+    def stage_times(self) -> dict[int, dict[str, float]]:
+        """Measured seconds per micro-batch of each of this rank's stages in the last step, by
+        action kind (F, B, I, W)."""
+        acc: dict[int, dict[str, list[float]]] = {}
+        for kind, s, _, start, end in self._runtime.timeline if self._runtime else []:
+            if kind in (F, B, I, W):
+                acc.setdefault(s, {}).setdefault(kind, []).append(end - start)
+        return {s: {k: sum(v) / len(v) for k, v in d.items()} for s, d in acc.items()}
+
+    def pipeline_report(self, costs: Any = None) -> dict[str, Any]:
+        """Per stage: modules, parameters, predicted time and memory; the schedule's simulated
+        bubble and step time. `costs` (a simulator.Costs) overrides the planner's stage times."""
+        from fxspeed.planner.pipeline import pipeline_report
+
+        return pipeline_report(self.programs, self.schedule, self.config, self.dp_size, costs)
+
+    def measure_p2p_latency(self, repeats: int = 20) -> float:
+        """One-way seconds for a stage-boundary message (the largest activation sent), measured
+        by ping-pong between pipeline positions 0 and 1 and shared over the pipeline. The
+        simulator charges it to every message. Collective over the pipeline."""
+        shape = max((m.shape for p in self.programs for m in p.send_f),
+                    key=lambda sh: torch.Size(sh).numel(), default=(1,))
+        t = torch.zeros(shape)
+        out = torch.zeros(())
+        a, b = self.pipe_ranks[0], self.pipe_ranks[1]
+        group = self.mesh.group("pp")
+        if self.position in (0, 1):
+            times = []
+            for _ in range(repeats + 2):
+                t0 = time.perf_counter()
+                if self.position == 0:
+                    dist.send(t, b, group=group)
+                    dist.recv(t, b, group=group)
+                else:
+                    dist.recv(t, a, group=group)
+                    dist.send(t, a, group=group)
+                times.append(time.perf_counter() - t0)
+            out = torch.tensor(sorted(times[2:])[len(times[2:]) // 2] / 2)
+        dist.broadcast(out, src=a, group=group)
+        self._p2p_latency = float(out)
+        return self._p2p_latency
+
+    def measured_costs(self) -> Any:
+        """simulator.Costs from the last step's measured per-micro-batch stage times (all ranks;
+        collective over the pipeline)."""
+        from fxspeed.planner.simulator import Costs, StageCosts
+
+        mine = self.stage_times()
+        # The rank's overhead (posting sends, glue between actions) is work the simulator has no
+        # action for: spread it over the rank's compute, so the simulated rank is as busy.
+        compute = self.stats.get("compute_s", 0.0)
+        grow = 1.0 + (self.stats.get("overhead_fraction", 0.0) * self.stats.get("step_s", 0.0) / compute
+                      if compute > 0 else 0.0)
+        rows = []
+        for s in range(len(self.programs)):
+            d = mine.get(s, {})
+            f, i, w = d.get("F", 0.0), d.get("I", d.get("B", 0.0)), d.get("W", 0.0)
+            rows.append([f * grow, i * grow, w * grow])
+        t = torch.tensor(rows, dtype=torch.float64)
+        dist.all_reduce(t, group=self.mesh.group("pp"))  # each stage's times come from the one rank running it
+        return Costs([StageCosts(*map(float, r)) for r in t], p2p_latency=self._p2p_latency)
+
+    def describe(self) -> dict[str, Any]:
+        return {"mesh": self.mesh.shape, "schedule": self.schedule.format() if self.schedule else None,
+                "stages": [p.describe() for p in self.programs]}
+
     # --- state -------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state in its original names and shapes (tied weights under every name),
-        loadable into the plain model with `load_state_dict(strict=True)`. Under ZeRO-3 the full
-        tensors are gathered into new tensors: call it on every rank. Under ZeRO 0-2, as with
-        nn.Module.state_dict(), the tensors alias the live weights: clone them to keep a snapshot."""
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        """The parameters this rank holds (full tensors, canonical names; gathered under ZeRO-3)
+        and the buffers."""
         self.synchronize()
-        if self._flat is None or self.config.zero < 3:
-            return self.model.state_dict()
-        full = self._flat.full_state()
-        by_id = {id(self._params[n]): t for n, t in full.items()}
+        held = self._owned if self.pipelined else self._unique
+        out: dict[str, torch.Tensor] = {}
+        if self._flat is not None and self.config.zero >= 3:
+            full = self._flat.full_state()
+            for p in held:
+                name = self._canonical[id(p)]
+                out[name] = full[name] if name in full else p.detach()
+        else:
+            out = {self._canonical[id(p)]: p.detach() for p in held}
+        if self.pipelined:
+            # Frozen weights are not in _owned; keep the ones this rank did not free.
+            for p in self._unique:
+                if not p.requires_grad and id(p) not in self._freed_shapes:
+                    out.setdefault(self._canonical[id(p)], p.detach())
+        for n, b in self.model.named_buffers():
+            out[n] = b.detach()
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's full state in its original names and shapes (tied weights under every
+        name), loadable into the plain model with `load_state_dict(strict=True)`, on every rank.
+        A collective under ZeRO-3 and pipelines (call it on every rank). Without them, as with
+        nn.Module.state_dict(), the tensors alias the live weights: clone them to keep a snapshot."""
+        local = self._local_state()
+        if self.pipelined and self.dist.active:
+            parts: list[Any] = [None] * len(self.pipe_ranks)
+            dist.all_gather_object(parts, {n: t.cpu() for n, t in local.items()}, group=self.mesh.group("pp"))
+            device = next((t.device for t in local.values()), torch.device("cpu"))
+            local = {n: t.to(device) for part in parts for n, t in part.items()}
+        by_id = {}
+        for name, p in self._params.items():
+            c = self._canonical[id(p)]
+            if c in local:
+                by_id[id(p)] = local[c]
         state = self.model.state_dict(keep_vars=True)
-        return {n: by_id.get(id(v), v.detach()) for n, v in state.items()}
+        return {n: by_id.get(id(v), local.get(n, v.detach())) for n, v in state.items()}
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a full model state (original names); each rank keeps what it holds."""
         self.synchronize()  # an in-flight gather would overwrite what is loaded
-        if self._flat is not None and self.config.zero >= 3:
-            with self._flat.gathered():
-                self.model.load_state_dict(state)
+        self._load_model_state(state)
+
+    def _load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad(), self._gathered():
+            for name, p in self._params.items():
+                if id(p) in self._freed_shapes:
+                    continue
+                src = state.get(name, state.get(self._canonical[id(p)]))
+                if src is None:
+                    raise ConfigError(f"load_state_dict: the state has no tensor for {type(self.model).__name__}."
+                                      f"{name}; pass the full state of the same model")
+                if tuple(src.shape) != tuple(p.shape):
+                    raise ConfigError(f"load_state_dict: {name} has shape {tuple(src.shape)} in the state but "
+                                      f"{tuple(p.shape)} in the model")
+                p.copy_(src)
+            for name, b in self.model.named_buffers():
+                if name in state:
+                    b.copy_(state[name])
+            if self._flat is not None:
                 self._flat.capture_from_parameters()
-        else:
-            self.model.load_state_dict(state)
 
     def save(self, directory: str | os.PathLike) -> None:
-        """Write this rank's parameters (its shards under ZeRO), buffers, optimizer and RNG
-        state to `directory/rank{r}.pt`. Resuming with load() continues bit-exactly on CPU."""
-        os.makedirs(directory, exist_ok=True)
-        self.synchronize()
-        state = {
-            "world_size": self.dist.world, "zero": self.config.zero, "stats": dict(self.stats),
-            "layout": _layout(self._flat.buckets) if self._flat else None,
-            "shards": self._flat.shard_state() if self._flat else None,
-            # ZeRO-0 ranks hold (and step) the full buckets; the shard views cover only 1/N of them.
-            "full": [f.detach().clone() for f in self._flat.full] if self._flat and self.config.zero == 0 else None,
-            "params": {n: p.detach().clone() for n, p in self.model.named_parameters()
-                       if self._flat is None or not self._flat.owns(n)},
-            "buffers": {n: b.detach().clone() for n, b in self.model.named_buffers()},
-            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
-            "rng": torch.get_rng_state(),
-            "loss_scaler": self.scaler.state_dict() if getattr(self, "scaler", None) is not None else None,
-        }
-        torch.save(state, os.path.join(directory, f"rank{self.dist.rank}.pt"))
+        """Write a checkpoint any mesh can load (torch.distributed.checkpoint, full tensors under
+        the model's names): parameters, buffers, optimizer states, lr schedule, loss scale, step
+        counters and RNG state. Collective: call it on every rank."""
+        from fxspeed.runtime.checkpoint import CanonicalState, save_checkpoint
+
+        if self.optimizer is None:
+            raise FxspeedError("engine.save: nothing to save before the engine is compiled; pass example_inputs to "
+                               "fxspeed.compile or run a train_step first")
+        rng: list[Any] = [torch.get_rng_state()]
+        if self.dist.active:  # the checkpoint keeps rank 0's `extra`: carry every rank's RNG in it
+            rng = [None] * self.world_size
+            dist.all_gather_object(rng, torch.get_rng_state(), group=self.dist.group)
+        state = CanonicalState(model=self._local_state(), optimizer=self._canonical_optimizer_state(),
+                               extra={"lr_scheduler": self.lr_scheduler.state_dict(),
+                                      "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                                      "stats": dict(self.stats), "rng": rng,
+                                      "mesh": self.mesh.shape, "zero": self.config.zero})
+        save_checkpoint(directory, state, group=self.dist.group if self.dist.active else None, rank=self.rank)
 
     def load(self, directory: str | os.PathLike) -> None:
-        """Restore what save() wrote; the world size and ZeRO stage must match."""
-        path = os.path.join(directory, f"rank{self.dist.rank}.pt")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"{path} not found: was the checkpoint saved with {self.dist.world} ranks?")
-        state = torch.load(path, weights_only=False)
-        if (state["world_size"], state["zero"]) != (self.dist.world, self.config.zero):
-            raise ConfigError(f"checkpoint {directory} was saved with world_size={state['world_size']} "
-                              f"zero={state['zero']}, this engine has world_size={self.dist.world} "
-                              f"zero={self.config.zero}; resharding is not supported yet")
-        self.synchronize()
+        """Restore what save() wrote, under this engine's mesh and ZeRO stage (which may differ
+        from the saving run's: a checkpoint holds full tensors by name). Collective."""
+        from fxspeed.runtime.checkpoint import load_checkpoint
+
         if self.optimizer is None:
-            raise FxspeedError("load() needs a compiled engine: call fxspeed.compile(..., example_inputs=...) first")
-        if state["layout"] != (_layout(self._flat.buckets) if self._flat else None):
-            raise ConfigError(f"checkpoint {directory} has another parameter layout (different model or bucket_mb)")
-        with torch.no_grad():
-            params = dict(self.model.named_parameters())
-            for n, t in state["params"].items():
-                params[n].copy_(t)
-            buffers = dict(self.model.named_buffers())
-            for n, t in state["buffers"].items():
-                buffers[n].copy_(t)
-        if self._flat is not None and self.config.zero == 0:
-            with torch.no_grad():
-                for mine, saved in zip(self._flat.full, state["full"]):
-                    mine.copy_(saved)  # the Parameters and the shard views point into these
-        elif self._flat is not None:
-            self._flat.load_shards(state["shards"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.stats.update(state["stats"])
-        if getattr(self, "scaler", None) is not None and state.get("loss_scaler") is not None:
-            self.scaler.load_state_dict(state["loss_scaler"])  # fp16: resume with the same loss scale
-        torch.set_rng_state(state["rng"])
+            raise FxspeedError("engine.load: compile the engine first (fxspeed.compile(..., example_inputs=...)) so "
+                               "the parameter layout and optimizer exist")
+        self.synchronize()
+        held = [p for p in self._unique if id(p) not in self._freed_shapes]
+        names = sorted({self._canonical[id(p)] for p in held} | {n for n, _ in self.model.named_buffers()})
+        ck = load_checkpoint(directory, names=names, group=self.dist.group if self.dist.active else None,
+                             rank=self.rank)
+        self._load_model_state(ck.model)
+        self._load_canonical_optimizer_state(ck.optimizer)
+        self.lr_scheduler.load_state_dict(ck.extra["lr_scheduler"])
+        if self.scaler is not None and ck.extra.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(ck.extra["loss_scaler"])
+            self._scale.copy_(self.scaler.scale)
+        self.stats.update(ck.extra["stats"])
+        rng = ck.extra["rng"]
+        # The same rank's stream when the world size matches (an exact resume); else rank 0's.
+        torch.set_rng_state(rng[self.rank] if len(rng) == self.world_size else rng[0])
 
+    def export(self, path: str | os.PathLike) -> None:
+        """One consolidated safetensors file of the model's full state (what the model's own
+        `load_state_dict` accepts); for a Hugging Face model, `path` is a directory that
+        `from_pretrained` loads. Collective; rank 0 writes."""
+        from fxspeed.runtime.checkpoint import export_hf, export_safetensors
 
-class _ScaleRef:
-    """Placeholder bound once; the executor asks for the current scale each run."""
+        state = self.state_dict()
+        if hasattr(self.model, "config") and hasattr(self.model.config, "save_pretrained"):
+            export_hf(path, self.model, state)
+        else:
+            export_safetensors(path, state, rank=self.rank)
+        if self.dist.active:
+            dist.barrier(group=self.dist.group)
 
-    def __init__(self, scaler: DynamicLossScaler):
-        self.scaler = scaler
+    def _canonical_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Optimizer states per parameter (canonical name), full tensors: shards of flat buckets
+        are gathered over the replicas (collective)."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        opt_state = self.optimizer.state
+        if self._flat is not None and self.config.zero >= 1:
+            flat = self._flat
+            for k, b in enumerate(flat.buckets):
+                st = opt_state.get(flat.shards[k], {})
+                for key, v in st.items():
+                    if v is None:
+                        continue
+                    if not torch.is_tensor(v) or v.dim() == 0:
+                        for name in b.names:
+                            out.setdefault(name, {})[key] = v.clone() if torch.is_tensor(v) else torch.tensor(v)
+                        continue
+                    full = torch.empty(b.padded, dtype=v.dtype, device=v.device)
+                    _all_gather(full, v.contiguous(), group=flat.group)
+                    for name, shape, off in zip(b.names, b.shapes, b.offsets):
+                        out.setdefault(name, {})[key] = full[off:off + _numel(shape)].view(shape).clone()
+            return out
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                st = opt_state.get(p, {})
+                name = self._canonical[id(p)]
+                out[name] = {key: (v.clone() if torch.is_tensor(v) else torch.tensor(v)) for key, v in st.items()
+                             if v is not None}
+        return out
 
-    def current(self) -> torch.Tensor:
-        return self.scaler.scale
+    def _load_canonical_optimizer_state(self, saved: dict[str, dict[str, torch.Tensor]]) -> None:
+        opt_state = self.optimizer.state
+        if self._flat is not None and self.config.zero >= 1:
+            flat = self._flat
+            for k, b in enumerate(flat.buckets):
+                shard = flat.shards[k]
+                keys = sorted({key for name in b.names for key in saved.get(name, {})})
+                st: dict[str, Any] = {}
+                for key in keys:
+                    first = saved[b.names[0]][key]
+                    if first.dim() == 0:
+                        st[key] = first.clone().to(shard.device)
+                        continue
+                    full = torch.zeros(b.padded, dtype=first.dtype, device=shard.device)
+                    for name, off in zip(b.names, b.offsets):
+                        t = saved[name][key]
+                        full[off:off + t.numel()].copy_(t.reshape(-1))
+                    lo, hi = flat._range(b)
+                    st[key] = full[lo:hi].clone()
+                if st:
+                    opt_state[shard] = st
+            return
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                name = self._canonical[id(p)]
+                if name in saved and saved[name]:
+                    opt_state[p] = {key: v.clone().to(p.device) for key, v in saved[name].items()}
 
 
 def unscale_or_skip(scaler: DynamicLossScaler | None, stepped: list[torch.Tensor], stats: dict) -> bool:
@@ -355,6 +907,32 @@ def unscale_or_skip(scaler: DynamicLossScaler | None, stepped: list[torch.Tensor
     return overflow
 
 
+def _canonical_names(model: nn.Module) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), name)
+    return out
+
+
+def _grad_of(p: nn.Parameter, grads: dict[str, torch.Tensor], params: dict[str, nn.Parameter]) -> torch.Tensor:
+    """The summed gradient of `p` over every name it has in `grads` (zeros when none)."""
+    total = None
+    for name, q in params.items():
+        if q is p and name in grads:
+            total = grads[name] if total is None else total + grads[name]
+    return total if total is not None else torch.zeros_like(p)
+
+
+def _split_points(config: Config) -> Sequence[str] | None:
+    pts = getattr(config, "split_points", None) or config_extra(config, "split_points")
+    return list(pts) if pts else None
+
+
+def config_extra(config: Config, key: str) -> Any:
+    extra = getattr(config, "extra", None) or {}
+    return extra.get(key)
+
+
 def _accumulate(into: dict, new: dict) -> None:
     for k, t in new.items():
         into[k] = t if k not in into else into[k] + t
@@ -364,17 +942,28 @@ def _layout(buckets: list[Bucket]) -> list[tuple]:
     return [(b.names, [tuple(s) for s in b.shapes], b.padded) for b in buckets]
 
 
+def _bucket(index: int, named: list[tuple[str, nn.Parameter]], world: int) -> Bucket:
+    offsets, off = [], 0
+    for _, p in named:
+        offsets.append(off)
+        off += p.numel()
+    padded = -(-off // world) * world
+    return Bucket(index, [n for n, _ in named], [tuple(p.shape) for _, p in named], offsets, off, padded,
+                  str(named[0][1].dtype).replace("torch.", ""))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def _optimizer_spec(c: Config) -> OptimizerSpec:
     return OptimizerSpec(name=c.optimizer, lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay,
                          momentum=c.momentum, lr_schedule=c.lr_schedule, warmup_steps=c.warmup_steps,
                          total_steps=c.total_steps)
 
 
-def _split_batch(args: tuple, kwargs: dict, k: int) -> list[tuple[tuple, dict]]:
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    for x in leaves:
-        if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % k):
-            raise ConfigError(f"Config.grad_accum={k} must divide the batch dimension; got a tensor of shape "
-                              f"{tuple(x.shape)}. Use a batch size divisible by {k} or change grad_accum")
-    chunks = [x.chunk(k) if isinstance(x, torch.Tensor) else [x] * k for x in leaves]
-    return [pytree.tree_unflatten([c[i] for c in chunks], spec) for i in range(k)]
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (same arguments).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

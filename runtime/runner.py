@@ -129,11 +129,11 @@ class PipelineRuntime:
 
     # --- one step --------------------------------------------------------------------------
     def run(self, actions: list[Action], microbatches: list[list[torch.Tensor]],
-            on_reduce: Callable[[int], None] | None = None, on_step: Callable[[], None] | None = None,
+            on_reduce: Callable[[int, dict[str, torch.Tensor]], None] | None = None, on_step: Callable[[], None] | None = None,
             forward_only: bool = False) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """Execute `actions`; returns (sum of micro-batch losses or None, summed gradients by name).
 
-        `on_reduce(stage)` runs at REDUCE, `on_step()` at STEP after every send completed.
+        `on_reduce(stage, grads)` runs at REDUCE with the stage's finished gradients by name, `on_step()` at STEP after every send completed.
         `forward_only`: the actions are F / SEND_F / RECV_F (+ STEP) and nothing is kept for a backward.
         """
         recv_f: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -264,7 +264,13 @@ class PipelineRuntime:
                     b.to(torch.bool) if meta.dtype == torch.bool else b for b, meta in zip(bufs, metas)]
             elif a.kind == REDUCE:
                 if on_reduce is not None:
-                    on_reduce(s)
+                    # The stage's backward is complete: its summed gradients, to reduce while
+                    # the rank's remaining actions run.
+                    p = self.programs[s]
+                    mine = {n: grads[n] for n in p.grads if n in grads}
+                    if s in written:
+                        mine.update(zip(p.grads_into, self._grad_bufs[s]))
+                    on_reduce(s, mine)
             elif a.kind == STEP:
                 for work, _ in pending:
                     work.wait()

@@ -1,5 +1,6 @@
-"""Checkpoints: engine.save / engine.load resume bit-exactly on CPU for every ZeRO stage, and
-engine.state_dict() exports full tensors under the model's own names.
+"""Checkpoints: engine.save / engine.load resume bit-exactly on CPU for every ZeRO stage, a
+checkpoint loads under another ZeRO stage or world size (one format: torch.distributed.checkpoint
+with full tensors by name), and engine.state_dict() exports full tensors under the model's own names.
 
 Two launches of `fxspeed run -n 2` (so the resumed run is a fresh process group): the first
 trains 3 steps, saves, trains 2 more; the second builds the model from another seed, loads
@@ -17,7 +18,6 @@ import pytest
 import torch
 
 import fxspeed
-from fxspeed.errors import ConfigError
 from tests.test_data_parallel import key_bias_masked
 from tests.workers.common import build_model, global_batches
 from tests.multiprocess import run_ranks
@@ -67,10 +67,11 @@ def test_resuming_from_a_checkpoint_in_a_fresh_process_group_reproduces_losses_a
         assert torch.equal(loaded["state"][k], want), f"zero={zero}: {k} differs after resuming"
 
 
-def test_each_rank_writes_its_own_checkpoint_file(base: Path) -> None:
+def test_a_checkpoint_is_one_complete_dcp_directory_whatever_the_zero_stage(base: Path) -> None:
     for zero in STAGES:
-        runs = launched(base, zero)
-        assert sorted(os.listdir(runs / "ckpt" / f"zero{zero}")) == ["rank0.pt", "rank1.pt"]
+        files = set(os.listdir(launched(base, zero) / "ckpt" / f"zero{zero}"))
+        assert {".metadata", "COMPLETE", "extra.pt"} <= files, files
+        assert any(f.endswith(".distcp") for f in files), files
 
 
 def test_zero3_state_dict_has_full_tensors_under_the_original_names_equal_to_a_zero0_run(base: Path) -> None:
@@ -105,57 +106,39 @@ def test_an_exported_state_dict_loads_strictly_into_a_plain_pytorch_model(base: 
     assert torch.isfinite(plain(x, y))
 
 
-def test_loading_a_checkpoint_saved_with_another_zero_stage_fails_on_every_rank(base: Path) -> None:
+def test_a_zero1_checkpoint_loads_into_a_zero2_engine_on_every_rank(base: Path) -> None:
     runs = launched(base, 1)
     for r in range(2):
         msg = (runs / "out" / f"mismatch_rank{r}.txt").read_text()
-        assert msg.startswith("ConfigError") and "zero=1" in msg and "zero=2" in msg, msg
+        assert msg == "no error", msg
 
 
-def test_loading_a_two_rank_checkpoint_into_one_process_fails_with_a_clear_error(base: Path) -> None:
+def test_a_two_rank_checkpoint_loads_into_one_process_and_continues_the_same_run(base: Path) -> None:
     runs = launched(base, 0)
-    x, y = global_batches("gpt", 1)[0]
-    engine = fxspeed.compile(build_model("gpt"), 1, fxspeed.Config(lr=1e-2), example_inputs=(x, y))
-    with pytest.raises(ConfigError, match=r"world_size=2.*world_size=1"):
-        engine.load(runs / "ckpt" / "zero0")
+    batches = global_batches("gpt", 5)
+    engine = fxspeed.compile(build_model("gpt"), 1, fxspeed.Config(zero=0, lr=1e-2, grad_clip=0.5, optimizer="adamw"),
+                             example_inputs=batches[0])
+    engine.load(runs / "ckpt" / "zero0")
+    losses = [engine.train_step(*b) for b in batches[3:]]
+    saved = torch.load(runs / "out" / "save_zero0.pt")
+    for have, want in zip(losses, saved["losses"]):
+        assert abs(have - want) <= 1e-6 * abs(want), (losses, saved["losses"])
 
 
-def test_loading_into_an_engine_of_another_ZeRO_stage_or_world_size_names_both(tmp_path: Path) -> None:
+def test_loading_a_checkpoint_of_another_model_names_the_parameter(tmp_path: Path) -> None:
     batches = global_batches("gpt", 2)
     engine = fxspeed.compile(build_model("gpt"), 1, fxspeed.Config(lr=1e-2), example_inputs=batches[0])
     engine.train_step(*batches[0])
-    engine.save(tmp_path)
-    state = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    state["world_size"], state["zero"] = 4, 2
-    torch.save(state, tmp_path / "rank0.pt")
-    with pytest.raises(ConfigError, match=r"saved with world_size=4 zero=2.*world_size=1 zero=0"):
-        engine.load(tmp_path)
+    engine.save(tmp_path / "ck")
+    other = torch.nn.Sequential(torch.nn.Linear(16, 4))
+    x = torch.randn(2, 16)
+    e2 = fxspeed.compile(other, 1, fxspeed.Config(lr=1e-2), example_inputs=(x,), loss_fn=lambda out, x: out.sum())
+    with pytest.raises(fxspeed.FxspeedError, match=r"0\.weight"):
+        e2.load(tmp_path / "ck")
 
 
-def test_a_missing_rank_file_says_which_world_size_is_expected(tmp_path: Path) -> None:
+def test_a_missing_checkpoint_names_the_directory(tmp_path: Path) -> None:
     x, y = global_batches("gpt", 1)[0]
     engine = fxspeed.compile(build_model("gpt"), 1, fxspeed.Config(lr=1e-2), example_inputs=(x, y))
-    with pytest.raises(FileNotFoundError, match="rank0.pt"):
+    with pytest.raises(fxspeed.FxspeedError, match="nowhere"):
         engine.load(tmp_path / "nowhere")
-
-
-def test_one_process_save_and_load_resume_bit_exactly(tmp_path: Path) -> None:
-    batches = global_batches("gpt", 5)
-    cfg = fxspeed.Config(lr=1e-2, grad_clip=0.5, lr_schedule="cosine", warmup_steps=2, total_steps=5)
-    a = fxspeed.compile(build_model("gpt"), 1, cfg, example_inputs=batches[0])
-    for b in batches[:3]:
-        a.train_step(*b)
-    a.save(tmp_path)
-    losses_a = [a.train_step(*b) for b in batches[3:]]
-
-    torch.manual_seed(99)
-    b_model = build_model("gpt")
-    for p in b_model.parameters():
-        torch.nn.init.normal_(p.data)
-    b = fxspeed.compile(b_model, 1, cfg, example_inputs=batches[0])
-    b.load(tmp_path)
-    assert b.stats["steps"] == 3
-    losses_b = [b.train_step(*x) for x in batches[3:]]
-    assert losses_b == losses_a
-    for k, v in a.state_dict().items():
-        assert torch.equal(b.state_dict()[k], v), k

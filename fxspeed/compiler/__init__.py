@@ -1,6 +1,8 @@
 """The compiler: capture (the only user of torch's private tracing APIs), annotate, the pass
 manager, graph rewrite helpers, and pipelines.py, the one place that decides pass order."""
 
-from .pipelines import CompiledStep, compile_step
+from .options import PassOptions, derive_options
+from .pipelines import CompiledProgram, CompiledStep, Compiler, compile_program, compile_step
 
-__all__ = ["CompiledStep", "compile_step"]
+__all__ = ["CompiledProgram", "CompiledStep", "Compiler", "PassOptions", "compile_program", "compile_step",
+           "derive_options"]

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxspeed.errors import CaptureError
+from fxspeed.ir.batch import input_key, split_inputs, tensor_leaves  # noqa: F401
 from fxspeed.ir import IOSpec, StepSignature
 
 LossFn = Callable[..., torch.Tensor]
@@ -48,36 +49,6 @@ class CapturedStep:
 # --------------------------------------------------------------------------------------------
 # Inputs: which leaves are traced, and the key under which a trace is cached
 # --------------------------------------------------------------------------------------------
-
-def split_inputs(args: tuple, kwargs: dict) -> tuple[list[Any], pytree.TreeSpec]:
-    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-    return leaves, spec
-
-
-def input_key(args: tuple, kwargs: dict) -> tuple:
-    """Hashable description of a batch: structure, tensor shapes/dtypes/devices, other values.
-
-    A batch with another key needs another trace; the engine caches traces by this key, so a
-    new shape retraces once and is then reused.
-    """
-    leaves, spec = split_inputs(args, kwargs)
-    parts = []
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            parts.append(("T", tuple(x.shape), x.dtype, x.device.type))
-        else:
-            try:
-                hash(x)
-                parts.append(("C", x))
-            except TypeError:
-                parts.append(("C", repr(x)))
-    return (str(spec), tuple(parts))
-
-
-def tensor_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    leaves, _ = split_inputs(args, kwargs)
-    return [x for x in leaves if isinstance(x, torch.Tensor)]
-
 
 # --------------------------------------------------------------------------------------------
 # Loss extraction (shared by the traced wrapper and by eager reference code in tests)

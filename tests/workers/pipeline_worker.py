@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--schedules", default="gpipe,1f1b")
     ap.add_argument("--microbatches", default="")  # comma list; default P and 2P
     ap.add_argument("--pipeline", type=int, default=0, help="pipeline degree (default: every rank)")
-    ap.add_argument("--zero", type=int, default=0)
+    ap.add_argument("--zero", default="0", help="ZeRO stage, or a comma list (files then tagged _z<stage>)")
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--loss-scale", type=float, default=None)
     ap.add_argument("--steps", type=int, default=5)
@@ -42,30 +42,30 @@ def main() -> None:
     P = a.pipeline or world
     mbs = [int(m) for m in a.microbatches.split(",")] if a.microbatches else [P, 2 * P]
     batches = global_batches(a.model, a.steps)
-    for sched in a.schedules.split(","):
-        for M in mbs:
-            model = build_model(a.model)
-            cfg = fxspeed.Config(pipeline=P, microbatches=M, schedule=sched, lr=1e-2, optimizer="adamw",
-                                 grad_clip=a.grad_clip, zero=a.zero, precision=a.precision,
-                                 loss_scale=a.loss_scale)
-            rank, dp_size = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"]), world // P
-            mine = [local_batch(b, rank // P, dp_size) for b in batches]
-            engine = fxspeed.compile(model, world, cfg, example_inputs=mine[0])
-            assert (engine.dp_rank, engine.dp_size) == (rank // P, dp_size)
-            losses = [engine.train_step(*b) if isinstance(b, tuple) else engine.train_step(**b) for b in mine]
-            state = {k: v.clone() for k, v in engine.state_dict().items()}
-            ev = mine[0]
-            eval_loss = engine.eval_step(*ev) if isinstance(ev, tuple) else engine.eval_step(**ev)
-            low = {n.meta["val"].dtype for p in engine.programs for n in p.forward.graph.nodes
-                   if n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)}
-            torch.save({"losses": losses, "state": state, "stages": engine.stages, "stats": dict(engine.stats),
-                        "matmul_dtypes": sorted(str(d) for d in low), "plan": engine.plan.pipeline,
-                        "summary": engine.plan.summary(), "eval_loss": eval_loss, "rank_memory": engine.plan.memory(dist.get_rank()),
-                        "describe": engine.describe() if dist.get_rank() == 0 else None},
-                       os.path.join(a.out, f"{sched}_m{M}_rank{dist.get_rank()}.pt"))
-            dist.barrier()
-            if a.checkpoint:
-                resume_check(a, model_name=a.model, world=world, cfg=cfg, batches=mine, tag=f"{sched}_m{M}")
+    zeros = [int(z) for z in a.zero.split(",")]
+    for sched, M, zero in ((s, m, z) for s in a.schedules.split(",") for m in mbs for z in zeros):
+        model = build_model(a.model)
+        cfg = fxspeed.Config(pipeline=P, microbatches=M, schedule=sched, lr=1e-2, optimizer="adamw",
+                             grad_clip=a.grad_clip, zero=zero, precision=a.precision,
+                             loss_scale=a.loss_scale)
+        rank, dp_size = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"]), world // P
+        mine = [local_batch(b, rank // P, dp_size) for b in batches]
+        engine = fxspeed.compile(model, world, cfg, example_inputs=mine[0])
+        assert (engine.dp_rank, engine.dp_size) == (rank // P, dp_size)
+        losses = [engine.train_step(*b) if isinstance(b, tuple) else engine.train_step(**b) for b in mine]
+        state = {k: v.clone() for k, v in engine.state_dict().items()}
+        ev = mine[0]
+        eval_loss = engine.eval_step(*ev) if isinstance(ev, tuple) else engine.eval_step(**ev)
+        low = {n.meta["val"].dtype for p in engine.programs for n in p.forward.graph.nodes
+               if n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)}
+        torch.save({"losses": losses, "state": state, "stages": engine.stages, "stats": dict(engine.stats),
+                    "matmul_dtypes": sorted(str(d) for d in low), "plan": engine.plan.pipeline,
+                    "summary": engine.plan.summary(), "eval_loss": eval_loss, "rank_memory": engine.plan.memory(dist.get_rank()),
+                    "describe": engine.describe() if dist.get_rank() == 0 else None},
+                   os.path.join(a.out, f"{sched}_m{M}{f'_z{zero}' if len(zeros) > 1 else ''}_rank{dist.get_rank()}.pt"))
+        dist.barrier()
+        if a.checkpoint:
+            resume_check(a, model_name=a.model, world=world, cfg=cfg, batches=mine, tag=f"{sched}_m{M}")
     dist.destroy_process_group()
 
 
