@@ -142,3 +142,64 @@ def test_a_missing_checkpoint_names_the_directory(tmp_path: Path) -> None:
     engine = fxspeed.compile(build_model("gpt"), 1, fxspeed.Config(lr=1e-2), example_inputs=(x, y))
     with pytest.raises(fxspeed.FxspeedError, match="nowhere"):
         engine.load(tmp_path / "nowhere")
+
+
+def _reshard_run(n: int, *args: str) -> None:
+    cmd = [sys.executable, "-m", "fxspeed", "run", "-n", str(n), "-m", "tests.workers.reshard_worker", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+@pytest.mark.slow
+def test_a_zero3_checkpoint_of_4_ranks_resumes_under_pipeline_2_x_dp_2_zero1_and_on_one_device(
+        tmp_path: Path) -> None:
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    _reshard_run(4, "--phase", "save", "--ckpt", str(ckpt), "--out", str(out))
+    _reshard_run(4, "--phase", "load", "--ckpt", str(ckpt), "--out", str(out), "--pipeline", "2", "--zero", "1",
+                 "--tag", "pp2_dp2_zero1")
+    # One device: the global batch in one process, from the same checkpoint.
+    batches = global_batches("gpt", 5)
+    cfg = fxspeed.Config(zero=0, lr=1e-2, grad_clip=0.5, optimizer="adamw")
+    one = fxspeed.compile(build_model("gpt"), 1, cfg, example_inputs=batches[0])
+    one.load(ckpt)
+    single = [one.train_step(*b) for b in batches[3:]]
+    straight = torch.load(out / "straight.pt")
+    resumed = torch.load(out / "resumed_pp2_dp2_zero1.pt")
+    for losses in (resumed["losses"], single):
+        for have, want in zip(losses, straight["losses"]):
+            assert abs(have - want) <= 1e-6 * abs(want), (losses, straight["losses"])
+    for k, want in straight["state"].items():
+        for have in (resumed["state"][k], one.state_dict()[k]):
+            h, w = key_bias_masked(k, have), key_bias_masked(k, want)
+            err = ((h - w).double().norm() / w.double().norm().clamp_min(1e-12)).item()
+            assert err <= 1e-5, f"{k}: relative error {err:.2e} after resharding"
+
+
+def test_export_of_an_hf_model_loads_with_from_pretrained_and_gives_the_same_logits(tmp_path: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32))
+    ids = torch.randint(0, 100, (2, 16))
+    engine = fxspeed.compile(model, 1, fxspeed.Config(lr=1e-2), example_inputs=dict(input_ids=ids, labels=ids))
+    engine.train_step(input_ids=ids, labels=ids)
+    engine.export(tmp_path / "hf")
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_export_of_a_plain_model_loads_strictly_into_the_model(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    batches = global_batches("gpt", 1)
+    engine = fxspeed.compile(build_model("gpt"), 1, fxspeed.Config(lr=1e-2), example_inputs=batches[0])
+    engine.train_step(*batches[0])
+    engine.export(tmp_path / "gpt.safetensors")
+    plain = build_model("gpt")
+    plain.load_state_dict(load_file(tmp_path / "gpt.safetensors"), strict=True)
+    for k, v in engine.state_dict().items():
+        assert torch.equal(plain.state_dict()[k], v), k
