@@ -49,7 +49,7 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Gene
 
 def _relaunch(args: Any) -> int:
     """`--devices N` from a plain shell: start N copies of this same demo via `fxspeed run -n N`."""
-    from fxspeed.tools.cli import launch
+    from fxspeed.tools.launcher import launch
 
     argv = list(getattr(args, "argv", None) or sys.argv[1:])
     if "demo" not in argv:
