@@ -71,11 +71,23 @@ def plan(model: nn.Module, devices: Devices = 1, config: Config | dict | str | N
     `dynamic` marks input dims as symbols, e.g. {"input_ids": {0: "batch", 1: "seq"}} (keys
     are keyword names or positional indices); the plan then holds sympy expressions fitted
     over those symbols and answers `plan.max_size("batch", 80e9)`.
+
+    With Config(pipeline=P > 1) the program the engine would run is planned: one micro-batch
+    (example_inputs split into Config.microbatches) cut into stages and scheduled; the plan
+    then has per-stage and per-rank memory and time and the simulated bubble (plan.pipeline),
+    and the rank layout over the dp x pp x tp mesh (plan.mesh).
     """
     _check_model(model, "plan")
     cfg = Config.coerce(config)
     devs = normalize_devices(devices)
     args, kwargs = _split_example(example_inputs, "plan")
+    if cfg.pipeline > 1:
+        if dynamic:
+            raise ConfigError(f"plan: dynamic dims are not supported with Config.pipeline={cfg.pipeline} yet; plan "
+                              "each shape separately (example_inputs of that shape) or use pipeline=1")
+        from fxspeed.planner.pipeline import plan_pipeline
+
+        return plan_pipeline(model, args, kwargs, config=cfg, devices=devs, loss_fn=loss_fn)
     if dynamic:
         from fxspeed.planner.symbolic import check_dynamic
 

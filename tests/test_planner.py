@@ -14,7 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fxspeed
 from fxspeed.compiler.annotate import node_flops
 from fxspeed.ir import (ACTIVATIONS, GRADIENTS, META_KEY, OPTIMIZER_STATES, PARAMETERS, TEMPORARIES, NodeInfo)
-from fxspeed.planner.memory import memory_timeline
+from fxspeed.planner.memory import memory_timeline, program_liveness
 from fxspeed.models.gpt import GPT, GPTConfig
 from fxspeed.planner import opt_factors, optimizer_temporaries, repeated_blocks, zero_paper_bytes
 from fxspeed.planner.symbolic import fit_polynomial, is_batch_like, sample_values
@@ -103,6 +103,35 @@ def test_a_tensor_saved_for_backward_through_a_view_counts_as_an_activation():
     y = b.op(aten.neg.default, v, numel=1)
     tl = memory_timeline(b.done(y))
     assert tl.peak[ACTIVATIONS] == 4000 and tl.peak.get(TEMPORARIES, 0) <= 4
+
+
+def test_a_program_input_freed_at_its_last_use_lowers_the_programs_peak_above_its_inputs():
+    # What a pipeline stage program holds beyond the tensors it is handed (program_liveness).
+    b = _G()
+    saved = b.input("saved", 1000)
+    a = b.op(aten.relu.default, saved, numel=1000)  # saved's last reader
+    c = b.op(aten.neg.default, a, numel=2000)
+    pl = program_liveness(b.done(c))
+    assert pl.inputs == [4000] and pl.last_use == [1] and pl.live == [0, 4000, 12000, 8000]
+    assert pl.peak() == 12000  # the input stays (someone else holds it)
+    assert pl.peak({0}) == 8000  # handed over and freed after relu: c is allocated once saved is gone
+    assert pl.outputs == [(8000, None, 2)]
+
+
+def test_out_and_in_place_results_are_their_operands_storage_not_new_allocations():
+    g = fx.Graph()
+    x, w, buf = (g.placeholder(n) for n in ("x", "w", "buf"))
+    for n, shape in ((x, (8, 16)), (w, (16, 4)), (buf, (8, 4))):
+        n.meta["val"] = torch.empty(shape, device="meta")
+    acc = g.call_function(aten.addmm.out, (buf, x, w), {"beta": 1.0, "out": buf})  # writes into buf
+    acc.meta["val"] = torch.empty(8, 4, device="meta")
+    view = g.call_function(aten.t.default, (acc,))
+    view.meta["val"] = torch.empty(4, 8, device="meta")
+    g.output((view,))
+    pl = program_liveness(fx.GraphModule(nn.Module(), g))
+    assert max(pl.live) == 0  # nothing allocated
+    assert pl.outputs == [(8 * 4 * F32, 2, 2)]  # the output is the buffer input, which stays to the end
+    assert pl.last_use[2] == len(pl.live)
 
 
 def test_a_gradient_computed_by_a_matmul_and_returned_through_a_transpose_counts_as_a_gradient():

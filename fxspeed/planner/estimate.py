@@ -32,7 +32,7 @@ from fxspeed.devices import DeviceSpec
 from fxspeed.ir import (BUFFERS, CATEGORIES, COMM_BUFFERS, GRADIENTS, INPUTS, META_KEY, OPTIMIZER_STATES, PARAMETERS,
                  TEMPORARIES, StepSignature, tensor_bytes)
 from fxspeed.planner.memory import memory_timeline
-from fxspeed.planner.plan import Plan
+from fxspeed.planner.plan import Plan, layout_text
 
 # Optimizer states per (fp32) parameter: Adam keeps exp_avg and exp_avg_sq; SGD with momentum
 # keeps one buffer. States are created on the first step (torch.optim allocates them lazily).
@@ -173,15 +173,19 @@ def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec
 # --------------------------------------------------------------------------------------------
 
 def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: Sequence[DeviceSpec],
-                passes: list[dict], notes: list[str] | None = None) -> Plan:
+                passes: list[dict], notes: list[str] | None = None, pp: int = 1, tp: int = 1) -> Plan:
+    """The plan of `costs` (one traced step) under `config` on `devices`, laid out as a
+    dp x pp x tp mesh (dp = devices / (pp x tp)). Memory and time here are those of data
+    parallelism over the graph as traced; under a pipeline, planner.pipeline.apply_pipeline
+    then replaces them per rank from the stage programs."""
     n = len(devices)
-    dp = n  # pipeline/tensor degrees arrive with their issues
+    dp = max(1, n // (pp * tp))
     z = config.zero
     state_f, _ = opt_factors(config)
     p_bytes, t_bytes = costs.param_bytes, costs.trainable_bytes
 
     shard = lambda b, stage: b / dp if z >= stage else b  # noqa: E731
-    step = step_phase(costs.step, costs, config, n)
+    step = step_phase(costs.step, costs, config, dp)
     comm = step[COMM_BUFFERS]
     opt_phase = {PARAMETERS: shard(p_bytes, 3), GRADIENTS: shard(t_bytes, 2), OPTIMIZER_STATES: shard(state_f * t_bytes, 1),
                  TEMPORARIES: optimizer_temporaries(config, devices[0], shard(t_bytes, 1), costs.largest_trainable),
@@ -209,7 +213,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     return Plan(
         model=model_name, n_params=n_params, n_trainable=int(round(costs.n_trainable)),
         config=config.to_dict(), devices=[d.to_dict() for d in devices],
-        strategy={"dp": dp, "zero": z, "pp": 1, "tp": 1, "precision": config.precision, "optimizer": config.optimizer},
+        strategy={"dp": dp, "zero": z, "pp": pp, "tp": tp, "precision": config.precision, "optimizer": config.optimizer},
         rank_memory=[dict(peak) for _ in range(n)], peak_phase=[phase] * n,
         time={"forward": fwd, "backward": bwd, "optimizer": t_opt, "communication": t_comm,
               "total": fwd + bwd + t_opt + t_comm},
@@ -217,6 +221,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
         notes=list(notes or []), zero_formula=[int(formula)] * n,
         phase_memory={"step": step_i, "optimizer": opt_i}, dtypes=category_dtypes(config),
         communication={k: int(v) for k, v in communication.items()},
+        mesh=layout_text(dp, pp, tp) if n > 1 else "",
     )
 
 

@@ -109,3 +109,114 @@ def memory_timeline(gm: fx.GraphModule, grad_scale: float = 1.0) -> Timeline:
                 size, cat = alloc[dead]
                 live[cat] -= size
     return tl
+
+
+# --------------------------------------------------------------------------------------------
+# One graph program, run with its inputs owned by someone else (pipeline stage programs)
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class ProgramLiveness:
+    """What a graph program allocates while it runs, apart from its inputs.
+
+    `live[i]`: bytes of values the program itself allocated that are alive while node i runs
+    (its output allocated, its dead operands not yet freed). Inputs are counted by the caller,
+    who knows who else holds them; `last_use[j]` says after which node input j is dead inside
+    the program (len(nodes) when an output is, or is a view of, that input). `outputs` are
+    (bytes, index of the input the output aliases or None, storage id): outputs with one
+    storage id share memory and count once.
+    """
+
+    inputs: list[int] = field(default_factory=list)
+    last_use: list[int] = field(default_factory=list)
+    live: list[int] = field(default_factory=list)
+    outputs: list[tuple[int, int | None, int]] = field(default_factory=list)
+
+    def peak(self, freed: set[int] | frozenset[int] = frozenset()) -> int:
+        """Largest bytes held above the inputs at any node, when the inputs in `freed` are
+        released at their last use (a program called with a list it empties, as the pipeline
+        runtime calls F, B and W) and the others stay alive throughout."""
+        drop = [0] * (len(self.live) + 1)
+        for j in freed:
+            if self.last_use[j] < len(self.live):
+                drop[self.last_use[j] + 1] += self.inputs[j]
+        best, gone = 0, 0
+        for i, b in enumerate(self.live):
+            gone += drop[i]
+            best = max(best, b - gone)
+        return best
+
+
+def _aliased_input(n: fx.Node) -> fx.Node | None:
+    """The operand whose storage `n`'s result is (views, in-place and out= ops), or None."""
+    target = n.target
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        ret = schema.returns[0].alias_info if schema.returns else None
+        if ret is None:
+            return None
+        for k, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not set(arg.alias_info.before_set) & set(ret.before_set):
+                continue
+            v = n.kwargs.get(arg.name) if arg.kwarg_only or k >= len(n.args) else n.args[k]
+            return v if isinstance(v, fx.Node) else None
+        return None
+    inf: NodeInfo | None = n.meta.get(META_KEY)
+    if target is not operator.getitem and ((inf is not None and inf.is_view)
+                                           or getattr(target, "__name__", "").endswith("_")):
+        return n.all_input_nodes[0] if n.all_input_nodes else None  # a view, or an in-place helper (name_)
+    return None
+
+
+def program_liveness(gm: fx.GraphModule) -> ProgramLiveness:
+    """Liveness of one program's own allocations (see ProgramLiveness); FX frees each value
+    after its last reader, a view keeps its base alive, a tuple element is its own storage."""
+    nodes = list(gm.graph.nodes)
+    end = len(nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    base_of: dict[fx.Node, fx.Node] = {}
+
+    def base(n: fx.Node) -> fx.Node:
+        if n not in base_of:
+            a = _aliased_input(n) if n.op == "call_function" else None
+            base_of[n] = n if a is None else base(a)
+        return base_of[n]
+
+    alloc: dict[fx.Node, int] = {}
+    last: dict[fx.Node, int] = {}
+    for n in nodes:
+        if n.op == "output":
+            for a in n.all_input_nodes:
+                last[base(a)] = end
+            continue
+        if n.op == "call_function" and base(n) is n and isinstance(n.meta.get("val"), torch.Tensor):
+            alloc[n] = tensor_bytes(n.meta["val"])
+            last.setdefault(n, index[n])
+        for a in n.all_input_nodes:
+            b = base(a)
+            last[b] = max(last.get(b, 0), index[n])
+    frees: dict[int, int] = {}
+    for n, size in alloc.items():
+        frees[last[n]] = frees.get(last[n], 0) + size
+    live, total = [], 0
+    for i, n in enumerate(nodes):
+        total += alloc.get(n, 0)
+        live.append(total)
+        total -= frees.get(i, 0)
+    out_node = nodes[-1]
+    results = out_node.args[0] if out_node.op == "output" else ()
+    results = results if isinstance(results, (tuple, list)) else (results,)
+    ph_index = {ph: j for j, ph in enumerate(placeholders)}
+    outputs = []
+    for r in results:
+        if not isinstance(r, fx.Node):
+            outputs.append((0, None, -1))
+            continue
+        b = base(r)
+        if b in ph_index:
+            outputs.append((tensor_bytes(b.meta.get("val")), ph_index[b], index[b]))
+        else:
+            outputs.append((alloc.get(b, 0), None, index[b]))
+    return ProgramLiveness(inputs=[tensor_bytes(ph.meta.get("val")) for ph in placeholders],
+                           last_use=[last.get(ph, -1) for ph in placeholders], live=live, outputs=outputs)

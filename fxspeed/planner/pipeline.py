@@ -31,6 +31,12 @@ executes it and tracks every tensor that outlives a program:
 
 The step phase's peak is the largest total at any action; the optimizer phase is weights +
 every trainable gradient + states + the optimizer's temporaries. The rank's peak is the larger.
+With replicas, two gradient buckets (Config.bucket_mb) are resident for the data-parallel
+reduction; ZeRO-1 and up shard optimizer states over the replicas, ZeRO-2 and up also the
+gradients of the optimizer phase.
+
+Not counted: the host memory of the compiled programs themselves (graphs, generated code) and
+of the communication library, which is no tensor of the step.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from typing import Any, Sequence
 from fxspeed.config import Config
 from fxspeed.devices import DeviceSpec
 from fxspeed.ir import (ACTIVATIONS, BUFFERS, CATEGORIES, COMM_BUFFERS, GRADIENTS, INPUTS, OPTIMIZER_STATES,
-                        PARAMETERS, TEMPORARIES, StageProgram)
+                        PARAMETERS, TEMPORARIES, StageProgram, tensor_bytes)
 from fxspeed.ir.schedule import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Schedule
 from fxspeed.planner.memory import ProgramLiveness, program_liveness
 from fxspeed.planner.plan import Plan
@@ -57,13 +63,7 @@ RECV_PREFETCH = 2
 # --------------------------------------------------------------------------------------------
 
 def _meta_bytes(metas: Sequence[Any]) -> int:
-    return sum(math.prod(m.shape) * _itemsize(m.dtype) for m in metas)
-
-
-def _itemsize(dtype: Any) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(m.shape) * m.dtype.itemsize for m in metas)
 
 
 @dataclass
@@ -85,18 +85,18 @@ class _Stage:
 
 def _stage(p: StageProgram) -> _Stage:
     fph = [n for n in p.forward.graph.nodes if n.op == "placeholder"]
-    from fxspeed.ir import tensor_bytes
-
     state_bytes = [tensor_bytes(ph.meta.get("val")) for ph in fph[:len(p.state)]]
     weights: dict[str, int] = {}
-    buffers = 0
+    buffers = grad_buffers = 0
     by_name: dict[str, int] = {}
     for spec, b in zip(p.state, state_bytes):
         by_name[spec.target] = b
-        if spec.kind == "param":
+        if spec.kind in ("param", "param_shard"):
             weights[p.tied.get(spec.target, spec.target)] = b
         elif spec.kind == "buffer":
             buffers += b
+        elif spec.kind == "grad_buffer":  # a bucket the program reduces gradients into
+            grad_buffers += b
     into = {n: _meta_bytes([m]) for n, m in zip(p.grads_into, p.grads_into_meta)}
     grad_bytes = {n: by_name.get(n, 0) for n in p.grads}
     trainable = {}
@@ -104,7 +104,7 @@ def _stage(p: StageProgram) -> _Stage:
         c = p.tied.get(n, n)
         trainable[c] = weights.get(c, into.get(n, grad_bytes.get(n, 0)))
     batch = sum(tensor_bytes(ph.meta.get("val")) for ph in fph[len(p.state):len(p.state) + p.n_batch])
-    return _Stage(p, weights, trainable, sum(into.values()), buffers, batch, grad_bytes,
+    return _Stage(p, weights, trainable, sum(into.values()) + grad_buffers, buffers, batch, grad_bytes,
                   program_liveness(p.forward), program_liveness(p.backward),
                   program_liveness(p.backward_input) if p.backward_input is not None else None,
                   program_liveness(p.backward_weight) if p.backward_weight is not None else None)
@@ -172,7 +172,7 @@ class _Walk:
         self.observe(at, pl.peak(freed))
 
 
-def _rank_memory(stages: dict[int, _Stage], actions: list[Any], n_micro: int) -> dict[str, Any]:
+def _rank_memory(stages: dict[int, _Stage], actions: list[Any]) -> dict[str, Any]:
     """Peak bytes above the resident state while one rank runs `actions`, by category, and the
     action it happens at."""
     w = _Walk()
@@ -291,11 +291,9 @@ def _rank_memory(stages: dict[int, _Stage], actions: list[Any], n_micro: int) ->
             w.observe(at)
         elif a.kind in (SEND_F, SEND_B):
             pass  # the tensor is held since the program made it, until STEP
-        elif a.kind == STEP:
-            for key in [k for k, hs in w.holders.items() if any(isinstance(h, tuple) and h[0] == "send"
-                                                               for h in hs)]:
-                for h in [h for h in w.holders[key] if isinstance(h, tuple) and h[0] == "send"]:
-                    w.release(key, h)
+        elif a.kind == STEP:  # every isend is awaited: the runtime drops the sent tensors
+            for holder in {h for hs in w.holders.values() for h in hs if isinstance(h, tuple) and h[0] == "send"}:
+                w.release_all(holder)
     by = {c: int(v) for c, v in w.peak_by.items() if v}
     return {"peak": int(max(w.peak, 0)), "at": w.peak_at, "by_category": by}
 
@@ -325,7 +323,7 @@ def pipeline_report(stages: list[StageProgram], schedule: Schedule, config: Conf
     ranks = []
     for r in range(schedule.n_ranks):
         mine = {s: info[s] for s, pos in enumerate(schedule.placement) if pos == r}
-        walk = _rank_memory(mine, schedule.actions[r], M)
+        walk = _rank_memory(mine, schedule.actions[r])
         weights: dict[str, int] = {}
         trainable: dict[str, int] = {}
         for st in mine.values():
@@ -362,13 +360,15 @@ def pipeline_report(stages: list[StageProgram], schedule: Schedule, config: Conf
         pb = float(sum(st.weights.values()))
         tb = float(sum(st.trainable.values()))
         peak = ranks[rank]["phase_memory"]["step"]
-        out_stages.append({"stage": p.stage, "rank": rank, "modules": p.modules, "params": int(p.predicted.get("params", 0)),
-                           "forward_s": p.predicted.get("forward", 0.0),
-                           "backward_s": p.predicted.get("backward_input", 0.0) + p.predicted.get("backward_weight", 0.0),
+        pred = p.predicted
+        out_stages.append({"stage": p.stage, "rank": rank, "modules": p.modules, "params": int(pred.get("params", 0)),
+                           "forward_s": pred.get("forward", 0.0),
+                           "backward_s": pred.get("backward_input", 0.0) + pred.get("backward_weight", 0.0),
                            "memory_bytes": {"parameters": pb, "gradients": tb,
                                             "optimizer_states": state_f * tb / (D if z >= 1 else 1),
                                             "activations": float(peak.get(ACTIVATIONS, 0))}})
     return {"schedule": schedule.name, "stages_n": len(stages), "microbatches": M, "replicas": D, "zero": z,
+            "config": config.to_dict(),  # apply_pipeline moves it to plan.config
             "stages": out_stages, "ranks": ranks, "bubble": sim.bubble, "step_s": sim.step_time,
             "idle_fraction": [i / sim.step_time if sim.step_time else 0.0 for i in sim.idle],
             "own_idle_fraction": [sim.own_idle_fraction(r) for r in range(len(sim.idle))]}
@@ -392,7 +392,8 @@ def apply_pipeline(plan: Plan, report: dict[str, Any], world: int, pp: int) -> N
     dp = max(1, world // (pp * tp))
     z, M = int(report.get("zero", plan.strategy.get("zero", 0))), int(report["microbatches"])
     device = DeviceSpec.from_dict(plan.devices[0])
-    config = Config.from_dict({**plan.config, "pipeline": pp, "microbatches": M, "zero": z})
+    # The engine's finish_plan had the micro-batch config (pipeline=1): the plan gets the real one.
+    config = Config.from_dict(report.pop("config", None) or plan.config)
     per_position = []
     for rk in report["ranks"]:
         step = dict(rk["phase_memory"]["step"])
@@ -440,8 +441,8 @@ def apply_pipeline(plan: Plan, report: dict[str, Any], world: int, pp: int) -> N
     else:
         zf = [zero_paper_bytes(rk["n_params"], z, dp, k=12, bytes_per_param=2) for rk in ranks]
     plan.zero_formula = [int(zf[position(g)]) for g in range(world)]
-    peaks = ", ".join(f"position {rk['position']} at {rk['peak_at'] if rk['peak_phase'] == 'step' else 'the optimizer step'}"
-                      for rk in ranks)
+    peaks = ", ".join(f"position {rk['position']} at "
+                      + (rk["peak_at"] if rk["peak_phase"] == "step" else "the optimizer step") for rk in ranks)
     plan.notes.append(f"pipeline: per-rank memory = the rank's stages' weights, gradient buffers, optimizer states "
                       f"and what its action list keeps alive (saved activations, messages in flight, each "
                       f"program's temporaries), walked action by action; peaks: {peaks}. Time per step = the "

@@ -41,8 +41,10 @@ class Plan:
     phase_memory: dict[str, dict[str, int]] = field(default_factory=dict)
     dtypes: dict[str, str] = field(default_factory=dict)  # tensor category -> dtype(s) it is held in
     communication: dict[str, int] = field(default_factory=dict)  # bytes sent per rank per step, by collective
-    # pipeline parallelism: per stage modules, params, predicted time/memory; simulated bubble
+    # pipeline parallelism: per stage modules, params, predicted time/memory; per position its
+    # peak memory; the simulated bubble (planner/pipeline.py)
     pipeline: dict[str, Any] = field(default_factory=dict)
+    mesh: str = ""  # the rank layout over the dp x pp x tp mesh, one line per rank (layout_text)
 
     # --- queries ---------------------------------------------------------------------------
     def memory(self, rank: int = 0) -> dict[str, int]:
@@ -111,11 +113,13 @@ class Plan:
         if self.communication:
             lines.append("  communication per step: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in self.communication.items()))
         t = self.time
+        bubble = f" + bubble {t['bubble'] * 1e3:,.2f}" if "bubble" in t else ""
         lines += ["", f"time per step (predicted): {t['total'] * 1e3:,.2f} ms = forward {t['forward'] * 1e3:,.2f} + "
-                  f"backward {t['backward'] * 1e3:,.2f} + optimizer {t['optimizer'] * 1e3:,.2f} + comm {t['communication'] * 1e3:,.2f}",
+                  f"backward {t['backward'] * 1e3:,.2f}{bubble} + optimizer {t['optimizer'] * 1e3:,.2f} + comm {t['communication'] * 1e3:,.2f}",
                   f"FLOPs per step: {self.flops['total'] / 1e12:,.3f} TFLOP (forward {self.flops['forward'] / 1e12:,.3f})"]
         if self.pipeline:
             pp = self.pipeline
+            ranks = pp.get("ranks", [])
             lines += ["", f"pipeline: {pp['stages_n']} stages, schedule {pp['schedule']}, {pp['microbatches']} "
                       f"micro-batches, {pp['replicas']} replica(s); simulated bubble {pp['bubble']:.3f}, "
                       f"step {pp['step_s'] * 1e3:,.2f} ms (costs of one micro-batch)",
@@ -128,6 +132,18 @@ class Plan:
                 shown = ", ".join(mods if len(mods) <= 4 else [mods[0], mods[1], "...", mods[-1]])
                 lines.append(f"  {st['stage']:<6}{st['rank']:>5}{st['params']:>12,}{st['forward_s'] * 1e3:9.2f}"
                              f"{st['backward_s'] * 1e3:9.2f}{gb(w):>19}{m['activations'] / 1e6:8.1f}MB  {shown}")
+            for rk in ranks:
+                phase = rk.get("peak_phase", "step")
+                mem = rk["phase_memory"][phase]
+                where = rk["peak_at"] if phase == "step" else "optimizer step"
+                lines.append(f"  position {rk['position']} (stages {', '.join(map(str, rk['stages']))}): peak "
+                             f"{gb(sum(mem.values())).strip()} at {where} (" + ", ".join(
+                                 f"{c} {v / 1e6:,.1f}MB" for c, v in mem.items() if v) + ")")
+        if self.mesh:
+            layout = self.mesh.splitlines()
+            if len(layout) > 18:  # the header and the first and last ranks
+                layout = [*layout[:9], f"  ... {len(layout) - 17} more rank(s) ...", *layout[-8:]]
+            lines += ["", *layout]
         if self.symbolic:
             lines += ["", "symbolic (fitted over dynamic dims " + ", ".join(f"{k}∈{v}" for k, v in self.dynamic.items()) + "):"]
             for k, v in self.symbolic.items():
@@ -167,3 +183,16 @@ class Plan:
         p = Path(text_or_path)
         text = p.read_text() if len(str(text_or_path)) < 4096 and p.exists() else str(text_or_path)
         return cls.from_dict(json.loads(text))
+
+
+def layout_text(dp: int, pp: int = 1, tp: int = 1) -> str:
+    """The rank layout of a dp x pp x tp mesh, one line per rank, as fxspeed.mesh.Mesh.describe
+    writes it (global rank g = (dp_index * pp + pp_index) * tp + tp_index)."""
+    world = dp * pp * tp
+    lines = [f"mesh dp={dp} x pp={pp} x tp={tp} over {world} rank(s); "
+             "rank = (dp_index * pp + pp_index) * tp + tp_index"]
+    for g in range(world):
+        rest, t = divmod(g, tp)
+        d, p = divmod(rest, pp)
+        lines.append(f"  rank {g}: dp {d}, pp {p}, tp {t}")
+    return "\n".join(lines)
