@@ -233,7 +233,8 @@ class Engine:
                         "every rank must pass a batch of the same shapes (each pipeline: the same batch)")
         margs, mkw = split_batch(args, kwargs, self.M)[0]
         micro_cfg = dataclasses.replace(self.config, pipeline=1, microbatches=1, schedule="1f1b", zero=0)
-        cp = self.compiler.program(self.model, margs, mkw, train=True, positions=[self.position],
+        # Every position's stages get the same rewrites, so every rank's plan is the same plan.
+        cp = self.compiler.program(self.model, margs, mkw, train=True, positions=range(self.config.pipeline),
                                    split_points=_split_points(self.config),
                                    analyze=costs_reader(micro_cfg, self.devices[:1]))
         self.programs, self.schedule, self._grad_divisor = cp.stages, cp.schedule, cp.grad_divisor
