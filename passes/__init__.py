@@ -1,6 +1,7 @@
-"""Rewrite passes, one per module, each a declared `GraphPass` (see fxspeed.pass_manager).
+"""Rewrite passes, one per module, each a declared pass (see fxspeed.compiler.pass_manager).
 
-`default_pipeline()` is the order compile() runs them in:
+Graph passes (`GraphPass`) rewrite the step graph. `default_pipeline()` is the order
+compile_step runs them in:
 
     normalize_graph          drop detach/alias no-ops
     dedupe_tied_parameters   one input and one summed gradient per tied (shared) Parameter
@@ -12,19 +13,27 @@
     shard_parameters         ZeRO-3: parameter shards as inputs, gathered before use, prefetched
     reuse_buffers            gathered / flattened buckets written into a few reused workspaces
 
-The distributed passes read ctx.options (world_size, zero, group_name) and do nothing on one device.
+The distributed passes read ctx.options (PassOptions: world_size, zero, group_name, ...) and do
+nothing on one device.
 
-Pipeline parallelism cuts the rewritten step into stage programs (`split_stages`, a function
-of the graph, not a GraphPass: it returns P programs), then rewrites each rank's stages:
+Program passes (`ProgramPass`) map a distributed program (fxspeed.compiler.pass_manager.
+DistributedProgram: the joint graph of one micro-batch, then its stage programs and schedule) to
+a new one. compile_program runs PROGRAM_PASSES in this order after the single-device graph passes:
 
-    accumulate_gradients     weight-gradient matmuls and embedding rows accumulate into persistent buffers
+    lower_schedule           the schedule of actions per pipeline position (gpipe, 1f1b, interleaved, zb)
+    split_stages             cut the joint graph into per-stage forward and backward programs
+    split_backward           zero bubble: backward -> I (input gradients) + W (weight gradients)
+                             for the stages the schedule runs I/W actions for
+    accumulate_gradients     weight-gradient matmuls and embedding rows of this rank's stages
+                             accumulate into persistent buffers
 
-Their names are in STAGE_PASS_NAMES, so `Config.disable_passes` can turn them off too.
+They are verified, recorded and disabled by name (`Config.disable_passes`) like graph passes;
+their names are in STAGE_PASS_NAMES.
 """
 
 from __future__ import annotations
 
-from fxspeed.compiler.pass_manager import GraphPass
+from fxspeed.compiler.pass_manager import GraphPass, ProgramPass
 
 from .graph.dedupe_tied_parameters import dedupe_tied_parameters
 from .graph.eliminate_dead_code import eliminate_dead_code
@@ -35,18 +44,30 @@ from .memory.reuse_buffers import reuse_buffers
 from .graph.scale_loss import scale_loss
 from .parallel.shard_parameters import shard_parameters
 from .parallel.wait_parameter_gathers import wait_parameter_gathers
+from .program.accumulate_gradients import accumulate_gradients_pass
+from .program.lower_schedule import lower_schedule_pass
+from .program.split_stages import split_backward_pass, split_stages_pass
 
 # DCE after the casts: it removes the fp32 views (W^T) that only low-precision ops used to read.
 SINGLE_DEVICE_PASSES = (normalize_graph, dedupe_tied_parameters, insert_casts, scale_loss, eliminate_dead_code)
 DISTRIBUTED_PASSES = (reduce_gradients, wait_parameter_gathers, shard_parameters, reuse_buffers)
 ALL_PASSES: dict[str, GraphPass] = {p.name: p for p in (*SINGLE_DEVICE_PASSES, *DISTRIBUTED_PASSES)}
-STAGE_PASS_NAMES = ("accumulate_gradients",)
+# The schedule first: it is cheap, and split_backward needs it to know which stages run I and W.
+PROGRAM_PASSES: tuple[ProgramPass, ...] = (lower_schedule_pass, split_stages_pass, split_backward_pass,
+                                           accumulate_gradients_pass)
+STAGE_PASS_NAMES = tuple(p.name for p in PROGRAM_PASSES)
 
 
 def default_pipeline() -> list[GraphPass]:
     return [*SINGLE_DEVICE_PASSES, *DISTRIBUTED_PASSES]
 
 
-__all__ = ["ALL_PASSES", "STAGE_PASS_NAMES", "DISTRIBUTED_PASSES", "SINGLE_DEVICE_PASSES", "insert_casts", "reduce_gradients", "reuse_buffers", "scale_loss",
-           "shard_parameters", "wait_parameter_gathers", "dedupe_tied_parameters", "default_pipeline",
-           "eliminate_dead_code", "normalize_graph"]
+def program_pipeline() -> list[ProgramPass]:
+    return list(PROGRAM_PASSES)
+
+
+__all__ = ["ALL_PASSES", "DISTRIBUTED_PASSES", "PROGRAM_PASSES", "SINGLE_DEVICE_PASSES", "STAGE_PASS_NAMES",
+           "accumulate_gradients_pass", "dedupe_tied_parameters", "default_pipeline", "eliminate_dead_code",
+           "insert_casts", "lower_schedule_pass", "normalize_graph", "program_pipeline", "reduce_gradients",
+           "reuse_buffers", "scale_loss", "shard_parameters", "split_backward_pass", "split_stages_pass",
+           "wait_parameter_gathers"]

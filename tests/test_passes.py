@@ -274,13 +274,15 @@ def test_training_the_tiny_tied_gpt_for_three_steps_matches_eager_adamw(disabled
 # ------------------------------------------------------------------------------------------
 
 def _zero3_graph(**extra):  # noqa: ANN202
-    from fxspeed.compiler import compile_step
+    from fxspeed.compiler import PassOptions, compile_step
 
     torch.manual_seed(0)
     m = GPT(GPTConfig(vocab_size=512, block_size=32, n_layer=4, n_head=2, n_embd=64))
     x, y = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
-    opts = {"world_size": 2, "rank": 0, "zero": 3, "group_name": "unused", "bucket_bytes": 100_000, **extra}
-    c = compile_step(m, (x, y), {}, config=fxspeed.Config(zero=3), loss_fn=None, options=opts)
+    config = fxspeed.Config(zero=3)
+    opts = PassOptions.single_device(config, world_size=2, rank=0, zero=3, group_name="unused", bucket_bytes=100_000,
+                                     **extra)
+    c = compile_step(m, (x, y), {}, config=config, loss_fn=None, options=opts)
     return c.captured.gm, c.captured.signature
 
 

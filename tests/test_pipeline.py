@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fxspeed
-from fxspeed.compiler import compile_step
+from fxspeed.compiler import PassOptions, compile_step
 from fxspeed.devices import normalize_devices
 from fxspeed.errors import ConfigError
 from fxspeed.passes.program.split_stages import split_stages
@@ -36,7 +36,7 @@ TOL = 1e-5
 def _joint(model, batch):
     cfg = fxspeed.Config(disable_passes=("dedupe_tied_parameters",))
     c = compile_step(model, batch, {}, config=cfg, loss_fn=None,
-                     options={"world_size": 1})
+                     options=PassOptions.single_device(cfg))
     return c.captured
 
 
@@ -104,7 +104,7 @@ def test_the_zero_bubble_split_of_each_backward_into_input_and_weight_parts_comp
     kwargs = {} if args else {k: v[:4] for k, v in batch.items()}
     cfg = fxspeed.Config(disable_passes=("dedupe_tied_parameters",))
     cap = compile_step(model, args, kwargs, config=cfg, loss_fn=None,
-                       options={"world_size": 1}).captured
+                       options=PassOptions.single_device(cfg)).captured
     progs = split_stages(cap.gm, cap.signature, 2)
     params = dict(model.named_parameters(remove_duplicate=False))
     leaves = list(args) or list(kwargs.values())

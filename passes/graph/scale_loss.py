@@ -23,7 +23,7 @@ from fxspeed.compiler.rewrite import scale_backward_seed
 @graph_pass("scale_loss", invalidates=("annotate",))
 def scale_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     sig = ctx.signature
-    if ctx.options.get("precision") != "fp16" or not any(s.kind == "loss" for s in sig.outputs) \
+    if ctx.options.precision != "fp16" or not any(s.kind == "loss" for s in sig.outputs) \
             or not any(s.kind == "grad" for s in sig.outputs):
         return PassResult(gm, modified=False)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

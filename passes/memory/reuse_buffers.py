@@ -42,7 +42,6 @@ from fxspeed.compiler.rewrite import call
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-DEFAULT_MIN_BYTES = 0  # small buckets gain little, but one code path for every size is tested by every run
 # Allocating op -> its variant writing into `out` (zero padding is written by _pad_into instead).
 _OUT_VARIANTS = {aten.cat.default: aten.cat.out,
                  c10d.all_gather_into_tensor.default: c10d.all_gather_into_tensor_out.default}
@@ -61,9 +60,9 @@ class _Workspace:
 
 @graph_pass("reuse_buffers", invalidates=("annotate",))
 def reuse_buffers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    if int(ctx.options.get("world_size", 1)) == 1:
+    if ctx.options.world_size == 1:
         return PassResult(gm, modified=False)
-    min_bytes = int(ctx.options.get("reuse_min_bytes", DEFAULT_MIN_BYTES))
+    min_bytes = ctx.options.reuse_min_bytes
     g = gm.graph
     order = {n: i for i, n in enumerate(g.nodes)}
     spans = []

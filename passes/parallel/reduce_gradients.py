@@ -56,21 +56,21 @@ from fxspeed.compiler.rewrite import call, output_node, scale_backward_seed
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20
 REDUCE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # None: the gradient's own
 
 
 @graph_pass("reduce_gradients", produces=("gradient_buckets",), invalidates=("annotate",))
 def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    world = int(ctx.options.get("world_size", 1))
+    opts = ctx.options
+    world = opts.world_size
     if world == 1:
         return PassResult(gm, modified=False)
-    zero = int(ctx.options.get("zero", 0))
-    group = ctx.options["group_name"]
-    limit = int(ctx.options.get("bucket_bytes", DEFAULT_BUCKET_BYTES))
-    reduce_dtype = REDUCE_DTYPES.get(ctx.options.get("reduce_dtype", "fp32"))
-    via_all_reduce = zero >= 2 and bool(ctx.options.get("scatter_via_all_reduce", False))
-    rank = int(ctx.options.get("rank", 0))
+    zero = opts.zero
+    group = opts.dp_group("reduce_gradients")
+    limit = opts.bucket_bytes
+    reduce_dtype = REDUCE_DTYPES[opts.reduce_dtype]
+    via_all_reduce = zero >= 2 and opts.scatter_via_all_reduce
+    rank = opts.rank
     sig = ctx.signature
     out = output_node(gm)
     outs = list(out.args[0])
@@ -93,7 +93,7 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
     scale = 1.0 if scale_backward_seed(gm, sig, 1.0 / world) else 1.0 / world
     # Persistent buffers only where nothing but the flattening writes the reduced bucket.
-    reuse = bool(ctx.options.get("reuse_grad_buckets", False)) and zero == 0 and scale == 1.0
+    reuse = opts.reuse_grad_buckets and zero == 0 and scale == 1.0
     last_input = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     buffers: list[int] = []
     waits: list[fx.Node] = []

@@ -59,12 +59,12 @@ def _is_view(n: fx.Node) -> bool:
 
 @graph_pass("shard_parameters", requires=("gradient_buckets", "annotate"), invalidates=("annotate",))
 def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    world = int(ctx.options.get("world_size", 1))
-    if world == 1 or int(ctx.options.get("zero", 0)) < 3:
+    world = ctx.options.world_size
+    if world == 1 or ctx.options.zero < 3:
         return PassResult(gm, modified=False)
-    group = ctx.options["group_name"]
-    via_all_reduce = bool(ctx.options.get("gather_via_all_reduce", False))
-    rank = int(ctx.options.get("rank", 0))
+    group = ctx.options.dp_group("shard_parameters")
+    via_all_reduce = ctx.options.gather_via_all_reduce
+    rank = ctx.options.rank
     sig = ctx.signature
     g = gm.graph
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
@@ -73,7 +73,7 @@ def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     # bytes). A parameter read only through its one low-precision cast (insert_casts made it)
     # takes the gathered view directly; one also read in fp32 (a norm's weight) gets a single
     # upcast of it, as every mixed-precision engine computes from low-precision copies.
-    low = LOW_DTYPES.get(ctx.options.get("precision", "fp32"))
+    low = LOW_DTYPES.get(ctx.options.precision)
     roots: dict[str, fx.Node] = dict(by_name)
     if low is not None:
         for b in sig.buckets:

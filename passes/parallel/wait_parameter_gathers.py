@@ -34,8 +34,8 @@ c10d = torch.ops._c10d_functional
 @graph_pass("wait_parameter_gathers", requires=("gradient_buckets",), produces=("parameter_waits",),
             invalidates=("annotate",))
 def wait_parameter_gathers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    world = int(ctx.options.get("world_size", 1))
-    if world == 1 or int(ctx.options.get("zero", 0)) not in (1, 2):
+    world = ctx.options.world_size
+    if world == 1 or ctx.options.zero not in (1, 2):
         return PassResult(gm, modified=False)
     sig = ctx.signature
     g = gm.graph

@@ -33,6 +33,9 @@ scale_grad_by_freq (those change which rows count). Other gradients (biases, nor
 outputs. A program
 without any such output is returned unchanged. With `fuse=` the caller names the gradients to
 consider (a stage whose backward is also split into I and W needs the same set in B and W).
+
+`accumulate_gradients_pass` is the program pass: it rewrites the stages of the pipeline
+positions in options.positions (the ones this rank runs).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
+from fxspeed.compiler.pass_manager import DistributedProgram, PassContext, ProgramResult, program_pass
 from fxspeed.ir.program import StageProgram, TensorMeta
 from fxspeed.runtime.kernels import accumulate_rows_
 
@@ -50,6 +54,20 @@ _MM = torch.ops.aten.mm.default
 _T = torch.ops.aten.t.default
 _ADDMM_OUT = torch.ops.aten.addmm.out
 _EMBEDDING_BACKWARD = torch.ops.aten.embedding_dense_backward.default
+
+
+@program_pass("accumulate_gradients", requires=("stages", "schedule"))
+def accumulate_gradients_pass(program: DistributedProgram, ctx: PassContext) -> ProgramResult:
+    """Rewrite the stages this rank runs (placed on one of options.positions) to accumulate
+    their fusible gradients into buffers. Runs after split_backward (B and W change together)."""
+    positions = set(ctx.options.positions)
+    stages = list(program.stages)
+    for s, pos in enumerate(program.schedule.placement):
+        if pos in positions:
+            stages[s] = accumulate_stage_gradients(stages[s])
+    if all(a is b for a, b in zip(stages, program.stages)):
+        return ProgramResult(program, modified=False)
+    return ProgramResult(dataclasses.replace(program, stages=stages), modified=True)
 
 
 def accumulate_stage_gradients(p: StageProgram) -> StageProgram:
@@ -110,7 +128,10 @@ def accumulate_gradients(gm: fx.GraphModule, first: int, names: list[str], fuse:
             if mm.target is _EMBEDDING_BACKWARD:
                 acc = graph.call_function(accumulate_rows_, (buf, beta, mm.args[1], mm.args[0]))
             else:
-                target = graph.call_function(_T, (buf,)) if (len(chain) - 1) % 2 else buf
+                target = buf
+                if (len(chain) - 1) % 2:
+                    target = graph.call_function(_T, (buf,))
+                    target.meta["val"] = buf.meta["val"].t()
                 acc = graph.call_function(_ADDMM_OUT, (target, *mm.args), {"beta": beta, "out": target})
         acc.meta = dict(mm.meta)
         for n in chain:  # the output first: each node's only user is the one before it

@@ -4,17 +4,23 @@ Each generator decides only the order of compute actions (F, B or I/W) per rank;
 `from_compute_order` then inserts the point-to-point actions (a recv right before the action
 that needs the data, a send right after the action that produced it), a REDUCE of each stage
 right after its last backward piece (so gradient reduction overlaps the rest of the
-backward), and a final STEP. The results validate under `fxspeed.runtime.schedule.validate`.
+backward), and a final STEP. The results validate under `fxspeed.ir.schedule.validate`.
+
+`lower_schedule_pass` is the program pass: it adds the schedule that ctx.options names
+(schedule, pipeline, microbatches, pipeline_chunks) to the program.
 """
 
 from __future__ import annotations
 
-from fxspeed.ir.schedule import (B, F, I, RECV_B, RECV_F, REDUCE, SEND_B, SEND_F, STEP, W, Action, Schedule,
-                              validate)
+import dataclasses
 
+from fxspeed.compiler.pass_manager import DistributedProgram, PassContext, ProgramResult, program_pass
 from fxspeed.errors import ConfigError
+from fxspeed.ir.schedule import (B, F, I, RECV_B, RECV_F, REDUCE, SEND_B, SEND_F, STEP, W, Action, Schedule,
+                                 validate)
 
-__all__ = ["SCHEDULES", "from_compute_order", "gpipe", "interleaved_1f1b", "make", "one_f_one_b", "zero_bubble_h1"]
+__all__ = ["CONFIG_SCHEDULES", "SCHEDULES", "from_compute_order", "gpipe", "interleaved_1f1b", "lower_schedule_pass",
+           "make", "one_f_one_b", "zero_bubble_h1"]
 
 
 def _check_positive(fn: str, **values: int) -> None:
@@ -170,3 +176,16 @@ def make(name: str, P: int, M: int, v: int = 1) -> Schedule:
     if name == "zb-h1":
         return zero_bubble_h1(P, M)
     raise ConfigError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+
+
+# Config.schedule -> generator name
+CONFIG_SCHEDULES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved-1f1b", "zb": "zb-h1"}
+
+
+@program_pass("lower_schedule", produces=("schedule",))
+def lower_schedule_pass(program: DistributedProgram, ctx: PassContext) -> ProgramResult:
+    """The schedule of actions per pipeline position for options.schedule over
+    options.pipeline x options.pipeline_chunks stages and options.microbatches micro-batches."""
+    o = ctx.options
+    schedule = make(CONFIG_SCHEDULES[o.schedule], o.pipeline, o.microbatches, o.pipeline_chunks)
+    return ProgramResult(dataclasses.replace(program, schedule=schedule), modified=True)

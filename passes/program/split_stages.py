@@ -2,7 +2,7 @@
 
 Input: the annotated joint graph of ONE micro-batch, `gm(*params, *buffers, *batch) -> (loss, *grads)`
 (captured with tied weights NOT deduplicated, so a weight shared by two stages has one input
-and one gradient per name). Output: one `runtime.pipeline.StageProgram` per stage.
+and one gradient per name). Output: one `fxspeed.ir.program.StageProgram` per stage.
 
 1. Forward placement. Forward nodes (annotate's role, plus `getitem`s of forward tuples) are
    taken in graph order. Candidate cut points are module boundaries: the first node of each
@@ -24,10 +24,17 @@ and one gradient per name). Output: one `runtime.pipeline.StageProgram` per stag
    every stage in between (F_a sends it, F_{a+1}..F_{c-1} relay it); likewise gradients
    backward. Stage s's backward reads its saved values: forward values (local or received)
    its backward nodes read.
+5. Zero-bubble split (`split_stage_backward`): a stage's backward B becomes I (input
+   gradients, what the upstream stage waits for) and W (weight gradients, deferrable).
+
+Program passes (see fxspeed.compiler.pass_manager): `split_stages_pass` cuts the program's
+joint graph into options.pipeline x options.pipeline_chunks stages at options.split_points;
+`split_backward_pass` splits the backward of every stage the schedule runs I/W actions for.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Sequence
 
@@ -35,9 +42,11 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+from fxspeed.compiler.pass_manager import DistributedProgram, PassContext, ProgramResult, program_pass
 from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.ir import FORWARD, META_KEY, StepSignature
 from fxspeed.ir.program import StageProgram, TensorMeta
+from fxspeed.ir.schedule import I, W
 
 
 class PipelineSplitError(FxspeedError):
@@ -140,7 +149,11 @@ def choose_cuts(costs: list[float], cuts: list[int], n_stages: int) -> list[int]
 
 
 def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
-                 split_points: Sequence[str] | None = None, model_name: str = "the model") -> list[StageProgram]:
+                 split_points: Sequence[str] | None = None, model_name: str = "the model",
+                 split_backward: bool = True) -> list[StageProgram]:
+    """The stage programs of `gm`, one per stage. With `split_backward` each stage whose
+    backward has weight-gradient work is also split into I and W (`split_stage_backward`);
+    the program pass leaves that to its own pass, run only for schedules with I/W actions."""
     P = n_stages
     nodes = list(gm.graph.nodes)
     phs = [n for n in nodes if n.op == "placeholder"]
@@ -384,12 +397,9 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
         b_grads = [(o, name) for o, name in grad_out if grad_stage[o] == s]
         b_outs = (bmsg[s - 1] if s > 0 else []) + [o for o, _ in b_grads]
         bgm = _build(gm, state, batch_ph, saved[s] + bmsg[s], bwd_local, b_outs, free)
-        i_nodes, w_nodes, carry = _split_backward(bwd_local, bmsg[s - 1] if s > 0 else [], [o for o, _ in b_grads])
-        igm = wgm = None
-        if w_nodes:
-            igm = _build(gm, state, batch_ph, saved[s] + bmsg[s], i_nodes, (bmsg[s - 1] if s > 0 else []) + carry,
-                         free)
-            wgm = _build(gm, state, batch_ph, saved[s] + bmsg[s] + carry, w_nodes, [o for o, _ in b_grads], free)
+        # The I/W partition is computed here for the predicted times only (the planner's
+        # simulator reads them for every schedule); split_stage_backward builds the programs.
+        i_nodes, w_nodes, _ = _split_backward(bwd_local, bmsg[s - 1] if s > 0 else [], [o for o, _ in b_grads])
         secs = lambda ns: sum(_cost(n, True) for n in ns)  # noqa: E731
         with_grad = {sig.tied.get(n, n) for _, n in b_grads}
         frozen = [state_ph[ph].target for ph in state if state_ph[ph].kind == "param"
@@ -400,7 +410,7 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
                      "param_bytes": float(sum(_nbytes(ph) for ph in state if state_ph[ph].kind == "param")),
                      "saved_bytes": float(sum(_nbytes(n) for n in saved[s] + bmsg[s])),
                      "send_bytes": float(sum(_nbytes(n) for n in fmsg[s + 1]))}
-        programs.append(StageProgram(
+        program = StageProgram(
             stage=s, n_stages=P, forward=fgm, backward=bgm, state=[state_ph[ph] for ph in state],
             n_batch=len(batch_ph), recv_f=[_meta(n) for n in fmsg[s]] if s > 0 else [],
             send_f=[_meta(n) for n in fmsg[s + 1]] if s < P - 1 else [], n_saved=len(saved[s]),
@@ -409,9 +419,45 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
             tied={state_ph[ph].target: sig.tied[state_ph[ph].target] for ph in state
                   if state_ph[ph].target in sig.tied} | {n: sig.tied[n] for _, n in b_grads if n in sig.tied},
             nodes={"forward_nodes": len(fwd_local), "backward_nodes": len(bwd_local)},
-            backward_input=igm, backward_weight=wgm, n_carry=len(carry), predicted=predicted,
-            modules=_modules([n for _, n in b_grads] + frozen), starts_at=cut_names[cuts[s - 1]] if s > 0 else ""))
+            predicted=predicted, modules=_modules([n for _, n in b_grads] + frozen),
+            starts_at=cut_names[cuts[s - 1]] if s > 0 else "")
+        programs.append(split_stage_backward(program) if split_backward else program)
     return programs
+
+
+def split_stage_backward(p: StageProgram) -> StageProgram:
+    """Zero-bubble split of stage `p`'s backward program B into I (what the upstream stage
+    waits for: the input gradients it sends) and W (the rest: weight-gradient matmuls and
+    reductions), read off B itself. I returns (*send_b, *carry), W takes B's inputs plus the
+    carry and returns the gradients (see `_split_backward`). Values B recomputes from the batch
+    are recomputed in each of I and W, as split_stages does across stages.
+
+    A stage without weight-gradient work, or already split, is returned unchanged. The split
+    must come before accumulate_gradients, which rewrites B and W together."""
+    if p.backward_input is not None:
+        return p
+    if p.grads_into:
+        raise PipelineSplitError(f"stage {p.stage}: split the backward before accumulating its gradients into "
+                                 "buffers (split_backward runs before accumulate_gradients)")
+    gm = p.backward
+    nodes = list(gm.graph.nodes)
+    phs = [n for n in nodes if n.op == "placeholder"]
+    batch = set(phs[len(p.state):len(p.state) + p.n_batch])
+    free: set[fx.Node] = set()
+    for n in nodes:  # the classification split_stages makes on the joint graph
+        if n.op == "get_attr" or (n.op == "call_function" and not _is_random(n)
+                                  and all(a in batch or a in free for a in n.all_input_nodes)):
+            free.add(n)
+    body = [n for n in nodes if n.op == "call_function" and n not in free]
+    out = next(n for n in reversed(nodes) if n.op == "output")
+    outs = list(out.args[0])
+    k = len(p.send_b)
+    i_nodes, w_nodes, carry = _split_backward(body, outs[:k], outs[k:])
+    if not w_nodes:
+        return p
+    igm = _build(gm, phs, [], [], i_nodes, outs[:k] + carry, free)
+    wgm = _build(gm, phs, [], carry, w_nodes, outs[k:], free)
+    return dataclasses.replace(p, backward_input=igm, backward_weight=wgm, n_carry=len(carry))
 
 
 def _modules(names: list[str]) -> list[str]:
@@ -490,3 +536,25 @@ def _build(root: fx.GraphModule, state: list[fx.Node], batch: list[fx.Node], rec
     gm = fx.GraphModule(root, g)
     gm.graph.lint()
     return gm
+
+
+@program_pass("split_stages", produces=("stages",))
+def split_stages_pass(program: DistributedProgram, ctx: PassContext) -> ProgramResult:
+    """Cut the joint graph into stage programs (forward and backward per stage)."""
+    if program.stages:
+        raise PipelineSplitError(f"the program is already split into {len(program.stages)} stages")
+    o = ctx.options
+    stages = split_stages(program.joint, program.signature, o.n_stages, split_points=o.split_points or None,
+                          model_name=ctx.model_name, split_backward=False)
+    return ProgramResult(dataclasses.replace(program, stages=stages), modified=True)
+
+
+@program_pass("split_backward", requires=("stages", "schedule"), produces=("split_backward",))
+def split_backward_pass(program: DistributedProgram, ctx: PassContext) -> ProgramResult:
+    """Split B into I and W for the stages whose schedule has I or W actions (zero bubble).
+    Disabled, such a stage runs B whole at I and nothing at W."""
+    wanted = {a.stage for acts in program.schedule.actions for a in acts if a.kind in (I, W)}
+    stages = [split_stage_backward(p) if s in wanted else p for s, p in enumerate(program.stages)]
+    if all(a is b for a, b in zip(stages, program.stages)):
+        return ProgramResult(program, modified=False)
+    return ProgramResult(dataclasses.replace(program, stages=stages), modified=True)

@@ -48,7 +48,7 @@ def captured_gpt_step(layers: int, width: int, rows: int, precision: str = "fp32
     with the tied weight kept under both names (as the pipeline engine captures it):
     (model, (x, y), captured)."""
     import fxspeed
-    from fxspeed.compiler import compile_step
+    from fxspeed.compiler import PassOptions, compile_step
     from fxspeed.devices import normalize_devices
 
     torch.manual_seed(0)
@@ -57,5 +57,5 @@ def captured_gpt_step(layers: int, width: int, rows: int, precision: str = "fp32
     x, y = (torch.randint(0, 64, (rows, 8), generator=g) for _ in range(2))
     cfg = fxspeed.Config(precision=precision, disable_passes=("dedupe_tied_parameters",))
     cap = compile_step(model, (x, y), {}, config=cfg, loss_fn=None,
-                       options={"world_size": 1}).captured
+                       options=PassOptions.single_device(cfg)).captured
     return model, (x, y), cap

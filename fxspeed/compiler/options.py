@@ -1,0 +1,170 @@
+"""Typed pass options: everything a pass may read besides the graph, derived once.
+
+Passes never read `Config` or the mesh. `derive_options(config, mesh)` turns them into one
+frozen `PassOptions` per rank (the engine's `Compiler` does it once); tests and tools that run
+on one device use `PassOptions.single_device(config)` or build one by hand, e.g.
+`PassOptions(world_size=2, rank=0, zero=3, group_name="g")`.
+
+A plain dict is still accepted where options are passed (`PassContext(options={...})`,
+`compile_step(options={...})`): its keys must be field names here, and it is converted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from fxspeed.config import DEFAULT_BUCKET_MB, PRECISIONS, SCHEDULES, Config
+from fxspeed.errors import ConfigError
+
+MIB = 2**20
+
+
+def bucket_bytes(bucket_mb: float) -> int:
+    """Config.bucket_mb (MiB) as the byte limit the gradient-reduction pass uses."""
+    return int(bucket_mb * MIB)
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    """What passes read from `ctx.options`. Defaults describe one device, full precision."""
+
+    # numerics (insert_casts, scale_loss, reduce_gradients, shard_parameters)
+    precision: str = "fp32"                  # "fp32" | "bf16" | "fp16"
+    fp32_modules: tuple[str, ...] = ()       # module path prefixes kept in fp32 under bf16/fp16
+    reduce_dtype: str = "fp32"               # dtype gradients are reduced in across ranks
+    # data parallelism: this rank's replica group (reduce_gradients, wait_parameter_gathers,
+    # shard_parameters, reuse_buffers do nothing when world_size is 1)
+    world_size: int = 1                      # the data-parallel degree
+    rank: int = 0                            # this rank's index in its data-parallel group
+    zero: int = 0                            # ZeRO stage 0-3
+    group_name: str = ""                     # the data-parallel process group's name (collectives' target)
+    bucket_bytes: int = bucket_bytes(DEFAULT_BUCKET_MB)  # gradient / parameter bucket limit
+    scatter_via_all_reduce: bool = False     # ZeRO-2/3: all-reduce then keep the slice (gloo)
+    gather_via_all_reduce: bool = False      # ZeRO-3: gather by all-reducing zero-padded shards (gloo)
+    reuse_grad_buckets: bool = False         # ZeRO-0: persistent reduced-gradient buckets
+    # reuse_buffers: smallest buffer placed in a workspace (0: small buckets gain little, but one
+    # code path for every size is then tested by every run)
+    reuse_min_bytes: int = 0
+    # pipeline programs (split_stages, lower_schedule, split_backward, accumulate_gradients)
+    pipeline: int = 1                        # pipeline positions (Config.pipeline)
+    microbatches: int = 1                    # micro-batches per step
+    schedule: str = "1f1b"                   # one of Config's SCHEDULES
+    pipeline_chunks: int = 1                 # stages per position (1 unless the schedule is interleaved)
+    split_points: tuple[str, ...] = ()       # modules stages 1.. start at; () = balanced cuts
+    positions: tuple[int, ...] = ()          # pipeline positions whose stages this rank runs
+
+    def __post_init__(self) -> None:
+        for name in ("fp32_modules", "split_points", "positions"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, (tuple, list)):
+                raise ConfigError(f"PassOptions.{name}={value!r} is invalid; give a sequence")
+            object.__setattr__(self, name, tuple(value))
+        _one_of("precision", self.precision, PRECISIONS)
+        _one_of("reduce_dtype", self.reduce_dtype, PRECISIONS)
+        _one_of("zero", self.zero, (0, 1, 2, 3))
+        _one_of("schedule", self.schedule, SCHEDULES)
+        for name in ("world_size", "pipeline", "microbatches", "pipeline_chunks", "bucket_bytes"):
+            _int(name, getattr(self, name), 1)
+        for name in ("rank", "reuse_min_bytes"):
+            _int(name, getattr(self, name), 0)
+        if self.rank >= self.world_size:
+            raise ConfigError(f"PassOptions.rank={self.rank} is invalid for world_size={self.world_size}; "
+                              f"it must be in [0, {self.world_size})")
+        if self.pipeline_chunks > 1 and self.schedule != "interleaved":
+            raise ConfigError(f"PassOptions.pipeline_chunks={self.pipeline_chunks} needs schedule='interleaved' "
+                              f"(schedule={self.schedule!r} places one stage per position)")
+        for p in self.positions:
+            if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < self.pipeline:
+                raise ConfigError(f"PassOptions.positions={list(self.positions)} is invalid; each must be a "
+                                  f"pipeline position in [0, {self.pipeline})")
+        for name in ("scatter_via_all_reduce", "gather_via_all_reduce", "reuse_grad_buckets"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"PassOptions.{name}={getattr(self, name)!r} is invalid; give True or False")
+        if not isinstance(self.group_name, str):
+            raise ConfigError(f"PassOptions.group_name={self.group_name!r} is invalid; give the group's name")
+
+    def dp_group(self, pass_name: str) -> str:
+        """The data-parallel group's name, for a pass that emits collectives over it."""
+        if not self.group_name:
+            raise ConfigError(f"pass {pass_name!r} emits collectives over {self.world_size} ranks but "
+                              "PassOptions.group_name is empty; derive the options from the mesh (derive_options) "
+                              "or name the data-parallel process group")
+        return self.group_name
+
+    @property
+    def n_stages(self) -> int:
+        return self.pipeline * self.pipeline_chunks
+
+    @classmethod
+    def single_device(cls, config: Config, **overrides: Any) -> "PassOptions":
+        """Options of one process running the whole program: Config's numerics and pipeline
+        settings, no data parallelism, every pipeline position local."""
+        base = dict(precision=config.precision, fp32_modules=tuple(config.fp32_modules),
+                    reduce_dtype=config.reduce_dtype, bucket_bytes=bucket_bytes(config.bucket_mb),
+                    **_pipeline_fields(config), positions=tuple(range(config.pipeline)))
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def coerce(cls, options: "PassOptions | Mapping[str, Any] | None", config: Config | None = None) -> "PassOptions":
+        """A PassOptions as is; a mapping as overrides of `single_device(config)` (of the
+        defaults without a config); None as `single_device(config)`."""
+        if isinstance(options, PassOptions):
+            return options
+        base = cls.single_device(config) if config is not None else cls()
+        if options is None:
+            return base
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"pass options {options!r}: give a fxspeed.compiler.options.PassOptions")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ConfigError(f"unknown pass option(s) {unknown}; PassOptions fields are {sorted(names)}")
+        return dataclasses.replace(base, **options)
+
+    def local(self) -> "PassOptions":
+        """The same options without data parallelism (one replica): what a pipeline's joint
+        micro-batch graph is compiled with before it is cut into stages."""
+        return dataclasses.replace(self, world_size=1, rank=0, zero=0, group_name="", scatter_via_all_reduce=False,
+                                   gather_via_all_reduce=False, reuse_grad_buckets=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def derive_options(config: Config, mesh: Any) -> PassOptions:
+    """Pass options for this rank from the Config and the mesh (fxspeed.mesh.Mesh): the one
+    place Config and mesh become pass options."""
+    import torch.distributed as dist
+
+    gloo = bool(mesh.active) and dist.get_backend(mesh.group("world")) == "gloo"
+    coords = mesh.coords()
+    return PassOptions(
+        precision=config.precision, fp32_modules=tuple(config.fp32_modules), reduce_dtype=config.reduce_dtype,
+        world_size=mesh.dp, rank=coords["dp"], zero=config.zero, group_name=mesh.group_name("dp"),
+        bucket_bytes=bucket_bytes(config.bucket_mb),
+        # gloo's reduce-scatter of a 25 MB bucket took 1.5x as long as all-reduce plus the
+        # slice copy (2 CPU ranks), so ZeRO-2/3 all-reduce and keep their slice there.
+        scatter_via_all_reduce=gloo,
+        # gloo's all-gather allocates a full-size temporary per call and took 1.6x an
+        # all-reduce of the zero-padded shard, so ZeRO-3 gathers that way there.
+        gather_via_all_reduce=gloo,
+        reuse_grad_buckets=True,
+        **_pipeline_fields(config), positions=(coords.get("pp", 0),))
+
+
+def _pipeline_fields(config: Config) -> dict[str, Any]:
+    return dict(pipeline=config.pipeline, microbatches=config.microbatches, schedule=config.schedule,
+                pipeline_chunks=config.pipeline_chunks if config.schedule == "interleaved" else 1,
+                split_points=tuple(config.split_points))
+
+
+def _one_of(name: str, value: Any, accepted: tuple[Any, ...]) -> None:
+    if value not in accepted or isinstance(value, bool):
+        raise ConfigError(f"PassOptions.{name}={value!r} is invalid; accepted values: {', '.join(map(repr, accepted))}")
+
+
+def _int(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"PassOptions.{name}={value!r} is invalid; it must be an integer >= {low}")
