@@ -10,7 +10,7 @@ and vs one process on the global batch.
 Rows, for each schedule S in --schedules (gpipe, 1f1b, interleaved, zb):
 
     fx:S      fxspeed.compile(GPT, devices=2, Config(pipeline=2, microbatches=M, schedule=S,
-              optimizer="adamw", lr)); interleaved with extra={"pipeline_chunks": --chunks}
+              optimizer="adamw", lr)); interleaved with pipeline_chunks=--chunks
     torch:S   torch.distributed.pipelining with the SAME split (stage modules built by hand from
               the GPT's submodules at fxspeed's block boundaries, read off engine.describe()),
               the same schedule (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, and for

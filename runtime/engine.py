@@ -235,7 +235,7 @@ class Engine:
         micro_cfg = dataclasses.replace(self.config, pipeline=1, microbatches=1, schedule="1f1b", zero=0)
         # Every position's stages get the same rewrites, so every rank's plan is the same plan.
         cp = self.compiler.program(self.model, margs, mkw, train=True, positions=range(self.config.pipeline),
-                                   split_points=_split_points(self.config),
+                                   split_points=list(self.config.split_points) or None,
                                    analyze=costs_reader(micro_cfg, self.devices[:1]))
         self.programs, self.schedule, self._grad_divisor = cp.stages, cp.schedule, cp.grad_divisor
         mine = {s: self.programs[s] for s in self.stages}
@@ -922,16 +922,6 @@ def _grad_of(p: nn.Parameter, grads: dict[str, torch.Tensor], params: dict[str, 
         if q is p and name in grads:
             total = grads[name] if total is None else total + grads[name]
     return total if total is not None else torch.zeros_like(p)
-
-
-def _split_points(config: Config) -> Sequence[str] | None:
-    pts = getattr(config, "split_points", None) or config_extra(config, "split_points")
-    return list(pts) if pts else None
-
-
-def config_extra(config: Config, key: str) -> Any:
-    extra = getattr(config, "extra", None) or {}
-    return extra.get(key)
 
 
 def _accumulate(into: dict, new: dict) -> None:

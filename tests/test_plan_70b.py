@@ -71,8 +71,8 @@ def test_a_small_llama_extrapolated_from_three_layers_equals_the_llama_traced_wh
     ids = torch.zeros(2, 32, dtype=torch.long, device="meta")
     kw = dict(example_inputs={"input_ids": ids, "labels": ids})
     devs = fxspeed.devices("H100-80GB", 4)
-    whole = fxspeed.plan(model, devs, fxspeed.Config(zero=2, extra={"layer_extrapolation": False}), **kw)
-    extra = fxspeed.plan(model, devs, fxspeed.Config(zero=2, extra={"layer_extrapolation": True}), **kw)
+    whole = fxspeed.plan(model, devs, fxspeed.Config(zero=2, layer_extrapolation=False), **kw)
+    extra = fxspeed.plan(model, devs, fxspeed.Config(zero=2, layer_extrapolation=True), **kw)
     assert extra.n_params == whole.n_params
     assert extra.flops == whole.flops
     assert extra.phase_memory == whole.phase_memory

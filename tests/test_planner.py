@@ -252,8 +252,8 @@ def test_layer_extrapolation_from_one_two_and_three_blocks_matches_tracing_all_b
     with torch.device("meta"):
         model = GPT(cfg)
     ids = torch.zeros(2, 32, dtype=torch.long, device="meta")
-    full = fxspeed.plan(model, 1, fxspeed.Config(extra={"layer_extrapolation": False}), example_inputs=(ids, ids))
-    extra = fxspeed.plan(model, 1, fxspeed.Config(extra={"layer_extrapolation": True}), example_inputs=(ids, ids))
+    full = fxspeed.plan(model, 1, fxspeed.Config(layer_extrapolation=False), example_inputs=(ids, ids))
+    extra = fxspeed.plan(model, 1, fxspeed.Config(layer_extrapolation=True), example_inputs=(ids, ids))
     assert extra.n_params == full.n_params
     assert extra.flops == full.flops
     assert extra.phase_memory == full.phase_memory

@@ -54,7 +54,7 @@ def main() -> None:
     batches = [(torch.randint(0, 256, (a.batch, a.seq), generator=g), torch.randint(0, 256, (a.batch, a.seq), generator=g))
                for _ in range(a.warmup + a.steps)]
     cfg = fxspeed.Config(pipeline=world, microbatches=a.microbatches, schedule=a.schedule, optimizer="adamw", lr=1e-4,
-                         extra={"pipeline_chunks": a.chunks})
+                         pipeline_chunks=a.chunks)
     engine = fxspeed.compile(model, world, cfg, example_inputs=batches[0])
     p2p = engine.measure_p2p_latency()
     rank = dist.get_rank()

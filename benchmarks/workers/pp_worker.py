@@ -76,9 +76,8 @@ def adamw(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
 def setup_fx(schedule: str, a: argparse.Namespace, example: tuple, world: int) -> tuple[StepFn, object]:
     import fxspeed
 
-    extra = {"pipeline_chunks": a.chunks} if schedule == "interleaved" else {}
     cfg = fxspeed.Config(pipeline=world, microbatches=a.microbatches, schedule=schedule, optimizer="adamw",
-                         lr=a.lr, extra=extra)
+                         lr=a.lr, pipeline_chunks=a.chunks)
     engine = fxspeed.compile(build(a), world, cfg, example_inputs=example)
     return engine.train_step, engine
 

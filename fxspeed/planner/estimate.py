@@ -37,9 +37,8 @@ from fxspeed.planner.plan import Plan, layout_text
 # Optimizer states per (fp32) parameter: Adam keeps exp_avg and exp_avg_sq; SGD with momentum
 # keeps one buffer. States are created on the first step (torch.optim allocates them lazily).
 OPT_STATE_FACTOR = {"adamw": 2, "adam": 2, "sgd": 0}
-DDP_BUCKET_BYTES = 25 * 2**20
 # Repeated blocks are extrapolated from 1- and 2-block traces when a model has at least this
-# many (Config.extra["layer_extrapolation"]: True / False / "auto").
+# many (Config.layer_extrapolation: True / False / "auto").
 EXTRAPOLATE_MIN_LAYERS = 16
 
 
@@ -278,7 +277,7 @@ def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, 
     step[OPTIMIZER_STATES] = shard(opt_factors(config)[0] * costs.trainable_bytes, 1)
     comm = 0.0
     if dp > 1:
-        comm = 2 * DDP_BUCKET_BYTES if z < 3 else 2 * costs.largest_param  # double-buffered buckets / prefetch
+        comm = 2 * config.bucket_mb * 2**20 if z < 3 else 2 * costs.largest_param  # double-buffered buckets / prefetch
     step[COMM_BUFFERS] = comm
     return step
 
@@ -333,7 +332,7 @@ def truncated(parent: nn.Module, attr: str, k: int) -> Iterator[None]:
 
 
 def _extrapolation_wanted(config: Config, layers: int) -> bool:
-    flag = config.extra.get("layer_extrapolation", "auto")
+    flag = config.layer_extrapolation
     if flag == "auto":
         return layers >= EXTRAPOLATE_MIN_LAYERS
     return bool(flag)
@@ -380,7 +379,7 @@ def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, 
     notes = [note]
     if worst > 0.01:
         notes.append(f"warning: the 3-block check misses by {worst:.1%}; the blocks may not be independent "
-                     "(set Config(extra={'layer_extrapolation': False}) to trace the whole model)")
+                     "(set Config(layer_extrapolation=False) to trace the whole model)")
     costs = c1.extrapolate(c2, layers)
     costs.timeline = c3.timeline
     return costs, passes, notes
