@@ -44,6 +44,7 @@ import torch
 
 PEAK_FLOPS = 989e12
 LR = 1e-4
+DEVICE = "cuda"  # the CLI needs CUDA; tests/test_benchmark_gpu_smoke.py sets "cpu" to run the logic
 MODELS = ("gpt", "hf-gpt2")
 POINTS = ("8x1024", "4x512")
 MODES = ("eager-fp32", "fxspeed-fp32", "eager-amp-bf16", "fxspeed-bf16")
@@ -60,25 +61,29 @@ def require_cuda() -> None:
 # Models
 # --------------------------------------------------------------------------------------------
 
-def build(name: str, batch: int, seq: int, hf_mask: bool) -> tuple[torch.nn.Module, tuple, dict, dict]:
-    """(model on CUDA, args, kwargs, shape facts) with a seeded random init and batch."""
+def build(name: str, batch: int, seq: int, hf_mask: bool, tiny: bool = False
+          ) -> tuple[torch.nn.Module, tuple, dict, dict]:
+    """(model on DEVICE, args, kwargs, shape facts) with a seeded random init and batch; `tiny`:
+    2-layer, 64-wide models with a 256-token vocabulary (a smoke test of this script)."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     if name == "gpt":
         from fxspeed.models.gpt import GPT, GPTConfig
 
-        cfg = GPTConfig.preset("124m")
+        cfg = GPTConfig.preset("124m") if not tiny else GPTConfig(vocab_size=256, block_size=seq, n_layer=2,
+                                                                   n_head=2, n_embd=64)
         with dev:
             model = GPT(cfg)
         x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(dev)
         y = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(dev)
         return model, (x, y), {}, {"layers": cfg.n_layer, "width": cfg.n_embd, "vocab": cfg.vocab_size,
-                                   "desc": "fxspeed.models.GPT(GPTConfig.preset('124m'))"}
+                                   "desc": "fxspeed.models.GPT(GPTConfig.preset('124m'))" if not tiny else "tiny GPT"}
     if name == "hf-gpt2":
         import transformers
 
-        cfg = transformers.GPT2Config()
+        cfg = transformers.GPT2Config() if not tiny else transformers.GPT2Config(
+            n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=seq, bos_token_id=0, eos_token_id=0)
         cfg._attn_implementation = "sdpa"
         with dev:
             model = transformers.GPT2LMHeadModel(cfg)
@@ -87,7 +92,8 @@ def build(name: str, batch: int, seq: int, hf_mask: bool) -> tuple[torch.nn.Modu
         if hf_mask:
             kw["attention_mask"] = torch.ones_like(ids)
         return model, (), kw, {"layers": cfg.n_layer, "width": cfg.n_embd, "vocab": cfg.vocab_size,
-                               "desc": f"transformers.GPT2LMHeadModel(GPT2Config()), sdpa, dropout {cfg.resid_pdrop}"
+                               "desc": f"transformers.GPT2LMHeadModel({'GPT2Config()' if not tiny else 'tiny'}), sdpa, "
+                                       f"dropout {cfg.resid_pdrop}"
                                        + (", all-ones attention_mask" if hf_mask else "")}
     raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
@@ -125,14 +131,13 @@ def make_step(mode: str, model: torch.nn.Module, args: tuple, kwargs: dict) -> t
         if plan is not None:
             info["plan_peak_bytes"] = int(plan.peak_memory(0))
             info["plan_step_s"] = float(plan.time.get("total", float("nan")))
-        info["_engine"] = engine
         return (lambda: engine.train_step(*args, **kwargs)), info
     amp = "amp-bf16" in mode
     fwd = torch.compile(model) if mode.startswith("compile") else model
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)  # as fxspeed.Config()
 
     def step() -> float:
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=amp):
             loss = _loss(fwd(*args, **kwargs))
         loss.backward()
         opt.step()
@@ -142,11 +147,27 @@ def make_step(mode: str, model: torch.nn.Module, args: tuple, kwargs: dict) -> t
     return step, info
 
 
-def run(name: str, batch: int, seq: int, mode: str, warmup: int, steps: int, hf_mask: bool) -> dict[str, Any]:
+def _on_cuda() -> bool:
+    return DEVICE == "cuda"
+
+
+def _sync() -> None:
+    if _on_cuda():
+        torch.cuda.synchronize()
+
+
+def _free() -> None:
     gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    model, args, kwargs, facts = build(name, batch, seq, hf_mask)
+    if _on_cuda():
+        torch.cuda.empty_cache()
+
+
+def run(name: str, batch: int, seq: int, mode: str, warmup: int, steps: int, hf_mask: bool,
+        tiny: bool = False) -> dict[str, Any]:
+    _free()
+    if _on_cuda():
+        torch.cuda.reset_peak_memory_stats()
+    model, args, kwargs, facts = build(name, batch, seq, hf_mask, tiny)
     params = n_params(model)
     step, info = make_step(mode, model, args, kwargs)
     t = time.perf_counter()
@@ -154,21 +175,20 @@ def run(name: str, batch: int, seq: int, mode: str, warmup: int, steps: int, hf_
     first_s = time.perf_counter() - t
     times = []
     for _ in range(steps):
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         losses.append(step())
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t)
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() if _on_cuda() else 0
     med = statistics.median(times)
     tokens = batch * seq
     flops = step_flops(params, tokens, facts["layers"], facts["width"], seq)
-    info.pop("_engine", None)
     out = {"model": name, "model_desc": facts["desc"], "params": params, "batch": [batch, seq], "mode": mode,
            "median_step_s": med, "step_times_s": times, "warmup_s": first_s, "tokens_per_s": tokens / med,
            "flops_per_step": flops, "mfu": flops / med / PEAK_FLOPS, "peak_bytes": int(peak),
            "losses": losses, "finite": all(math.isfinite(x) for x in losses), **info}
-    if "plan_peak_bytes" in out:
+    if "plan_peak_bytes" in out and peak:
         out["plan_over_measured_peak"] = out["plan_peak_bytes"] / peak
     del model, step, args, kwargs
     if mode.startswith("compile"):
@@ -192,7 +212,7 @@ def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         rows.append({"model": m, "batch": list(b), "mode": mode, "vs": base,
                      "step_time_ratio": r["median_step_s"] / e["median_step_s"],
-                     "peak_memory_ratio": r["peak_bytes"] / e["peak_bytes"],
+                     "peak_memory_ratio": r["peak_bytes"] / e["peak_bytes"] if e["peak_bytes"] else None,
                      "mfu": r["mfu"], "mfu_baseline": e["mfu"],
                      "loss_rel_diff_last": abs(r["losses"][-1] - e["losses"][-1]) / abs(e["losses"][-1])})
     return rows
@@ -226,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--torch-compile", action="store_true", help="also time torch.compile of the eager step")
     ap.add_argument("--hf-mask", action="store_true", help="pass HF models an all-ones attention_mask")
+    ap.add_argument("--tiny", action="store_true", help="2-layer 64-wide models (a smoke test of this script)")
     a = ap.parse_args(argv)
-    require_cuda()
+    if DEVICE == "cuda":
+        require_cuda()
     if a.quick:
         a.points, a.warmup, a.steps = "8x1024", 2, 5
     modes = [m for m in a.modes.split(",") if m] + (list(COMPILE_MODES) if a.torch_compile else [])
@@ -238,10 +260,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import fxspeed  # noqa: F401 - after the CUDA check: fail fast without importing the compiler
 
-    meta = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0),
+    meta = {"torch": torch.__version__, "cuda": torch.version.cuda,
+            "device": torch.cuda.get_device_name(0) if _on_cuda() else DEVICE,
             "python": platform.python_version(), "peak_flops": PEAK_FLOPS, "lr": LR,
             "tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-            "warmup": a.warmup, "steps": a.steps, "quick": a.quick}
+            "warmup": a.warmup, "steps": a.steps, "quick": a.quick, "tiny": a.tiny}
     try:
         import transformers
 
@@ -260,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:
                 t = time.perf_counter()
                 try:
-                    r = run(name, batch, seq, mode, a.warmup, a.steps, a.hf_mask)
+                    r = run(name, batch, seq, mode, a.warmup, a.steps, a.hf_mask, a.tiny)
                 except Exception as e:  # noqa: BLE001 - record it and go on with the other runs
                     r = {"model": name, "batch": [batch, seq], "mode": mode,
                          "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
@@ -272,12 +295,12 @@ def main(argv: list[str] | None = None) -> int:
                 done = r.get("median_step_s")
                 print(f"{name} {batch}x{seq} {mode}: " + (f"{done * 1e3:.1f} ms/step, peak "
                       f"{r['peak_bytes'] / 1e9:.2f} GB ({r['wall_s']:.0f} s)" if done else r["error"]), flush=True)
-                gc.collect()
-                torch.cuda.empty_cache()
+                _free()
     print(table(results))
     for c in compare(results):
+        mem = f"{c['peak_memory_ratio']:.3f}" if c["peak_memory_ratio"] is not None else "-"
         print(f"{c['model']} {c['batch'][0]}x{c['batch'][1]} {c['mode']} / {c['vs']}: step time "
-              f"{c['step_time_ratio']:.3f}, peak memory {c['peak_memory_ratio']:.3f}, MFU {c['mfu'] * 100:.1f}% vs "
+              f"{c['step_time_ratio']:.3f}, peak memory {mem}, MFU {c['mfu'] * 100:.1f}% vs "
               f"{c['mfu_baseline'] * 100:.1f}%, last loss rel diff {c['loss_rel_diff_last']:.2e}")
     print(f"wrote {a.out}")
     return 1 if any("error" in r for r in results) else 0

@@ -24,7 +24,7 @@ LOG=$OUT/gpu_check.log
 : > "$LOG"
 TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-240}
 BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-240}
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(command -v python || command -v python3)}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 export TOKENIZERS_PARALLELISM=false
 START=$SECONDS
@@ -90,10 +90,12 @@ sys.meta_path.append(_FxspeedShim)
 PYEOF
     export PYTHONPATH="$SHIM:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
-if ! (cd /tmp && run "$PY" -c "import fxspeed, fxspeed.runtime, fxspeed.passes, transformers; print('fxspeed from', fxspeed.__file__, '| transformers', transformers.__version__)"); then
-    log "fxspeed or transformers does not import: stopping"
+if ! (cd /tmp && run "$PY" -c "import fxspeed, fxspeed.runtime, fxspeed.passes; print('fxspeed from', fxspeed.__file__)"); then
+    log "fxspeed does not import: stopping"
     exit 1
 fi
+# Without transformers the HF tests skip and the benchmark's HF runs report an error; go on.
+run "$PY" -c "import transformers; print('transformers', transformers.__version__)" || status=1
 
 # --- the cuda test tier -----------------------------------------------------------------------
 # No -x: this run is scarce, so every test reports; -s prints each low-precision test's

@@ -63,6 +63,13 @@ def join(n_devices: int, timeout_s: float) -> DistContext:
     return DistContext(dist.get_rank(), world, group, group.group_name)
 
 
+def comm_device(group: Any) -> torch.device:
+    """Where a small control tensor for `group` must live: NCCL takes CUDA tensors only."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def fingerprint(*parts: Any) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
@@ -84,7 +91,7 @@ def check_same_everywhere(ctx: DistContext, what: str, value: str, fix: str) -> 
     if not ctx.active:
         return
     h = int(value[:15], 16)
-    t = torch.tensor([h, -h], dtype=torch.int64)
+    t = torch.tensor([h, -h], dtype=torch.int64, device=comm_device(ctx.group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
     if int(t[0]) != h or -int(t[1]) != h:  # same result on every rank: all take this path
         check_agreement(ctx, what, value, fix)  # names the ranks that differ

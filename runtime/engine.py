@@ -109,8 +109,8 @@ class Engine:
         self.plan: Plan | None = None
         self.stats: dict[str, Any] = {"steps": 0, "compiles": 0, "skipped_steps": 0}
         self.scaler: DynamicLossScaler | None = None
-        device = next((p.device for p in self._unique), torch.device("cpu"))
-        self._scale = torch.ones((), dtype=torch.float32, device=device)  # the graph's loss_scale input
+        self._device = next((p.device for p in self._unique), torch.device("cpu"))
+        self._scale = torch.ones((), dtype=torch.float32, device=self._device)  # the graph's loss_scale input
         if config.precision == "fp16":
             self.scaler = DynamicLossScaler(config.loss_scale or 2.0**16, config.loss_scale_window,
                                             config.loss_scale_backoff, config.loss_scale_growth,
@@ -239,7 +239,8 @@ class Engine:
                                    analyze=costs_reader(micro_cfg, self.devices[:1]))
         self.programs, self.schedule, self._grad_divisor = cp.stages, cp.schedule, cp.grad_divisor
         mine = {s: self.programs[s] for s in self.stages}
-        self._runtime = PipelineRuntime(mine, self.M, self._bind, group=self.mesh.group("pp"), peers=self.pipe_ranks)
+        self._runtime = PipelineRuntime(mine, self.M, self._bind, group=self.mesh.group("pp"), peers=self.pipe_ranks,
+                               device=self._device)
         self._setup_pipeline_state()
         self._key = key
         self._count_compile()
@@ -615,12 +616,16 @@ class Engine:
             raise ConfigError(f"eval_step under pipeline parallelism needs a loss: {type(self.model).__name__} "
                               "returns no loss for this batch; pass targets or compile with loss_fn=")
         mine = {s: cp.stages[s] for s in self.stages}
-        return PipelineRuntime(mine, self.M, self._bind, group=self.mesh.group("pp"), peers=self.pipe_ranks)
+        return PipelineRuntime(mine, self.M, self._bind, group=self.mesh.group("pp"), peers=self.pipe_ranks,
+                               device=self._device)
 
     def _global_mean(self, loss: torch.Tensor | None) -> float:
         """Mean micro-batch loss from the last stage, on every rank, averaged over replicas."""
         last = self.pipe_ranks[self.schedule.placement[-1]]
-        out = (loss / self.M).detach().float().clone() if loss is not None else torch.zeros((), dtype=torch.float32)
+        if loss is not None:
+            out = (loss / self.M).detach().float().clone()
+        else:
+            out = torch.zeros((), dtype=torch.float32, device=self._device)
         dist.broadcast(out, src=last, group=self.mesh.group("pp"))
         if self.dp_size > 1:
             dist.all_reduce(out, group=self.mesh.group("dp"))
@@ -663,8 +668,8 @@ class Engine:
         simulator charges it to every message. Collective over the pipeline."""
         shape = max((m.shape for p in self.programs for m in p.send_f),
                     key=lambda sh: torch.Size(sh).numel(), default=(1,))
-        t = torch.zeros(shape)
-        out = torch.zeros(())
+        t = torch.zeros(shape, device=self._device)
+        out = torch.zeros((), device=self._device)
         a, b = self.pipe_ranks[0], self.pipe_ranks[1]
         group = self.mesh.group("pp")
         if self.position in (0, 1):
@@ -678,7 +683,7 @@ class Engine:
                     dist.recv(t, a, group=group)
                     dist.send(t, a, group=group)
                 times.append(time.perf_counter() - t0)
-            out = torch.tensor(sorted(times[2:])[len(times[2:]) // 2] / 2)
+            out = torch.tensor(sorted(times[2:])[len(times[2:]) // 2] / 2, device=self._device)
         dist.broadcast(out, src=a, group=group)
         self._p2p_latency = float(out)
         return self._p2p_latency
@@ -699,7 +704,7 @@ class Engine:
             d = mine.get(s, {})
             f, i, w = d.get("F", 0.0), d.get("I", d.get("B", 0.0)), d.get("W", 0.0)
             rows.append([f * grow, i * grow, w * grow])
-        t = torch.tensor(rows, dtype=torch.float64)
+        t = torch.tensor(rows, dtype=torch.float64, device=self._device)
         dist.all_reduce(t, group=self.mesh.group("pp"))  # each stage's times come from the one rank running it
         return Costs([StageCosts(*map(float, r)) for r in t], p2p_latency=self._p2p_latency)
 

@@ -21,10 +21,25 @@ class DynamicLossScaler:
         self.skipped = 0
 
     def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
-        """Divide `grads` by the scale in place; True if any rank saw inf/NaN."""
-        found = torch.zeros(1)
-        if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, (1.0 / self.scale).reshape(1))
+        """Divide `grads` by the scale in place; True if any rank saw inf/NaN.
+
+        The flag and the scale live on the gradients' device (the CUDA kernel refuses CPU ones
+        next to CUDA gradients, and NCCL all-reduces only CUDA tensors); gradients on several
+        devices are checked per device and their flags combined."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+        device = next(iter(by_device), self.scale.device)
+        if self.scale.device != device:
+            self.scale = self.scale.to(device)  # once: it stays there, update() keeps its device
+        found = torch.zeros(1, device=device)
+        for dev, group in by_device.items():
+            if dev == device:
+                torch._amp_foreach_non_finite_check_and_unscale_(group, found, (1.0 / self.scale).reshape(1))
+            else:
+                other = torch.zeros(1, device=dev)
+                torch._amp_foreach_non_finite_check_and_unscale_(group, other, (1.0 / self.scale.to(dev)).reshape(1))
+                found = torch.maximum(found, other.to(device))
         if self.group is not None:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
         return bool(found.item())

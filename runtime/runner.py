@@ -1,4 +1,4 @@
-"""Pipeline runtime: executes one rank's action list (runtime/schedule.py) over its stage programs.
+"""Pipeline runtime: executes one rank's action list (fxspeed/ir/schedule.py) over its stage programs.
 
 A stage s is GraphModules made by the split_stages pass:
 
@@ -27,12 +27,19 @@ own tag (direction, edge, micro-batch, index), so messages between two ranks can
 confused whatever order the transport delivers them in.
 
 Receives are posted ahead (`recv_prefetch` per stream, a stream being one (direction, stage)
-pair): gloo's TCP transport moves a message only once both sides posted it (the receiver
-announces its buffer, the sender's event-loop thread then writes the data). A receive posted
-only when the schedule reaches it therefore pays a full rendezvous, and on a loaded machine
-the sender's loop thread waits for a CPU first: measured 0.2-6 ms per message even when the
-send was posted long before. Posted ahead, the data moves when it is sent and the RECV finds
-it there, which is what the simulator assumes (a message arrives `p2p_latency` after its send).
+pair): the first `recv_prefetch` of each stream when the step starts, and the next one of its
+stream at each RECV before it waits. gloo's TCP transport moves a message only once both
+sides posted it; posted ahead, the data moves when it is sent and the RECV finds it there,
+which is what the simulator assumes (a message arrives `p2p_latency` after its send).
+why: docs/decisions/post-receives-ahead.md
+
+F, B and W run in torch.fx's boxed calling convention (one input list the program empties), so
+each input is freed at its last use inside the program; I keeps the plain call, since W reads
+the same inputs. why: docs/decisions/boxed-calling-convention.md
+
+At REDUCE(s) the stage's finished gradients (returned sums and accumulation buffers) go to the
+caller's `on_reduce`, which starts the data-parallel reduction while the rest of the action
+list runs (runtime/engine.py). why: docs/decisions/zero-under-a-pipeline.md
 
 This module never decides anything: it runs the schedule and accumulates gradients. It
 records when each action ran (`PipelineRuntime.timeline`, perf_counter seconds from the start
@@ -103,11 +110,12 @@ class PipelineRuntime:
 
     def __init__(self, programs: dict[int, StageProgram], n_microbatches: int,
                  bind: Callable[[IOSpec], torch.Tensor], group: Any = None, peers: list[int] | None = None,
-                 recv_prefetch: int = 2):
+                 recv_prefetch: int = 2, device: torch.device | str = "cpu"):
         if recv_prefetch < 1:
             raise ValueError(f"recv_prefetch={recv_prefetch!r}: at least the receive being waited for is posted; use >= 1")
         self.programs = programs
         self.M = n_microbatches
+        self.device = torch.device(device)  # where received messages and gradient buffers live
         self.recv_prefetch = recv_prefetch  # receives posted ahead per (kind, stage) stream, the awaited one included
         self.group = group
         self.peers = peers  # global rank of each pipeline position (schedules name positions)
@@ -176,18 +184,17 @@ class PipelineRuntime:
             if not p.grads_into:
                 return []
             if s not in self._grad_bufs:
-                self._grad_bufs[s] = [torch.empty(m.shape, dtype=m.dtype) for m in p.grads_into_meta]
+                self._grad_bufs[s] = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in p.grads_into_meta]
             beta = 1.0 if s in written else 0.0
             written.add(s)
             return [beta, *self._grad_bufs[s]]
 
         def add_grads(p: StageProgram, gs: list[torch.Tensor], others: list[torch.Tensor], seen: set[int]) -> None:
-            # The first micro-batch's gradient is the program's output. Adding the next one out of
-            # place allocated a fresh set of gradient-sized buffers every step (on CPU the page
-            # faults cost 5x the add: 20 ms vs 3 ms for 9.5M floats), so an output is added into
-            # in place whenever nothing else can see it: it shares storage with no other output of
-            # this call and no input (parameters, saved activations, the carry W still reads):
-            # `seen`, the inputs' storages.
+            # The first micro-batch's gradient is the program's output; later ones are added into
+            # it in place whenever nothing else can see it: it shares storage with no other output
+            # of this call and no input (parameters, saved activations, the carry W still reads):
+            # `seen`, the inputs' storages. Otherwise out of place.
+            # why: docs/decisions/sum-microbatch-gradients-in-place.md
             private: set[int] = set()
             if any(name not in grads for name in p.grads):
                 private = _private_storages(gs, others) - seen
@@ -315,7 +322,7 @@ class PipelineRuntime:
         bufs, works = [], []
         for i, meta in enumerate(metas):
             dtype = torch.uint8 if meta.dtype == torch.bool else meta.dtype
-            buf = torch.empty(meta.shape, dtype=dtype)
+            buf = torch.empty(meta.shape, dtype=dtype, device=self.device)
             works.append(dist.irecv(buf, self._global(a.peer), group=self.group,
                                     tag=_tag(direction, edge, m, i, self.M)))
             bufs.append(buf)

@@ -4,6 +4,7 @@ tracks fp32, fp16 loss scaling with overflow skipping, and ZeRO-3 gathers in bf1
 from __future__ import annotations
 
 import copy
+import operator
 import os
 import sys
 from pathlib import Path
@@ -171,3 +172,192 @@ def test_on_two_ranks_an_overflow_on_one_rank_skips_everywhere_and_zero3_gathers
     assert res[0]["state"].keys() == res[1]["state"].keys()
     for k in res[0]["state"]:
         assert torch.equal(res[0]["state"][k], res[1]["state"][k]), k
+
+
+# ------------------------------------------------------------------------------------------
+# Attention masks follow the query's dtype (CUDA's memory-efficient kernel refuses an fp32
+# bias next to a bf16 query); fp16 loss scaling keeps its flag on the gradients' device
+# ------------------------------------------------------------------------------------------
+
+def _attention_masks(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, torch.dtype, torch.dtype]]:
+    """(node, query dtype, mask dtype) of every attention node given a tensor mask."""
+    from fxspeed.passes.graph.insert_casts import MASK_ARGS
+
+    found = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in MASK_ARGS:
+            continue
+        q_pos, (m_pos, key) = MASK_ARGS[n.target]
+        m = n.args[m_pos] if m_pos is not None and m_pos < len(n.args) else n.kwargs.get(key)
+        if isinstance(m, torch.fx.Node):
+            found.append((n, n.args[q_pos].meta["val"].dtype, m.meta["val"].dtype))
+    return found
+
+
+def _run_insert_casts(gm: torch.fx.GraphModule, precision: str) -> torch.fx.GraphModule:
+    from fxspeed.compiler.annotate import make_annotate_pass
+    from fxspeed.compiler.pass_manager import PassContext, PassManager
+    from fxspeed.ir import IOSpec, StepSignature
+    from fxspeed.passes import insert_casts
+
+    n_in = sum(n.op == "placeholder" for n in gm.graph.nodes)
+    n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    sig = StepSignature([IOSpec("input", str(i)) for i in range(n_in)], [IOSpec("output", str(i)) for i in range(n_out)])
+    ctx = PassContext(signature=sig, options={"precision": precision})
+    return PassManager([insert_casts], analyses=[make_annotate_pass()]).run(gm, ctx)
+
+
+def _hf_lm(kind: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        cfg._attn_implementation = "sdpa"
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_padded_hf_models_attention_mask_is_cast_to_the_querys_dtype(kind: str, precision: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 64, (2, 16), generator=g)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, 12:] = 0  # padding: the model builds a floating mask rather than is_causal=True
+    b = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    engine = fxspeed.compile(_hf_lm(kind), 1, fxspeed.Config(precision=precision), example_inputs=b)
+    masks = _attention_masks(engine.graph())
+    assert len(masks) >= 4, "no attention node with a mask: the test would prove nothing"  # 2 layers x fwd+bwd
+    for n, q, m in masks:
+        assert q == LOW[precision] and m == q, n.format_node()
+    # the masks are cast once per tensor, shared by forward and backward
+    assert len({n.kwargs.get("attn_mask", None) for n, _, _ in masks}) <= len(masks) // 2
+    losses = [engine.train_step(**b) for _ in range(3)]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def _efficient_attention_step(q, k, v, bias, go):  # noqa: ANN001, ANN202 - traced by make_fx
+    # The CUDA kernels' forward and backward, as capture emits them for a masked attention.
+    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention.default(q, k, v, bias, True, 0.0, False)
+    gq, gk, gv, _ = aten._scaled_dot_product_efficient_attention_backward.default(
+        go, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], False)
+    return out, gq, gk, gv
+
+
+def _padded_bias(b: torch.Tensor, rows: int) -> torch.Tensor:  # noqa: ANN202 - traced
+    # What SDPA's composite does on CUDA for the memory-efficient kernel: broadcast the mask to
+    # [B, H, L, S] and pad its last dimension to a multiple of 16, sliced back.
+    full = aten.expand.default(b, [2, 2, rows, rows])
+    padded = aten.constant_pad_nd.default(full, [0, 16 - rows % 16])
+    return aten.slice.Tensor(padded, -1, 0, rows)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_efficient_attentions_bias_and_its_backwards_out_follow_the_query_into_low_precision(precision: str) -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    rows = 12
+
+    def step(q, k, v, b, go):  # noqa: ANN001, ANN202
+        return _efficient_attention_step(q, k, v, _padded_bias(b, rows), go)
+
+    qkv = [torch.randn(2, 2, rows, 8) for _ in range(3)]
+    gm = make_fx(step, tracing_mode="fake")(*qkv, torch.randn(2, 1, rows, rows), torch.randn(2, 2, rows, 8))
+    gm = _run_insert_casts(gm, precision)
+    low = LOW[precision]
+    fwd = next(n for n in gm.graph.nodes if n.target is aten._scaled_dot_product_efficient_attention.default)
+    bwd = next(n for n in gm.graph.nodes if n.target is aten._scaled_dot_product_efficient_attention_backward.default)
+    for n in (fwd, bwd):
+        q = n.args[0 if n is fwd else 1]
+        bias = n.args[3 if n is fwd else 4]
+        assert q.meta["val"].dtype == low and bias.meta["val"].dtype == low, n.format_node()
+        # cast at the root of the view chain: the slice of the padded tensor keeps its aligned row stride
+        assert bias.target is aten.slice.Tensor and bias.meta["val"].stride()[-2] == 16, bias.format_node()
+    assert fwd.args[3] is bwd.args[4], "forward and backward read one low-precision bias"
+    out = bwd.args[5]  # the forward's raw low-precision output, not an fp32 round trip
+    assert out.target is operator.getitem and out.args[0] is fwd and out.meta["val"].dtype == low
+    assert bwd.args[6].meta["val"].dtype == torch.float32  # logsumexp stays as produced
+    assert sum(n.target is aten._to_copy.default and n.kwargs.get("dtype") == low for n in gm.graph.nodes) == 5
+
+
+def test_causal_efficient_attentions_backward_reads_the_forwards_low_precision_output() -> None:
+    # fxspeed's GPT on CUDA: captured in fp32, SDPA picks the memory-efficient kernel (is_causal,
+    # no bias). Its backward's `out` is argument 5 (4 is the bias): left as the fp32 cast-back,
+    # the bf16 kernel would read fp32 bytes as bf16 (it checks the bias dtype, not out's) and
+    # compute the softmax-gradient row sums from the wrong values.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(q, k, v, go):  # noqa: ANN001, ANN202
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention.default(q, k, v, None, True, 0.0, True)
+        gq, gk, gv, _ = aten._scaled_dot_product_efficient_attention_backward.default(
+            go, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], True)
+        return out, gq, gk, gv
+
+    gm = make_fx(step, tracing_mode="fake")(*[torch.randn(2, 2, 16, 8) for _ in range(4)])
+    gm = _run_insert_casts(gm, "bf16")
+    fwd = next(n for n in gm.graph.nodes if n.target is aten._scaled_dot_product_efficient_attention.default)
+    bwd = next(n for n in gm.graph.nodes if n.target is aten._scaled_dot_product_efficient_attention_backward.default)
+    assert bwd.args[4] is None
+    for i in (0, 1, 2, 3, 5):
+        assert bwd.args[i].meta["val"].dtype == torch.bfloat16, (i, bwd.format_node())
+    assert bwd.args[5].target is operator.getitem and bwd.args[5].args == (fwd, 0)
+    assert bwd.args[6].meta["val"].dtype == torch.float32
+
+
+def test_a_bool_mask_stays_bool_and_a_mask_already_in_the_querys_dtype_is_left_alone() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(q, k, v, m):  # noqa: ANN001, ANN202
+        out, _ = aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, attn_mask=m)
+        return (out,)
+
+    qkv = [torch.randn(1, 2, 8, 4) for _ in range(3)]
+    gm = _run_insert_casts(make_fx(step, tracing_mode="fake")(*qkv, torch.ones(8, 8, dtype=torch.bool).tril()),
+                           "bf16")
+    [(_, q, m)] = _attention_masks(gm)
+    assert (q, m) == (torch.bfloat16, torch.bool)
+
+    def composite(q, k, v, m):  # noqa: ANN001, ANN202 - the composite op, mask in fp32
+        return (aten.scaled_dot_product_attention.default(q, k, v, m),)
+
+    gm = _run_insert_casts(make_fx(composite, tracing_mode="fake", pre_dispatch=True)(*qkv, torch.zeros(8, 8)),
+                           "bf16")
+    masks = _attention_masks(gm)
+    assert masks and all(m == q == torch.bfloat16 for _, q, m in masks), [n.format_node() for n, _, _ in masks]
+
+
+def test_the_loss_scaler_unscales_on_the_cpu_exactly_as_before() -> None:
+    from fxspeed.runtime.loss_scale import DynamicLossScaler
+
+    s = DynamicLossScaler(init_scale=4.0)
+    grads = [torch.tensor([4.0, 8.0]), torch.tensor([[2.0]])]
+    assert s.unscale_and_check(grads) is False
+    assert torch.equal(grads[0], torch.tensor([1.0, 2.0])) and torch.equal(grads[1], torch.tensor([[0.5]]))
+    assert s.scale.device.type == "cpu"
+    assert s.unscale_and_check([torch.tensor([float("inf")])]) is True
+    assert s.unscale_and_check([]) is False
+
+
+def test_the_loss_scalers_overflow_flag_and_scale_live_on_the_gradients_device(monkeypatch) -> None:  # noqa: ANN001
+    from fxspeed.runtime import loss_scale
+
+    seen = []
+
+    def check(grads, found, inv_scale):  # noqa: ANN001, ANN202 - the CUDA kernel's device check
+        seen.append((found.device, inv_scale.device))
+        assert found.device == inv_scale.device == grads[0].device, "found_inf / inv_scale off the gradients' device"
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", check)
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: 0.0)  # meta tensors hold no value to read
+    s = loss_scale.DynamicLossScaler(init_scale=8.0)
+    grads = [torch.empty(3, device="meta"), torch.empty(2, 2, device="meta")]
+    assert s.unscale_and_check(grads) is False
+    assert seen == [(torch.device("meta"), torch.device("meta"))]
+    assert s.scale.device.type == "meta"  # moved once, where the gradients are
+    s.update(overflow=True)
+    assert s.scale.device.type == "meta"

@@ -14,7 +14,10 @@ master weights and their gradients — stays fp32. Nodes owned by a module named
 A cast is placed at the root of a view chain (the parameter, not its transpose), and each
 value is cast once however many low-precision ops read it, so each parameter is cast once
 per step; backward reads the same low-precision copies forward made. A low op fed by
-another low op's output takes it directly (no fp32 round trip).
+another low op's output takes it directly (no fp32 round trip). A floating attention mask
+(the bias of `_scaled_dot_product_efficient_attention`, `attn_mask` of the CPU flash kernel:
+Hugging Face models build one in fp32 at capture) is cast to the query's dtype, as autocast
+does; a bool mask stays bool.
 
 Options read from ctx.options: precision ("bf16" | "fp16"; "fp32" does nothing),
 fp32_modules (module path prefixes kept in fp32).
@@ -23,6 +26,7 @@ fp32_modules (module path prefixes kept in fp32).
 from __future__ import annotations
 
 import operator
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -35,8 +39,6 @@ aten = torch.ops.aten
 LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 # op -> positions of the tensor arguments that run in low precision
-_ATTENTION_FWD = (0, 1, 2)
-_ATTENTION_BWD = (0, 1, 2, 3, 4)  # grad_out, q, k, v, out; logsumexp stays as produced
 LOW_OPS: dict[torch._ops.OpOverload, tuple[int, ...]] = {
     aten.mm.default: (0, 1),
     aten.addmm.default: (0, 1, 2),
@@ -45,14 +47,44 @@ LOW_OPS: dict[torch._ops.OpOverload, tuple[int, ...]] = {
     aten.convolution.default: (0, 1, 2),
     aten.convolution_backward.default: (0, 1, 2),
 }
-for _name, _fwd in (("_scaled_dot_product_flash_attention_for_cpu", True),
-                    ("_scaled_dot_product_flash_attention", True),
-                    ("_scaled_dot_product_efficient_attention", True),
-                    ("_scaled_dot_product_cudnn_attention", True)):
-    for _suffix, _pos in (("", _ATTENTION_FWD), ("_backward", _ATTENTION_BWD)):
-        _op = getattr(aten, _name + _suffix, None)
-        if _op is not None:
-            LOW_OPS[_op.default] = _pos
+# Attention ops: (positions run in low precision, position of the query, the mask argument as
+# (position or None, keyword name) or None). The positions follow each op's schema: the
+# logsumexp stays as produced, and a floating mask/bias is cast to the query's dtype (the CUDA
+# kernels refuse an fp32 bias next to a bf16 query; eager autocast casts it too); a bool
+# mask is left alone. Ops a torch build lacks are skipped.
+_ATTENTION: dict[str, tuple[tuple[int, ...], int, tuple[int | None, str] | None]] = {
+    # (query, key, value, dropout_p, is_causal, *, attn_mask, scale)
+    "_scaled_dot_product_flash_attention_for_cpu": ((0, 1, 2), 0, (None, "attn_mask")),
+    # (grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask, scale)
+    "_scaled_dot_product_flash_attention_for_cpu_backward": ((0, 1, 2, 3, 4), 1, (None, "attn_mask")),
+    # (query, key, value, dropout_p, is_causal, return_debug_mask, *, scale): no mask
+    "_scaled_dot_product_flash_attention": ((0, 1, 2), 0, None),
+    # (grad_out, query, key, value, out, logsumexp, cum_seq_q, ...)
+    "_scaled_dot_product_flash_attention_backward": ((0, 1, 2, 3, 4), 1, None),
+    # (query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, *, scale)
+    "_scaled_dot_product_efficient_attention": ((0, 1, 2), 0, (3, "attn_bias")),
+    # (grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset, ...)
+    "_scaled_dot_product_efficient_attention_backward": ((0, 1, 2, 3, 5), 1, (4, "attn_bias")),
+    # (query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask, *, scale)
+    "_scaled_dot_product_cudnn_attention": ((0, 1, 2), 0, (3, "attn_bias")),
+    # (grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, ...)
+    "_scaled_dot_product_cudnn_attention_backward": ((0, 1, 2, 3, 4), 1, (8, "attn_bias")),
+    # (query, key, value, attn_bias, dropout_p, is_causal, return_debug_mask, *, scale)
+    "_scaled_dot_product_fused_attention_overrideable": ((0, 1, 2), 0, (3, "attn_bias")),
+    # (grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp, ...)
+    "_scaled_dot_product_fused_attention_overrideable_backward": ((0, 1, 2, 3, 6), 1, (4, "attn_bias")),
+    # the composite op (decomposed by capture; here for graphs built by hand)
+    "scaled_dot_product_attention": ((0, 1, 2), 0, (3, "attn_mask")),
+}
+# op -> (position of the query, (position or None, keyword) of its mask)
+MASK_ARGS: dict[torch._ops.OpOverload, tuple[int, tuple[int | None, str]]] = {}
+for _name, (_pos, _query, _mask) in _ATTENTION.items():
+    _op = getattr(aten, _name, None)
+    if _op is None:
+        continue
+    LOW_OPS[_op.default] = _pos
+    if _mask is not None:
+        MASK_ARGS[_op.default] = (_query, _mask)
 
 
 def _is_view(n: fx.Node) -> bool:
@@ -65,14 +97,15 @@ def _is_view(n: fx.Node) -> bool:
 
 @graph_pass("insert_casts", requires=("annotate",), invalidates=("annotate",))
 def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    precision = ctx.options.get("precision", "fp32")
+    precision = ctx.options.precision
     if precision == "fp32":
         return PassResult(gm, modified=False)
     low = LOW_DTYPES[precision]
-    keep = tuple(ctx.options.get("fp32_modules", ()))
+    keep = ctx.options.fp32_modules
     g = gm.graph
     low_of: dict[fx.Node, fx.Node] = {}  # fp32 value -> its low-precision twin
     raw_of: dict[fx.Node, fx.Node] = {}  # fp32 cast-back -> the low value it came from
+    cast_of: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}  # (mask, dtype) -> its cast, not to `low`
     changed = False
 
     def lowered(v: fx.Node) -> fx.Node:
@@ -105,10 +138,44 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dtype == torch.float32:
                 args[i] = lowered(a)
         n.args = tuple(args)
+        if n.target in MASK_ARGS:
+            _cast_mask(g, n, *MASK_ARGS[n.target], low, lowered, cast_of)
         n.meta["val"] = _fake(n)
         _cast_back(g, n, raw_of)
         changed = True
     return PassResult(gm, modified=changed)
+
+
+def _cast_mask(g: fx.Graph, n: fx.Node, query: int, mask: tuple[int | None, str], low: torch.dtype,
+               lowered: Callable[[fx.Node], fx.Node], cast_of: dict[tuple[fx.Node, torch.dtype], fx.Node]) -> None:
+    """Give attention node `n` its floating mask in the query's dtype (a bool mask stays bool).
+
+    An fp32 mask next to a low-precision query gets the same shared twin as any other value
+    (cast at the root of its view chain: an expanded or padded-and-sliced bias keeps its
+    layout, which the memory-efficient kernel's alignment checks read); any other mismatch
+    gets one cast per (mask, dtype)."""
+    pos, key = mask
+    in_args = pos is not None and pos < len(n.args)
+    m = n.args[pos] if in_args else n.kwargs.get(key)
+    q = n.args[query] if query < len(n.args) else None
+    if not isinstance(m, fx.Node) or not isinstance(q, fx.Node):
+        return
+    mv, qv = m.meta.get("val"), q.meta.get("val")
+    if not isinstance(mv, torch.Tensor) or not isinstance(qv, torch.Tensor) or not mv.is_floating_point() \
+            or mv.dtype == qv.dtype:
+        return
+    if mv.dtype == torch.float32 and qv.dtype == low:
+        cast = lowered(m)
+    else:
+        cast = cast_of.get((m, qv.dtype))
+        if cast is None:
+            with g.inserting_after(m if m.op != "placeholder" else _after_placeholders(g)):
+                cast = call(g, aten._to_copy.default, (m,), {"dtype": qv.dtype})
+            cast_of[(m, qv.dtype)] = cast
+    if in_args:
+        n.args = (*n.args[:pos], cast, *n.args[pos + 1:])
+    else:
+        n.kwargs = {**n.kwargs, key: cast}
 
 
 def _after_placeholders(g: fx.Graph) -> fx.Node:
