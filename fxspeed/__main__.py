@@ -1,4 +1,4 @@
-"""`python -m fxspeed ...` runs the command line (see fxspeed.cli)."""
+"""`python -m fxspeed ...` runs the command line (see fxspeed.tools.cli)."""
 
 import sys
 

@@ -15,6 +15,7 @@ every rank's data is on disk, so a crash mid-save never leaves something at `<di
 loads; `load_checkpoint` also refuses a directory without the COMPLETE marker (a partial copy).
 
 Loading unpickles `extra.pt` and DCP's metadata: load only checkpoints you trust.
+why: docs/decisions/checkpoint-format.md
 """
 
 from __future__ import annotations

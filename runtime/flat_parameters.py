@@ -91,15 +91,16 @@ class FlatParameters:
     def optimizer_tensors(self) -> list[torch.Tensor]:
         if self.zero == 0:
             # The Parameters themselves (views into the full buckets), with gradients that are
-            # views into the reduced buckets: the optimizer sees what it sees under DDP, and
-            # torch's CPU optimizers are faster on these than on whole 25 MB buckets.
+            # views into the reduced buckets: the optimizer sees what it sees under DDP.
+            # why: docs/decisions/zero0-optimizer-over-parameter-views.md
             return [self.params[n] for b in self.buckets for n in b.names]
         return list(self.shards)
 
     def grad_buffer(self, k: int) -> torch.Tensor:
         """Bucket k's persistent gradient buffer (ZeRO-0), which the program flattens into and
-        reduces in place every step, as DDP reuses its buckets: a new tensor would be
-        page-faulted in again each step. Zero-filled once, so the padding stays zero."""
+        reduces in place every step, as DDP reuses its buckets (why:
+        docs/decisions/persistent-gradient-buckets-for-zero0.md). Under a pipeline, the bucket the
+        engine reduces a stage's gradients into. Zero-filled once, so the padding stays zero."""
         if k not in self.grad_buffers:
             b, ref = self.buckets[k], self.shards[k]
             self.grad_buffers[k] = torch.zeros(b.padded, dtype=getattr(torch, b.dtype), device=ref.device)
@@ -140,7 +141,8 @@ class FlatParameters:
         Each bucket is gathered in place (its shard is a view of the full bucket), so nothing is
         copied; the functional collective registers the work against the bucket's storage, where
         `wait_tensor` on any of its Parameters finds it. Until then the full buckets hold other
-        ranks' old values: call wait_gathers() before reading them."""
+        ranks' old values: call wait_gathers() before reading them.
+        why: docs/decisions/defer-parameter-gathers.md"""
         if self.zero not in (1, 2):
             return
         if defer and self.gather_group is not None:

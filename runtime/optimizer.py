@@ -4,8 +4,7 @@ Using torch.optim means fxspeed's AdamW/Adam/SGD are torch.optim's own update ru
 ranks run the same optimizer over their flat shards (as ZeRO does). fxspeed asks for torch's
 fused kernels (one pass over each tensor; on CPU since torch 2.4, on CUDA) and falls back to the
 default implementation where they are not supported (another device, a non-float tensor).
-Measured, 9.7M fp32 parameters in 50 tensors, one CPU thread: AdamW 6.7 ms fused against 39.6 ms
-(for-loop) and 38.5 ms (foreach); after 5 steps the two agree to 7e-10 relative.
+why: docs/decisions/fused-optimizers.md
 """
 
 from __future__ import annotations

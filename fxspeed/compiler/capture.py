@@ -10,6 +10,8 @@ This is the only module that touches torch's private tracing APIs (AOTAutograd's
 The graph is functional: BatchNorm running stats come back as `buffer_update` outputs that
 the runtime copies into the buffers, so a step updates them exactly as eager does. Dropout
 stays a random op executed at run time from torch's global RNG, in the same order as eager.
+Tracing runs on fake parameters and inputs, so nothing is computed and meta models trace.
+why: docs/decisions/aot-export-not-dynamo.md, docs/decisions/capture-on-fake-tensors.md
 """
 
 from __future__ import annotations
@@ -213,8 +215,8 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs:
 def fake_model_state(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple[tuple, dict]]:
     """Swap the model's parameters and buffers for fake tensors while tracing.
 
-    Tracing real weights costs real memory (AOT export materializes functional copies: about
-    1.7x the parameters for a 100M GPT), and a model on the meta device cannot be traced
+    Tracing real weights costs real memory (AOT export materializes functional copies; why:
+    docs/decisions/capture-on-fake-tensors.md), and a model on the meta device cannot be traced
     faithfully at all:
     meta tensors skip autograd for some ops (torch registers meta kernels for e.g. nll_loss,
     which then bypass the op's autograd formula, so `cross_entropy` gives no gradient). Fake

@@ -144,12 +144,13 @@ def derive_options(config: Config, mesh: Any) -> PassOptions:
         precision=config.precision, fp32_modules=tuple(config.fp32_modules), reduce_dtype=config.reduce_dtype,
         world_size=mesh.dp, rank=coords["dp"], zero=config.zero, group_name=mesh.group_name("dp"),
         bucket_bytes=bucket_bytes(config.bucket_mb),
-        # gloo's reduce-scatter of a 25 MB bucket took 1.5x as long as all-reduce plus the
-        # slice copy (2 CPU ranks), so ZeRO-2/3 all-reduce and keep their slice there.
+        # On gloo, ZeRO-2/3 all-reduce and keep their slice instead of reduce-scattering.
+        # why: docs/decisions/zero-scatter-via-all-reduce-on-gloo.md
         scatter_via_all_reduce=gloo,
-        # gloo's all-gather allocates a full-size temporary per call and took 1.6x an
-        # all-reduce of the zero-padded shard, so ZeRO-3 gathers that way there.
+        # On gloo, ZeRO-3 gathers by all-reducing the zero-padded shard.
+        # why: docs/decisions/zero-gather-via-all-reduce-on-gloo.md
         gather_via_all_reduce=gloo,
+        # why: docs/decisions/persistent-gradient-buckets-for-zero0.md
         reuse_grad_buckets=True,
         **_pipeline_fields(config), positions=(coords.get("pp", 0),))
 

@@ -57,10 +57,14 @@ class NodeInfo:
 @dataclass(frozen=True)
 class IOSpec:
     """Meaning of one graph input or output. `kind` is one of
-    inputs:  "param", "buffer", "input", "param_shard" (target: bucket index)
+    inputs:  "param", "buffer", "input", "param_shard" (target: bucket index; ZeRO-3),
+             "grad_buffer" (target: bucket index; a persistent flat buffer the program reduces
+             gradients into, ZeRO-0), "loss_scale" (fp16: the dynamic loss scale)
     outputs: "buffer_update", "loss", "output", "grad", "grad_bucket" (target: bucket index;
              the reduced flat bucket, or this rank's shard of it under ZeRO-2/3)
     `target` is the parameter/buffer name (user's original name) or the input's position.
+    The runtime binds inputs by kind (runtime/engine.py: Engine._bind); a new kind needs a
+    binding there.
     """
 
     kind: str

@@ -2,7 +2,7 @@
 
 A `Schedule` says, for every rank, the ordered list of `Action`s the runtime executes in one
 training step. The runtime interprets it without deciding anything; generators live in
-`fxspeed/schedules.py`, a cost simulator in `fxspeed/simulator.py`.
+`passes/program/lower_schedule.py`, a cost simulator in `fxspeed/planner/simulator.py`.
 
 Action kinds (`stage` is always the stage local to the rank executing the action):
 

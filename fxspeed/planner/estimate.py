@@ -14,6 +14,8 @@ and `finish_plan` applies the strategy to them. Between the two, costs of severa
 combined: `plan_model` traces a model whose blocks repeat (an nn.ModuleList of identical
 layers) with 1, 2 and 3 blocks and extrapolates linearly to all of them, which is exact for
 FLOPs and parameters and checked on the third trace for memory and time.
+why: docs/decisions/repeated-block-extrapolation.md,
+     docs/decisions/plan-from-the-single-device-program.md
 """
 
 from __future__ import annotations
@@ -68,8 +70,7 @@ def optimizer_temporaries(config: Config, device: DeviceSpec, trainable_bytes: f
     torch.optim (torch/optim/adam.py, sgd.py) for the rank's `trainable_bytes`:
 
     fused (CPU, CUDA: what fxspeed's runtime runs there): none, the kernel updates each tensor in
-        place (measured on CPU: AdamW over one 50M-float parameter, peak RSS +0 MiB fused, +381
-        MiB, two of its size, for-loop).
+        place (why: docs/decisions/fused-optimizers.md).
     foreach (other accelerators): Adam/AdamW build `exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs)`,
         one tensor per parameter (Adam's L2 decay builds `grads + wd*params` too, but frees it
         first); SGD builds `grads + wd*params` only with weight decay.

@@ -37,6 +37,7 @@ gradients of the optimizer phase.
 
 Not counted: the host memory of the compiled programs themselves (graphs, generated code) and
 of the communication library, which is no tensor of the step.
+why (and how close it is): docs/decisions/pipeline-memory-model.md
 """
 
 from __future__ import annotations

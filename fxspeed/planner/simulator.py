@@ -1,6 +1,6 @@
 """Event-time simulation of a pipeline `Schedule` under per-stage costs.
 
-Model (the same p2p semantics `fxspeed.runtime.schedule.validate` assumes):
+Model (the same p2p semantics `fxspeed.ir.schedule.validate` assumes):
   * each rank runs its actions in order, one at a time;
   * F, I, W take the stage's `forward`, `backward_input`, `backward_weight` seconds and B
     takes I + W; REDUCE and STEP take `reduce` / `step` seconds;

@@ -12,6 +12,7 @@ the others (monomials such as batch*seq**2). A grid of (degree + 1) values per d
 such a polynomial uniquely. One more trace, at a point off the grid, checks the fit; its error
 goes to plan.notes. Memory is fitted per phase (the peak is the larger of the two phases, a
 maximum no polynomial can express) and per category within each phase.
+why: docs/decisions/symbolic-dims-by-fitting.md
 """
 
 from __future__ import annotations

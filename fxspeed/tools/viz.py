@@ -1,8 +1,9 @@
 """Plotting helpers for plans and annotated graphs (matplotlib and networkx, imported lazily).
 
-    g = fxspeed.viz.module_graph(engine.graph(), depth=2)     # nodes collapsed to module paths
-    fxspeed.viz.draw_graph(g, color_by="role")               # or color_by="module"
-    fxspeed.viz.plot_timeline(plan)                          # predicted live bytes over the step
+    from fxspeed.tools import viz
+    g = viz.module_graph(engine.graph(), depth=2)     # nodes collapsed to module paths
+    viz.draw_graph(g, color_by="role")               # or color_by="module"
+    viz.plot_timeline(plan)                          # predicted live bytes over the step
 
 Nothing here is needed to train; importing fxspeed does not import matplotlib.
 """

@@ -10,11 +10,8 @@ instead of a fresh tensor per bucket.
              ... last use of a0 ...
              a2 = all_gather_out(shard2, out=slice(ws0, 0, n2))   # a0 is dead: same memory
 
-Why: a fresh large tensor is mapped page by page on first touch. A ZeRO-3 step of a 105.7M GPT
-on 2 CPU ranks allocated ~1.3 GB this way (every bucket gathered twice, every gradient bucket
-flattened once) and took 910k minor page faults against DDP's 438k; the kernel time of those
-faults was most of ZeRO-3's gap to DDP. A workspace is faulted in once per step and then
-rewritten in place by the next bucket.
+A fresh large tensor is mapped page by page on first touch; a workspace is faulted in once per
+step and then rewritten in place by the next bucket. why: docs/decisions/reuse-buffers.md
 
 Memory stays what it was: workspaces are assigned by liveness (interval colouring in graph
 order), so a workspace holds one bucket at a time and is reused only after every alias of its
@@ -143,9 +140,8 @@ def _aliases(u: fx.Node) -> bool:
 
 def _pick(workspaces: list[_Workspace], val: torch.Tensor, start: int) -> _Workspace:
     """A free workspace of the same dtype: the smallest that fits, else the largest (grown).
-    Among equals the one freed last: reusing few workspaces lets the others die early (taking
-    the first free one cycled all four of ZeRO-3's through to the end of backward, 54 MB more
-    at the peak)."""
+    Among equals the one freed last: reusing few workspaces lets the others die early.
+    why: docs/decisions/reuse-buffers.md"""
     free = [ws for ws in workspaces if ws.dtype == val.dtype and ws.device == val.device and ws.free_after < start]
     fits = [ws for ws in free if ws.numel >= val.numel()]
     if fits:
@@ -173,8 +169,8 @@ def _write_into(g: fx.Graph, n: fx.Node, buf: fx.Node, size: int) -> None:
 def _pad_into(g: fx.Graph, n: fx.Node, out: fx.Node, numel: int) -> fx.Node:
     """constant_pad_nd(src, [left, right], value) written into `out` in place.
 
-    ATen's constant_pad_nd.out computes into a new tensor and copies it (12.7k page faults per
-    27 MB bucket here), so fill the two margins and copy the middle instead:
+    ATen's constant_pad_nd.out computes into a new tensor and copies it (page faults: see
+    docs/decisions/reuse-buffers.md), so fill the two margins and copy the middle instead:
 
         fill_(out[:left], value); fill_(out[numel-right:], value); copy_(out[left:numel-right], src)
 

@@ -11,14 +11,14 @@ produces them, with asynchronous collectives; each wait sits just before the nex
 
 ZeRO-0/1 all-reduce (each rank gets the whole averaged bucket); ZeRO-2/3 reduce-scatter (each
 rank gets only its shard and the full gradients die right after the collective is issued).
-With `scatter_via_all_reduce` (the engine sets it on gloo, where reduce-scatter of a 25 MB
-bucket took 1.5x as long as all-reduce plus copying the slice, 2 CPU ranks) ZeRO-2/3 instead all-reduce the fresh flat
-buffer in place and keep a copy of this rank's slice right after the wait:
+With `scatter_via_all_reduce` (the engine sets it on gloo) ZeRO-2/3 instead all-reduce the
+fresh flat buffer in place and keep a copy of this rank's slice right after the wait:
 
     before:  b0 = reduce_scatter(flat0) ...               w0 = wait(b0)
     after:   b0 = all_reduce_(flat0)    ...               w0 = clone(slice(wait(b0), rank*s, (rank+1)*s))
 
 Memory is the same: the full flat buffer lives until the wait either way.
+why: docs/decisions/zero-scatter-via-all-reduce-on-gloo.md
 
 With `reuse_grad_buckets` (ZeRO-0, which keeps every reduced bucket until the optimizer step
 as the Parameters' gradients) each bucket is flattened into a persistent buffer that the runtime owns and binds as a
@@ -27,17 +27,14 @@ as the Parameters' gradients) each bucket is flattened into a persistent buffer 
     before:  b0 = all_reduce_(cat([g_w2, ...]))                     # new 25 MB tensor per step
     after:   b0 = all_reduce_(cat.out([g_w2, ...], out=grad_buffer_0))
 
-A fresh large tensor is page-faulted in on first touch: copying 36 MB of gradients into a new
-tensor measured 4-5x slower than into a reused one (1 CPU thread). Needs the gradients in
-their own dtype and the 1/N in the backward seed; otherwise a bucket gets a fresh buffer.
-Not for ZeRO-1: its full buckets die once the shards are copied out, and persistent ones
-raised its peak RSS by ~17% (GPT 105.7M, 2 ranks) for no measured gain once the parameter
-gathers were deferred.
+Needs the gradients in their own dtype and the 1/N in the backward seed; otherwise a bucket
+gets a fresh buffer. ZeRO-1/2/3 keep fresh flat buffers (reuse_buffers places them).
+why: docs/decisions/persistent-gradient-buckets-for-zero0.md
 
 Buckets hold parameters in the order their gradients are completed, up to `bucket_bytes`,
 and are padded to a multiple of the world size. The mean over ranks comes from seeding
-backward with 1/N (fxspeed.rewrite.scale_backward_seed), so no extra pass over the gradients is needed. The layout goes to `signature.buckets`;
-outputs become "grad_bucket" entries.
+backward with 1/N (fxspeed.compiler.rewrite.scale_backward_seed), so no extra pass over the
+gradients is needed. The layout goes to `signature.buckets`; outputs become "grad_bucket" entries.
 
 Options read from ctx.options: world_size, rank, zero, group_name, bucket_bytes, scatter_via_all_reduce,
 reuse_grad_buckets, reduce_dtype

@@ -23,9 +23,12 @@ rank's shard in a zero-filled full-size buffer and all-reducing it in place (x +
     before:  a0 = all_gather(shard0)
     after:   a0 = all_reduce_(constant_pad_nd(shard0, [rank*s, (N-rank-1)*s]))
 
-gloo's all_gather_into_tensor allocates a full-size temporary on every call (12.7k page faults
-for a 52 MB output, 2 CPU ranks) and took 58 ms where the all-reduce took 35 ms; the padded
-buffer is a flat value that reuse_buffers then places in a reused workspace.
+The padded buffer is a flat value that reuse_buffers then places in a reused workspace.
+why: docs/decisions/zero-gather-via-all-reduce-on-gloo.md
+
+A bucket whose readers in one phase are far apart (two or more other buckets read in between)
+is gathered once per cluster of readers, not once per phase (see _clusters).
+why: docs/decisions/zero3-regather-distant-readers.md
 
 Options read from ctx.options: world_size, rank, group_name, precision, gather_via_all_reduce.
 """
@@ -169,9 +172,8 @@ def _clusters(users: dict[int, dict[str, list[fx.Node]]], order: dict[fx.Node, i
     two or more other buckets are read between two of them.
 
     A GPT's last gradient bucket holds the tied embedding and the first block's norms: read at
-    the start of backward (the head's input gradient) and again at its end. One gather for both
-    kept 25 MB alive through all of backward (and, in forward, embedding to head); gathering
-    again costs one more collective, overlapped like the others."""
+    the start of backward (the head's input gradient) and again at its end, so it gets two
+    gathers per phase. why: docs/decisions/zero3-regather-distant-readers.md"""
     flat = sorted((order[u], k) for k, by_name in users.items() for us in by_name.values() for u in us)
     positions = [p for p, _ in flat]
     out = []

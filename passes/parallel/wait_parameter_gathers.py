@@ -18,6 +18,7 @@ data dependency of the graph rather than a convention.
 The pass records `signature.waits_for_parameters = True`: the runtime defers the gathers only
 for programs that wait for them, and waits itself before anything else reads the weights.
 Requires the bucket layout from reduce_gradients. Options read: world_size, zero.
+why: docs/decisions/defer-parameter-gathers.md
 """
 
 from __future__ import annotations

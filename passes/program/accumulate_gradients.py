@@ -10,19 +10,17 @@ the GEMM (Megatron's "gradient accumulation fusion", done as a graph rewrite).
              runtime: beta = 0 on the stage's first backward of the step (BLAS then ignores
              buf_w's old contents, NaNs included), 1 on the others; buf_w is the gradient
 
-Why: on CPU a fresh gradient-sized tensor per micro-batch is mapped page by page on first touch
-and then added into the running sum in a second pass over memory. Per micro-batch and weight
-that was an mm (6.1 ms for a 2048x512 weight from 256 rows) plus an add (3.3 ms) against one
-addmm into the buffer (5.7 ms). The buffers live across steps (the engine hands them to the
-optimizer as `.grad`), so a steady-state step allocates no weight gradients at all.
+The buffers live across steps (the engine hands them to the optimizer as `.grad`), so a
+steady-state step allocates no weight gradients at all.
+why: docs/decisions/accumulate-gradients-inside-the-gemm.md
 
 Embedding tables the same way, with rows instead of a GEMM:
 
     before:  g_e = embedding_dense_backward(dy, ids, V, -1, False)   # a fresh zeroed [V, C] per micro-batch
     after:   accumulate_rows_(buf_e, beta, ids, dy)                  # (zero it if beta is 0) index_add_ the rows
 
-which for a 50k vocabulary saves a [V, C] fill, a [V, C] add and their page faults per
-micro-batch, touching only the rows of the batch's tokens.
+which touches only the rows of the batch's tokens instead of a [V, C] fill and a [V, C] add
+per micro-batch.
 
 Which outputs: a gradient output computed by an `mm` through a chain of transposes only, where
 no other node reads the mm or the chain, so that writing it into the buffer changes nothing
