@@ -501,10 +501,16 @@ class Engine:
             p.grad = None
         if self.config.zero == 0:
             self._flat.set_grads(reduced)
-        else:
-            for k, buf in reduced.items():
-                lo, hi = self._flat._range(self._flat.buckets[k])
-                self._flat.shards[k].grad = buf[lo:hi].clone()
+            return
+        for k, buf in reduced.items():
+            lo, hi = self._flat._range(self._flat.buckets[k])
+            self._flat.shards[k].grad = buf[lo:hi].clone()
+        if self.config.zero >= 2:
+            # ZeRO-2/3 keep only the gradient shard between steps: the flat reduction buffers and the
+            # runner's accumulation buffers are allocated again next step.
+            del reduced, buf
+            self._flat.grad_buffers.clear()
+            self._runtime.release_gradient_buffers()
 
     def _optimizer_step(self, defer: bool = False) -> None:
         """Unscale and check (fp16), clip by the global norm, step the optimizer and the lr

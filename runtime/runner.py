@@ -135,6 +135,10 @@ class PipelineRuntime:
             if len(p.send_f) > 256 or len(p.send_b) > 256:
                 raise ValueError(f"stage {p.stage} sends more than 256 tensors per message; not supported")
 
+    def release_gradient_buffers(self) -> None:
+        """Drop the stages' accumulation buffers (allocated again at the next step's first backward)."""
+        self._grad_bufs.clear()
+
     # --- one step --------------------------------------------------------------------------
     def run(self, actions: list[Action], microbatches: list[list[torch.Tensor]],
             on_reduce: Callable[[int, dict[str, torch.Tensor]], None] | None = None, on_step: Callable[[], None] | None = None,

@@ -156,7 +156,7 @@ def simulate(schedule: Schedule, costs: Costs | Sequence[StageCosts]) -> SimResu
     if stuck:
         r = stuck[0]
         raise ScheduleError(f"rank {r}, action {pc[r]} ({schedule.actions[r][pc[r]]}): simulation deadlocked; "
-                            f"run fxspeed.runtime.schedule.validate for the full diagnosis", rank=r, index=pc[r],
+                            f"run fxspeed.ir.schedule.validate for the full diagnosis", rank=r, index=pc[r],
                             rule="deadlock")
     step_time = max(clock) if n else 0.0
     idle = [step_time - b for b in busy]
