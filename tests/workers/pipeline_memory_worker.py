@@ -25,14 +25,7 @@ import torch.distributed as dist
 
 import fxspeed
 from fxspeed.models import GPT, GPTConfig
-
-
-def status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
+from tests.workers.memory_worker import status_kb
 
 
 def reset_peak() -> None:
