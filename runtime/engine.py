@@ -103,6 +103,9 @@ class Engine:
         self._buffers = dict(model.named_buffers(remove_duplicate=False))
         self._unique = list(model.parameters())
         self._canonical = _canonical_names(model)  # id(Parameter) -> its first name
+        self._names_of: dict[int, list[str]] = {}  # id(Parameter) -> every name it has
+        for name, p in self._params.items():
+            self._names_of.setdefault(id(p), []).append(name)
         self._flat: FlatParameters | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
@@ -461,10 +464,15 @@ class Engine:
         buf = flat.grad_buffer(k)  # persistent, zero padding
         with torch.no_grad():
             for name, shape, off in zip(b.names, b.shapes, b.offsets):
-                g = _grad_of(self._params[name], grads, self._params)
-                seg = buf[off:off + g.numel()]
-                if g.numel():
-                    seg.copy_(g.reshape(-1))
+                # A weight's gradient summed over every name it has in `grads` (tied aliases).
+                parts = [grads[n] for n in self._names_of[id(self._params[name])] if n in grads]
+                seg = buf[off:off + _numel(shape)].view(shape)
+                if not parts:
+                    seg.zero_()
+                    continue
+                seg.copy_(parts[0])
+                for g in parts[1:]:
+                    seg.add_(g)
         work = dist.all_reduce(buf, group=flat.group, async_op=True)
         self._pending.append((k, work, buf))
 
@@ -499,16 +507,10 @@ class Engine:
         self._pending = []
         for p in self._owned:
             p.grad = None
-        if self.config.zero == 0:
-            self._flat.set_grads(reduced)
-            return
-        for k, buf in reduced.items():
-            lo, hi = self._flat._range(self._flat.buckets[k])
-            self._flat.shards[k].grad = buf[lo:hi].clone()
+        self._flat.set_grads(reduced)  # full buckets: ZeRO-1/2/3 keep this rank's shard of each
         if self.config.zero >= 2:
             # ZeRO-2/3 keep only the gradient shard between steps: the flat reduction buffers and the
             # runner's accumulation buffers are allocated again next step.
-            del reduced, buf
             self._flat.grad_buffers.clear()
             self._runtime.release_gradient_buffers()
 
@@ -924,15 +926,6 @@ def _canonical_names(model: nn.Module) -> dict[int, str]:
     for name, p in model.named_parameters(remove_duplicate=False):
         out.setdefault(id(p), name)
     return out
-
-
-def _grad_of(p: nn.Parameter, grads: dict[str, torch.Tensor], params: dict[str, nn.Parameter]) -> torch.Tensor:
-    """The summed gradient of `p` over every name it has in `grads` (zeros when none)."""
-    total = None
-    for name, q in params.items():
-        if q is p and name in grads:
-            total = grads[name] if total is None else total + grads[name]
-    return total if total is not None else torch.zeros_like(p)
 
 
 def _accumulate(into: dict, new: dict) -> None:

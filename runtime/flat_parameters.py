@@ -107,18 +107,19 @@ class FlatParameters:
         return self.grad_buffers[k]
 
     def set_grads(self, reduced: dict[int, torch.Tensor]) -> None:
-        """Attach the graph's reduced bucket outputs as .grad of the optimizer tensors.
+        """Attach reduced buckets as .grad of the optimizer tensors. A bucket is either full
+        (ZeRO-0/1 graphs, a pipeline's reduction) or already this rank's shard (ZeRO-2/3
+        graphs); under ZeRO-1/2/3 a full one gives up a copy of this rank's shard.
 
-        Consumes `reduced`: under ZeRO-1 each full bucket is dropped as soon as its shard is
-        copied out, so at most one extra bucket is alive (when the caller holds no other
-        reference)."""
+        Consumes `reduced`: each full bucket is dropped as soon as its shard is copied out, so
+        at most one extra bucket is alive (when the caller holds no other reference)."""
         while reduced:
             k, t = reduced.popitem()
             b = self.buckets[k]
             if self.zero == 0:
                 for name, shape, off in zip(b.names, b.shapes, b.offsets):
                     self.params[name].grad = t[off:off + _numel(shape)].view(shape)
-            elif self.zero == 1:
+            elif t.numel() == b.padded and self.world > 1:
                 lo, hi = self._range(b)
                 self.shards[k].grad = t[lo:hi].clone()  # keep only our shard; the full bucket dies
             else:

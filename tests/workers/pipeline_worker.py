@@ -83,7 +83,8 @@ def resume_check(a: argparse.Namespace, *, model_name: str, world: int, cfg: fxs
     fresh.load(ckpt)
     resumed = [step(fresh, b) for b in batches[2:]]
     state = {k: v.clone() for k, v in fresh.state_dict().items()}
-    same = all(torch.equal(v, engine.state_dict()[k]) for k, v in state.items())
+    straight_state = engine.state_dict()  # a collective under a pipeline: once, not per key
+    same = all(torch.equal(v, straight_state[k]) for k, v in state.items())
     torch.save({"straight": straight, "resumed": resumed, "same_params": same},
                os.path.join(a.out, f"resume_{tag}_rank{dist.get_rank()}.pt"))
     dist.barrier()
