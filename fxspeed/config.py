@@ -1,7 +1,9 @@
 """`Config`: the flat, serializable description of how to train.
 
 Every field is validated when the object is built, so a bad value fails at `Config(...)`
-with the key name and the accepted values, not deep inside a pass.
+with the key name and the accepted values, not deep inside a pass. Types are checked from the
+field annotations (see `Config`'s docstring for the rules), and a setting that the other
+settings make ineffective is refused or warned about (`ConfigWarning`), never silently ignored.
 """
 
 from __future__ import annotations
@@ -9,6 +11,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
+import numbers
+import types
+import typing
 import warnings
 from dataclasses import InitVar, dataclass
 from pathlib import Path
@@ -18,7 +24,8 @@ from fxspeed.errors import ConfigError
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 PRECISIONS = ("fp32", "bf16", "fp16")
-LR_SCHEDULES = ("constant", "linear", "cosine")
+LR_SCHEDULES = ("constant", "linear", "cosine", "manual")  # manual: the user sets the lr
+NAN_CHECKS = ("off", "skip", "raise")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 OFFLOADS = ("none", "optimizer", "parameters", "activations", "all")
 LAYER_EXTRAPOLATION = (True, False, "auto")
@@ -36,12 +43,45 @@ _NOT_YET = {
     "offload": ("none", "offload is not implemented yet"),
 }
 
+# The accepted values of the fields that take one of a few (named in type errors too).
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    "optimizer": OPTIMIZERS, "precision": PRECISIONS, "lr_schedule": LR_SCHEDULES, "schedule": SCHEDULES,
+    "offload": OFFLOADS, "zero": (0, 1, 2, 3), "reduce_dtype": ("fp32", "bf16", "fp16"),
+    "layer_extrapolation": LAYER_EXTRAPOLATION, "nan_check": NAN_CHECKS,
+}
+# Name-list fields where a single string is one name (a 1-tuple), never split into characters.
+# split_points is not one of them: how many names it holds decides the number of stages.
+_ONE_NAME_OK = ("fp32_modules", "disable_passes")
+# Optimizer hyperparameters and the optimizers that read them: a non-default value under any
+# other optimizer would have no effect, so it is refused.
+_OPTIMIZER_ONLY = {"momentum": ("sgd",), "betas": ("adamw", "adam"), "eps": ("adamw", "adam")}
+
+
+class ConfigWarning(UserWarning):
+    """A Config setting that has no effect under the other settings chosen (e.g. total_steps with
+    lr_schedule='constant'). Filter it with `warnings.filterwarnings("ignore", category=ConfigWarning)`."""
+
 
 @dataclass
 class Config:
     """How fxspeed trains a model. Flat on purpose: it maps 1:1 to a JSON file.
 
     >>> Config(optimizer="adamw", lr=3e-4, grad_clip=1.0)
+
+    Each field's type is checked against its annotation (ConfigError naming the key, the value
+    and what is accepted): an `int` field takes an integer, not a bool nor a float even if
+    integral (`zero=1.0` -> use `zero=1`); a `float` field takes an int or a float, not a bool,
+    and must be finite (no nan/inf); `| None` fields also take None; tuple fields take a list or a
+    tuple (JSON gives lists) of items of the annotated type; `betas` takes exactly two numbers in
+    [0, 1). A single string for `fp32_modules` or `disable_passes` is one name (`"head"` ->
+    `("head",)`, never split into characters); for `split_points` it is refused (give a list).
+    Values are stored normalized: tuples, Python ints and floats.
+
+    A non-default setting the other settings make ineffective is refused when it names the
+    wrong optimizer (`momentum` with adam/adamw; `betas` or `eps` with sgd), else warned about
+    with a `ConfigWarning`: total_steps under lr_schedule='constant', loss-scale settings
+    without precision='fp16', fp32_modules under precision='fp32', schedule or split_points
+    without a pipeline, pipeline_chunks under a schedule other than 'interleaved'.
     """
 
     optimizer: str = "adamw"
@@ -51,6 +91,9 @@ class Config:
     weight_decay: float = 0.0
     momentum: float = 0.0
     grad_clip: float | None = None
+    # "manual": the engine never changes the lr after Config.lr; set engine.optimizer's
+    # param_groups or step a torch scheduler built on engine.optimizer. Any other schedule owns
+    # the lr, and a change made behind its back is an error at the next step.
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     total_steps: int | None = None
@@ -72,8 +115,13 @@ class Config:
     dist_timeout_s: float = 300.0  # a collective waiting longer than this fails (names the group)
     disable_passes: tuple[str, ...] = ()  # pass names (graph or program passes) not to run
     seed: int | None = None
+    # Non-finite loss or gradients at a step: "off" (eager's behaviour, costs nothing), "skip"
+    # the step (weights, optimizer states and lr schedule unchanged; engine.stats["skipped_steps"]),
+    # or "raise" an error naming the step. All ranks agree (one small all-reduce per step).
+    nan_check: str = "off"
     # schedule="interleaved": stages per pipeline position (virtual stages; Config.pipeline x
-    # pipeline_chunks stages in all, stage s on position s % pipeline). Ignored by other schedules.
+    # pipeline_chunks stages in all, stage s on position s % pipeline). Other schedules ignore it
+    # (a non-default value under a pipeline then warns, see _warn_ineffective).
     pipeline_chunks: int = 2
     # Pipeline: the modules stages 1, 2, ... start at (one per cut, in forward order, e.g.
     # ("blocks.6", "ln_f") for 3 stages). Empty: the cuts balancing predicted stage time.
@@ -88,16 +136,20 @@ class Config:
     def __post_init__(self, extra: dict[str, Any] | None = None) -> None:
         if extra and not isinstance(extra, _ExtraView):  # dataclasses.replace passes the read-back
             self._take_extra(extra)
-        self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
-        self.disable_passes = tuple(self.disable_passes)
-        self.fp32_modules = tuple(self.fp32_modules)
-        if isinstance(self.split_points, str):
-            raise ConfigError(f"Config.split_points={self.split_points!r} is invalid; give a list of module names, "
-                              f"e.g. [{self.split_points!r}]")
-        self.split_points = tuple(self.split_points or ())
+        self._validate()
+        self._warn_ineffective()
+
+    def _validate(self) -> None:
+        """Check (and normalize) every field's type, then the values; raise ConfigError."""
+        if self.split_points is None:  # what the deprecated `extra` read-back gives for "none"
+            self.split_points = ()
+        hints = _field_types()
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _typed(f.name, getattr(self, f.name), hints[f.name]))
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("precision", self.precision, PRECISIONS)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _choice("nan_check", self.nan_check, NAN_CHECKS)
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("offload", self.offload, OFFLOADS)
         _choice("zero", self.zero, (0, 1, 2, 3))
@@ -143,11 +195,44 @@ class Config:
         _positive_int("warmup_steps", self.warmup_steps, allow_zero=True)
         if self.total_steps is not None:
             _positive_int("total_steps", self.total_steps)
-        if self.lr_schedule != "constant" and self.total_steps is None:
+        if self.lr_schedule in ("linear", "cosine") and self.total_steps is None:
             raise ConfigError(
                 f"Config.lr_schedule={self.lr_schedule!r} needs Config.total_steps (the step at which "
                 "the learning rate reaches 0); set total_steps or use lr_schedule='constant'"
             )
+        defaults = _defaults()
+        for key, users in _OPTIMIZER_ONLY.items():
+            value = getattr(self, key)
+            if self.optimizer not in users and value != defaults[key]:
+                used_by = f"optimizer{'s' if len(users) > 1 else ''} {' and '.join(map(repr, users))}"
+                raise ConfigError(f"Config.{key}={value!r} has no effect with optimizer={self.optimizer!r}; {key} is "
+                                  f"used only by {used_by}: remove it (default {defaults[key]!r}) or use "
+                                  f"optimizer={users[0]!r}")
+
+    def _warn_ineffective(self) -> None:
+        """Warn (ConfigWarning) about non-default settings that the other settings make ineffective."""
+        defaults = _defaults()
+        changed = {k for k, v in defaults.items() if getattr(self, k) != v}
+        ignored: list[tuple[str, str]] = []
+        if self.lr_schedule in ("constant", "manual") and "total_steps" in changed:
+            ignored.append(("total_steps", f"lr_schedule={self.lr_schedule!r} does not decay (only 'linear' and "
+                                           "'cosine' read total_steps)"))
+        if self.lr_schedule == "manual" and "warmup_steps" in changed:
+            ignored.append(("warmup_steps", "lr_schedule='manual' leaves the learning rate to you"))
+        if self.precision != "fp16":
+            ignored += [(k, f"precision={self.precision!r} uses no loss scaling (only 'fp16' does)")
+                        for k in ("loss_scale", "loss_scale_window", "loss_scale_backoff", "loss_scale_growth")
+                        if k in changed]
+        if self.precision == "fp32" and "fp32_modules" in changed:
+            ignored.append(("fp32_modules", "precision='fp32' keeps every module in fp32 already"))
+        if self.pipeline == 1:
+            ignored += [(k, "pipeline=1 runs no pipeline (set Config.pipeline to the number of stages)")
+                        for k in ("schedule", "split_points") if k in changed]
+        elif self.schedule != "interleaved" and "pipeline_chunks" in changed:
+            ignored.append(("pipeline_chunks", f"schedule={self.schedule!r} places one stage per position (only "
+                                               "'interleaved' reads pipeline_chunks)"))
+        for key, why in ignored:
+            warnings.warn(f"Config.{key}={getattr(self, key)!r} has no effect: {why}", ConfigWarning, stacklevel=4)
 
     @property
     def n_stages(self) -> int:
@@ -197,6 +282,9 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Config":
         """Build from a dict of field values ("extra", deprecated, is accepted as by Config())."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"a Config is built from a dict of settings (a JSON object), got {type(d).__name__}: "
+                              f"{d!r:.80}")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names - {"extra"})
         if unknown:
@@ -212,7 +300,11 @@ class Config:
     @classmethod
     def from_json(cls, path: str | Path) -> "Config":
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"Config file {str(path)!r} is not valid JSON: {e}") from None
+        return cls.from_dict(d)
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
@@ -223,6 +315,7 @@ class Config:
         if config is None:
             return cls()
         if isinstance(config, Config):
+            config._validate()  # again: a field may have been assigned since it was built
             return config
         if isinstance(config, dict):
             return cls.from_dict(config)
@@ -244,6 +337,103 @@ def _extra(self: Config) -> dict[str, Any]:
 
 # Set after the dataclass is made: in the class body it would become the InitVar's default.
 Config.extra = property(_extra)  # type: ignore[assignment,method-assign]
+
+
+def _defaults() -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(Config)}
+
+
+_TYPES: dict[str, Any] = {}
+
+
+def _field_types() -> dict[str, Any]:
+    """The fields' annotations, evaluated (this module uses `from __future__ import annotations`)."""
+    if not _TYPES:
+        _TYPES.update(typing.get_type_hints(Config))
+    return _TYPES
+
+
+def _describe(tp: Any) -> str:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (types.UnionType, typing.Union):
+        return " or ".join("None" if a is type(None) else _describe(a) for a in args)
+    if typing.get_origin(tp) is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a list of {_describe(args[0]).split(' ', 1)[1]}s"
+        return f"a list of {len(args)} {_describe(args[0]).split(' ', 1)[1]}s"
+    return {int: "an integer", float: "a finite number", str: "a string", bool: "a bool (True or False)"}[tp]
+
+
+def _typed(key: str, value: Any, tp: Any, what: str | None = None) -> Any:
+    """`value` checked against the annotation `tp` and normalized (tuples, int, float), or ConfigError.
+    `what` describes the accepted type in messages (default: `tp`'s description)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    what = what or _describe(tp)
+
+    def bad(hint: str = "") -> ConfigError:
+        accepted = f"; accepted values: {', '.join(map(repr, _CHOICES[key]))}" if key in _CHOICES else ""
+        return ConfigError(f"Config.{key}={value!r} is invalid; it must be {what}, not "
+                           f"{type(value).__name__}{hint}{accepted}")
+
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        members = [a for a in args if a is not type(None)]
+        if len(members) == 1:
+            return _typed(key, value, members[0], what)
+        if any(type(value) is a for a in members):  # e.g. bool | str: exactly one of them
+            return value
+        raise bad()
+    if origin is tuple:
+        if isinstance(value, str):
+            if key in _ONE_NAME_OK and args[0] is str:
+                return (value,)
+            raise ConfigError(f"Config.{key}={value!r} is invalid; it must be {what}, not a string "
+                              f"(which would be read character by character): give e.g. [{value!r}]")
+        if not isinstance(value, (list, tuple)):
+            raise bad()
+        if args[-1] is not Ellipsis and len(value) != len(args):
+            raise bad(f" with {len(value)} item(s)")
+        items = []
+        for i, item in enumerate(value):
+            try:
+                items.append(_typed(f"{key}[{i}]", item, args[0] if args[-1] is Ellipsis else args[i]))
+            except ConfigError as e:
+                raise ConfigError(f"{e} (in Config.{key}={value!r}, which must be {what})") from None
+        return tuple(items)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad()
+    if tp is int:
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value)
+        if isinstance(value, bool) or (isinstance(value, float) and value.is_integer()):
+            raise bad(f" (use {key}={int(value)})")
+        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            raise bad(f" (use {key}={int(value)})")
+        raise bad()
+    if tp is float:
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            try:
+                number = float(value)
+            except OverflowError:
+                number = math.inf
+            if not math.isfinite(number):
+                raise ConfigError(f"Config.{key}={value!r} is invalid; it must be {what} (not nan or inf)")
+            return number
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                raise bad() from None
+            raise bad(f" (use {key}={number!r})" if math.isfinite(number) else "")
+        raise bad()
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad()
+    raise TypeError(f"Config.{key}: no type check for the annotation {tp!r}")  # a new field's type: add it here
 
 
 def _choice(key: str, value: Any, accepted: tuple[Any, ...]) -> None:

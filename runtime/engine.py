@@ -218,11 +218,41 @@ class Engine:
                                         zero=self.config.zero, group=self.mesh.group("dp"), gather_group=gather_group)
             tensors = self._flat.optimizer_tensors()
             self._counted_buckets = list(range(len(sig.buckets)))
+            if self.config.zero >= 3:
+                self._guard_released_module(list(canonical.values()), "sharded across the data-parallel ranks (ZeRO-3)",
+                                            " or wrap the call in `with engine.gathered():` (on every rank)")
         else:
             tensors = [p for p in self._unique if p.requires_grad]
         self._owned = [p for p in self._unique if p.requires_grad]
         self._counted = list(self._owned)
+        self._build_optimizer(tensors)
+
+    def _guard_released_module(self, released: list[nn.Parameter], where: str, also: str) -> None:
+        """The user's module holds 0-size Parameters where this rank does not keep the weight;
+        calling it would fail deep inside an op ("'weight' must be 2-D"). Say why, and what works."""
+        if not released or getattr(self, "_release_hook", None) is not None:
+            return
+        probe, name = released[0], type(self.model).__name__
+
+        def refuse(module: nn.Module, args: Any) -> None:
+            if probe.numel() == 0:  # not inside engine.gathered(), not while the engine traces
+                raise FxspeedError(
+                    f"{name} was called directly, but fxspeed's engine holds its parameters {where}: this rank's "
+                    "module has 0-size Parameters. Use engine.train_step / engine.eval_step, or get the full "
+                    "weights with engine.state_dict() (collective: call it on every rank) and load them into a "
+                    f"copy of the model{also}")
+
+        self._release_hook = self.model.register_forward_pre_hook(refuse)
+
+    def gathered(self) -> Any:
+        """Context manager: inside it, the user's module holds this rank's full weights (ZeRO-3
+        gathers them; collective, call it on every rank). Without ZeRO-3 it does nothing."""
+        self.synchronize()
+        return self._gathered()
+
+    def _build_optimizer(self, tensors: list[torch.Tensor]) -> None:
         self.optimizer, self.lr_scheduler = build_optimizer(tensors, _optimizer_spec(self.config))
+        self._lr_set = [g["lr"] for g in self.optimizer.param_groups]
 
     # --- compile: pipeline ---------------------------------------------------------------------
     def _compile_pipeline(self, args: tuple, kwargs: dict) -> None:
@@ -290,6 +320,8 @@ class Engine:
                 if pid not in mine:
                     self._freed_shapes[pid] = tuple(p.shape)
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        if self._freed_shapes:
+            self._guard_released_module([by_id[pid] for pid in self._freed_shapes], "on other pipeline stages' ranks", "")
         tensors: list[torch.Tensor] = list(self._owned)
         if self.dp_size > 1:
             buckets = self._pipeline_buckets(tied)
@@ -297,7 +329,7 @@ class Engine:
                                         rank=self.dp_rank, world=self.dp_size, zero=self.config.zero,
                                         group=self.mesh.group("dp"))
             tensors = self._flat.optimizer_tensors()
-        self.optimizer, self.lr_scheduler = build_optimizer(tensors, _optimizer_spec(self.config))
+        self._build_optimizer(tensors)
 
     def _pipeline_buckets(self, tied: set[int]) -> list[Bucket]:
         """One bucket per stage of this rank (its weights no other position holds), reduced at the
@@ -427,11 +459,11 @@ class Engine:
         for name, g in grads.items():
             # A tied weight the graph still feeds under several names gets one gradient per name.
             p = self._params[name]
-            p.grad = g if p.grad is None else p.grad + g
+            p.grad = _in_layout_of(p, g if p.grad is None else p.grad + g)
         if self._flat is not None:
             self._flat.set_grads(buckets)
         del grads, buckets  # free before the optimizer allocates its temporaries
-        self._optimizer_step(defer=defer)
+        self._optimizer_step(defer=defer, loss=total)
         if self.dist.active:
             total = total.detach().clone()
             dist.all_reduce(total, group=self.dist.group)
@@ -449,7 +481,7 @@ class Engine:
             with torch.no_grad():
                 self._finish_pipeline_grads(grads)
             del grads
-        self._optimizer_step()
+        self._optimizer_step(loss=loss)
         return self._global_mean(loss)
 
     def _reduce_stage(self, stage: int, grads: dict[str, torch.Tensor]) -> None:
@@ -486,7 +518,7 @@ class Engine:
             p = self._params[name]
             if self._grad_divisor != 1.0:
                 g = g / self._grad_divisor
-            p.grad = g if p.grad is None else p.grad + g
+            p.grad = _in_layout_of(p, g if p.grad is None else p.grad + g)
         for p in self._owned:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -514,15 +546,19 @@ class Engine:
             self._flat.grad_buffers.clear()
             self._runtime.release_gradient_buffers()
 
-    def _optimizer_step(self, defer: bool = False) -> None:
-        """Unscale and check (fp16), clip by the global norm, step the optimizer and the lr
-        schedule, gather updated ZeRO shards; gradients are freed either way."""
+    def _optimizer_step(self, defer: bool = False, loss: torch.Tensor | None = None) -> None:
+        """Unscale and check (fp16), check for non-finite values (Config.nan_check), clip by the
+        global norm, step the optimizer and the lr schedule, gather updated ZeRO shards;
+        gradients are freed either way. `loss`: this rank's loss, if it has one."""
         stepped = [t for g in self.optimizer.param_groups for t in g["params"] if t.grad is not None]
-        if not unscale_or_skip(self.scaler, stepped, self.stats):
+        self._check_lr_untouched()
+        if not unscale_or_skip(self.scaler, stepped, self.stats) and not self._nonfinite_skip(stepped, loss):
             if self.config.grad_clip is not None:
                 self._clip(stepped)
             self.optimizer.step()
-            self.lr_scheduler.step()
+            if self.config.lr_schedule != "manual":
+                self.lr_scheduler.step()
+                self._lr_set = [g["lr"] for g in self.optimizer.param_groups]
             if self._flat is not None:
                 # Deferred: the gathers overlap the next forward, which waits for each bucket
                 # just before its first use (passes/wait_parameter_gathers).
@@ -530,6 +566,52 @@ class Engine:
         for g in self.optimizer.param_groups:
             for t in g["params"]:
                 t.grad = None  # free gradients now rather than holding them through the next forward
+
+    def _check_lr_untouched(self) -> None:
+        """The lr rule: Config's schedule owns the learning rate unless Config.lr_schedule is
+        "manual". A param group's lr changed behind the schedule's back would be overwritten at
+        this step without a word, so it is an error that names the way to own the lr."""
+        if self.config.lr_schedule == "manual":
+            return
+        for i, (g, lr) in enumerate(zip(self.optimizer.param_groups, self._lr_set)):
+            if g["lr"] != lr:
+                raise FxspeedError(
+                    f"engine.optimizer.param_groups[{i}]['lr'] was changed outside the engine ({lr:g} -> {g['lr']:g}); "
+                    f"Config.lr_schedule={self.config.lr_schedule!r} sets it at every step and would undo that. To set "
+                    "the lr yourself (by hand or with a torch.optim.lr_scheduler built on engine.optimizer), use "
+                    "Config(lr_schedule='manual'); to change the schedule, change Config.lr / lr_schedule / "
+                    "warmup_steps / total_steps")
+
+    def _nonfinite_skip(self, stepped: list[torch.Tensor], loss: torch.Tensor | None) -> bool:
+        """Config.nan_check: one agreed answer on every rank to "is the loss or any gradient
+        NaN/inf at this step?" ("skip": the step is skipped, as an fp16 overflow is; "raise":
+        an error naming the step). Off (the default) costs nothing."""
+        mode = self.config.nan_check
+        if mode == "off":
+            return False
+        grads = [t.grad for t in stepped]
+        bad = torch.zeros((), dtype=torch.float32, device=self._device)
+        if grads:
+            bad += torch.nn.utils.get_total_norm(grads, foreach=True).float() * 0  # NaN/inf survive * 0
+        if loss is not None:
+            bad += loss.detach().float().to(bad.device) * 0
+        bad = (~torch.isfinite(bad)).float()
+        if self.dist.active:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.dist.group)
+        if not bad.item():
+            return False
+        step = self.stats["steps"]
+        where = "the loss or a gradient"
+        if loss is not None and not torch.isfinite(loss.detach()).all():
+            where = f"the loss ({float(loss.detach().float().sum()):g})"
+        if mode == "raise":
+            raise FxspeedError(f"train_step {step}: {where} is NaN or inf (Config.nan_check='raise'); the weights and "
+                               "optimizer states are unchanged (this step was not applied). Check this batch, or use "
+                               "nan_check='skip' to skip such steps")
+        self.stats["skipped_steps"] += 1
+        log.warning("fxspeed: step %d: %s is NaN or inf; skipped (Config.nan_check='skip'; %d skipped so far)",
+                    step, where, self.stats["skipped_steps"])
+        return True
 
     def _clip(self, stepped: list[torch.Tensor]) -> None:
         """Clip `stepped` by the norm of the whole model's gradient: each weight counted once,
@@ -824,7 +906,7 @@ class Engine:
                              rank=self.rank)
         self._load_model_state(ck.model)
         self._load_canonical_optimizer_state(ck.optimizer)
-        self.lr_scheduler.load_state_dict(ck.extra["lr_scheduler"])
+        self._load_lr_schedule(ck.extra["lr_scheduler"])
         if self.scaler is not None and ck.extra.get("loss_scaler") is not None:
             self.scaler.load_state_dict(ck.extra["loss_scaler"])
             self._scale.copy_(self.scaler.scale)
@@ -832,6 +914,28 @@ class Engine:
         rng = ck.extra["rng"]
         # The same rank's stream when the world size matches (an exact resume); else rank 0's.
         torch.set_rng_state(rng[self.rank] if len(rng) == self.world_size else rng[0])
+
+    def _load_lr_schedule(self, saved: dict[str, Any]) -> None:
+        """The schedule resumes at the saved step, but Config wins over the checkpoint: the lr is
+        Config.lr under Config's schedule (a run resumed with a new lr uses it). Under
+        lr_schedule="manual" the user owns the lr, and the saved one is restored."""
+        self.lr_scheduler.load_state_dict(saved)
+        groups = self.optimizer.param_groups
+        if self.config.lr_schedule == "manual":
+            for g, lr in zip(groups, saved.get("_last_lr", [])):
+                g["lr"] = lr
+        else:
+            was = saved.get("base_lrs", [])
+            if any(lr != self.config.lr for lr in was):
+                log.warning("fxspeed: the checkpoint was trained with lr=%s; continuing with Config.lr=%g (Config "
+                            "wins; use Config(lr_schedule='manual') to keep the checkpoint's lr)",
+                            ", ".join(f"{lr:g}" for lr in sorted(set(was))), self.config.lr)
+            self.lr_scheduler.base_lrs = [self.config.lr] * len(groups)
+            factor = self.lr_scheduler.lr_lambdas[0](self.lr_scheduler.last_epoch)
+            for g in groups:
+                g["lr"] = self.config.lr * factor
+        self.lr_scheduler._last_lr = [g["lr"] for g in groups]
+        self._lr_set = [g["lr"] for g in groups]
 
     def export(self, path: str | os.PathLike) -> None:
         """One consolidated safetensors file of the model's full state (what the model's own
@@ -919,6 +1023,16 @@ def unscale_or_skip(scaler: DynamicLossScaler | None, stepped: list[torch.Tensor
         log.warning("fxspeed: step %d overflowed in fp16; skipped (loss scale now %g, %d skipped so far)",
                     stats["steps"], float(scaler.scale), stats["skipped_steps"])
     return overflow
+
+
+def _in_layout_of(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """`g` with `p`'s strides. The graph's gradient may come out in another layout (a
+    channels_last conv weight's gradient, a transposed view's); torch's fused and foreach
+    optimizers pair parameter and gradient elements by memory position, so a mismatch updates
+    the wrong elements without an error. Eager autograd keeps the same contract (AccumulateGrad)."""
+    if g.stride() == p.stride() or p.numel() <= 1:
+        return g
+    return torch.empty_like(p, dtype=g.dtype).copy_(g)
 
 
 def _canonical_names(model: nn.Module) -> dict[int, str]:

@@ -54,6 +54,8 @@ def lr_lambda(spec: OptimizerSpec):  # noqa: ANN201 - returns a step -> factor f
     warm, total, kind = spec.warmup_steps, spec.total_steps, spec.lr_schedule
 
     def factor(step: int) -> float:
+        if kind == "manual":  # the user sets the lr; the engine never steps this schedule
+            return 1.0
         if warm and step < warm:
             return (step + 1) / warm
         if kind == "constant" or total is None:

@@ -1,0 +1,162 @@
+"""Regression tests for silent wrong results in the training step (issue "Correctness first"):
+gradient layout, the learning-rate rule, the NaN guard, and a user module whose weights the
+engine holds elsewhere. Each compares with eager PyTorch using the same fused optimizer."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxspeed
+from fxspeed.errors import FxspeedError
+from tests.multiprocess import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class ConvAndTransposed(nn.Module):
+    """A conv fed channels_last input (its weight gradient comes out channels_last) and a
+    Parameter that is itself a transposed view (its gradient comes out contiguous)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3)
+        self.w = nn.Parameter(torch.randn(6, 5).t())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(x).square().mean() + (x.flatten(1)[:, :5] @ self.w).square().mean()
+
+
+def _eager_adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_gradients_reach_the_fused_optimizer_in_their_parameters_layout(zero: int) -> None:
+    torch.manual_seed(0)
+    model = ConvAndTransposed()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    engine = fxspeed.compile(model, 1, fxspeed.Config(lr=0.1, zero=zero), example_inputs=(x,))
+    opt = _eager_adamw(ref, 0.1)
+    for _ in range(3):
+        loss = engine.train_step(x)
+        opt.zero_grad()
+        ref_loss = ref(x)
+        ref_loss.backward()
+        opt.step()
+        assert loss == pytest.approx(float(ref_loss.detach()), rel=1e-6)
+    state = engine.state_dict()
+    for name, p in ref.state_dict().items():
+        torch.testing.assert_close(state[name], p, rtol=1e-6, atol=1e-7, msg=name)
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return ((self.l(a) - b) ** 2).mean()
+
+
+def _tiny_engine(**cfg: object) -> tuple[fxspeed.Engine, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    batch = (torch.randn(3, 4), torch.randn(3, 4))
+    return fxspeed.compile(Tiny(), 1, fxspeed.Config(**cfg), example_inputs=batch), batch
+
+
+def test_changing_a_param_groups_lr_behind_the_schedule_is_an_error_that_names_manual() -> None:
+    engine, batch = _tiny_engine(lr=0.1)
+    engine.train_step(*batch)
+    engine.optimizer.param_groups[0]["lr"] = 0.0
+    with pytest.raises(FxspeedError, match="lr_schedule='manual'"):
+        engine.train_step(*batch)
+
+
+def test_a_manual_schedule_leaves_the_lr_to_the_user_and_a_torch_scheduler_drives_it() -> None:
+    engine, batch = _tiny_engine(lr=0.1, lr_schedule="manual")
+    sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
+    seen = []
+    for _ in range(3):
+        engine.train_step(*batch)
+        sched.step()
+        seen.append(engine.optimizer.param_groups[0]["lr"])
+    assert seen == pytest.approx([0.05, 0.025, 0.0125])
+    engine.optimizer.param_groups[0]["lr"] = 0.0
+    before = {k: v.clone() for k, v in engine.state_dict().items()}
+    engine.train_step(*batch)
+    for k, v in engine.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)  # lr 0 is honoured: nothing moves
+
+
+def test_a_resumed_run_uses_the_new_configs_lr_and_the_saved_schedule_position(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    engine, batch = _tiny_engine(lr=0.1, lr_schedule="linear", total_steps=10)
+    for _ in range(4):
+        engine.train_step(*batch)
+    engine.save(tmp_path / "ck")
+    resumed, _ = _tiny_engine(lr=0.02, lr_schedule="linear", total_steps=10)
+    with caplog.at_level(logging.WARNING, logger="fxspeed"):
+        resumed.load(tmp_path / "ck")
+    assert "Config.lr=0.02" in caplog.text
+    # step 4 of a linear decay over 10 steps: 0.6 of the (new) base lr
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(0.02 * 0.6)
+    resumed.train_step(*batch)
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(0.02 * 0.5)
+
+
+def test_a_nan_batch_poisons_nothing_with_nan_check_skip() -> None:
+    engine, (a, b) = _tiny_engine(lr=0.1, nan_check="skip")
+    engine.train_step(a, b)
+    before = {k: v.clone() for k, v in engine.state_dict().items()}
+    engine.train_step(a * float("nan"), b)
+    assert engine.stats["skipped_steps"] == 1
+    for k, v in engine.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    assert math.isfinite(engine.train_step(a, b))
+
+
+def test_a_nan_batch_raises_naming_the_step_with_nan_check_raise() -> None:
+    engine, (a, b) = _tiny_engine(lr=0.1, nan_check="raise")
+    engine.train_step(a, b)
+    before = {k: v.clone() for k, v in engine.state_dict().items()}
+    b_inf = b.clone()
+    b_inf[0, 0] = float("inf")
+    with pytest.raises(FxspeedError, match="train_step 1: .*NaN or inf"):
+        engine.train_step(a, b_inf)
+    for k, v in engine.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+
+
+def test_without_nan_check_a_nan_batch_still_trains_as_eager_does() -> None:
+    engine, (a, b) = _tiny_engine(lr=0.1)
+    engine.train_step(a * float("nan"), b)
+    assert math.isnan(engine.train_step(a, b))  # the default is off: no hidden cost, eager's behaviour
+
+
+def _worker(case: str, tmp: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "fxspeed", "run", "-n", "2", "-m", "tests.workers.correctness_worker",
+           "--case", case, "--out", str(tmp)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["zero3_module", "nan_one_rank", "eval_global", "layout_dp"])
+def test_two_rank_correctness_cases(case: str, tmp_path: Path) -> None:
+    """zero3_module: calling the user's module under ZeRO-3 names the engine and the way out, and
+    `engine.gathered()` makes it usable; nan_one_rank: a NaN on one rank's batch skips the step on
+    both; eval_global: eval_step returns the global mean on every rank; layout_dp: channels_last/transposed gradients under DP x ZeRO-1/2 equal one process."""
+    proc = _worker(case, tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    for r in range(2):
+        assert (tmp_path / f"rank{r}.txt").read_text() == "ok", (tmp_path / f"rank{r}.txt").read_text()

@@ -1,0 +1,123 @@
+"""Run under `fxspeed run -n 2 -m tests.workers.correctness_worker --case CASE --out DIR`.
+
+    zero3_module  under ZeRO-3 the user's module holds 0-size Parameters: calling it raises an
+                  FxspeedError naming the engine's way out; inside `engine.gathered()` it gives
+                  the eager output of the current weights
+    nan_one_rank  Config(nan_check="skip"): a NaN in rank 1's local batch only skips the step on
+                  both ranks (parameters unchanged everywhere, both count one skipped step)
+    eval_global   eval_step on 2 ranks returns the global batch's mean loss on both (as
+                  train_step does), not each rank's own
+    layout_dp     channels_last conv + transposed Parameter, ZeRO-1 and ZeRO-2 on 2 ranks: three
+                  steps equal one process's eager fused AdamW on the global batch
+
+Each rank writes "ok" or what went wrong to DIR/rank{r}.txt and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+
+import fxspeed
+from fxspeed.data import local_batch
+from fxspeed.errors import FxspeedError
+from tests.test_training_correctness import ConvAndTransposed, Tiny
+
+
+def zero3_module() -> str:
+    torch.manual_seed(0)
+    model = Tiny()
+    ref = copy.deepcopy(model)
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    engine = fxspeed.compile(model, 2, fxspeed.Config(zero=3, lr=0.0), example_inputs=local_batch((a, b)))
+    try:
+        model(a, b)
+        return "calling the ZeRO-3 module did not raise"
+    except FxspeedError as e:
+        if "engine.state_dict()" not in str(e) or "gathered" not in str(e):
+            return f"unhelpful error: {e}"
+    with engine.gathered():
+        got = model(a, b)
+    if not torch.allclose(got, ref(a, b)):
+        return f"gathered module gives {float(got)} != eager {float(ref(a, b))}"
+    return "ok"
+
+
+def nan_one_rank() -> str:
+    torch.manual_seed(0)
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    engine = fxspeed.compile(Tiny(), 2, fxspeed.Config(lr=0.1, nan_check="skip", zero=1),
+                             example_inputs=local_batch((a, b)))
+    engine.train_step(*local_batch((a, b)))
+    before = {k: v.clone() for k, v in engine.state_dict().items()}
+    la, lb = local_batch((a, b))
+    if rank == 1:
+        la = la * float("nan")
+    engine.train_step(la, lb)
+    after = engine.state_dict()
+    if engine.stats["skipped_steps"] != 1:
+        return f"skipped_steps={engine.stats['skipped_steps']}"
+    if any(not torch.equal(after[k], before[k]) for k in before):
+        return "parameters changed on a skipped step"
+    return "ok"
+
+
+def eval_global() -> str:
+    torch.manual_seed(0)
+    model = Tiny()
+    ref = copy.deepcopy(model)
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    engine = fxspeed.compile(model, 2, fxspeed.Config(lr=0.1), example_inputs=local_batch((a, b)))
+    got = engine.eval_step(*local_batch((a, b)))
+    want = float(ref(a, b))
+    return "ok" if abs(got - want) <= 1e-6 * abs(want) else f"eval_step gave {got}, global mean is {want}"
+
+
+def layout_dp() -> str:
+    out = []
+    for zero in (1, 2):
+        torch.manual_seed(0)
+        model = ConvAndTransposed()
+        ref = copy.deepcopy(model)
+        x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
+        lx = local_batch((x,))
+        engine = fxspeed.compile(model, 2, fxspeed.Config(lr=0.1, zero=zero, bucket_mb=0.0001), example_inputs=lx)
+        opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.0, fused=True)
+        for _ in range(3):
+            engine.train_step(*lx)
+            opt.zero_grad()
+            ref(x).backward()
+            opt.step()
+        state = engine.state_dict()
+        for name, p in ref.state_dict().items():
+            err = float((state[name] - p).abs().max() / p.abs().max())
+            if err > 1e-5:
+                out.append(f"zero={zero} {name}: relative error {err:.3g}")
+    return "; ".join(out) or "ok"
+
+
+CASES = {"zero3_module": zero3_module, "nan_one_rank": nan_one_rank, "eval_global": eval_global, "layout_dp": layout_dp}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", required=True, choices=CASES)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    os.environ.setdefault("FXSPEED_BACKEND", "gloo")
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    msg = CASES[a.case]()
+    with open(os.path.join(a.out, f"rank{rank}.txt"), "w") as f:
+        f.write(msg)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
