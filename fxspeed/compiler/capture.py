@@ -17,6 +17,7 @@ why: docs/decisions/aot-export-not-dynamo.md, docs/decisions/capture-on-fake-ten
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxspeed.errors import CaptureError
-from fxspeed.ir.batch import input_key, split_inputs, tensor_leaves  # noqa: F401
+from fxspeed.ir.batch import input_key, split_inputs, tensor_leaves, traced_format  # noqa: F401
 from fxspeed.ir import IOSpec, StepSignature
 
 LossFn = Callable[..., torch.Tensor]
@@ -58,28 +59,38 @@ class CapturedStep:
 
 def extract_loss(output: Any, loss_fn: LossFn | None, args: tuple, kwargs: dict, model_name: str = "model") -> torch.Tensor:
     """The scalar loss of one forward: `loss_fn(output, *args, **kwargs)`, else the output
-    itself when it is a scalar, else `output.loss` / `output["loss"]` (Hugging Face)."""
+    itself when it is a 0-dim tensor, else `output.loss` / `output["loss"]` (Hugging Face),
+    else the first element of a tuple/list when it is a 0-dim tensor."""
+    # Rule: without loss_fn, only a 0-dim tensor is taken for a loss where the model's output
+    # is guessed at (the output itself, a tuple's first element). A one-element tensor of shape
+    # (1,) or (1, 1) is more often a prediction (a regressor at batch size 1) than a loss, and
+    # training on it silently is the worst outcome. Named losses (loss_fn, `.loss`) are the
+    # user's word and may have one element of any shape.
     if loss_fn is not None:
         loss = loss_fn(output, *args, **kwargs)
     elif isinstance(output, torch.Tensor):
-        if output.numel() != 1:
+        if output.dim() != 0:
             raise CaptureError(
-                f"{model_name}'s output is a tensor of shape {tuple(output.shape)}, not a scalar loss, and no "
-                "loss_fn was given: pass compile(..., loss_fn=fn) where fn(output, *batch, **batch_kwargs) returns "
-                "a scalar, or return the loss from forward"
+                f"{model_name} returned a tensor of shape {tuple(output.shape)}, which is not a loss (a loss is a "
+                "0-dim tensor), and no loss_fn was given: pass compile(..., loss_fn=fn) where "
+                "fn(output, *batch, **batch_kwargs) returns a 0-dim tensor, or return the loss from forward "
+                "(e.g. output.mean() or F.mse_loss(output, target))"
             )
         loss = output
     elif isinstance(output, dict) and output.get("loss") is not None:
         loss = output["loss"]
     elif getattr(output, "loss", None) is not None:
         loss = output.loss
-    elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor) and output[0].numel() == 1:
+    elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor) and output[0].dim() == 0:
         loss = output[0]
     else:
+        first = ""
+        if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+            first = f" whose first element has shape {tuple(output[0].shape)} (a loss is a 0-dim tensor)"
         raise CaptureError(
-            f"{model_name}'s output ({type(output).__name__}) has no loss: return a scalar tensor, an object "
-            "or dict with a 'loss' (Hugging Face: pass labels=...), or give compile(..., loss_fn=fn) where "
-            "fn(output, *batch) returns a scalar"
+            f"{model_name}'s output ({type(output).__name__}{first}) has no loss: return a 0-dim tensor (e.g. "
+            "output.mean()), an object or dict with a 'loss' (Hugging Face: pass labels=...), or give "
+            "compile(..., loss_fn=fn) where fn(output, *batch) returns a 0-dim tensor"
         )
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise CaptureError(
@@ -87,6 +98,14 @@ def extract_loss(output: Any, loss_fn: LossFn | None, args: tuple, kwargs: dict,
             f"{'a tensor of shape ' + str(tuple(loss.shape)) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
             "; reduce it "
             "(e.g. .mean()) in the model or in loss_fn"
+        )
+    if not (loss.is_floating_point() or loss.is_complex()):
+        # An integer loss ((logits > 0).sum(), a count) has no gradient: say so here, not as
+        # AOT export's "marked as the loss, but it does not require gradients".
+        raise CaptureError(
+            f"the loss of {model_name} is an integer tensor ({loss.dtype}), which has no gradient, so it "
+            "does not depend on any trainable parameter: compute a floating-point loss (e.g. "
+            "F.binary_cross_entropy_with_logits(logits, target) instead of counting with (logits > 0).sum())"
         )
     return loss.reshape(())
 
@@ -142,14 +161,26 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn
     Runs on fake tensors: nothing the size of an activation is allocated, and a model on the
     meta device can be captured.
     """
-    with fake_model_state(model, args, kwargs) as (fargs, fkwargs):
-        return _capture(model, args, kwargs, fargs, fkwargs, loss_fn=loss_fn, train=train)
+    from fxspeed.compiler.checkpoint_regions import checkpoint_regions
+
+    # torch.utils.checkpoint regions: traced directly, their nodes tagged meta["recompute"]
+    with fake_model_state(model, args, kwargs) as (fargs, fkwargs), checkpoint_regions() as regions:
+        cap = _capture(model, args, kwargs, fargs, fkwargs, loss_fn=loss_fn, train=train)
+    regions.tag(cap.gm)
+    return cap
 
 
 def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs: dict, *,
-             loss_fn: LossFn | None, train: bool) -> CapturedStep:
+             loss_fn: LossFn | None, train: bool, unroll_rnns: bool = False) -> CapturedStep:
     from torch._functorch.aot_autograd import aot_export_module
 
+    if train and not any(p.requires_grad for p in model.parameters()):
+        n = sum(1 for _ in model.parameters())
+        raise CaptureError(
+            f"{type(model).__name__} has no trainable parameters: requires_grad is False on all of its {n} "
+            "parameters, so there is nothing to train. Set requires_grad_(True) on the parameters to train "
+            "(a frozen backbone needs at least one trainable head), or use engine.eval_step for inference"
+        )
     args, kwargs = fargs, fkwargs
     leaves, spec = split_inputs(args, kwargs)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -157,11 +188,17 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs:
     frozen: list[nn.Parameter] = []
     hidden: list[tuple[nn.Module, str, nn.Parameter]] = []
     saved: dict[int, tuple[nn.Module, dict[str, Any]]] = {}
-    was_training = model.training
-    model.train(train)
+    # A training step is traced in the modes the user's modules are in (a BatchNorm put in eval
+    # mode stays frozen, as in eager); an eval step in eval mode throughout. Every module's own
+    # mode is restored after: model.train(flag) would overwrite them all.
+    modes = [(m, m.training) for m in model.modules()]
+    retry_unrolled = False
+    if not train:
+        model.eval()
     owners = _ModuleOwners(model)
     try:
-        with _tracing_flags(), owners, _rng_untouched(model, tensors):
+        with _tracing_flags(), owners, _rng_untouched(model, tensors), _without_torch_compile(model), \
+                (_rnns_unrolled(model) if unroll_rnns else contextlib.nullcontext()):
             try:
                 gm, sig = aot_export_module(wrapper, tensors, trace_joint=train,
                                             output_loss_index=0 if train else None)
@@ -185,14 +222,20 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs:
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes one clear error
-        raise _capture_error(model, e, train) from e
+        if not (train and not unroll_rnns and _is_rnn_export_limit(model, e)):
+            known = _known_capture_error(model, wrapper, tensors, e) if train else None
+            raise (known or _capture_error(model, e, train)) from e
+        retry_unrolled = True  # below, once the model is restored
     finally:
         for owner, params in saved.values():  # restore, in the original order
             owner._parameters.clear()
             owner._parameters.update(params)
         for p in frozen:
             p.requires_grad_(True)
-        model.train(was_training)
+        for m, mode in modes:
+            m.training = mode
+    if retry_unrolled:
+        return _capture(model, fargs, fkwargs, fargs, fkwargs, loss_fn=loss_fn, train=train, unroll_rnns=True)
     _drop_metadata_asserts(gm)
     signature = _signature(gm, sig, n_user=len(tensors), train=train, loss_out=wrapper.out_spec is None)
     # The canonical name of a tied weight is the first name the graph is fed (a hidden alias
@@ -212,6 +255,150 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs:
 
 
 @contextlib.contextmanager
+def _rnns_unrolled(model: nn.Module) -> Iterator[None]:
+    """Trace nn.LSTM / nn.GRU / nn.RNN modules as a loop over time steps of cell math.
+
+    Rule: the fused RNN op is kept when AOT export can trace its backward; when it cannot
+    (torch 2.11-2.13 lose a weight gradient of a unidirectional nn.LSTM: "len(
+    gradients_to_parameters)=3 + ... != len(backward_output_names)=4"), the training trace is
+    retried with each RNN module's forward, for the trace only, written as linear/sigmoid/tanh
+    per time step over the module's own parameters (same names, same gradients; equal to
+    eager within float rounding). The graph grows with sequence length x layers. Not unrolled
+    (the capture error then names the module):
+    PackedSequence inputs, and dropout between layers in training (its random draws would not
+    follow eager's)."""
+    mods = [m for m in model.modules() if type(m) in (nn.LSTM, nn.GRU, nn.RNN)
+            and not (m.training and m.dropout > 0 and m.num_layers > 1)]
+    saved = [(m, m.__dict__.get("forward")) for m in mods]
+    try:
+        for m in mods:
+            m.__dict__["forward"] = functools.partial(_unrolled_rnn_forward, m)
+        yield
+    finally:
+        for m, fwd in saved:
+            if fwd is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.__dict__["forward"] = fwd
+
+
+def _unrolled_rnn_forward(m: nn.RNNBase, input: Any, hx: Any = None) -> Any:  # noqa: A002 - torch's name
+    import torch.nn.functional as F
+
+    if isinstance(input, nn.utils.rnn.PackedSequence):
+        raise CaptureError(f"{type(m).__name__} with a PackedSequence input cannot be captured for training: pad "
+                           "the batch instead (a padded tensor and a mask in the loss)")
+    lstm, gru = isinstance(m, nn.LSTM), isinstance(m, nn.GRU)
+    batched = input.dim() == 3
+    x = input if batched else input.unsqueeze(1)
+    if m.batch_first and batched:
+        x = x.transpose(0, 1)  # time-major from here on
+    T, B = x.shape[0], x.shape[1]
+    D = 2 if m.bidirectional else 1
+    out_size = m.proj_size if getattr(m, "proj_size", 0) else m.hidden_size
+    if hx is None:
+        h0 = x.new_zeros(m.num_layers * D, B, out_size)
+        c0 = x.new_zeros(m.num_layers * D, B, m.hidden_size) if lstm else None
+    else:
+        h0, c0 = hx if lstm else (hx, None)
+        if not batched:
+            h0 = h0.unsqueeze(1)
+            c0 = c0.unsqueeze(1) if c0 is not None else None
+    act = torch.relu if getattr(m, "nonlinearity", "tanh") == "relu" else torch.tanh
+    h_n, c_n = [], []
+    layer_in = x
+    for layer in range(m.num_layers):
+        outs = []
+        for d in range(D):
+            sfx = f"_l{layer}" + ("_reverse" if d else "")
+            w_ih, w_hh = getattr(m, "weight_ih" + sfx), getattr(m, "weight_hh" + sfx)
+            b_ih = getattr(m, "bias_ih" + sfx) if m.bias else None
+            b_hh = getattr(m, "bias_hh" + sfx) if m.bias else None
+            w_hr = getattr(m, "weight_hr" + sfx, None) if lstm else None
+            h = h0[layer * D + d]
+            c = c0[layer * D + d] if lstm else None
+            xw = F.linear(layer_in, w_ih, b_ih)
+            seq: list[Any] = [None] * T
+            for t in (reversed(range(T)) if d else range(T)):
+                gh = F.linear(h, w_hh, b_hh)
+                if lstm:
+                    i, f, g, o = (xw[t] + gh).chunk(4, 1)
+                    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                    h = torch.sigmoid(o) * torch.tanh(c)
+                    if w_hr is not None:
+                        h = F.linear(h, w_hr)
+                elif gru:
+                    i_r, i_z, i_n = xw[t].chunk(3, 1)
+                    h_r, h_z, h_n_ = gh.chunk(3, 1)
+                    r = torch.sigmoid(i_r + h_r)
+                    z = torch.sigmoid(i_z + h_z)
+                    n = torch.tanh(i_n + r * h_n_)
+                    h = n + z * (h - n)
+                else:
+                    h = act(xw[t] + gh)
+                seq[t] = h
+            outs.append(torch.stack(seq))
+            h_n.append(h)
+            if lstm:
+                c_n.append(c)
+        layer_in = torch.cat(outs, -1) if D == 2 else outs[0]
+        if m.training and m.dropout > 0 and layer < m.num_layers - 1:
+            layer_in = F.dropout(layer_in, m.dropout, True)  # not reached: such modules are not unrolled
+    out = layer_in
+    if m.batch_first and batched:
+        out = out.transpose(0, 1)
+    hn = torch.stack(h_n)
+    cn = torch.stack(c_n) if lstm else None
+    if not batched:
+        out, hn = out.squeeze(1), hn.squeeze(1)
+        cn = cn.squeeze(1) if cn is not None else None
+    return (out, (hn, cn)) if lstm else (out, hn)
+
+
+@contextlib.contextmanager
+def _without_torch_compile(model: nn.Module) -> Iterator[None]:
+    """Run `torch.compile`d modules (OptimizedModule, the model itself or a submodule) as their
+    original module while tracing.
+
+    Rule: fxspeed compiles the original module; the OptimizedModule wrapper stays in place (so
+    parameter names keep their `_orig_mod.` prefix and match the engine's), only its forward is
+    pointed at the original for the trace. Tracing through dynamo would run inductor's generated
+    kernels on fake tensors and fail inside a generated file."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except Exception:  # noqa: BLE001 - no dynamo: nothing can be wrapped
+        yield
+        return
+    wrapped = [m for m in model.modules() if isinstance(m, OptimizedModule)]
+    if not wrapped:
+        yield
+        return
+    import warnings
+
+    names = {id(m): n for n, m in model.named_modules()}
+    warnings.warn(
+        "fxspeed: " + ", ".join(f"`{names.get(id(m)) or type(m._orig_mod).__name__}`" for m in wrapped)
+        + " is a torch.compile'd module (OptimizedModule); fxspeed compiles the original module "
+        "(._orig_mod) instead. Pass the module without torch.compile to silence this warning.",
+        stacklevel=3,
+    )
+    saved = [(m, m.__dict__.get("forward")) for m in wrapped]
+    try:
+        for m in wrapped:
+            m.__dict__["forward"] = m._orig_mod.__call__
+        with warnings.catch_warnings():
+            # torch's note on global module hooks concerns dynamo; the hooks are capture's own
+            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+            yield
+    finally:
+        for m, fwd in saved:
+            if fwd is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.__dict__["forward"] = fwd
+
+
+@contextlib.contextmanager
 def fake_model_state(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple[tuple, dict]]:
     """Swap the model's parameters and buffers for fake tensors while tracing.
 
@@ -221,8 +408,9 @@ def fake_model_state(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[tu
     meta tensors skip autograd for some ops (torch registers meta kernels for e.g. nll_loss,
     which then bypass the op's autograd formula, so `cross_entropy` gives no gradient). Fake
     CPU tensors behave as CPU tensors in every respect but hold no data. For the duration of
-    the block, the model's meta parameters and buffers are swapped for fake CPU ones (tied
-    weights stay tied) and the batch's meta tensors likewise; the originals come back after.
+    the block, the model's parameters and buffers are swapped for fake ones (meta -> CPU; tied
+    weights stay tied) and each batch tensor for its own dense fake (aliasing between batch
+    tensors is not kept, on purpose); the originals come back after.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -239,6 +427,19 @@ def fake_model_state(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[tu
             made[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
         return made[id(t)]
 
+    def fake_input(t: torch.Tensor) -> torch.Tensor:
+        # Rule: every tensor leaf of the batch is its own fresh, dense fake (no memo by id, no
+        # storage shared with another leaf or with the example), laid out by `traced_format`.
+        # Tracing the example itself would bake its aliasing into the graph: `(x, x)` gave one
+        # input read twice, so a later `train_step(a, b)` computed `model(b, b)`; and its
+        # strides into view ops. The runtime feeds each leaf in the same format
+        # (`tensor_leaves`), so neither aliasing nor strides can differ from what was traced.
+        if t.layout != torch.strided:
+            return t
+        with mode:
+            return torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu" if t.is_meta else t.device,
+                               memory_format=traced_format(t))
+
     swapped: list[tuple[dict, str, torch.Tensor]] = []
     try:
         for mod in model.modules():
@@ -247,7 +448,7 @@ def fake_model_state(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[tu
                     if t is not None:
                         swapped.append((store, k, t))
                         store[k] = fake(t)
-        yield pytree.tree_map(lambda x: fake(x) if isinstance(x, torch.Tensor) and x.is_meta else x, (args, kwargs))
+        yield pytree.tree_map(lambda x: fake_input(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
     finally:
         for store, k, t in reversed(swapped):
             store[k] = t
@@ -414,6 +615,113 @@ _SKIP_DIRS = tuple(os.path.dirname(m.__file__) for m in (torch, contextlib) if g
 def _user_frame(tb: Any) -> traceback.FrameSummary | None:
     frames = traceback.extract_tb(tb)
     for fr in reversed(frames):
+        f = os.path.abspath(fr.filename)
+        if not f.startswith(_SKIP_DIRS) and "site-packages/torch" not in f and "<" not in fr.filename:
+            return fr
+    return None
+
+
+def _is_rnn_export_limit(model: nn.Module, e: BaseException) -> bool:
+    """AOT export's failure on the fused LSTM op ("len(gradients_to_parameters)=3 + ... !=
+    len(backward_output_names)=4") in a model holding RNN modules `_rnns_unrolled` can unroll."""
+    msg = str(e)
+    return ("len(gradients_to_parameters)" in msg and "backward_output_names" in msg
+            and any(type(m) in (nn.LSTM, nn.GRU, nn.RNN) for m in model.modules()))
+
+
+def _known_capture_error(model: nn.Module, wrapper: "_StepModule", tensors: list[torch.Tensor],
+                         e: BaseException) -> CaptureError | None:
+    """Torch limitations and user mistakes that AOT export reports in its own terms and with no
+    user line: say what the user did and the way out, naming the module, parameter and line."""
+    msg = str(e)
+    name = type(model).__name__
+    if "len(gradients_to_parameters)" in msg and "backward_output_names" in msg:
+        rnns = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.RNNBase)]
+        stuck = [(n, m) for n, m in rnns if type(m) not in (nn.LSTM, nn.GRU, nn.RNN)
+                 or (m.training and m.dropout > 0 and m.num_layers > 1)]  # those `_rnns_unrolled` left
+        rnns = stuck or rnns
+        if rnns:
+            which = ", ".join(f"`{n or name}` ({type(m).__name__})" for n, m in rnns)
+            return CaptureError(
+                f"cannot capture the training step of {name}: {which} cannot be captured for training. fxspeed "
+                "traces RNN modules as a loop over time steps, except with dropout between layers (num_layers > 1 "
+                "and dropout > 0 in training, whose random draws would not follow eager's), and torch's export of "
+                "the fused RNN op does not give a gradient for every weight "
+                f"({msg.strip().splitlines()[0]}). How to fix: stack single-layer modules with nn.Dropout between "
+                "them (or set dropout=0), or write a loop over nn.LSTMCell / nn.GRUCell / nn.RNNCell, or keep the "
+                "RNN out of the model given to fxspeed.compile.",
+                op=f"aten.{type(rnns[0][1]).__name__.lower()}",
+            )
+    if "marked as the loss, but it does not require gradients" in msg:
+        return CaptureError(
+            f"cannot capture the training step of {name}: the loss does not depend on any trainable parameter "
+            "(it does not require gradients). How to fix: compute the loss from the model's output (not only "
+            "from the batch, or from detached / no_grad values), and check that the parameters it should "
+            "train have requires_grad=True."
+        )
+    if "requires gradients, and received a mutation" in msg:
+        found = _find_parameter_mutation(wrapper, tensors)
+        if found is not None:
+            pname, op, frame = found
+            where = f" at {frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`" if frame else ""
+            return CaptureError(
+                f"cannot capture the training step of {name}: forward modifies the trainable parameter `{pname}` "
+                f"in place ({op}){where}. How to fix: do not modify parameters inside forward (in-place ops on "
+                "a parameter or on its .data); change them outside the training step under torch.no_grad(), "
+                "or compute a new tensor (w = self.weight * s) and use it.",
+                op=op, source=f"{frame.filename}:{frame.lineno}" if frame else None,
+            )
+    return None
+
+
+def _find_parameter_mutation(wrapper: "_StepModule", tensors: list[torch.Tensor]
+                             ) -> tuple[str, str, traceback.FrameSummary | None] | None:
+    """Run forward+loss once more on the (fake) tensors, watching for an op that writes into
+    the storage of a trainable parameter (`p.data.mul_(...)`, `p.add_(...)` under no_grad).
+    Returns (parameter name, op, user frame) of the first one, or None."""
+    from torch._guards import detect_fake_mode
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    named = [(_strip(n), p) for n, p in wrapper.named_parameters() if p.requires_grad]
+    try:
+        storages = {StorageWeakRef(p.untyped_storage()): n for n, p in named}
+    except Exception:  # noqa: BLE001 - a diagnostic only
+        return None
+    found: list[tuple[str, str, traceback.FrameSummary | None]] = []
+
+    class _Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            kwargs = kwargs or {}
+            if not found:
+                for i, a in enumerate(func._schema.arguments):
+                    if a.alias_info is None or not a.alias_info.is_write:
+                        continue
+                    t = args[i] if i < len(args) else kwargs.get(a.name)
+                    if isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) in storages:
+                        frames = traceback.StackSummary.extract(traceback.walk_stack(None))
+                        found.append((storages[StorageWeakRef(t.untyped_storage())], str(func),
+                                      _first_user_frame(reversed(frames))))
+                        break
+            return func(*args, **kwargs)
+
+    mode = detect_fake_mode(tensors) or detect_fake_mode([p for _, p in named])
+    try:
+        with contextlib.ExitStack() as stack:
+            if mode is not None:
+                stack.enter_context(mode)
+            stack.enter_context(torch.random.fork_rng())
+            stack.enter_context(_without_torch_compile(wrapper.model))
+            stack.enter_context(_Watch())
+            wrapper(*tensors)
+    except Exception:  # noqa: BLE001 - a diagnostic only; what it saw before failing still counts
+        pass
+    return found[0] if found else None
+
+
+def _first_user_frame(frames: Any) -> traceback.FrameSummary | None:
+    """The innermost frame outside torch and fxspeed's capture, of frames given innermost-last."""
+    for fr in reversed(list(frames)):
         f = os.path.abspath(fr.filename)
         if not f.startswith(_SKIP_DIRS) and "site-packages/torch" not in f and "<" not in fr.filename:
             return fr

@@ -20,13 +20,14 @@ def input_key(args: tuple, kwargs: dict) -> tuple:
     """Hashable description of a batch: structure, tensor shapes/dtypes/devices, other values.
 
     A batch with another key needs another trace; the engine caches traces by this key, so a
-    new shape retraces once and is then reused.
+    new shape retraces once and is then reused. The key holds each tensor's `traced_format`,
+    not its strides or its aliasing: see `traced_format` for why that is enough.
     """
     leaves, spec = split_inputs(args, kwargs)
     parts = []
     for x in leaves:
         if isinstance(x, torch.Tensor):
-            parts.append(("T", tuple(x.shape), x.dtype, x.device.type))
+            parts.append(("T", tuple(x.shape), x.dtype, x.device.type, _FORMAT_NAMES[traced_format(x)]))
         else:
             try:
                 hash(x)
@@ -36,9 +37,40 @@ def input_key(args: tuple, kwargs: dict) -> tuple:
     return (str(spec), tuple(parts))
 
 
+def traced_format(x: torch.Tensor) -> torch.memory_format:
+    """The memory format a batch tensor is traced in, and the one it is fed to the graph in.
+
+    Rule (the layout half of the cache key): a graph is traced on batch tensors that are fresh,
+    dense and independent -- contiguous, or channels_last (4-D) / channels_last_3d (5-D) when
+    the tensor is in that format and not plainly contiguous -- never on the example's own
+    strides or storage. So aliasing between inputs (`(x, x)`, `dict(input_ids=ids,
+    labels=ids)`, `d[:, :-1]` and `d[:, 1:]`) is never baked into a graph, and a traced `view`
+    never meets strides it was not traced for: `tensor_leaves` makes any other layout match
+    (one copy, only when the layout differs, e.g. a sliced LM batch)."""
+    if x.layout != torch.strided or x.is_contiguous():
+        return torch.contiguous_format
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+_FORMAT_NAMES = {torch.contiguous_format: "contiguous", torch.channels_last: "channels_last",
+                 torch.channels_last_3d: "channels_last_3d"}
+
+
 def tensor_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The batch's tensors as a traced graph takes them: each in its `traced_format` (a copy
+    only for a tensor not already dense in it)."""
     leaves, _ = split_inputs(args, kwargs)
-    return [x for x in leaves if isinstance(x, torch.Tensor)]
+    out = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            fmt = traced_format(x)
+            dense = x.layout != torch.strided or x.is_contiguous(memory_format=fmt)
+            out.append(x if dense else x.contiguous(memory_format=fmt))
+    return out
 
 
 def split_batch(args: tuple, kwargs: dict, k: int, key: str = "microbatches") -> list[tuple[tuple, dict]]:
