@@ -18,7 +18,9 @@ CUDA, gloo on CPU), or uses the default group when the script already initialize
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxspeed.errors import ConfigError
+from fxspeed.errors import ConfigError, FxspeedError
 
 
 @dataclass
@@ -102,6 +104,64 @@ def check_same_model(ctx: DistContext, model: Any, config: Any) -> None:
     shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
     check_agreement(ctx, "the model and config", fingerprint(type(model).__name__, shapes, config.to_dict()),
                     "every rank must build the same model (same parameter names, shapes, dtypes) and Config")
+
+
+# Per process: how many times each (group, name) check ran, so every call has its own store key.
+_arrivals: dict[tuple[str, str], itertools.count] = {}
+
+
+def expect_all_ranks(name: str, timeout_s: float = 10.0, group: Any = None, fix: str | None = None) -> None:
+    """Fail fast, with a clear FxspeedError, when a collective method is called on some ranks only
+    (e.g. `if rank == 0: engine.state_dict()`), instead of hanging until the process group's
+    timeout and a raw backend error. Call it first thing in the method, on every rank of `group`
+    (default: all ranks), with the method's name, e.g. "engine.state_dict()".
+
+    Every rank adds 1 to a key of the default c10d store unique to this call (name, group and
+    this process's count of such calls) and waits until all ranks of the group have added theirs;
+    the last rank to leave deletes the key. No process group or one rank: returns at once.
+    Three store round trips per call; works for any backend (gloo, NCCL). A rank that waits more
+    than `timeout_s` raises, so a rank legitimately busy for that long before calling (its own
+    eval, I/O) makes this raise too: pass a timeout above the skew your ranks can have.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    world = dist.get_world_size(group)
+    if world <= 1:
+        return
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    gname = group.group_name if group is not None else "world"
+    n = next(_arrivals.setdefault((gname, name), itertools.count(1)))
+    key = f"fxspeed/expect_all_ranks/{gname}/{name}/{n}"
+    done = key + "/all"
+    start = time.monotonic()
+    arrived = store.add(key, 1)
+    if arrived == world:
+        store.set(done, b"1")
+    elif arrived < world:
+        try:
+            store.wait([done], timedelta(seconds=max(timeout_s, 0.001)))
+        except Exception as e:  # noqa: BLE001 - DistStoreError / RuntimeError("Wait timeout") by version
+            arrived = store.add(key, 0)
+            if arrived >= world:  # everyone arrived just as the wait gave up
+                pass
+            else:
+                waited = time.monotonic() - start
+                hint = fix or ("Call it on every rank and save on rank 0 only: `state = engine.state_dict()` "
+                               "on every rank, then `if rank == 0: torch.save(state, path)`")
+                raise FxspeedError(
+                    f"{name} is collective: every rank must call it (rank {dist.get_rank()} waited {waited:.0f}s; "
+                    f"{arrived} of {world} ranks arrived). {hint}") from e
+    # Leave: the last of the 2 * world increments means every rank is past its wait; clean up.
+    if store.add(key, 1) == 2 * world:
+        for k in (key, done):
+            try:
+                store.delete_key(k)
+            except Exception:  # noqa: BLE001 - a store without delete_key: the key stays (small)
+                pass
 
 
 DIMS = ("dp", "pp", "tp")

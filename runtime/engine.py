@@ -39,7 +39,7 @@ from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.ir import Bucket, IOSpec, Program, StepSignature
 from fxspeed.ir.batch import input_key, split_batch, tensor_leaves
 from fxspeed.ir.schedule import B, F, I, RECV_B, RECV_F, SEND_F, STEP, W, Action, Schedule
-from fxspeed.mesh import Mesh, check_agreement, check_same_everywhere, check_same_model, fingerprint
+from fxspeed.mesh import Mesh, check_agreement, check_same_everywhere, check_same_model, expect_all_ranks, fingerprint
 from fxspeed.planner import costs_reader, finish_plan
 from fxspeed.planner.plan import Plan
 from fxspeed.runtime.executor import StepExecutor
@@ -128,6 +128,7 @@ class Engine:
         self._runtime: PipelineRuntime | None = None
         self._eval_runtime: PipelineRuntime | None = None
         self._freed_shapes: dict[int, tuple[int, ...]] = {}
+        self._requires_grad: list[tuple[str, bool]] | None = None  # at compile, by name
         self._owned: list[nn.Parameter] = []
         self._tied: list[tuple[Any, nn.Parameter]] = []  # (group over the positions holding it, weight)
         self._counted: list[nn.Parameter] = []
@@ -175,7 +176,9 @@ class Engine:
 
     # --- compile: one stage --------------------------------------------------------------------
     def _executor(self, args: tuple, kwargs: dict, train: bool) -> StepExecutor:
-        key = (train, input_key(args, kwargs))
+        # A train step traces the modules in the modes they are in (a frozen BatchNorm stays in
+        # eval, as in eager), so the modes are part of what a trace assumed; eval is all-eval.
+        key = (train, input_key(args, kwargs), self._python_state(train))
         if self.dist.active:
             # Every step: a rank meeting a new shape alone would otherwise trace and run
             # collectives the others never join.
@@ -186,11 +189,21 @@ class Engine:
         if ex is not None:
             return ex
         self.synchronize()  # tracing reads the weights
+        self._check_parameters_unchanged()
+        if train and not self.model.training:
+            log.warning("fxspeed: %s is in eval mode; train_step trains it that way, as eager would (dropout off, "
+                        "BatchNorm on running statistics). Call model.train() first to train in training mode",
+                        type(self.model).__name__)
         want_plan = train and self.plan is None
         # ZeRO-3 keeps only shards between steps; tracing needs the full parameters once.
         with self._gathered():
             compiled = self.compiler.step(self.model, args, kwargs, train=train,
                                           analyze=costs_reader(self.config, self.devices) if want_plan else None)
+        after = self._python_state(train)
+        if after != key[2]:
+            _warn_python_state_changed(self.model, key[2], after)
+            # Keyed under what the next step will see, or every step would trace again.
+            key = (train, key[1], after)
         cap = compiled.captured
         if train and self.optimizer is None:
             self._setup_state(cap.signature)
@@ -250,6 +263,32 @@ class Engine:
         self.synchronize()
         return self._gathered()
 
+    def _python_state(self, train: bool) -> tuple:
+        """What a trace baked in besides the batch: each module's train/eval mode (train steps) and
+        its plain Python attributes (numbers, strings). A change retraces, as torch.compile's
+        guards would; computing it costs microseconds per module."""
+        return tuple((m.training if train else False, _scalars(m)) for m in self.model.modules())
+
+    def _check_parameters_unchanged(self) -> None:
+        """requires_grad and Parameter hooks as at compile: the optimizer and gradient buffers are
+        built once, and the captured graph runs no Python hooks on Parameters."""
+        now = [(n, p.requires_grad) for n, p in self._params.items()]
+        if getattr(self, "_requires_grad", None) is None:
+            self._requires_grad = now
+        elif now != self._requires_grad:
+            changed = [f"{n} ({was} -> {is_})" for (n, was), (_, is_) in zip(self._requires_grad, now) if was != is_]
+            raise FxspeedError(f"requires_grad changed after compile for {', '.join(changed[:5])}"
+                               + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+                               + "; the optimizer and gradient buffers were built for the parameters trainable at "
+                               "compile. Freeze or unfreeze before fxspeed.compile (or compile a new engine)")
+        hooked = [n for n, p in self._params.items()
+                  if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)]
+        if hooked:
+            raise FxspeedError(f"Parameter {hooked[0]!r} of {type(self.model).__name__} has a gradient hook "
+                               "(Tensor.register_hook or register_post_accumulate_grad_hook); the compiled step does "
+                               "not run Python hooks on Parameters, so it would be ignored. Remove it; for clipping "
+                               "use Config.grad_clip, for scaling change the loss (or use loss_fn)")
+
     def _build_optimizer(self, tensors: list[torch.Tensor]) -> None:
         self.optimizer, self.lr_scheduler = build_optimizer(tensors, _optimizer_spec(self.config))
         self._lr_set = [g["lr"] for g in self.optimizer.param_groups]
@@ -261,7 +300,12 @@ class Engine:
             if key != self._key:
                 raise ConfigError("the pipeline engine was compiled for another batch signature; pass batches of the "
                                   "shapes given as example_inputs (a new shape would re-split the model across ranks)")
+            if self._python_state(True) != self._traced_state:
+                raise ConfigError(f"a module's train/eval mode or a Python attribute of {type(self.model).__name__} "
+                                  "changed after the pipeline was compiled; its stages cannot be traced again. Set "
+                                  "modes and attributes before fxspeed.compile")
             return
+        self._check_parameters_unchanged()
         check_agreement(self.dist, "the batch signature (shapes, dtypes, structure)", fingerprint(key),
                         "every rank must pass a batch of the same shapes (each pipeline: the same batch)")
         margs, mkw = split_batch(args, kwargs, self.M)[0]
@@ -271,6 +315,7 @@ class Engine:
                                    split_points=list(self.config.split_points) or None,
                                    analyze=costs_reader(micro_cfg, self.devices[:1]))
         self.programs, self.schedule, self._grad_divisor = cp.stages, cp.schedule, cp.grad_divisor
+        self._traced_state = self._python_state(True)
         mine = {s: self.programs[s] for s in self.stages}
         self._runtime = PipelineRuntime(mine, self.M, self._bind, group=self.mesh.group("pp"), peers=self.pipe_ranks,
                                device=self._device)
@@ -409,7 +454,7 @@ class Engine:
         of this rank's first stage. For inspection; do not mutate."""
         if self.pipelined and self.programs:
             return self.programs[self.stages[0]].forward
-        for (train, _), ex in self._executors.items():
+        for (train, *_), ex in self._executors.items():
             if train:
                 return ex.program.gm
         raise ValueError("no training step compiled yet; call fxspeed.compile(..., example_inputs=...) or "
@@ -427,6 +472,8 @@ class Engine:
         """
         if self.scaler is not None:
             self._scale.copy_(self.scaler.scale)
+        if self._requires_grad is not None:
+            self._check_parameters_unchanged()
         if self.pipelined:
             loss = self._pipeline_step(args, kwargs)
         else:
@@ -684,7 +731,6 @@ class Engine:
         margs, mkw = split_batch(args, kwargs, self.M)[0]
         stand_in: dict[int, nn.Parameter] = {}
         swapped: list[tuple[dict, str, nn.Parameter]] = []
-        was_training = self.model.training
         try:
             for mod in self.model.modules():
                 for name, t in list(mod._parameters.items()):
@@ -694,12 +740,10 @@ class Engine:
                                                                         device="meta"), requires_grad=t.requires_grad)
                         swapped.append((mod._parameters, name, t))
                         mod._parameters[name] = stand_in[id(t)]
-            self.model.eval()
-            with self._gathered():
+            with self._gathered():  # an eval trace puts the modules in eval mode, and restores each one's
                 cp = self.compiler.program(self.model, margs, mkw, train=False,
                                            split_points=[p.starts_at for p in self.programs[1:]])
         finally:
-            self.model.train(was_training)
             for store, name, t in swapped:
                 store[name] = t
         if not any(s.kind == "loss" for s in cp.captured.signature.outputs):
@@ -830,6 +874,8 @@ class Engine:
         name), loadable into the plain model with `load_state_dict(strict=True)`, on every rank.
         A collective under ZeRO-3 and pipelines (call it on every rank). Without them, as with
         nn.Module.state_dict(), the tensors alias the live weights: clone them to keep a snapshot."""
+        if self.pipelined or self.config.zero >= 3:
+            self._expect_all_ranks("engine.state_dict()")
         local = self._local_state()
         if self.pipelined and self.dist.active:
             parts: list[Any] = [None] * len(self.pipe_ranks)
@@ -844,6 +890,20 @@ class Engine:
         state = self.model.state_dict(keep_vars=True)
         return {n: by_id.get(id(v), local.get(n, v.detach())) for n, v in state.items()}
 
+    def _expect_all_ranks(self, name: str) -> None:
+        """Fail fast when a collective method is called on some ranks only (`if rank == 0:
+        engine.state_dict()`), instead of hanging until dist_timeout_s."""
+        if self.dist.active:
+            expect_all_ranks(name, timeout_s=min(30.0, self.config.dist_timeout_s), group=self.dist.group)
+
+    def _full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's and buffer's full shape by canonical name, whatever this rank holds."""
+        full = {n: tuple(s) for b in (self._flat.buckets if self._flat is not None else ()) for n, s in zip(b.names, b.shapes)}
+        out = {self._canonical[id(p)]: full.get(self._canonical[id(p)], self._freed_shapes.get(id(p), tuple(p.shape)))
+               for p in self._unique}
+        out.update({n: tuple(b.shape) for n, b in self.model.named_buffers()})
+        return out
+
     def optimizer_state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()}
 
@@ -853,18 +913,30 @@ class Engine:
         self._load_model_state(state)
 
     def _load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        shapes = self._full_shapes()
+        # Everything is checked before anything is written: a half-loaded model is a silent mix.
+        pairs, problems = [], []
+        for name, p in self._params.items():
+            if id(p) in self._freed_shapes:
+                continue
+            src = state.get(name, state.get(self._canonical[id(p)]))
+            want = shapes.get(self._canonical[id(p)], tuple(p.shape))
+            if src is None:
+                problems.append(f"{name} is missing")
+            elif tuple(src.shape) != want:
+                problems.append(f"{name} has shape {tuple(src.shape)} in the state but {want} in the model")
+            else:
+                pairs.append((name, src))
+        for name, b in self.model.named_buffers():
+            if name in state and tuple(state[name].shape) != tuple(b.shape):
+                problems.append(f"buffer {name} has shape {tuple(state[name].shape)} in the state but {tuple(b.shape)}")
+        if problems:
+            raise ConfigError(f"load_state_dict: the state does not fit {type(self.model).__name__} ({len(problems)} "
+                              f"problem(s); nothing was loaded): {'; '.join(problems[:5])}"
+                              + (" ..." if len(problems) > 5 else "") + ". Pass the full state of the same model")
         with torch.no_grad(), self._gathered():
-            for name, p in self._params.items():
-                if id(p) in self._freed_shapes:
-                    continue
-                src = state.get(name, state.get(self._canonical[id(p)]))
-                if src is None:
-                    raise ConfigError(f"load_state_dict: the state has no tensor for {type(self.model).__name__}."
-                                      f"{name}; pass the full state of the same model")
-                if tuple(src.shape) != tuple(p.shape):
-                    raise ConfigError(f"load_state_dict: {name} has shape {tuple(src.shape)} in the state but "
-                                      f"{tuple(p.shape)} in the model")
-                p.copy_(src)
+            for name, src in pairs:
+                self._params[name].copy_(src)
             for name, b in self.model.named_buffers():
                 if name in state:
                     b.copy_(state[name])
@@ -880,6 +952,7 @@ class Engine:
         if self.optimizer is None:
             raise FxspeedError("engine.save: nothing to save before the engine is compiled; pass example_inputs to "
                                "fxspeed.compile or run a train_step first")
+        self._expect_all_ranks("engine.save()")
         rng: list[Any] = [torch.get_rng_state()]
         if self.dist.active:  # the checkpoint keeps rank 0's `extra`: carry every rank's RNG in it
             rng = [None] * self.world_size
@@ -899,11 +972,16 @@ class Engine:
         if self.optimizer is None:
             raise FxspeedError("engine.load: compile the engine first (fxspeed.compile(..., example_inputs=...)) so "
                                "the parameter layout and optimizer exist")
+        self._expect_all_ranks("engine.load()")
         self.synchronize()
         held = [p for p in self._unique if id(p) not in self._freed_shapes]
         names = sorted({self._canonical[id(p)] for p in held} | {n for n, _ in self.model.named_buffers()})
         ck = load_checkpoint(directory, names=names, group=self.dist.group if self.dist.active else None,
-                             rank=self.rank)
+                             rank=self.rank, expect=self._full_shapes())
+        missing = [k for k in ("lr_scheduler", "stats", "rng") if k not in ck.extra]
+        if missing:
+            raise FxspeedError(f"engine.load({str(directory)!r}): the checkpoint has no {', '.join(missing)}; it was not "
+                               "written by engine.save (nothing was loaded)")
         self._load_model_state(ck.model)
         self._load_canonical_optimizer_state(ck.optimizer)
         self._load_lr_schedule(ck.extra["lr_scheduler"])
@@ -943,6 +1021,7 @@ class Engine:
         `from_pretrained` loads. Collective; rank 0 writes."""
         from fxspeed.runtime.checkpoint import export_hf, export_safetensors
 
+        self._expect_all_ranks("engine.export()")
         state = self.state_dict()
         if hasattr(self.model, "config") and hasattr(self.model.config, "save_pretrained"):
             export_hf(path, self.model, state)
@@ -1033,6 +1112,28 @@ def _in_layout_of(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     if g.stride() == p.stride() or p.numel() <= 1:
         return g
     return torch.empty_like(p, dtype=g.dtype).copy_(g)
+
+
+_SCALARS = (bool, int, float, str)
+
+
+def _scalars(m: nn.Module) -> tuple:
+    return tuple((k, v) for k, v in m.__dict__.items() if type(v) in _SCALARS and k != "training")
+
+
+def _warn_python_state_changed(model: nn.Module, before: tuple, after: tuple) -> None:
+    """Tracing ran forward's Python, which changed module attributes: the compiled step will not
+    run that Python again, so the attribute stays as tracing left it."""
+    names = dict((id(m), n) for n, m in model.named_modules())
+    mods = list(model.modules())
+    for m, (_, b), (_, a) in zip(mods, before, after):
+        if a != b:
+            diff = [f"{k}: {dict(b).get(k)!r} -> {v!r}" for k, v in a if dict(b).get(k) != v]
+            log.warning("fxspeed: %s's forward changes Python attribute(s) of module %r (%s) while being traced; the "
+                        "compiled step runs without forward's Python, so they keep these values and a branch on "
+                        "them is fixed. Keep such state in a buffer (register_buffer) updated with tensor ops",
+                        type(model).__name__, names.get(id(m), "?") or "(root)", "; ".join(diff[:3]))
+            return
 
 
 def _canonical_names(model: nn.Module) -> dict[int, str]:

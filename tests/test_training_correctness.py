@@ -160,3 +160,110 @@ def test_two_rank_correctness_cases(case: str, tmp_path: Path) -> None:
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     for r in range(2):
         assert (tmp_path / f"rank{r}.txt").read_text() == "ok", (tmp_path / f"rank{r}.txt").read_text()
+
+
+class FrozenNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.bn(self.l(x)) - y) ** 2).mean()
+
+
+def _train_both(model: nn.Module, batches: list, setup=None) -> tuple[fxspeed.Engine, nn.Module, list, list]:
+    ref = copy.deepcopy(model)
+    engine = fxspeed.compile(model, 1, fxspeed.Config(lr=1e-2), example_inputs=batches[0])
+    opt = _eager_adamw(ref, 1e-2)
+    got, want = [], []
+    for i, batch in enumerate(batches):
+        if setup is not None:
+            setup(i, model, ref)
+        got.append(engine.train_step(*batch))
+        opt.zero_grad()
+        loss = ref(*batch)
+        loss.backward()
+        opt.step()
+        want.append(float(loss.detach()))
+    return engine, ref, got, want
+
+
+def test_a_submodule_the_user_put_in_eval_mode_stays_in_eval_mode_when_training() -> None:
+    torch.manual_seed(0)
+    model = FrozenNorm()
+    model.bn.eval()  # a frozen BatchNorm: running statistics, no update
+    batches = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(3)]
+    engine, ref, got, want = _train_both(model, batches)
+    assert got == pytest.approx(want, rel=1e-6)
+    assert not model.bn.training and model.training
+    torch.testing.assert_close(engine.state_dict()["bn.running_mean"], ref.bn.running_mean)
+
+
+def test_switching_a_module_to_eval_between_steps_is_followed_as_eager_follows_it() -> None:
+    torch.manual_seed(0)
+    batches = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(4)]
+
+    def setup(i: int, model: nn.Module, ref: nn.Module) -> None:
+        if i == 2:
+            model.bn.eval()
+            ref.bn.eval()
+
+    _, _, got, want = _train_both(FrozenNorm(), batches, setup)
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+class Tempered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+        self.temperature = 1.0
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return ((self.l(a) / self.temperature - b) ** 2).mean()
+
+
+def test_a_python_attribute_changed_between_steps_is_used_as_eager_uses_it() -> None:
+    torch.manual_seed(0)
+    batches = [(torch.randn(3, 4), torch.randn(3, 4)) for _ in range(3)]
+
+    def setup(i: int, model: nn.Module, ref: nn.Module) -> None:
+        model.temperature = ref.temperature = 1.0 / (i + 1)  # annealing
+
+    _, _, got, want = _train_both(Tempered(), batches, setup)
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+class Counting(Tiny):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(a, b)
+
+
+def test_a_forward_that_changes_python_state_is_named_in_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="fxspeed"):
+        engine, batch = None, (torch.randn(3, 4), torch.randn(3, 4))
+        engine = fxspeed.compile(Counting(), 1, fxspeed.Config(), example_inputs=batch)
+        engine.train_step(*batch)
+        engine.train_step(*batch)
+    assert "calls" in caplog.text and "register_buffer" in caplog.text
+    assert engine.stats["compiles"] == 1  # warned once, not traced again at every step
+
+
+def test_changing_requires_grad_after_compile_is_an_error_naming_the_parameter() -> None:
+    engine, batch = _tiny_engine()
+    engine.model.l.weight.requires_grad_(False)
+    with pytest.raises(FxspeedError, match=r"l\.weight \(True -> False\).*before fxspeed.compile"):
+        engine.train_step(*batch)
+
+
+def test_a_gradient_hook_on_a_parameter_is_refused_rather_than_ignored() -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    model.l.weight.register_hook(lambda g: torch.zeros_like(g))
+    with pytest.raises(FxspeedError, match="'l.weight'.*gradient hook"):
+        fxspeed.compile(model, 1, fxspeed.Config(), example_inputs=(torch.randn(3, 4), torch.randn(3, 4)))

@@ -1,0 +1,96 @@
+"""Run under `fxspeed run -n 2 -m tests.workers.expect_all_ranks_worker --out DIR [--engine]`:
+fxspeed.mesh.expect_all_ranks over 2 gloo ranks.
+
+Default: both ranks call it 50 times (passes; the store holds no more keys afterwards), then
+rank 0 alone calls it with a 2 s timeout (FxspeedError within it) while rank 1 waits at a
+barrier, then both call it under another name (the store still works). out/rank{r}.json.
+
+--engine: a ZeRO-3 engine; rank 0 alone calls engine.state_dict() (the user pattern
+`if rank == 0: torch.save(engine.state_dict(), ...)`), rank 1 waits at a barrier. Needs the
+engine to call expect_all_ranks first thing in state_dict(). out/engine_rank{r}.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from fxspeed.errors import FxspeedError
+from fxspeed.mesh import expect_all_ranks
+
+
+def plain(rank: int) -> dict:
+    dist.init_process_group("gloo")
+    store = distributed_c10d._get_default_store()
+    record: dict = {}
+    dist.barrier()
+    before = store.num_keys()
+    t0 = time.monotonic()
+    for _ in range(50):
+        expect_all_ranks("engine.state_dict()")
+    record["both_50_calls_s"] = time.monotonic() - t0
+    dist.barrier()
+    record["keys_added"] = store.num_keys() - before  # <= 0: other keys may come and go
+    keys = [f"fxspeed/expect_all_ranks/world/engine.state_dict()/{n}{end}"
+            for n in range(1, 51) for end in ("", "/all")]
+    record["keys_left"] = [k for k in keys if store.check([k])]
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            expect_all_ranks("engine.state_dict()", timeout_s=2.0)
+            record["alone"] = "no error"
+        except FxspeedError as e:
+            record["alone"] = f"FxspeedError: {e}"
+        record["alone_s"] = time.monotonic() - t0
+    dist.barrier()
+    expect_all_ranks("engine.save()", timeout_s=30.0)
+    record["after"] = "ok"
+    return record
+
+
+def engine(rank: int) -> dict:
+    import fxspeed
+    from fxspeed.data import local_batch
+    from tests.workers.common import build_model, global_batches
+
+    batches = global_batches("gpt", 1)
+    world = int(os.environ["WORLD_SIZE"])
+    eng = fxspeed.compile(build_model("gpt"), world, fxspeed.Config(zero=3, lr=1e-2, dist_timeout_s=60.0),
+                          example_inputs=local_batch(batches[0]))
+    eng.train_step(*local_batch(batches[0]))
+    record: dict = {}
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            eng.state_dict()
+            record["alone"] = "no error"
+        except Exception as e:  # noqa: BLE001 - the test checks which error it was
+            record["alone"] = f"{type(e).__name__}: {e}"
+        record["alone_s"] = time.monotonic() - t0
+    dist.barrier()
+    return record
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--engine", action="store_true")
+    a = ap.parse_args()
+    os.environ.setdefault("FXSPEED_BACKEND", "gloo")
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    record = engine(rank) if a.engine else plain(rank)
+    with open(os.path.join(a.out, f"{'engine_' if a.engine else ''}rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
