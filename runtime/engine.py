@@ -467,8 +467,12 @@ class Engine:
 
         Data parallel: each rank passes its own local batch (as with DDP). Pipeline: every rank of
         one pipeline passes its replica's batch, split into Config.microbatches. With
-        Config.grad_accum=k the batch is split into k equal slices and their gradients averaged,
-        which equals one step on the whole batch for a mean loss.
+        Config.grad_accum=k the batch is split into k equal slices and their gradients averaged.
+
+        That equals one step on the whole batch when the loss is a mean over equally weighted rows.
+        A loss averaged over a varying number of items per slice or rank (tokens with padding or
+        -100 labels) gives the mean of per-slice means, as DDP and DeepSpeed do; for the exact
+        global mean, return sum / (the global batch's item count) from loss_fn (or the model).
         """
         if self.scaler is not None:
             self._scale.copy_(self.scaler.scale)

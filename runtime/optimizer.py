@@ -43,6 +43,8 @@ def build_optimizer(params: Iterable[torch.Tensor], spec: OptimizerSpec) -> tupl
 
 def _fused(cls: type[torch.optim.Optimizer], params: list[torch.Tensor], **kw: object) -> torch.optim.Optimizer:
     """`cls` with torch's fused kernel where every tensor supports it, else its default implementation."""
+    if any(p.is_complex() for p in params):  # accepted at construction, refused at the first step
+        return cls(params, **kw)
     try:
         return cls(params, fused=True, **kw)
     except (RuntimeError, ValueError, TypeError):  # unsupported device / dtype, or no `fused` argument

@@ -267,3 +267,59 @@ def test_a_gradient_hook_on_a_parameter_is_refused_rather_than_ignored() -> None
     model.l.weight.register_hook(lambda g: torch.zeros_like(g))
     with pytest.raises(FxspeedError, match="'l.weight'.*gradient hook"):
         fxspeed.compile(model, 1, fxspeed.Config(), example_inputs=(torch.randn(3, 4), torch.randn(3, 4)))
+
+
+def test_non_tensor_batch_values_that_compare_equal_get_their_own_traces() -> None:
+    class Signed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, z: object) -> torch.Tensor:
+            shift = (1.0 if str(z).startswith("-") else 0.0) + (2.0 if type(z) is bool else 0.0)
+            return (self.l(x) + shift).square().mean()
+
+    torch.manual_seed(0)
+    model = Signed()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    engine = fxspeed.compile(model, 1, fxspeed.Config(lr=0.0), example_inputs=(x, 0.0))
+    for z in (0.0, -0.0, 0, False):
+        assert engine.train_step(x, z) == pytest.approx(float(ref(x, z).detach()), rel=1e-6), repr(z)
+
+
+def test_a_batch_value_without_a_faithful_key_is_refused() -> None:
+    class WithTable(nn.Module):  # a numpy array's repr elides its middle: no key tells two apart
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, table: object) -> torch.Tensor:
+            return self.l(x).square().mean() + float(sum(table))
+
+    with pytest.raises(fxspeed.ConfigError, match="bytearray is neither a tensor nor hashable"):
+        fxspeed.compile(WithTable(), 1, fxspeed.Config(), example_inputs=(torch.randn(3, 4), bytearray(2)))
+
+
+def test_grad_accum_refuses_a_batch_tensor_that_is_not_per_sample_and_repeats_0_dim_ones() -> None:
+    class Weighted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return ((self.l(x) * w - y) ** 2).mean()
+
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    w2 = torch.ones(2, 1, 8)
+    engine = fxspeed.compile(Weighted(), 1, fxspeed.Config(grad_accum=2), example_inputs=(x, y, w2))
+    with pytest.raises(fxspeed.ConfigError, match=r"args\[2\] has 2 rows and args\[0\] has 4"):
+        engine.train_step(x, y, w2)
+    torch.manual_seed(0)
+    model = Weighted()
+    ref = copy.deepcopy(model)
+    w = torch.tensor(3.0)  # a 0-dim tensor: repeated in every slice, never an error
+    for k in (1, 2):
+        engine = fxspeed.compile(copy.deepcopy(model), 1, fxspeed.Config(grad_accum=k, lr=0.0),
+                                 example_inputs=(x, y, w))
+        assert engine.train_step(x, y, w) == pytest.approx(float(ref(x, y, w).detach()), rel=1e-6)

@@ -29,12 +29,24 @@ def input_key(args: tuple, kwargs: dict) -> tuple:
         if isinstance(x, torch.Tensor):
             parts.append(("T", tuple(x.shape), x.dtype, x.device.type, _FORMAT_NAMES[traced_format(x)]))
         else:
-            try:
-                hash(x)
-                parts.append(("C", x))
-            except TypeError:
-                parts.append(("C", repr(x)))
+            parts.append(_constant_key(x))
     return (str(spec), tuple(parts))
+
+
+def _constant_key(x: Any) -> tuple:
+    """A non-tensor batch value is baked into the trace, so its key must tell apart every value
+    a trace could differ on: by type (0, 0.0 and False are equal in Python) and, for floats, by
+    bits (-0.0 == 0.0). A value with no faithful key (a numpy array's repr elides its middle) is
+    refused rather than risk reusing a trace made for another value."""
+    if isinstance(x, float):
+        return ("C", type(x).__qualname__, x.hex())
+    try:
+        hash(x)
+    except TypeError:
+        raise ConfigError(f"a batch value of type {type(x).__qualname__} is neither a tensor nor hashable: fxspeed "
+                          "bakes non-tensor values into the compiled step and needs to tell one from another. "
+                          "Pass it as a tensor (torch.as_tensor(...)) or keep it on the model") from None
+    return ("C", type(x).__qualname__, x)
 
 
 def traced_format(x: torch.Tensor) -> torch.memory_format:
@@ -74,15 +86,26 @@ def tensor_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 def split_batch(args: tuple, kwargs: dict, k: int, key: str = "microbatches") -> list[tuple[tuple, dict]]:
-    """Split every tensor of the batch into `k` equal chunks along dim 0 (non-tensors repeat).
-    `key` names the Config field asking for the split, for the error."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    for x in leaves:
-        if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % k):
-            raise ConfigError(f"Config.{key}={k} must divide the batch dimension; got a tensor of shape "
-                              f"{tuple(x.shape)}. Use a batch size divisible by {k} or change {key} "
-                              f"(a divisor of {x.shape[0] if x.dim() else 'the batch size'})")
+    """Split every tensor of the batch into `k` equal chunks along dim 0 (0-dim tensors and
+    non-tensors repeat). `key` names the Config field asking for the split, for the error.
+
+    Every tensor with a dim 0 must have the batch's number of rows: a tensor that is not
+    per-sample (a (2, 1, 8) weight broadcast against a (4, 8) batch) would be split as if it
+    were, silently, so it is refused with its place in the batch named."""
     if k == 1:
         return [(args, kwargs)]
-    chunks = [x.chunk(k) if isinstance(x, torch.Tensor) else [x] * k for x in leaves]
+    paths, spec = pytree.tree_flatten_with_path((args, kwargs))
+    leaves = [x for _, x in paths]
+    rows = [(("args" if p[0].idx == 0 else "kwargs") + pytree.keystr(p[1:]), x.shape[0])
+            for p, x in paths if isinstance(x, torch.Tensor) and x.dim() > 0]
+    for where, n in rows:
+        if n != rows[0][1]:
+            raise ConfigError(f"Config.{key}={k} splits every batch tensor along dim 0, but {where} has {n} rows "
+                              f"and {rows[0][0]} has {rows[0][1]}: a tensor that is not per-sample would be "
+                              "split as if it were. Keep such tensors on the model (an attribute or buffer) or give "
+                              "every batch tensor the same number of rows")
+        if n % k:
+            raise ConfigError(f"Config.{key}={k} must divide the batch dimension; got {where} with {n} rows. "
+                              f"Use a batch size divisible by {k} or change {key} (a divisor of {n})")
+    chunks = [x.chunk(k) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * k for x in leaves]
     return [pytree.tree_unflatten([c[i] for c in chunks], spec) for i in range(k)]
