@@ -13,6 +13,12 @@ compile_step runs them in:
     shard_parameters         ZeRO-3: parameter shards as inputs, gathered before use, prefetched
     reuse_buffers            gathered / flattened buckets written into a few reused workspaces
 
+Two graph passes join the single-device list only when they have work (so the pass records of
+other programs are unchanged), and are disabled by name like the rest:
+
+    recompute_checkpointed   torch.utils.checkpoint regions (tagged at capture) recomputed in backward
+    fuse_kernels             norms and their backward -> Triton kernels, on CUDA programs
+
 The distributed passes read ctx.options (PassOptions: world_size, zero, group_name, ...) and do
 nothing on one device.
 

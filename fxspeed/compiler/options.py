@@ -12,6 +12,7 @@ A plain dict is still accepted where options are passed (`PassContext(options={.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -54,6 +55,11 @@ class PassOptions:
     pipeline_chunks: int = 1                 # stages per position (1 unless the schedule is interleaved)
     split_points: tuple[str, ...] = ()       # modules stages 1.. start at; () = balanced cuts
     positions: tuple[int, ...] = ()          # pipeline positions whose stages this rank runs
+    # fuse_kernels (passes/graph/fuse_kernels.py: norms and their backward as Triton kernels):
+    # "cuda" fuses programs whose tensors are on CUDA (the target device, read off the program),
+    # "always" fuses any program (FXSPEED_FUSE_ON_CPU=1: tests, where the kernels run under
+    # TRITON_INTERPRET=1 or as their torch fallback), "off" never. See fuse_kernels_mode().
+    fuse_kernels: str = "cuda"
 
     def __post_init__(self) -> None:
         for name in ("fp32_modules", "split_points", "positions"):
@@ -79,6 +85,7 @@ class PassOptions:
             if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < self.pipeline:
                 raise ConfigError(f"PassOptions.positions={list(self.positions)} is invalid; each must be a "
                                   f"pipeline position in [0, {self.pipeline})")
+        _one_of("fuse_kernels", self.fuse_kernels, FUSE_MODES)
         for name in ("scatter_via_all_reduce", "gather_via_all_reduce", "reuse_grad_buckets"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"PassOptions.{name}={getattr(self, name)!r} is invalid; give True or False")
@@ -103,7 +110,8 @@ class PassOptions:
         settings, no data parallelism, every pipeline position local."""
         base = dict(precision=config.precision, fp32_modules=tuple(config.fp32_modules),
                     reduce_dtype=config.reduce_dtype, bucket_bytes=bucket_bytes(config.bucket_mb),
-                    **_pipeline_fields(config), positions=tuple(range(config.pipeline)))
+                    **_pipeline_fields(config), positions=tuple(range(config.pipeline)),
+                    fuse_kernels=fuse_kernels_mode())
         return cls(**{**base, **overrides})
 
     @classmethod
@@ -152,7 +160,17 @@ def derive_options(config: Config, mesh: Any) -> PassOptions:
         gather_via_all_reduce=gloo,
         # why: docs/decisions/persistent-gradient-buckets-for-zero0.md
         reuse_grad_buckets=True,
-        **_pipeline_fields(config), positions=(coords.get("pp", 0),))
+        **_pipeline_fields(config), positions=(coords.get("pp", 0),),
+        fuse_kernels=fuse_kernels_mode())
+
+
+FUSE_MODES = ("cuda", "always", "off")
+
+
+def fuse_kernels_mode() -> str:
+    """PassOptions.fuse_kernels: "cuda" (fuse where the target device is CUDA), or "always" when
+    FXSPEED_FUSE_ON_CPU=1 (read here, once per derivation; never in a pass)."""
+    return "always" if os.environ.get("FXSPEED_FUSE_ON_CPU", "") == "1" else "cuda"
 
 
 def _pipeline_fields(config: Config) -> dict[str, Any]:

@@ -63,6 +63,8 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     program before the distributed passes rewrite it for this rank.
     """
     from fxspeed.passes import ALL_PASSES, DISTRIBUTED_PASSES, SINGLE_DEVICE_PASSES, STAGE_PASS_NAMES
+    from fxspeed.passes.memory.recompute_checkpointed import has_checkpointed_regions, recompute_checkpointed
+    from fxspeed.passes.graph.fuse_kernels import fuse_kernels, wanted as fusion_wanted
 
     opts = PassOptions.coerce(options, config)
     _check_derived(opts, config, ("precision", "fp32_modules", "reduce_dtype"))
@@ -70,10 +72,18 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     cap = capture_step(model, args, kwargs, loss_fn=loss_fn, train=train)
     t1 = time.perf_counter()
     annotate = make_annotate_pass()
-    known = [*ALL_PASSES, *STAGE_PASS_NAMES, *(p.name for p in extra_passes)]
+    known = [*ALL_PASSES, recompute_checkpointed.name, fuse_kernels.name, *STAGE_PASS_NAMES,
+             *(p.name for p in extra_passes)]
     ctx = PassContext(signature=cap.signature, module_of=cap.module_of, options=opts,
                       model_name=type(model).__name__)
-    local = PassManager(SINGLE_DEVICE_PASSES, analyses=[annotate], disabled=config.disable_passes, known=known)
+    # torch.utils.checkpoint regions (tagged at capture) are recomputed in backward: after the
+    # casts and DCE (a cast of a region's value is recomputed with it), before the planner reads
+    # the program and the distributed passes rewrite it. Only graphs with such regions run it.
+    # Norms -> Triton kernels last, on CUDA programs (options.fuse_kernels): it sees every norm,
+    # recomputed ones included, and the planner reads the fused program.
+    single = [*SINGLE_DEVICE_PASSES, *([recompute_checkpointed] if has_checkpointed_regions(cap.gm) else []),
+              *([fuse_kernels] if fusion_wanted(cap.gm, opts) else [])]
+    local = PassManager(single, analyses=[annotate], disabled=config.disable_passes, known=known)
     gm = local.ensure("annotate", local.run(cap.gm, ctx), ctx)
     costs = None
     if train and analyze is not None:
@@ -146,6 +156,7 @@ def compile_program(model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, 
     summed gradients are those of the global-batch mean.
     """
     from fxspeed.passes import ALL_PASSES, PROGRAM_PASSES
+    from fxspeed.passes.memory.recompute_checkpointed import recompute_checkpointed
 
     opts = PassOptions.coerce(options, config)
     _check_derived(opts, config, ("precision", "fp32_modules", "reduce_dtype", "pipeline", "microbatches",
@@ -169,7 +180,8 @@ def compile_program(model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, 
     ctx = PassContext(signature=cap.signature, options=opts, module_of=cap.module_of,
                       model_name=type(model).__name__)
     pm = PassManager(PROGRAM_PASSES, disabled=config.disable_passes,
-                     known=[*ALL_PASSES, *(p.name for p in PROGRAM_PASSES)])
+                     known=[*ALL_PASSES, recompute_checkpointed.name, "fuse_kernels",
+                            *(p.name for p in PROGRAM_PASSES)])
     t0 = time.perf_counter()
     program = pm.run(DistributedProgram(cap.gm, cap.signature), ctx)
     if not program.stages or program.schedule is None:
