@@ -17,8 +17,12 @@ why: docs/decisions/aot-export-not-dynamo.md, docs/decisions/capture-on-fake-ten
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import inspect
+import logging
 import os
+import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -34,6 +38,8 @@ from fxspeed.ir.batch import input_key, split_inputs, tensor_leaves, traced_form
 from fxspeed.ir import IOSpec, StepSignature
 
 LossFn = Callable[..., torch.Tensor]
+
+log = logging.getLogger("fxspeed")
 
 
 @dataclass
@@ -196,9 +202,12 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs:
     if not train:
         model.eval()
     owners = _ModuleOwners(model)
+    attrs = _attributes_before(model)
+    grad_calls: list[traceback.FrameSummary] = []
     try:
         with _tracing_flags(), owners, _rng_untouched(model, tensors), _without_torch_compile(model), \
-                (_rnns_unrolled(model) if unroll_rnns else contextlib.nullcontext()):
+                (_rnns_unrolled(model) if unroll_rnns else contextlib.nullcontext()), \
+                _autograd_grad_calls(grad_calls):
             try:
                 gm, sig = aot_export_module(wrapper, tensors, trace_joint=train,
                                             output_loss_index=0 if train else None)
@@ -219,11 +228,15 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs:
                 for p in frozen:
                     p.requires_grad_(False)
                 gm, sig = aot_export_module(wrapper, tensors, trace_joint=True, output_loss_index=0)
+            if getattr(sig, "user_inputs_to_mutate", None):
+                raise _input_mutation_error(model, wrapper, tensors, leaves, spec, sig, train)
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes one clear error
         if not (train and not unroll_rnns and _is_rnn_export_limit(model, e)):
-            known = _known_capture_error(model, wrapper, tensors, e) if train else None
+            known = (_signature_mismatch(model, args, kwargs, e, train)
+                     or (_known_capture_error(model, wrapper, tensors, e) if train else None)
+                     or _gradient_in_forward(model, grad_calls, train))
             raise (known or _capture_error(model, e, train)) from e
         retry_unrolled = True  # below, once the model is restored
     finally:
@@ -234,10 +247,12 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs:
             p.requires_grad_(True)
         for m, mode in modes:
             m.training = mode
+        _restore_attributes(model, attrs)
     if retry_unrolled:
         return _capture(model, fargs, fkwargs, fargs, fkwargs, loss_fn=loss_fn, train=train, unroll_rnns=True)
     _drop_metadata_asserts(gm)
     signature = _signature(gm, sig, n_user=len(tensors), train=train, loss_out=wrapper.out_spec is None)
+    _check_dense_grads(model, gm, signature)
     # The canonical name of a tied weight is the first name the graph is fed (a hidden alias
     # is never canonical: passes that merge aliases look the canonical up among the inputs).
     fed = {s.target for s in signature.inputs if s.kind == "param"}
@@ -252,6 +267,229 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs:
     return CapturedStep(gm=gm, signature=signature, in_spec=spec,
                         tensor_leaf=[isinstance(x, torch.Tensor) for x in leaves],
                         module_of=owners.owner, out_spec=wrapper.out_spec, train=train)
+
+
+# --------------------------------------------------------------------------------------------
+# What forward's Python does besides computing: attributes it sets, inputs it writes, gradients
+# --------------------------------------------------------------------------------------------
+
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)  # _parameters, _buffers, _modules, hooks, training
+
+
+def _tensor_ids(value: Any) -> list[int]:
+    try:
+        return [id(t) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    except Exception:  # noqa: BLE001 - an object pytree cannot walk holds no tensor we can see
+        return []
+
+
+def _attributes_before(model: nn.Module) -> dict[tuple[int, str], tuple[Any, Any, list[int]]]:
+    """Each module's own attributes (not its parameters, buffers or submodules) before a trace:
+    (value, shallow copy of a list/dict value, ids of the tensors it holds)."""
+    snap: dict[tuple[int, str], tuple[Any, Any, list[int]]] = {}
+    for mod in model.modules():
+        for k, v in mod.__dict__.items():
+            if k not in _MODULE_INTERNALS:
+                snap[(id(mod), k)] = (v, copy.copy(v) if type(v) in (list, dict) else None, _tensor_ids(v))
+    return snap
+
+
+def _restore_attributes(model: nn.Module, before: dict[tuple[int, str], tuple[Any, Any, list[int]]]) -> None:
+    """Undo the tensor-valued attributes forward set on modules while it was traced.
+
+    Rule: a tensor forward stores on a module (`self.last = h.detach()`, a list of activations)
+    is a trace-time fake/functional tensor; left in place it fails at its next use ("Attempting
+    to use FunctionalTensor on its own"), and the compiled step never runs forward's Python, so
+    it would never be updated either. Such attributes get their value from before the trace back
+    (a new one is removed), and a warning names them and the way out (not for the private
+    attributes of torch's own modules, such as nn.LSTM's `_flat_weights`)."""
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    undone: list[tuple[nn.Module, str]] = []
+    for mod in model.modules():
+        d = mod.__dict__
+        for k in list(d):
+            if k in _MODULE_INTERNALS:
+                continue
+            v, now = d[k], _tensor_ids(d[k])
+            old = before.get((id(mod), k))
+            if old is None:
+                if now:
+                    del d[k]
+                    undone.append((mod, k))
+                continue
+            ov, ocopy, oids = old
+            if (v is ov and now == oids) or (not now and not oids):
+                continue
+            if v is ov and isinstance(v, list) and ocopy is not None:
+                v[:] = ocopy
+            elif v is ov and isinstance(v, dict) and ocopy is not None:
+                v.clear()
+                v.update(ocopy)
+            else:
+                d[k] = ov
+            undone.append((mod, k))
+    for mod, k in undone:
+        if k.startswith("_") and type(mod).__module__.startswith("torch."):
+            continue  # torch's own bookkeeping (nn.LSTM's _flat_weights, set as parameters are swapped)
+        path = names.get(id(mod), "")
+        who = f"`{path}` ({type(mod).__name__})" if path else type(mod).__name__
+        ref = f"{path}.{k}" if path else f"model.{k}"
+        log.warning(
+            "fxspeed: forward of %s stores a tensor in `self.%s` while it is traced. The compiled step does not "
+            "run forward's Python, so train_step never updates `%s`: it is left as it was before compile "
+            "(fxspeed removed the trace-time value). To keep a value from each step, register a buffer in "
+            "__init__ (self.register_buffer(%r, torch.zeros(shape), persistent=False)) and update it in place "
+            "in forward (self.%s.copy_(h.detach())): in-place buffer updates are part of the compiled step. "
+            "Or return it from forward and read it with engine.eval_step.",
+            who, k, ref, k, k,
+        )
+
+
+@contextlib.contextmanager
+def _autograd_grad_calls(calls: list[traceback.FrameSummary]) -> Iterator[None]:
+    """Note each call of torch.autograd.grad made directly from user code while tracing (a
+    gradient penalty inside forward), so a failure can be blamed on it. Calls from torch's
+    own code (AOT autograd's backward) pass through unrecorded."""
+    real = torch.autograd.grad
+
+    @functools.wraps(real)
+    def grad(*a: Any, **kw: Any) -> Any:
+        caller = sys._getframe(1)
+        f = os.path.abspath(caller.f_code.co_filename)
+        if not f.startswith(_SKIP_DIRS) and "site-packages/torch" not in f and "<" not in caller.f_code.co_filename:
+            calls.append(traceback.FrameSummary(caller.f_code.co_filename, caller.f_lineno, caller.f_code.co_name))
+        return real(*a, **kw)
+
+    with mock.patch.object(torch.autograd, "grad", grad):
+        yield
+
+
+def _gradient_in_forward(model: nn.Module, calls: list[traceback.FrameSummary], train: bool
+                         ) -> CaptureError | None:
+    if not calls:
+        return None
+    fr = calls[0]
+    code = f" `{fr.line.strip()}`" if fr.line else ""
+    return CaptureError(
+        f"cannot capture the {'training' if train else 'eval'} step of {type(model).__name__}: forward calls "
+        f"torch.autograd.grad at {fr.filename}:{fr.lineno}{code}. A gradient taken inside forward (a gradient "
+        "penalty with create_graph=True, double backward, gradients with respect to the inputs) is not supported "
+        "by fxspeed's capture, which traces one forward and one backward. How to fix: train this model with "
+        "plain PyTorch, or drop the gradient term from the loss (or replace it with a penalty that needs no "
+        "gradient, such as weight decay or spectral_norm).",
+        op="torch.autograd.grad", source=f"{fr.filename}:{fr.lineno}",
+    )
+
+
+def _leaf_names(model: nn.Module, spec: pytree.TreeSpec, leaves: list[Any]) -> list[str]:
+    """A readable name for each leaf of the batch: forward's parameter name for a positional
+    argument (`x`), the key of a keyword argument, with the path inside a nested structure."""
+    try:
+        params = [n for n, p in inspect.signature(model.forward).parameters.items()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    try:
+        paths, _ = pytree.tree_flatten_with_path(pytree.tree_unflatten(leaves, spec))
+    except Exception:  # noqa: BLE001 - a name is a nicety
+        return [f"input {i}" for i in range(len(leaves))]
+    out = []
+    for path, _ in paths:
+        first, rest = path[0].idx, path[1:]
+        if first == 0:  # positional
+            i = rest[0].idx
+            base = params[i] if i < len(params) else f"args[{i}]"
+        else:
+            base = str(rest[0].key)
+        out.append(base + pytree.keystr(rest[1:]))
+    return out
+
+
+def _input_mutation_error(model: nn.Module, wrapper: "_StepModule", tensors: list[torch.Tensor],
+                          leaves: list[Any], spec: pytree.TreeSpec, sig: Any, train: bool) -> CaptureError:
+    """Forward writes into a batch tensor (`x.mul_(2)`, `mask[:, 0] = 1`).
+
+    Rule: refused. Eager changes the caller's tensor; the compiled step runs on its own copy of
+    each batch tensor and writes nothing back, so the two would differ after the step."""
+    user = list(getattr(sig, "user_inputs", []))
+    at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    names = _leaf_names(model, spec, leaves)
+    mutated = [user.index(n) for n in sig.user_inputs_to_mutate.values() if n in user]
+    which = [names[at[i]] for i in mutated if i < len(at)] or ["a batch tensor"]
+    found = _find_write(wrapper, [(which[0], tensors[mutated[0]])] if mutated else [], tensors)
+    where, op, source = "", None, None
+    if found is not None:
+        _, op, frame = found
+        if frame is not None:
+            source = f"{frame.filename}:{frame.lineno}"
+            where = f" at {source} `{(frame.line or '').strip()}`"
+    opmsg = f" ({op})" if op else ""
+    x = which[0] if len(which) == 1 else "x"
+    return CaptureError(
+        f"cannot capture the {'training' if train else 'eval'} step of {type(model).__name__}: forward modifies "
+        f"its input {', '.join(f'`{w}`' for w in which)} in place{opmsg}{where}. Eager PyTorch changes the "
+        "caller's tensor; fxspeed's compiled step works on its own copy of each batch tensor and does not write "
+        f"changes back to your batch. How to fix: compute a new tensor instead ({x} = {x} * 2 rather than "
+        f"{x}.mul_(2)), or clone it first ({x} = {x}.clone()) when the in-place op is needed.",
+        op=op, source=source,
+    )
+
+
+def _signature_mismatch(model: nn.Module, args: tuple, kwargs: dict, e: BaseException,
+                        train: bool = True) -> CaptureError | None:
+    """The batch does not fit forward's parameters (forward(x) given (x, y)): fxspeed calls the
+    model with the whole batch, which users of a loss_fn often do not expect."""
+    cur: BaseException | None = e
+    while cur is not None and not isinstance(cur, TypeError):
+        cur = cur.__cause__ or cur.__context__
+    if cur is None:
+        return None
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    try:
+        sig.bind(*args, **kwargs)
+        return None
+    except TypeError as bad:
+        why = str(bad)
+    name = type(model).__name__
+    given = [f"{len(args)} positional argument{'s' if len(args) != 1 else ''}"]
+    if kwargs:
+        given.append("keywords " + ", ".join(kwargs))
+    return CaptureError(
+        f"cannot capture the {'training' if train else 'eval'} step of {name}: fxspeed calls the model with the "
+        "whole batch, "
+        f"{name}(*args, **kwargs) of example_inputs (and of each train_step(*args, **kwargs)), here "
+        f"{' and '.join(given)}, but {name}.forward{sig} does not accept that ({why}). loss_fn does not change "
+        "how the model is called: it is called after forward as loss_fn(output, *args, **kwargs), with the same "
+        "batch. How to fix: let forward take every batch element (e.g. def forward(self, x, y=None) that ignores "
+        "y, which loss_fn(out, x, y) then receives), or wrap the model in a module whose forward(x, y) returns "
+        "the loss, e.g. loss_fn(self.model(x), y), and compile that without loss_fn.",
+    )
+
+
+def _check_dense_grads(model: nn.Module, gm: fx.GraphModule, signature: StepSignature) -> None:
+    """Sparse gradients (nn.Embedding / nn.EmbeddingBag with sparse=True) are refused at capture:
+    the runtime and its optimizers work on dense gradients."""
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    for spec, arg in zip(signature.outputs, out_node.args[0]):
+        val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+        if spec.kind == "grad" and isinstance(val, torch.Tensor) and val.layout != torch.strided:
+            path = spec.target.rpartition(".")[0]
+            try:
+                mod = model.get_submodule(path)
+                who = f"`{path}` ({type(mod).__name__})" if path else type(mod).__name__
+            except AttributeError:
+                who = f"`{path}`"
+            raise CaptureError(
+                f"cannot capture the training step of {type(model).__name__}: the parameter `{spec.target}` of "
+                f"{who} gets a sparse gradient ({val.layout}), as nn.Embedding / nn.EmbeddingBag give with "
+                "sparse=True (or F.embedding(..., sparse=True)). fxspeed does not support sparse gradients: its "
+                "optimizers update parameters from dense gradients. How to fix: use sparse=False (the default); "
+                "the gradient then has the same values, held dense.",
+                op="aten.embedding_backward",
+            )
 
 
 @contextlib.contextmanager
@@ -269,10 +507,18 @@ def _rnns_unrolled(model: nn.Module) -> Iterator[None]:
     follow eager's)."""
     mods = [m for m in model.modules() if type(m) in (nn.LSTM, nn.GRU, nn.RNN)
             and not (m.training and m.dropout > 0 and m.num_layers > 1)]
-    saved = [(m, m.__dict__.get("forward")) for m in mods]
+    with _forwards_replaced({m: functools.partial(_unrolled_rnn_forward, m) for m in mods}):
+        yield
+
+
+@contextlib.contextmanager
+def _forwards_replaced(forwards: dict[nn.Module, Callable]) -> Iterator[None]:
+    """Each module's forward replaced by an instance attribute for the block (the class and any
+    forward the user set on the instance come back after)."""
+    saved = [(m, m.__dict__.get("forward")) for m in forwards]
     try:
-        for m in mods:
-            m.__dict__["forward"] = functools.partial(_unrolled_rnn_forward, m)
+        for m, fwd in forwards.items():
+            m.__dict__["forward"] = fwd
         yield
     finally:
         for m, fwd in saved:
@@ -382,20 +628,10 @@ def _without_torch_compile(model: nn.Module) -> Iterator[None]:
         "(._orig_mod) instead. Pass the module without torch.compile to silence this warning.",
         stacklevel=3,
     )
-    saved = [(m, m.__dict__.get("forward")) for m in wrapped]
-    try:
-        for m in wrapped:
-            m.__dict__["forward"] = m._orig_mod.__call__
-        with warnings.catch_warnings():
-            # torch's note on global module hooks concerns dynamo; the hooks are capture's own
-            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
-            yield
-    finally:
-        for m, fwd in saved:
-            if fwd is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.__dict__["forward"] = fwd
+    with _forwards_replaced({m: m._orig_mod.__call__ for m in wrapped}), warnings.catch_warnings():
+        # torch's note on global module hooks concerns dynamo; the hooks are capture's own
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        yield
 
 
 @contextlib.contextmanager
@@ -679,11 +915,20 @@ def _find_parameter_mutation(wrapper: "_StepModule", tensors: list[torch.Tensor]
     """Run forward+loss once more on the (fake) tensors, watching for an op that writes into
     the storage of a trainable parameter (`p.data.mul_(...)`, `p.add_(...)` under no_grad).
     Returns (parameter name, op, user frame) of the first one, or None."""
+    named = [(_strip(n), p) for n, p in wrapper.named_parameters() if p.requires_grad]
+    return _find_write(wrapper, named, tensors)
+
+
+def _find_write(wrapper: "_StepModule", named: list[tuple[str, torch.Tensor]], tensors: list[torch.Tensor]
+                ) -> tuple[str, str, traceback.FrameSummary | None] | None:
+    """Run forward+loss once more on the (fake) tensors, watching for an op that writes into
+    the storage of one of the `named` tensors. Returns (name, op, user frame) of the first one."""
     from torch._guards import detect_fake_mode
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    named = [(_strip(n), p) for n, p in wrapper.named_parameters() if p.requires_grad]
+    if not named:
+        return None
     try:
         storages = {StorageWeakRef(p.untyped_storage()): n for n, p in named}
     except Exception:  # noqa: BLE001 - a diagnostic only
@@ -741,13 +986,97 @@ def _capture_error(model: nn.Module, e: BaseException, train: bool = True) -> Ca
     code = f" `{frame.line.strip()}`" if frame and frame.line else ""
     hint = "rewrite that line without the unsupported construct"
     reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if op_name and "_local_scalar_dense" in op_name or "data-dependent" in str(e).lower() or "DataDependent" in type(e).__name__:
+    chain: list[BaseException] = []
+    cur = e
+    while cur is not None and cur not in chain:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    if any("DynamicOutputShape" in type(c).__name__ for c in chain) or (
+            op_name and any(k in op_name for k in ("nonzero", "masked_select", "unique"))):
+        # Rule: boolean-mask indexing (h[mask]) lowers to aten.nonzero, whose output shape is the
+        # number of True entries: known only from the data, so no static graph can hold it.
+        reason = (f"the output shape of {op_name or 'an op'} depends on the tensor's values (a data-dependent "
+                  "shape, as boolean-mask indexing h[mask], nonzero, masked_select and unique give), and one "
+                  "captured graph needs every shape before it sees the data")
+        hint = ("keep the shapes fixed: select with torch.where(mask, a, b) or masked_fill, and average over "
+                "the selected entries with the mask as a weight, e.g. for ((h[m] - y[m]) ** 2).mean() with a "
+                "bool mask m over rows: w = m.unsqueeze(-1).to(h.dtype); (((h - y) ** 2) * w).sum() / "
+                "(w.sum() * h.shape[-1])")
+    elif op_name and "_local_scalar_dense" in op_name or "data-dependent" in str(e).lower() or "DataDependent" in type(e).__name__:
         op_name = op_name or "aten._local_scalar_dense"
         reason = "a tensor's value is used in Python control flow or converted to a Python number (.item(), if tensor:, int(tensor))"
         hint = "compute it with tensor ops (torch.where, masking) or pass it as a non-tensor argument"
+        inside = next((c for c in (_torch_callee(model, x) for x in chain) if c is not None), None)
+        if inside is not None:
+            reason, hint = _torch_module_hint(inside, reason, hint)
     where = f" at {source}{code}" if source else ""
     opmsg = f" in op {op_name}" if op_name else ""
     return CaptureError(
         f"cannot capture the {'training' if train else 'eval'} step of {type(model).__name__}{opmsg}{where}: {reason}. How to fix: {hint}.",
         op=op_name, source=source,
     )
+
+
+def _is_user_file(filename: str) -> bool:
+    f = os.path.abspath(filename)
+    return not f.startswith(_SKIP_DIRS) and "site-packages/torch" not in f and "<" not in filename
+
+
+def _torch_callee(model: nn.Module, e: BaseException
+                  ) -> tuple[str, nn.Module, str, nn.Module, traceback.FrameSummary | None, list[str]] | None:
+    """When `e` was raised inside a torch module (nn.BatchNorm1d, nn.Transformer) called from the
+    user's innermost line: (path of the innermost such module, the module, path of the outermost
+    one, which the user's line calls, that module, torch's own line, function names below the
+    user's line). None when the failing line is the user's own."""
+    entries = list(traceback.walk_tb(e.__traceback__))
+    users = [i for i, (f, _) in enumerate(entries) if _is_user_file(f.f_code.co_filename)]
+    if not users:
+        return None
+    deeper = entries[users[-1] + 1:]
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    mods: list[nn.Module] = []
+    for f, _ in deeper:
+        try:
+            me = f.f_locals.get("self")
+        except Exception:  # noqa: BLE001 - a frame we cannot read names nothing
+            me = None
+        if isinstance(me, nn.Module) and id(me) in names and type(me).__module__.startswith("torch.") \
+                and (not mods or mods[-1] is not me):
+            mods.append(me)
+    if not mods:
+        return None
+    nn_dir = os.path.dirname(os.path.abspath(nn.__file__))
+    line = None
+    for f, lineno in deeper:
+        if os.path.abspath(f.f_code.co_filename).startswith(nn_dir):
+            line = traceback.FrameSummary(f.f_code.co_filename, lineno, f.f_code.co_name)
+    return (names[id(mods[-1])], mods[-1], names[id(mods[0])], mods[0], line,
+            [f.f_code.co_name for f, _ in deeper])
+
+
+def _torch_module_hint(inside: tuple, reason: str, hint: str) -> tuple[str, str]:
+    """A tensor's value read inside torch's own module code, which the user cannot rewrite:
+    name the module and, for the known cases, the setting that avoids it."""
+    path, mod, outer_path, outer, line, funcs = inside
+    who = f"`{path}` ({type(mod).__name__})"
+    at = f" at {line.filename}:{line.lineno} `{(line.line or '').strip()}`" if line is not None else ""
+    reason = f"{reason}, inside torch's {who}{at}, called from your line"
+    if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.momentum is None:
+        reason += (f". {who} has momentum=None: torch then keeps a cumulative average of the running "
+                   "statistics, dividing by the step count as a Python number (float(num_batches_tracked))")
+        hint = (f"give {who} a fixed momentum (e.g. momentum=0.1, the default, in its constructor, or "
+                f"model.{path}.momentum = 0.1 before compile)")
+    elif "_detect_is_causal_mask" in funcs:
+        arg = "is_causal" if isinstance(mod, (nn.TransformerEncoder, nn.TransformerEncoderLayer)) else "tgt_is_causal"
+        if isinstance(outer, nn.Transformer):
+            arg = "src_is_causal" if arg == "is_causal" else arg
+        reason += (": with a mask and no causal flag, torch compares the mask's values with a causal mask to "
+                   "decide whether it is causal")
+        hint = (f"say it in the call, so torch does not read the mask: pass {arg}=True to `{outer_path}` "
+                f"({type(outer).__name__}) when the mask is the causal mask of "
+                f"nn.Transformer.generate_square_subsequent_mask, or {arg}=False for any other mask")
+    else:
+        hint = (f"torch's code cannot be changed from your model: change how {who} is built or called so that it "
+                "does not read a tensor's value (see torch's line above), or keep it out of the model given to "
+                "fxspeed.compile")
+    return reason, hint

@@ -1,0 +1,340 @@
+"""Forwards fxspeed cannot capture as written: each error names the user's module and line and
+says the way out, and where the advised rewrite exists it trains exactly as eager does."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import assert_close_rel, assert_models_match, check_parity
+
+import fxspeed
+
+
+def _line_of(cls: type, marker: str) -> int:
+    lines, start = inspect.getsourcelines(cls)
+    return start + next(i for i, line in enumerate(lines) if marker in line)
+
+
+def _compile(model: nn.Module, batch: tuple, **kw):  # noqa: ANN202
+    return fxspeed.compile(model, 1, fxspeed.Config(), example_inputs=batch, **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# forward writes into its input
+# --------------------------------------------------------------------------------------------
+
+class ScalesItsInput(nn.Module):
+    def __init__(self, only_in_eval: bool = False) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.only_in_eval = only_in_eval
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not (self.only_in_eval and self.training):
+            x.mul_(2)  # MUTATE-LINE
+        return ((self.a(x) - y) ** 2).mean()
+
+
+def test_a_forward_that_modifies_its_input_in_place_is_refused_naming_the_input_and_its_line() -> None:
+    with pytest.raises(fxspeed.CaptureError) as info:
+        _compile(ScalesItsInput(), (torch.randn(4, 8), torch.randn(4, 8)))
+    msg = str(info.value)
+    assert "KeyError" not in msg and "`x`" in msg and "in place" in msg
+    assert f"test_capture_hints.py:{_line_of(ScalesItsInput, 'MUTATE-LINE')}" in msg
+    assert "x = x * 2" in msg and "does not write" in msg
+
+
+def test_an_eval_step_that_modifies_its_input_in_place_is_refused_the_same_way() -> None:
+    batch = (torch.randn(4, 8), torch.randn(4, 8))
+    engine = _compile(ScalesItsInput(only_in_eval=True), batch)
+    with pytest.raises(fxspeed.CaptureError, match=r"eval step .*modifies its input `x` in place"):
+        engine.eval_step(*batch)
+
+
+# --------------------------------------------------------------------------------------------
+# forward stores a tensor on self
+# --------------------------------------------------------------------------------------------
+
+class StoresActivation(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        self.last = h.detach()
+        self.history.append(h.detach())
+        return ((h - y) ** 2).mean()
+
+
+def test_a_tensor_stored_on_self_in_forward_is_taken_back_after_the_trace_with_a_warning_naming_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    inner = StoresActivation()
+    inner.history = []
+    before = torch.zeros(4, 8)
+    inner.last = before
+    wrapper = _Wrap(inner)
+    batch = (torch.randn(4, 8), torch.randn(4, 8))
+    with caplog.at_level(logging.WARNING, logger="fxspeed"):
+        engine = _compile(wrapper, batch)
+        engine.train_step(*batch)
+    assert inner.last is before and inner.history == []  # no trace-time FunctionalTensor left behind
+    wrapper(*batch)  # the model still runs in eager: nothing fake was left on it
+    assert inner.last.norm() > 0
+    text = caplog.text
+    assert "`m` (StoresActivation)" in text and "self.last" in text and "self.history" in text
+    assert "register_buffer" in text and "copy_" in text
+
+
+class _Wrap(nn.Module):
+    def __init__(self, m: nn.Module) -> None:
+        super().__init__()
+        self.m = m
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.m(x, y)
+
+
+class KeepsActivationInBuffer(nn.Module):
+    """The way out the warning gives: a buffer updated in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.register_buffer("last", torch.zeros(4, 8), persistent=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        self.last.copy_(h.detach())
+        return ((h - y) ** 2).mean()
+
+
+def test_a_buffer_updated_in_place_in_forward_holds_the_last_activation_as_in_eager(
+        caplog: pytest.LogCaptureFixture) -> None:
+    batches = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(3)]
+    model = KeepsActivationInBuffer()
+    with caplog.at_level(logging.WARNING, logger="fxspeed"):
+        _, ref = check_parity(model, batches)
+    assert "stores a tensor" not in caplog.text
+    assert model.last.norm() > 0
+    assert_close_rel(model.last, ref.last, "buffer `last`")
+
+
+# --------------------------------------------------------------------------------------------
+# the batch does not fit forward's signature
+# --------------------------------------------------------------------------------------------
+
+def test_a_model_whose_forward_does_not_take_the_targets_is_told_it_is_called_with_the_whole_batch() -> None:
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with pytest.raises(fxspeed.CaptureError) as info:
+        _compile(nn.Linear(8, 8), (x, y), loss_fn=lambda out, x, y: ((out - y) ** 2).mean())
+    msg = str(info.value)
+    assert "whole batch" in msg and "2 positional arguments" in msg and "Linear.forward(input" in msg
+    assert "loss_fn(output, *args, **kwargs)" in msg and "y=None" in msg
+    assert "rewrite that line" not in msg
+
+
+def test_a_forward_that_takes_and_ignores_the_targets_trains_with_a_loss_fn_as_in_eager() -> None:
+    class TakesTargets(nn.Module):  # the first way out of the error above
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+            return self.lin(x)
+
+    batches = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(2)]
+    check_parity(TakesTargets(), batches, loss_fn=lambda out, x, y: ((out - y) ** 2).mean())
+
+
+# --------------------------------------------------------------------------------------------
+# data-dependent shapes: boolean-mask indexing
+# --------------------------------------------------------------------------------------------
+
+class MaskIndexed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, m: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return ((h[m] - y[m]) ** 2).mean()  # MASK-LINE
+
+
+class MaskWeighted(MaskIndexed):
+    """The rewrite the error suggests."""
+
+    def forward(self, x: torch.Tensor, m: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        w = m.unsqueeze(-1).to(h.dtype)
+        return (((h - y) ** 2) * w).sum() / (w.sum() * h.shape[-1])
+
+
+def _mask_batch() -> tuple:
+    x = torch.randn(6, 8)
+    return x, x[:, 0] > 0, torch.randn(6, 8)
+
+
+def test_boolean_mask_indexing_is_explained_as_a_data_dependent_shape_with_a_masked_mean_instead() -> None:
+    with pytest.raises(fxspeed.CaptureError) as info:
+        _compile(MaskIndexed(), _mask_batch())
+    msg = str(info.value)
+    assert "aten.nonzero" in msg and "data-dependent shape" in msg and "torch.where" in msg
+    assert f"test_capture_hints.py:{_line_of(MaskIndexed, 'MASK-LINE')}" in msg
+    assert "w.sum() * h.shape[-1]" in msg and "rewrite that line" not in msg
+
+
+def test_the_suggested_masked_mean_trains_exactly_as_eager_boolean_mask_indexing() -> None:
+    batches = [_mask_batch() for _ in range(3)]
+    model = MaskWeighted()
+    ref = MaskIndexed()
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(ref.parameters(), lr=fxspeed.Config().lr, weight_decay=fxspeed.Config().weight_decay)
+    engine = _compile(model, batches[0])
+    for i, b in enumerate(batches):
+        loss = engine.train_step(*b)
+        opt.zero_grad()
+        ref_loss = ref(*b)
+        ref_loss.backward()
+        opt.step()
+        assert_close_rel(loss, ref_loss.item(), f"loss at step {i}")
+    assert_models_match(model, ref)
+
+
+# --------------------------------------------------------------------------------------------
+# a tensor's value read inside torch's own modules
+# --------------------------------------------------------------------------------------------
+
+class CumulativeBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8, momentum=None)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.bn(self.a(x)) - y) ** 2).mean()  # BN-LINE
+
+
+def test_batchnorm_with_momentum_none_names_the_torch_module_and_asks_for_a_fixed_momentum() -> None:
+    with pytest.raises(fxspeed.CaptureError) as info:
+        _compile(CumulativeBN(), (torch.randn(4, 8), torch.randn(4, 8)))
+    msg = str(info.value)
+    assert "inside torch's `bn` (BatchNorm1d)" in msg and "momentum=None" in msg and "momentum=0.1" in msg
+    assert "batchnorm.py" in msg
+    assert f"test_capture_hints.py:{_line_of(CumulativeBN, 'BN-LINE')}" in msg
+
+
+class MaskedTransformer(nn.Module):
+    def __init__(self, encoder_only: bool = False, causal: bool | None = None) -> None:
+        super().__init__()
+        self.encoder_only, self.causal = encoder_only, causal
+        if encoder_only:
+            self.t = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, 0.0, batch_first=True), 1)
+        else:
+            self.t = nn.Transformer(16, 2, 1, 1, 32, dropout=0.0, batch_first=True)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        if self.encoder_only:
+            out = self.t(tgt, mask=mask, is_causal=self.causal)
+        else:
+            out = self.t(src, tgt, tgt_mask=mask, tgt_is_causal=self.causal)
+        return ((out - y) ** 2).mean()
+
+
+def _seq_batch() -> tuple:
+    return torch.randn(3, 5, 16), torch.randn(3, 4, 16), torch.randn(3, 4, 16)
+
+
+def test_nn_transformer_with_a_tgt_mask_and_no_causal_flag_is_told_to_pass_tgt_is_causal() -> None:
+    with pytest.raises(fxspeed.CaptureError) as info:
+        _compile(MaskedTransformer(), _seq_batch())
+    msg = str(info.value)
+    assert "inside torch's `t.decoder` (TransformerDecoder)" in msg
+    assert "tgt_is_causal=True to `t` (Transformer)" in msg and "tgt_is_causal=False" in msg
+
+
+def test_transformer_encoder_with_a_mask_and_no_causal_flag_is_told_to_pass_is_causal() -> None:
+    with pytest.raises(fxspeed.CaptureError) as info:
+        _compile(MaskedTransformer(encoder_only=True), _seq_batch())
+    msg = str(info.value)
+    assert "inside torch's `t` (TransformerEncoder)" in msg and "is_causal=True" in msg
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_nn_transformer_with_the_advised_tgt_is_causal_flag_trains_as_in_eager(causal: bool) -> None:
+    check_parity(MaskedTransformer(causal=causal), [_seq_batch() for _ in range(2)])
+
+
+# --------------------------------------------------------------------------------------------
+# gradients inside forward, sparse gradients
+# --------------------------------------------------------------------------------------------
+
+class GradientPenalty(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = x.requires_grad_(True)
+        out = self.a(x)
+        (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)  # GRAD-LINE
+        return ((out - y) ** 2).mean() + ((g.norm(dim=1) - 1) ** 2).mean()
+
+
+def test_a_gradient_penalty_inside_forward_is_refused_as_unsupported_naming_the_line() -> None:
+    with pytest.raises(fxspeed.CaptureError) as info:
+        _compile(GradientPenalty(), (torch.randn(4, 8), torch.randn(4, 1)))
+    msg = str(info.value)
+    assert "torch.autograd.grad" in msg and "not supported" in msg and "expected grad to be None" not in msg
+    assert f"test_capture_hints.py:{_line_of(GradientPenalty, 'GRAD-LINE')}" in msg
+
+
+class SparseEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8, sparse=True)
+        self.a = nn.Linear(8, 1)
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.a(self.emb(ids)) - y) ** 2).mean()
+
+
+def test_an_embedding_with_sparse_gradients_is_refused_at_compile_with_sparse_false_as_the_way_out() -> None:
+    with pytest.raises(fxspeed.CaptureError) as info:
+        _compile(SparseEmbedding(), (torch.randint(0, 10, (4,)), torch.randn(4, 1)))
+    msg = str(info.value)
+    assert "`emb.weight`" in msg and "`emb` (Embedding)" in msg and "sparse gradient" in msg
+    assert "sparse=False" in msg
+
+
+def test_a_frozen_sparse_embedding_still_trains_as_in_eager() -> None:
+    model = SparseEmbedding()
+    model.emb.weight.requires_grad_(False)  # no gradient, so nothing sparse
+    check_parity(model, [(torch.randint(0, 10, (4,)), torch.randn(4, 1)) for _ in range(2)])
+
+
+class StoresThenBranches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        self.last = h.detach()
+        if h.sum() > 0:  # not capturable: the trace fails after `last` was set
+            h = h * 2
+        return ((h - y) ** 2).mean()
+
+
+def test_a_tensor_stored_on_self_is_taken_back_even_when_the_capture_fails() -> None:
+    model = StoresThenBranches()
+    with pytest.raises(fxspeed.CaptureError):
+        _compile(model, (torch.randn(4, 8), torch.randn(4, 8)))
+    assert "last" not in model.__dict__
+    copy.deepcopy(model)(torch.randn(4, 8), torch.randn(4, 8))
