@@ -245,10 +245,12 @@ class Engine:
         calling it would fail deep inside an op ("'weight' must be 2-D"). Say why, and what works."""
         if not released or getattr(self, "_release_hook", None) is not None:
             return
-        probe, name = released[0], type(self.model).__name__
+        name = type(self.model).__name__
+        # Looked up at call time: while the engine traces, stand-ins of full shape replace it.
+        owner, leaf = next((m, n) for m in self.model.modules() for n, p in m._parameters.items() if p is released[0])
 
         def refuse(module: nn.Module, args: Any) -> None:
-            if probe.numel() == 0:  # not inside engine.gathered(), not while the engine traces
+            if owner._parameters[leaf].numel() == 0:  # not inside engine.gathered(), not while tracing
                 raise FxspeedError(
                     f"{name} was called directly, but fxspeed's engine holds its parameters {where}: this rank's "
                     "module has 0-size Parameters. Use engine.train_step / engine.eval_step, or get the full "
