@@ -129,6 +129,7 @@ class Engine:
         self._eval_runtime: PipelineRuntime | None = None
         self._freed_shapes: dict[int, tuple[int, ...]] = {}
         self._requires_grad: list[tuple[str, bool]] | None = None  # at compile, by name
+        self._state_snapshots: dict[bool, _StateSnapshot] = {}  # the last _python_state, per train/eval
         self._owned: list[nn.Parameter] = []
         self._tied: list[tuple[Any, nn.Parameter]] = []  # (group over the positions holding it, weight)
         self._counted: list[nn.Parameter] = []
@@ -269,7 +270,12 @@ class Engine:
         """What a trace baked in besides the batch: each module's train/eval mode (train steps) and
         its plain Python attributes (numbers, strings). A change retraces, as torch.compile's
         guards would; computing it costs microseconds per module."""
-        return tuple((m.training if train else False, _scalars(m)) for m in self.model.modules())
+        snap = self._state_snapshots.get(train)
+        if snap is not None and snap.unchanged():
+            return snap.key
+        key = tuple((m.training if train else False, _scalars(m)) for m in self.model.modules())
+        self._state_snapshots[train] = _StateSnapshot(self.model, key)
+        return key
 
     def _check_parameters_unchanged(self) -> None:
         """requires_grad and Parameter hooks as at compile: the optimizer and gradient buffers are
@@ -1125,6 +1131,23 @@ _SCALARS = (bool, int, float, str)
 
 def _scalars(m: nn.Module) -> tuple:
     return tuple((k, v) for k, v in m.__dict__.items() if type(v) in _SCALARS and k != "training")
+
+
+class _StateSnapshot:
+    """The last `_python_state` and a fast test that nothing in it changed: the same modules'
+    modes and the same attribute values, read by name (about 0.1 ms for GPT-2's 164 modules and
+    533 attributes, a sixth of rebuilding the key). A new attribute is not seen: a trace could
+    not have read it."""
+
+    def __init__(self, model: nn.Module, key: tuple) -> None:
+        self.key = key
+        self.modules = list(model.modules())
+        self.modes = [m.training for m in self.modules]
+        self.slots = [(m.__dict__, k) for m, (_, scalars) in zip(self.modules, key) for k, _ in scalars]
+        self.values = [v for _, scalars in key for _, v in scalars]
+
+    def unchanged(self) -> bool:
+        return [m.training for m in self.modules] == self.modes and [d.get(k) for d, k in self.slots] == self.values
 
 
 def _warn_python_state_changed(model: nn.Module, before: tuple, after: tuple) -> None:
