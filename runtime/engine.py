@@ -906,7 +906,8 @@ class Engine:
         """Fail fast when a collective method is called on some ranks only (`if rank == 0:
         engine.state_dict()`), instead of hanging until dist_timeout_s."""
         if self.dist.active:
-            expect_all_ranks(name, timeout_s=min(30.0, self.config.dist_timeout_s), group=self.dist.group)
+            # Half the collective timeout: the clear error must come before the raw one would.
+            expect_all_ranks(name, timeout_s=min(30.0, self.config.dist_timeout_s / 2), group=self.dist.group)
 
     def _full_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's and buffer's full shape by canonical name, whatever this rank holds."""

@@ -95,7 +95,7 @@ shapes = st.tuples(st.integers(1, 64), st.integers(1, 300))
 dtypes = st.sampled_from(sorted(DTYPES))
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(shape=shapes, dtype=dtypes, affine=st.sampled_from(["weight+bias", "weight", "none"]),
        lead=st.sampled_from([(), (2,)]))
 def test_layer_norm_kernels_return_what_native_layer_norm_and_its_backward_return(shape, dtype, affine, lead) -> None:
@@ -121,7 +121,7 @@ def test_layer_norm_kernels_return_what_native_layer_norm_and_its_backward_retur
             close(a, r, name, dtype, scales[name])
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(shape=shapes, dtype=dtypes, weight=st.booleans(), eps=st.sampled_from([None, 1e-6]))
 def test_rms_norm_kernels_match_fused_rms_norm_and_autograd_through_it(shape, dtype, weight, eps) -> None:
     needs_interpreter()

@@ -289,9 +289,11 @@ def test_pipeline_2_ranks_every_schedule_matches_eager(tmp_path: Path, model: st
 @pytest.mark.parametrize("model", ["gpt6", "gpt2-6"])
 def test_pipeline_4_ranks_every_schedule_with_clipping_matches_eager(tmp_path: Path, model: str) -> None:
     # 6 blocks: interleaved needs 8 stages (embeddings+block 0 | ... | block 5 + head).
-    launch(4, tmp_path, "--model", model, "--schedules", ",".join(EVERY_SCHEDULE), "--microbatches", "4,8",
-           "--grad-clip", "0.5")
-    for M in (4, 8):
+    # HF GPT-2 at M=8 only: M=4 on 4 ranks is the fxspeed GPT's case, and the suite's time budget is tight.
+    counts = (4, 8) if model == "gpt6" else (8,)
+    launch(4, tmp_path, "--model", model, "--schedules", ",".join(EVERY_SCHEDULE), "--microbatches",
+           ",".join(map(str, counts)), "--grad-clip", "0.5")
+    for M in counts:
         ref = eager_reference(model, clip=0.5, microbatches=M)
         for sched in EVERY_SCHEDULE:
             assert_parity(tmp_path, f"{sched}_m{M}", 4, ref)

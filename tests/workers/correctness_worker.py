@@ -10,7 +10,8 @@
     layout_dp     channels_last conv + transposed Parameter, ZeRO-1 and ZeRO-2 on 2 ranks: three
                   steps equal one process's eager fused AdamW on the global batch
 
-Each rank writes "ok" or what went wrong to DIR/rank{r}.txt and exits 0.
+Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt and exits 0 (`--case all`:
+every case in one launch).
 """
 
 from __future__ import annotations
@@ -106,15 +107,16 @@ CASES = {"zero3_module": zero3_module, "nan_one_rank": nan_one_rank, "eval_globa
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", required=True, choices=CASES)
+    ap.add_argument("--case", required=True, choices=[*CASES, "all"])
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     os.environ.setdefault("FXSPEED_BACKEND", "gloo")
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    msg = CASES[a.case]()
-    with open(os.path.join(a.out, f"rank{rank}.txt"), "w") as f:
-        f.write(msg)
+    for case in CASES if a.case == "all" else [a.case]:  # one launch for all: each costs a process group
+        msg = CASES[case]()
+        with open(os.path.join(a.out, f"{case}_rank{rank}.txt"), "w") as f:
+            f.write(msg)
     if dist.is_initialized():
         dist.destroy_process_group()
 

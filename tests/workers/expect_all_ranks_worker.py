@@ -6,8 +6,8 @@ rank 0 alone calls it with a 2 s timeout (FxspeedError within it) while rank 1 w
 barrier, then both call it under another name (the store still works). out/rank{r}.json.
 
 --engine: a ZeRO-3 engine; rank 0 alone calls engine.state_dict() (the user pattern
-`if rank == 0: torch.save(engine.state_dict(), ...)`), rank 1 waits at a barrier. Needs the
-engine to call expect_all_ranks first thing in state_dict(). out/engine_rank{r}.json.
+`if rank == 0: torch.save(engine.state_dict(), ...)`), rank 1 waits at a barrier. The
+engine calls expect_all_ranks first thing in state_dict(). out/engine_rank{r}.json.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def engine(rank: int) -> dict:
 
     batches = global_batches("gpt", 1)
     world = int(os.environ["WORLD_SIZE"])
-    eng = fxspeed.compile(build_model("gpt"), world, fxspeed.Config(zero=3, lr=1e-2, dist_timeout_s=60.0),
+    eng = fxspeed.compile(build_model("gpt"), world, fxspeed.Config(zero=3, lr=1e-2, dist_timeout_s=16.0),
                           example_inputs=local_batch(batches[0]))
     eng.train_step(*local_batch(batches[0]))
     record: dict = {}
