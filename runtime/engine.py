@@ -129,6 +129,7 @@ class Engine:
         self._eval_runtime: PipelineRuntime | None = None
         self._freed_shapes: dict[int, tuple[int, ...]] = {}
         self._requires_grad: list[tuple[str, bool]] | None = None  # at compile, by name
+        self._release_hook: Any = None  # set when this rank's module holds 0-size Parameters
         self._state_snapshots: dict[bool, _StateSnapshot] = {}  # the last _python_state, per train/eval
         self._owned: list[nn.Parameter] = []
         self._tied: list[tuple[Any, nn.Parameter]] = []  # (group over the positions holding it, weight)
@@ -244,7 +245,7 @@ class Engine:
     def _guard_released_module(self, released: list[nn.Parameter], where: str, also: str) -> None:
         """The user's module holds 0-size Parameters where this rank does not keep the weight;
         calling it would fail deep inside an op ("'weight' must be 2-D"). Say why, and what works."""
-        if not released or getattr(self, "_release_hook", None) is not None:
+        if not released or self._release_hook is not None:
             return
         name = type(self.model).__name__
         # Looked up at call time: while the engine traces, stand-ins of full shape replace it.
@@ -281,7 +282,7 @@ class Engine:
         """requires_grad and Parameter hooks as at compile: the optimizer and gradient buffers are
         built once, and the captured graph runs no Python hooks on Parameters."""
         now = [(n, p.requires_grad) for n, p in self._params.items()]
-        if getattr(self, "_requires_grad", None) is None:
+        if self._requires_grad is None:
             self._requires_grad = now
         elif now != self._requires_grad:
             changed = [f"{n} ({was} -> {is_})" for (n, was), (_, is_) in zip(self._requires_grad, now) if was != is_]
