@@ -1,0 +1,152 @@
+"""Files that hold tensors off the device: the swap space of optimizer offload (the NVMe tier
+of ZeRO-Infinity, usable on any device, the CPU included).
+
+A `SwapFile` is one file in a directory it creates under the user's `Config.nvme_path`
+(`fxspeed-swap-<host>-pid<pid>-<rank>-*`) and removes when it is closed or garbage-collected; a
+directory left by a killed process of this host is removed by the next one that starts there. Its size is reserved up front
+(`posix_fallocate`), so a disk too small is an error when the engine is built, before any
+state exists, not a failed write in the middle of a step. Regions and host buffers are
+page-aligned so reads and writes can bypass the page cache (`O_DIRECT`) where the filesystem
+allows it (tmpfs does not: buffered I/O is used there and `direct` says so). Reads and writes
+run in a small thread pool (`os.preadv`/`os.pwritev` release the GIL) and return futures, so
+the caller overlaps them with compute.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import logging
+import shutil
+import socket
+import tempfile
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from fxspeed.errors import FxspeedError
+
+log = logging.getLogger("fxspeed")
+ALIGN = 4096  # the largest logical block size O_DIRECT asks alignment to on common disks
+
+
+def round_up(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
+
+
+class AlignedBuffer:
+    """A page-aligned host buffer (anonymous mmap) seen as a flat tensor of `dtype`."""
+
+    def __init__(self, nbytes: int, dtype: torch.dtype = torch.float32) -> None:
+        self.nbytes = round_up(max(nbytes, 1))
+        self._map = mmap.mmap(-1, self.nbytes)
+        self.tensor = torch.frombuffer(self._map, dtype=dtype, count=self.nbytes // dtype.itemsize)
+
+    def memoryview(self, nbytes: int) -> memoryview:
+        return memoryview(self._map)[:round_up(nbytes)]
+
+
+class SwapFile:
+    """One preallocated file of `nbytes` under `root` (Config.nvme_path); async aligned I/O."""
+
+    def __init__(self, root: str | os.PathLike, nbytes: int, *, name: str, workers: int = 2) -> None:
+        root_path = Path(root)
+        if not root_path.is_dir():
+            raise FxspeedError(f"Config.nvme_path={str(root)!r} does not exist or is not a directory; create it (on "
+                               "a local disk with room for the offloaded states) or choose another path")
+        if not os.access(root_path, os.W_OK | os.X_OK):
+            raise FxspeedError(f"Config.nvme_path={str(root)!r} is not writable by this process; choose a directory "
+                               "you can write to")
+        self.nbytes = round_up(nbytes)
+        remove_stale_swap_dirs(root_path)
+        self.dir = tempfile.mkdtemp(prefix=f"{_PREFIX}{socket.gethostname()}-pid{os.getpid()}-{name}-", dir=root_path)
+        self.path = os.path.join(self.dir, "states.bin")
+        self.direct = hasattr(os, "O_DIRECT")
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+        try:
+            fd = os.open(self.path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                shutil.rmtree(self.dir, ignore_errors=True)
+                raise FxspeedError(f"cannot create the swap file {self.path!r} (Config.nvme_path): {e}") from e
+            self.direct = False  # the filesystem refuses O_DIRECT (tmpfs): buffered I/O
+            fd = os.open(self.path, flags, 0o600)
+        self.fd = fd
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"fxspeed-swap-{name}")
+        self._finalizer = weakref.finalize(self, _close, fd, self.dir, self._pool)
+        try:
+            os.posix_fallocate(fd, 0, self.nbytes)
+        except OSError as e:
+            self.close()
+            if e.errno == errno.ENOSPC:
+                free = shutil.disk_usage(root_path).free
+                raise FxspeedError(f"Config.nvme_path={str(root)!r}: the offloaded states need {self.nbytes / 1e9:.2f} "
+                                   f"GB and that filesystem has {free / 1e9:.2f} GB free; free space there or choose a "
+                                   "path on a larger disk (nothing was written)") from e
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise FxspeedError(f"cannot reserve {self.nbytes / 1e9:.2f} GB for the swap file {self.path!r}: {e}") from e
+            os.ftruncate(fd, self.nbytes)  # no fallocate on this filesystem: a sparse file
+
+    def read(self, offset: int, into: AlignedBuffer, nbytes: int) -> Future:
+        """Fill the first `nbytes` (rounded up to the alignment) of `into` from `offset`."""
+        return self._pool.submit(self._io, os.preadv, offset, into.memoryview(nbytes), "reading")
+
+    def write(self, offset: int, source: AlignedBuffer, nbytes: int) -> Future:
+        return self._pool.submit(self._io, os.pwritev, offset, source.memoryview(nbytes), "writing")
+
+    def _io(self, call, offset: int, view: memoryview, what: str) -> None:  # noqa: ANN001 - os.preadv / os.pwritev
+        done = 0
+        while done < len(view):  # both may return short counts
+            try:
+                n = call(self.fd, [view[done:]], offset + done)
+            except OSError as e:
+                raise FxspeedError(f"{what} {len(view)} bytes at offset {offset} of the swap file {self.path!r} failed: "
+                                   f"{e}") from e
+            if n == 0:
+                raise FxspeedError(f"{what} the swap file {self.path!r} stopped at offset {offset + done} "
+                                   f"(file shorter than {self.nbytes} bytes: was it truncated?)")
+            done += n
+
+    def close(self) -> None:
+        """Remove the swap directory (idempotent)."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+
+_PREFIX = "fxspeed-swap-"
+
+
+def remove_stale_swap_dirs(root: Path) -> list[str]:
+    """Remove swap directories under `root` left by processes of this host that no longer run (a
+    killed process cannot clean up after itself); another host's, or a live process's, stay."""
+    removed = []
+    head = f"{_PREFIX}{socket.gethostname()}-pid"
+    for entry in root.glob(f"{head}*"):
+        pid = entry.name[len(head):].split("-", 1)[0]
+        if not pid.isdigit() or not entry.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or not ours to signal: alive too)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(str(entry))
+        log.warning("fxspeed: removed %s, the swap directory of process %s, which is gone", entry, pid)
+    return removed
+
+
+def _close(fd: int, directory: str, pool: ThreadPoolExecutor) -> None:
+    pool.shutdown(wait=True)
+    try:
+        os.close(fd)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

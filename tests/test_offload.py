@@ -1,0 +1,255 @@
+"""Optimizer offload (Config.offload="optimizer"): Adam's moments in files under nvme_path,
+stepped chunk by chunk by torch's fused kernel (runtime/offloaded_optimizer.py, offload_io.py).
+
+Parity is bit for bit: the update is the same elementwise kernel over the same tensors."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxspeed
+from fxspeed.config import ConfigWarning
+from fxspeed.errors import ConfigError, FxspeedError
+from fxspeed.models import GPT, GPTConfig
+from fxspeed.runtime.offloaded_optimizer import OffloadedAdam
+from tests.multiprocess import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _odd_tensors() -> list[nn.Parameter]:
+    torch.manual_seed(0)
+    conv = torch.randn(8, 3, 3, 3).to(memory_format=torch.channels_last)
+    return [nn.Parameter(torch.randn(40, 30)), nn.Parameter(torch.randn(30, 40).t()), nn.Parameter(conv),
+            nn.Parameter(torch.randn(7)), nn.Parameter(torch.randn(1000))]
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_the_offloaded_optimizer_steps_bit_for_bit_like_torchs_fused_adam_over_several_chunks(
+        tmp_path: Path, decoupled: bool) -> None:
+    ours, ref = _odd_tensors(), _odd_tensors()
+    kw = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    opt = OffloadedAdam(ours, decoupled=decoupled, swap_root=tmp_path, name="t", chunk_bytes=4096 * 3, **kw)
+    torch_opt = (torch.optim.AdamW if decoupled else torch.optim.Adam)(ref, fused=True, **kw)
+    assert opt.stats["chunks"] >= 3
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        for a, b in zip(ours, ref):
+            grad = torch.randn(a.shape, generator=g)
+            a.grad, b.grad = grad.clone().to(memory_format=torch.contiguous_format), grad.clone()
+            b.grad = torch.empty_like(b).copy_(grad)  # torch's optimizer pairs elements in the param's layout
+            a.grad = torch.empty_like(a).copy_(grad)
+        opt.prefetch()
+        opt.step()
+        torch_opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(ours, ref)), f"step {step}"
+    full = opt.full_state()
+    for a, b in zip(ours, ref):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(full[a][key], torch_opt.state[b][key]), key
+    # torch.optim's state_dict format, moments included, round-trips through a fresh optimizer
+    again = OffloadedAdam(_odd_tensors(), decoupled=decoupled, swap_root=tmp_path, name="u", chunk_bytes=4096 * 3, **kw)
+    again.load_state_dict(opt.state_dict())
+    for a, b in zip(again.full_state().values(), full.values()):
+        assert all(torch.equal(a[k], b[k]) for k in b)
+    opt.close()
+    again.close()
+    assert os.listdir(tmp_path) == []
+
+
+def _gpt() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    x = torch.randint(0, 64, (4, 16))
+    return model, (x, torch.roll(x, 1, 1))
+
+
+def _pair(tmp_path: Path, memory_budget_gb: float | None = None,
+          **cfg: object) -> tuple[fxspeed.Engine, fxspeed.Engine, tuple]:
+    model, batch = _gpt()
+    twin = copy.deepcopy(model)
+    base = dict(lr=1e-2, weight_decay=0.1, grad_clip=0.5, bucket_mb=0.01, **cfg)
+    plain = fxspeed.compile(model, 1, fxspeed.Config(**base), example_inputs=batch)
+    off = fxspeed.compile(twin, 1, fxspeed.Config(**base, offload="optimizer", nvme_path=str(tmp_path),
+                                                  memory_budget_gb=memory_budget_gb), example_inputs=batch)
+    return plain, off, batch
+
+
+def _same_states(a: fxspeed.Engine, b: fxspeed.Engine) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    oa, ob = a._canonical_optimizer_state(), b._canonical_optimizer_state()
+    assert oa.keys() == ob.keys()
+    assert all(torch.equal(oa[k][s], ob[k][s]) for k in oa for s in oa[k])
+
+
+def test_training_with_the_optimizer_offloaded_equals_training_without_it_bit_for_bit(tmp_path: Path) -> None:
+    plain, off, (x, y) = _pair(tmp_path)
+    for step in range(4):
+        xs = torch.roll(x, step, 0)
+        assert plain.train_step(xs, y) == off.train_step(xs, y)
+    assert off.optimizer.stats["chunks"] > 2
+    _same_states(plain, off)
+    files = list(tmp_path.glob("fxspeed-swap-*-rank0-*/states.bin"))
+    assert len(files) == 1 and files[0].stat().st_size >= 8 * sum(p.numel() for p in off.model.parameters())
+    swap_dir = files[0].parent
+    del off
+    gc.collect()
+    assert not swap_dir.exists(), "the swap directory outlives its engine"
+
+
+class Regression(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.b(torch.relu(self.a(x))).squeeze(-1) - y) ** 2).mean()
+
+
+def test_a_skipped_step_leaves_the_offloaded_states_as_they_were(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Regression()
+    x, y = torch.randn(8, 16), torch.randn(8)
+    base = dict(lr=1e-2, nan_check="skip", bucket_mb=0.002)
+    plain = fxspeed.compile(copy.deepcopy(model), 1, fxspeed.Config(**base), example_inputs=(x, y))
+    off = fxspeed.compile(model, 1, fxspeed.Config(**base, offload="optimizer", nvme_path=str(tmp_path)),
+                          example_inputs=(x, y))
+    assert off.optimizer.stats["chunks"] >= 2
+    for e in (plain, off):
+        e.train_step(x, y)
+        e.train_step(x * float("nan"), y)  # skipped: the prefetched reads are used by the next step
+        assert e.stats["skipped_steps"] == 1
+        e.train_step(x, y)
+    _same_states(plain, off)
+
+
+def test_a_checkpoint_written_with_offload_loads_without_it_and_back(tmp_path: Path) -> None:
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    plain, off, (x, y) = _pair(swap)
+    for e in (plain, off):
+        e.train_step(x, y)
+    off.save(tmp_path / "ck_off")
+    plain.save(tmp_path / "ck_plain")
+    fresh_plain, fresh_off, _ = _pair(swap)
+    fresh_plain.load(tmp_path / "ck_off")     # offloaded -> in memory
+    fresh_off.load(tmp_path / "ck_plain")     # in memory -> offloaded
+    _same_states(fresh_plain, fresh_off)
+    _same_states(plain, fresh_off)
+    assert fresh_plain.train_step(x, y) == fresh_off.train_step(x, y) == plain.train_step(x, y)
+
+
+def test_optimizer_offload_on_two_ranks_equals_no_offload_under_zero_1_and_3_and_a_pipeline(tmp_path: Path) -> None:
+    out = tmp_path / "result.txt"
+    cmd = [sys.executable, "-m", "fxspeed", "run", "-n", "2", "-m", "tests.workers.offload_worker",
+           "--swap", str(tmp_path), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert out.read_text() == "ok"
+    assert [p.name for p in tmp_path.iterdir()] == ["result.txt"], "swap directories left behind"
+
+
+def _compile(tmp_path: Path | None, **cfg: object) -> fxspeed.Engine:
+    model, batch = _gpt()
+    if tmp_path is not None:
+        cfg.setdefault("nvme_path", str(tmp_path))
+    cfg.setdefault("offload", "optimizer")
+    return fxspeed.compile(model, 1, fxspeed.Config(**cfg), example_inputs=batch)
+
+
+@pytest.mark.parametrize("cfg, words", [
+    (dict(offload_device="cpu", nvme_path=None), ["offload_device='cpu' on a CPU device", "nvme"]),
+    (dict(nvme_path=None), ["nvme_path"]),
+    (dict(nvme_path="/no/such/dir"), ["/no/such/dir", "does not exist"]),
+])
+def test_offload_settings_that_cannot_work_on_this_device_are_errors_that_say_what_works(
+        tmp_path: Path, cfg: dict, words: list[str]) -> None:
+    with pytest.raises((ConfigError, FxspeedError)) as e:
+        _compile(tmp_path if "nvme_path" not in cfg else None, **cfg)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_offload_kinds_not_built_and_sgd_are_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="sgd"):
+        fxspeed.Config(offload="optimizer", optimizer="sgd")
+    with pytest.raises(ConfigError, match="offload='optimizer' is"):
+        _compile(None, offload="parameters")
+    with pytest.raises(ConfigError, match="offload_device"):
+        fxspeed.Config(offload="optimizer", offload_device="disk")
+    with pytest.raises(ConfigError, match="memory_budget_gb"):
+        fxspeed.Config(offload="optimizer", memory_budget_gb=0)
+    with pytest.warns(ConfigWarning, match="nvme_path"):
+        fxspeed.Config(nvme_path="/tmp")  # offload='none': it would do nothing
+
+
+def test_a_disk_without_room_is_an_error_before_training_and_leaves_nothing_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(FxspeedError, match="GB free"):
+        _compile(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_plan_shows_the_moments_on_disk_and_only_the_staging_slots_in_memory(tmp_path: Path) -> None:
+    model, batch = _gpt()
+    n = sum(p.numel() for p in model.parameters())
+    small = dict(bucket_mb=0.01)  # chunks of 20 KiB of moments
+    plain = fxspeed.plan(model, 1, fxspeed.Config(**small), example_inputs=batch)
+    off = fxspeed.plan(model, 1, fxspeed.Config(**small, offload="optimizer", nvme_path=str(tmp_path)),
+                       example_inputs=batch)
+    assert off.offloaded == {"disk": 8 * n}
+    assert plain.memory()["optimizer_states"] == 8 * n
+    assert off.memory()["optimizer_states"] == 3 * int(2 * 0.01 * 2**20)  # the three staging slots
+    assert "off the device: disk" in off.summary()
+
+
+def test_with_a_memory_budget_the_planner_offloads_only_what_does_not_fit_and_the_engine_follows(tmp_path: Path) -> None:
+    model, batch = _gpt()
+    states = 8 * sum(p.numel() for p in model.parameters())
+    cfg = dict(bucket_mb=0.01, lr=1e-2)
+    full = fxspeed.plan(model, 1, fxspeed.Config(**cfg), example_inputs=batch).peak_memory()
+    budget = (full - states / 2) / 1e9  # half the states must go
+    plan = fxspeed.plan(model, 1, fxspeed.Config(**cfg, offload="optimizer", nvme_path=str(tmp_path),
+                                                 memory_budget_gb=budget), example_inputs=batch)
+    assert states / 2 <= plan.offloaded["disk"] < states
+    assert plan.peak_memory() <= budget * 1e9
+    plain, off, (x, y) = _pair(tmp_path, memory_budget_gb=budget)
+    st = off.optimizer.stats
+    assert st["chunks"] > 0 and st["resident_chunks"] > 0 and st["offloaded_bytes"] >= plan.offloaded["disk"]
+    for step in range(3):
+        assert plain.train_step(torch.roll(x, step, 0), y) == off.train_step(torch.roll(x, step, 0), y)
+    _same_states(plain, off)
+    tight = fxspeed.plan(model, 1, fxspeed.Config(**cfg, offload="optimizer", nvme_path=str(tmp_path),
+                                                  memory_budget_gb=1e-6), example_inputs=batch)
+    assert tight.offloaded["disk"] == states and any("even with every optimizer state offloaded" in n for n in tight.notes)
+
+
+def test_a_swap_directory_left_by_a_killed_process_is_removed_by_the_next_one(tmp_path: Path) -> None:
+    import socket
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    stale = tmp_path / f"fxspeed-swap-{host}-pid{gone.stdout.strip()}-rank0-abc"
+    alive = tmp_path / f"fxspeed-swap-{host}-pid{os.getpid()}-rank1-abc"   # a live process's: kept
+    other = tmp_path / f"fxspeed-swap-otherhost-pid{gone.stdout.strip()}-rank0-abc"  # another host's: kept
+    for d in (stale, alive, other):
+        d.mkdir()
+        (d / "states.bin").write_bytes(b"x")
+    engine = _compile(tmp_path)
+    assert not stale.exists() and alive.exists() and other.exists()
+    del engine
