@@ -1,0 +1,872 @@
+"""Tensor-parallel placements: which value of the joint graph each tp rank holds, chosen by cost.
+
+Every tensor of the annotated joint ATen graph gets a placement over the T tensor-parallel
+ranks:
+
+    R          replicated: every rank holds the whole tensor
+    S(d, b)    sharded on dim d: the dim is read as b equal blocks and each block is split into T
+               contiguous pieces, rank t holding piece t of every block (b > 1 is how a fused QKV
+               projection [D, 3D] is split so that q, k and v each come out sharded by heads)
+    P          partial sum: every rank holds a full-shape tensor, the value is their sum
+
+Propagation is per op, from the placements of its inputs (`_strategies`): each op offers the
+placements it can run on (a matmul column-parallel, row-parallel into P, attention by heads,
+pointwise ops on any matching shard, views mapping a shard through the reshape, ...) plus the
+always-correct fallback "every input replicated". The cheapest strategy is taken, counting
+per rank compute (the roofline time of the node / T when it runs on shards), the collectives
+its inputs need (P -> R all-reduce, S -> R all-gather; R -> S is a local slice and free) and,
+for a P result, the all-reduce it will need. An op without a rule only ever runs replicated,
+so a missing rule costs speed, never correctness.
+
+The choice that is searched is the placement of every trainable parameter of two or more dims
+(the parameters a layout is about); the rest follows by propagation, and a 1-D parameter
+(bias, norm weight) whose readers all want the same shard takes it. The search (`solve`):
+
+    1. seed: propagate with every parameter "free" (replicated, but readers may slice it), and
+       give each parameter the shard its readers chose; or every parameter whole, if cheaper;
+    2. local search: try every other placement of each parameter (one move applies to the same
+       parameter of every repeated block: blocks are solved once; the weights multiplying the
+       same activation, q/k/v or gate/up, also move together, since attention pays off only with
+       all three split), keep a move that lowers the total cost, until none does. A parameter
+       left replicated whose readers slice it takes that slice when that is cheaper.
+
+The search is a heuristic, not an exact solver (autoparallel solves an ILP): it can miss a
+layout that needs several unrelated parameters to move at once.
+
+Total cost = sum of per-rank node times + collective times (bytes / link bandwidth + latency)
++ the optimizer step over this rank's parameter bytes (the memory term, in seconds). The
+Megatron layout (attention column- then row-parallel by heads, the MLP column- then
+row-parallel) is what this search finds on transformer blocks once compute outweighs
+collective latency; nothing here knows module names beyond telling repeated blocks apart.
+
+The result is written as `node.meta["fxspeed_tp"]` (a `NodePlacement` per node) and
+`gm.meta["fxspeed_tp_params"]` (parameter name -> Placement); `passes/parallel/shard_tensors.py`
+applies it. `make_placement_analysis` wraps it as the pass-manager analysis "tp_placements",
+handed to the compiler the way `analyze` is, so the compiler never imports the planner.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from fxspeed.devices import DeviceSpec
+from fxspeed.errors import ConfigError
+from fxspeed.ir import META_KEY
+
+aten = torch.ops.aten
+TP_KEY = "fxspeed_tp"
+PARAMS_KEY = "fxspeed_tp_params"
+
+
+@dataclass(frozen=True)
+class Placement:
+    kind: str  # "R" | "S" | "P"
+    dim: int = 0
+    blocks: int = 1
+
+    def __str__(self) -> str:
+        if self.kind == "S":
+            return f"S({self.dim})" if self.blocks == 1 else f"S({self.dim},blocks={self.blocks})"
+        return self.kind
+
+
+R = Placement("R")
+P = Placement("P")
+
+
+def S(dim: int, blocks: int = 1) -> Placement:
+    return Placement("S", dim, blocks)
+
+
+# A parameter kept whole and never sliced by its readers (a search option: e.g. an LM head
+# whose vocabulary-sharded logits would need gathering). Placed R in the graph.
+WHOLE = Placement("R", -1)
+
+
+@dataclass
+class NodePlacement:
+    """What one node runs on: `out` (a tuple for multi-output ops) and `want`, the placement
+    each tensor input must have (in fx.node.map_arg order over args then kwargs);
+    `reduce_before_bias`: addmm whose matmul part is a partial sum (row-parallel with a bias):
+    the rewrite all-reduces the product and then adds the bias once."""
+
+    out: Any
+    want: list[Placement]
+    reduce_before_bias: bool = False
+    sharded: bool = False  # runs on 1/T of the work
+
+
+@dataclass
+class Strategy:
+    want: list[Placement]
+    out: Any
+    div: bool = False
+    reduce_before_bias: bool = False
+
+
+# --- shapes and dims ----------------------------------------------------------------------------
+
+# Matmuls whose output is split into k equal parts downstream (a fused QKV projection): a
+# weight sliced for them is sliced in k blocks. Set by solve.
+_PREFER: dict[fx.Node, int] = {}
+_SHAPES: dict[fx.Node, Any] = {}  # memo for one solve (cleared by solve): shapes are read many times
+
+
+def _shape(n: Any) -> tuple[int, ...] | None:
+    got = _SHAPES.get(n, _SHAPES)
+    if got is not _SHAPES:
+        return got
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    got = tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None
+    _SHAPES[n] = got
+    return got
+
+
+def _valid(p: Placement, shape: tuple[int, ...] | None, T: int) -> bool:
+    if p.kind != "S":
+        return True
+    return shape is not None and 0 <= p.dim < len(shape) and shape[p.dim] % (p.blocks * T) == 0
+
+
+def reshape_placement(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, T: int) -> Placement | None:
+    """The placement of `reshape(x, dst)` when x (shape src) is placed `p`, or None when the shard
+    does not survive the reshape as a shard of one output dim (e.g. heads not divisible by T)."""
+    if p.kind != "S":
+        return p
+    # Group dims into the smallest runs of equal element count on both sides.
+    i = j = 0
+    while i < len(src):
+        i0, j0 = i, j
+        a, b = src[i], dst[j] if j < len(dst) else 1
+        i += 1
+        j += 1
+        while a != b:
+            if a < b:
+                a *= src[i]
+                i += 1
+            else:
+                b *= dst[j]
+                j += 1
+        while i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+            i += 1
+        if i0 <= p.dim < i:
+            outer = math.prod(src[i0:p.dim]) * p.blocks
+            prefix = 1
+            for k in range(j0, j):
+                if outer % prefix == 0:
+                    blocks = outer // prefix
+                    if dst[k] % blocks == 0 and dst[k] > blocks and (dst[k] // blocks) % T == 0:
+                        return S(k, blocks)
+                prefix *= dst[k]
+            return None
+    return None
+
+
+# --- op rules -----------------------------------------------------------------------------------
+
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+_SAME = {aten.clone.default, aten._to_copy.default, aten.lift_fresh_copy.default, aten.alias.default,
+         aten.detach.default}
+_POINTWISE = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.gelu.default,
+              aten.gelu_backward.default, aten.silu.default, aten.silu_backward.default, aten.sigmoid.default,
+              aten.sigmoid_backward.default, aten.tanh.default, aten.tanh_backward.default, aten.neg.default,
+              aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.cos.default, aten.sin.default, aten.mul.Scalar,
+              aten.div.Scalar, aten.add.Scalar, aten.sub.Scalar, aten.exp.default, aten.sqrt.default,
+              aten.relu.default, aten.threshold_backward.default, aten.where.self, aten.fill.Scalar,
+              aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, *_SAME}
+# Linear in every tensor argument at once (P in, P out).
+_WALK_BACK = {*_VIEWS, aten.clone.default, aten._to_copy.default}
+_LINEAR = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.mul.Scalar, aten.div.Scalar, *_SAME}
+_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default}
+_ATTENTION_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+RANDOM_OPS = {aten.native_dropout.default, aten.bernoulli.p, aten.bernoulli_.float, aten.rand_like.default,
+              aten.randn_like.default, aten.rand.default, aten.randn.default}
+
+
+def _tensor_args(node: fx.Node) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), lambda n: out.append(n) or n)
+    return out
+
+
+def _dim(d: int, nd: int) -> int:
+    return d % nd if nd else d
+
+
+def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int) -> list[Strategy]:
+    """Placements `node` can run on given its inputs' placements `pl` (besides all-replicated)."""
+    t = node.target
+    out_shape = _shape(node)
+    shapes = [_shape(a) for a in ins]
+    sts: list[Strategy] = []
+    a = node.args
+    if not ins:
+        return sts
+    x, px = ins[0], pl[0]
+    if t in _VIEWS or t in (aten.t.default, aten.transpose.int, aten.permute.default, aten.unsqueeze.default,
+                            aten.expand.default, aten.slice.Tensor, aten.slice_backward.default, aten.squeeze.dim,
+                            aten.squeeze.dims, aten.squeeze.default):
+        if len(ins) != 1:
+            return sts
+        if px.kind == "P":
+            return [Strategy([P], P)]
+        if px.kind != "S":
+            return sts
+        nd = len(shapes[0])
+        q: Placement | None = None
+        if t in _VIEWS:
+            q = reshape_placement(shapes[0], out_shape, px, T)
+        elif t == aten.t.default:
+            q = S(1 - px.dim, px.blocks) if nd == 2 else px
+        elif t == aten.transpose.int:
+            d0, d1 = _dim(a[1], nd), _dim(a[2], nd)
+            q = S({d0: d1, d1: d0}.get(px.dim, px.dim), px.blocks)
+        elif t == aten.permute.default:
+            q = S([_dim(d, nd) for d in a[1]].index(px.dim), px.blocks)
+        elif t == aten.unsqueeze.default:
+            k = _dim(a[1], nd + 1)
+            q = S(px.dim + (1 if px.dim >= k else 0), px.blocks)
+        elif t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
+            if t == aten.squeeze.default:
+                gone = [i for i, s_ in enumerate(shapes[0]) if s_ == 1]
+            else:
+                ds = [a[1]] if t == aten.squeeze.dim else list(a[1])
+                gone = [_dim(d, nd) for d in ds if shapes[0][_dim(d, nd)] == 1]
+            q = S(px.dim - sum(1 for d in gone if d < px.dim), px.blocks) if px.dim not in gone else None
+        elif t == aten.expand.default:
+            off = len(out_shape) - nd
+            q = S(px.dim + off, px.blocks) if out_shape[px.dim + off] == shapes[0][px.dim] else None
+        elif t == aten.slice.Tensor:
+            q = px if _dim(a[1] if len(a) > 1 else 0, nd) != px.dim else None
+        elif t == aten.slice_backward.default:
+            q = px if _dim(a[2], len(out_shape)) != px.dim else None
+        if q is not None and _valid(q, out_shape, T):
+            sts.append(Strategy([px], q, div=False))
+        return sts
+    if t in _POINTWISE:
+        if out_shape is None:
+            return sts
+        nd = len(out_shape)
+        cands = {(p.dim + nd - len(s), p.blocks) for p, s in zip(pl, shapes) if p.kind == "S" and s is not None}
+        for d, b in cands:
+            want = []
+            for s in shapes:
+                k = d - (nd - len(s)) if s is not None else -1
+                want.append(S(k, b) if s is not None and k >= 0 and s[k] == out_shape[d] else R)
+            if _valid(S(d, b), out_shape, T) and all(_valid(w, s, T) for w, s in zip(want, shapes)):
+                sts.append(Strategy(want, S(d, b), div=True))
+        if any(p.kind == "P" for p in pl):
+            scalar_ok = t not in (aten.add.Scalar, aten.sub.Scalar)
+            if t in _LINEAR and scalar_ok and not (t in (aten.add.Tensor, aten.sub.Tensor) and
+                                                   any(not isinstance(v, fx.Node) for v in a[:2])):
+                sts.append(Strategy([P] * len(ins), P))
+            elif t in (aten.mul.Tensor, aten.div.Tensor) and len(ins) == 2 and pl[0].kind == "P" and \
+                    isinstance(a[0], fx.Node) and isinstance(a[1], fx.Node):
+                sts.append(Strategy([P, R], P))
+            elif t == aten.mul.Tensor and len(ins) == 2 and pl[1].kind == "P":
+                sts.append(Strategy([R, P], P))
+        return sts
+    if t == aten.mm.default or t == aten.bmm.default:
+        k = 0 if t == aten.mm.default else 1
+        pa, pb = pl
+        bas = {pa.blocks} if pa.kind == "S" else {_PREFER.get(node, 1)}
+        bbs = {pb.blocks} if pb.kind == "S" else {_PREFER.get(node, 1)}
+        cands = [Strategy([S(k, ba), R], S(k, ba), True) for ba in bas]
+        cands += [Strategy([R, S(k + 1, bb)], S(k + 1, bb), True) for bb in bbs]
+        cands += [Strategy([S(k + 1, b), S(k, b)], P, True) for b in bas | bbs]
+        # bmm over a batch that merged (batch, heads): a head shard is S(0, blocks=batch)
+        cands += [Strategy([S(0, b), S(0, b)], S(0, b), True) for b in {1} | {p.blocks for p in pl if p.kind == "S"}] \
+            if k else []
+        for st in cands:
+            if all(_valid(w, s, T) for w, s in zip(st.want, shapes)) and _valid(st.out, out_shape, T):
+                sts.append(st)
+        return sts
+    if t == aten.addmm.default and len(ins) == 3:
+        bias_s, pa, pb = shapes[0], pl[1], pl[2]
+        bas = {pa.blocks} if pa.kind == "S" else {_PREFER.get(node, 1)}
+        bbs = {pb.blocks} if pb.kind == "S" else {_PREFER.get(node, 1)}
+        cands = []
+        for ba in bas:
+            row_bias = S(0, ba) if bias_s is not None and len(bias_s) == 2 and bias_s[0] == out_shape[0] > 1 else R
+            cands.append(Strategy([row_bias, S(0, ba), R], S(0, ba), True))
+        for bb in bbs:
+            col_bias = (S(len(bias_s) - 1, bb) if bias_s is not None and bias_s[-1] == out_shape[-1] and bias_s[-1] > 1
+                        else R)
+            cands.append(Strategy([col_bias, R, S(1, bb)], S(1, bb), True))
+        cands += [Strategy([R, S(1, b), S(0, b)], R, True, reduce_before_bias=True) for b in bas | bbs]
+        for st in cands:
+            if all(_valid(w, s, T) for w, s in zip(st.want, shapes)) and _valid(st.out, out_shape, T):
+                sts.append(st)
+        return sts
+    if t in (aten.sum.dim_IntList, aten.mean.dim, aten.sum.default):
+        if px.kind == "P":
+            return [Strategy([P], P)]
+        if px.kind != "S":
+            return sts
+        nd = len(shapes[0])
+        dims = [_dim(d, nd) for d in (a[1] if len(a) > 1 and a[1] is not None else range(nd))]
+        keep = bool(a[2]) if len(a) > 2 else bool(node.kwargs.get("keepdim", False))
+        if px.dim in dims:
+            if t != aten.mean.dim:
+                sts.append(Strategy([px], P, True))
+        else:
+            q = S(px.dim if keep else px.dim - sum(1 for d in dims if d < px.dim), px.blocks)
+            if _valid(q, out_shape, T):
+                sts.append(Strategy([px], q, True))
+        return sts
+    if t in (aten._log_softmax.default, aten._softmax.default, aten._log_softmax_backward_data.default,
+             aten._softmax_backward_data.default):
+        n_t = len(ins)
+        nd = len(shapes[0])
+        dim = _dim(a[n_t], nd)
+        cands = {(p.dim, p.blocks) for p in pl if p.kind == "S" and p.dim != dim}
+        for d, b in cands:
+            if _valid(S(d, b), out_shape, T):
+                sts.append(Strategy([S(d, b)] * n_t, S(d, b), True))
+        return sts
+    if t in _ATTENTION or t in _ATTENTION_BACKWARD:
+        n_qkv = 3 if t in _ATTENTION else 6  # backward: grad_out, q, k, v, out, logsumexp
+        want = [S(1) if i < n_qkv else (S(1) if (shapes[i] is not None and len(shapes[i]) == 4 and shapes[i][1] > 1)
+                                        else R) for i in range(len(ins))]
+        if all(_valid(w, s, T) for w, s in zip(want, shapes)):
+            outs = node.meta.get("val")
+            n_out = len(outs) if isinstance(outs, (tuple, list)) else 1
+            res = tuple(S(1) if isinstance(v, torch.Tensor) and v.dim() >= 2 else R for v in outs)
+            sts.append(Strategy(want, res if n_out > 1 else res[0], True))
+        return sts
+    if t == aten.embedding.default:
+        if pl[0].kind == "S" and pl[0].dim == 1:
+            q = S(len(out_shape) - 1, pl[0].blocks)
+            sts.append(Strategy([pl[0], R], q, True))
+        return sts
+    if t == aten.embedding_dense_backward.default:
+        if px.kind == "S" and px.dim == len(shapes[0]) - 1:
+            sts.append(Strategy([px, R], S(1, px.blocks), True))
+        return sts
+    if t in (aten.split.Tensor, aten.split_with_sizes.default):
+        nd = len(shapes[0])
+        dim = _dim(a[2] if len(a) > 2 else node.kwargs.get("dim", 0), nd)
+        outs = node.meta.get("val")
+        sizes = [int(v.shape[dim]) for v in outs]
+        if px.kind == "S" and px.dim != dim:
+            res = tuple(px for _ in outs)
+            if all(_valid(px, tuple(v.shape), T) for v in outs):
+                sts.append(Strategy([px], res, True))
+        elif px.kind == "S" and px.blocks == len(sizes) and len(set(sizes)) == 1:
+            sts.append(Strategy([px], tuple(S(dim) for _ in outs), True))
+        elif px.kind == "P":
+            sts.append(Strategy([P], tuple(P for _ in outs)))
+        return sts
+    if t == aten.cat.default:
+        # cat skips 1-D empty tensors (an empty KV cache): they stay replicated and take no part.
+        empty = [s == (0,) for s in shapes]
+        if any(empty) and not all(empty):
+            keep = [i for i, e in enumerate(empty) if not e]
+            sub = _strategies_cat(node, [ins[i] for i in keep], [pl[i] for i in keep], [shapes[i] for i in keep],
+                                  out_shape, T)
+            out = []
+            for st in sub:
+                want = [R] * len(ins)
+                for i, w in zip(keep, st.want):
+                    want[i] = w
+                out.append(Strategy(want, st.out, st.div))
+            return out
+        return _strategies_cat(node, ins, pl, shapes, out_shape, T)
+    return sts
+
+
+def _strategies_cat(node: fx.Node, ins: list[fx.Node], pl: list[Placement], shapes: list[Any],
+                    out_shape: Any, T: int) -> list[Strategy]:
+    a = node.args
+    sts: list[Strategy] = []
+    if True:
+        nd = len(shapes[0])
+        dim = _dim(a[1] if len(a) > 1 else 0, nd)
+        if all(p.kind == "P" for p in pl):
+            return [Strategy([P] * len(ins), P)]
+        cands = {(p.dim, p.blocks) for p in pl if p.kind == "S" and p.dim != dim}
+        for d, b in cands:
+            sts.append(Strategy([S(d, b)] * len(ins), S(d, b), True))
+        if len({s[dim] for s in shapes}) == 1 and all(_valid(S(dim), s, T) for s in shapes):
+            sts.append(Strategy([S(dim)] * len(ins), S(dim, len(ins)), True))
+        return [s for s in sts
+                if _valid(s.out, out_shape, T) and all(_valid(w, sh, T) for w, sh in zip(s.want, shapes))]
+    return sts
+
+
+# --- costs --------------------------------------------------------------------------------------
+
+@dataclass
+class CostModel:
+    device: DeviceSpec
+    T: int
+    latency: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.latency = 3e-5 if self.device.kind == "cpu" else 1e-5
+        self.bw = self.device.link_bandwidth or 1e9
+        self._memo: dict[tuple[fx.Node, bool], float] = {}
+
+    def node(self, node: fx.Node, div: bool) -> float:
+        key = (node, div)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = self._node(node, div)
+        return got
+
+    def _node(self, node: fx.Node, div: bool) -> float:
+        inf = node.meta.get(META_KEY)
+        if inf is None or inf.is_view:
+            return 0.0
+        peak = self.device.peak_flops("fp32" if inf.dtype != "bfloat16" else "bf16")
+        bw = self.device.mem_bandwidth
+        base = max(inf.flops / peak if peak else 0.0, (inf.bytes_read + inf.bytes_written) / bw if bw else 0.0)
+        return base / self.T if div else base
+
+    def move(self, src: Placement, dst: Placement, nbytes: int) -> float:
+        if src == dst or src.kind == "R" and dst.kind == "S":
+            return 0.0
+        if dst.kind == "P":
+            return math.inf
+        f = (self.T - 1) / self.T
+        if src.kind == "P":
+            return self.latency + 2 * f * nbytes / self.bw  # all-reduce (then a local slice for S)
+        return self.latency + f * nbytes / self.bw  # all-gather (then a local slice for S)
+
+    def memory(self, nbytes: float) -> float:
+        # Adam reads and writes parameter, gradient and two moments: 8 passes over the bytes.
+        return 8 * nbytes / self.device.mem_bandwidth if self.device.mem_bandwidth else 0.0
+
+
+_NBYTES: dict[fx.Node, int] = {}
+
+
+def _nbytes(n: fx.Node) -> int:
+    got = _NBYTES.get(n)
+    if got is None:
+        v = n.meta.get("val")
+        got = _NBYTES[n] = int(v.numel()) * v.element_size() if isinstance(v, torch.Tensor) else 0
+    return got
+
+
+# --- propagation --------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    cost: float
+    nodes: dict[fx.Node, NodePlacement]
+    wants: dict[fx.Node, set[Placement]] = field(default_factory=dict)  # what readers of a placeholder wanted
+    comm: dict[str, float] = field(default_factory=dict)  # collective bytes by kind (per step, per rank)
+
+
+def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], cm: CostModel) -> Result:
+    """One greedy pass in graph order: each node takes its cheapest strategy given its inputs.
+    Parameters are placed as `params` says (absent: replicated)."""
+    T = cm.T
+    place: dict[fx.Node, Any] = {}
+    nodes: dict[fx.Node, NodePlacement] = {}
+    wants: dict[fx.Node, set[Placement]] = {}
+    comm = {"all_reduce": 0.0, "all_gather": 0.0}
+    total = 0.0
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    param_of = {ph: s.target for ph, s in zip(placeholders, signature.inputs) if s.kind == "param"}
+
+    def of(n: fx.Node) -> Placement:
+        return place.get(n, R)
+
+    def charge(src: Placement, dst: Placement, n: fx.Node) -> float:
+        c = cm.move(src, dst, _nbytes(n))
+        if c and c != math.inf:
+            kind = "all_reduce" if src.kind == "P" else "all_gather"
+            comm[kind] += _nbytes(n)
+        return c
+
+    # Values computed from parameters and constants alone: the only ones a reader may slice for
+    # free (R -> S). Slicing an activation would shard the batch: data parallelism, not tensor
+    # parallelism, and its weight gradients would then need reducing.
+    derived: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            p = params.get(param_of.get(n, ""), R) if n in param_of else R
+            if n in param_of and p != WHOLE:
+                derived.add(n)
+            place[n] = R if p == WHOLE else p
+            nodes[n] = NodePlacement(place[n], [])
+            continue
+        if n.op == "get_attr":
+            derived.add(n)
+            continue
+        if n.op == "output":
+            outs = list(n.args[0])
+            want = []
+            for o, spec in zip(outs, signature.outputs):
+                if not isinstance(o, fx.Node):
+                    continue
+                w = params.get(spec.target, R) if spec.kind == "grad" else R
+                w = R if w == WHOLE else w
+                want.append(w)
+                total += charge(of(o), w, o)
+            nodes[n] = NodePlacement(None, want)
+            continue
+        if n.op != "call_function":
+            continue
+        if n.target is operator.getitem:
+            src = place.get(n.args[0], R)
+            place[n] = src[n.args[1]] if isinstance(src, tuple) else src
+            nodes[n] = NodePlacement(place[n], [src if not isinstance(src, tuple) else R])
+            continue
+        ins = _tensor_args(n)
+        if all(i in derived for i in ins):
+            derived.add(n)
+        pl = [of(i) if not isinstance(place.get(i), tuple) else R for i in ins]
+        val = n.meta.get("val")
+        n_out = len(val) if isinstance(val, (tuple, list)) else 0
+        fallback = Strategy([R] * len(ins), tuple(R for _ in range(n_out)) if n_out else R)
+        options = [] if n.target in RANDOM_OPS else _strategies(n, ins, pl, T)
+        # A partial sum read by several ops is reduced once, where it is made, rather than
+        # carried into each reader (each would need its own all-reduce later).
+        options = [st for st in options if all(w.kind != "P" or len(i.users) == 1 for w, i in zip(st.want, ins))]
+        best, best_cost = fallback, math.inf
+        for st in [*options, fallback]:
+            c = sum(cm.move(p, w, _nbytes(i)) if p.kind != "R" or w.kind != "S" or i in derived else math.inf
+                    for p, w, i in zip(pl, st.want, ins))
+            c += cm.node(n, st.div)
+            if st.out == P or st.reduce_before_bias:
+                c += cm.move(P, R, _nbytes(n))  # a partial sum is reduced somewhere
+            if c < best_cost:
+                best, best_cost = st, c
+        for p, w, i in zip(pl, best.want, ins):
+            total += charge(p, w, i)
+            if i.op == "placeholder":
+                wants.setdefault(i, set()).add(w)
+        total += cm.node(n, best.div)
+        if best.reduce_before_bias:
+            total += charge(P, R, n)
+        place[n] = best.out
+        nodes[n] = NodePlacement(best.out, list(best.want), best.reduce_before_bias, best.div)
+    for ph, name in param_of.items():
+        total += cm.memory(_nbytes(ph) / (T if of(ph).kind == "S" else 1))
+    return Result(total, nodes, wants, comm)
+
+
+# --- the search ---------------------------------------------------------------------------------
+
+_BLOCK = re.compile(r"(^|\.)(\d+)\.")
+
+
+def _block_key(name: str) -> tuple[str, int]:
+    m = _BLOCK.search(name)
+    if not m:
+        return name, -1
+    return name[:m.start(2)] + "#" + name[m.end(2):], int(m.group(2))
+
+
+def _candidates(shape: tuple[int, ...], T: int, blocks: set[int], whole: bool = False) -> list[Placement]:
+    out = [WHOLE if whole else R]
+    for d in range(len(shape)):
+        for b in sorted(blocks):
+            if shape[d] % (b * T) == 0:
+                out.append(S(d, b))
+    return out
+
+
+def _follow_views(ph: fx.Node, res: Result, T: int, lenient: bool = False) -> set[Placement] | None:
+    """What the readers of parameter `ph` want of it, seen through the views it is read by
+    (`t(W)` read as S(1) means W as S(0)). None when a want cannot be mapped back through a view
+    (with `lenient`, that reader is left out)."""
+    wanted: set[Placement] = set()
+    for u in ph.users:
+        np_ = res.nodes.get(u)
+        if np_ is None:
+            continue
+        ins = _tensor_args(u) if u.op != "output" else []
+        ws = [w for i, w in zip(ins, np_.want) if i is ph]
+        if u.op == "output":
+            continue
+        if u.target in (aten.t.default, aten.transpose.int, aten.permute.default) + tuple(_VIEWS) and \
+                all(w == R for w in ws):
+            # The view itself ran replicated: what did its readers want of it?
+            inner = _follow_views(u, res, T, lenient)
+            if inner is None:
+                if lenient:
+                    continue
+                return None
+            for q in inner:
+                back = _invert(u, ph, q, T)
+                if back is None:
+                    if lenient:
+                        continue
+                    return None
+                wanted.add(back)
+            continue
+        wanted.update(ws)
+    return wanted
+
+
+def _invert(view: fx.Node, src: fx.Node, q: Placement, T: int) -> Placement | None:
+    if q.kind != "S":
+        return q
+    shape = _shape(src)
+    for c in _candidates(shape, T, {q.blocks, 1}):
+        if c.kind == "S":
+            got = _strategies(view, [src], [c], T)
+            if got and got[0].out == q:
+                return c
+    return None
+
+
+def solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
+          fixed: dict[str, Placement] | None = None) -> tuple[dict[str, Placement], Result]:
+    """The cheapest parameter placements found (see the module docstring) and their propagation.
+    `fixed`: placements decided before (another program of the same engine): used as they are."""
+    _SHAPES.clear()
+    _NBYTES.clear()
+    _PREFER.clear()
+    try:
+        return _solve(gm, signature, device, T, fixed)
+    finally:
+        _SHAPES.clear()
+        _NBYTES.clear()
+        _PREFER.clear()
+
+
+def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
+           fixed: dict[str, Placement] | None) -> tuple[dict[str, Placement], Result]:
+    cm = CostModel(device, T)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    grads = {s.target for s in signature.outputs if s.kind == "grad"}
+    params = {s.target: ph for ph, s in zip(placeholders, signature.inputs) if s.kind == "param"}
+    if fixed is not None:
+        use = {n: p for n, p in fixed.items() if n in params}
+        return use, propagate(gm, signature, use, cm)
+    blocks = {1}
+    for n in gm.graph.nodes:
+        if n.target in (aten.split.Tensor, aten.split_with_sizes.default):
+            vals = n.meta.get("val")
+            if isinstance(vals, (list, tuple)) and len({tuple(v.shape) for v in vals}) == 1:
+                blocks.add(len(vals))
+    units = [name for name, ph in params.items() if name in grads and len(_shape(ph) or ()) >= 2]
+    _PREFER.clear()
+    for n in gm.graph.nodes:
+        if n.target in (aten.split.Tensor, aten.split_with_sizes.default):
+            vals = n.meta.get("val")
+            if not (isinstance(vals, (list, tuple)) and len({tuple(v.shape) for v in vals}) == 1):
+                continue
+            src = n.args[0]
+            while isinstance(src, fx.Node) and src.op == "call_function" and src.target in _WALK_BACK:
+                src = src.args[0]
+            if isinstance(src, fx.Node) and src.target in (aten.mm.default, aten.addmm.default):
+                _PREFER[src] = len(vals)
+    def evaluate(assign: dict[str, Placement]) -> tuple[dict[str, Placement], Result]:
+        """Propagate; a unit left replicated (and not WHOLE) takes the shard its readers all chose."""
+        res = propagate(gm, signature, assign, cm)
+        up = dict(assign)
+        for name in units:
+            if assign.get(name, R) == R:
+                w = _follow_views(params[name], res, T, lenient=True)
+                shards = {q for q in w or () if q.kind == "S" and _valid(q, _shape(params[name]), T)}
+                if len(shards) == 1:  # readers that wanted it whole then read a slice, or gather it
+                    up[name] = shards.pop()
+        if up != assign:
+            res_up = propagate(gm, signature, up, cm)
+            if res_up.cost <= res.cost:
+                return up, res_up
+        return assign, res
+
+    # 1. seed: every parameter free to be sliced by its readers; or every one whole, when that
+    # is cheaper (slow links: the seed's slices would cost more than they save).
+    assign, best = evaluate({})
+    whole = {name: WHOLE for name in units}
+    res = propagate(gm, signature, whole, cm)
+    if res.cost < best.cost:
+        assign, best = whole, res
+    # 2. local search over units, repeated blocks moved together.
+    groups: dict[str, list[str]] = {}
+    for name in units:
+        groups.setdefault(_block_key(name)[0], []).append(name)
+    # Sibling moves: the weights that multiply the same activation (q, k and v; gate and up) only
+    # pay off together (attention needs all three split by heads), so they also move as one.
+    moves = list(groups.values())
+    siblings: dict[fx.Node, list[str]] = {}
+    for name in units:
+        act = _multiplied_activation(params[name])
+        if act is not None:
+            siblings.setdefault(act, []).append(name)
+    seen = set()
+    for names in siblings.values():
+        if len(names) > 1:
+            keys = tuple(sorted({_block_key(n)[0] for n in names}))
+            if keys not in seen:
+                seen.add(keys)
+                moves.append([m for k in keys for m in groups[k]])
+    for _ in range(3):
+        improved = False
+        for members in moves:
+            shapes = {_shape(params[m]) for m in members}
+            common = [c for c in _candidates(_shape(params[members[0]]), T, blocks, whole=True)
+                      if all(_valid(c, sh, T) for sh in shapes)]
+            for c in common:
+                if all(assign.get(m, R) == c for m in members):
+                    continue
+                trial = dict(assign)
+                for m in members:
+                    trial[m] = c
+                trial, res = evaluate(trial)
+                if res.cost < best.cost * (1 - 1e-9):
+                    assign, best, improved = trial, res, True
+        if not improved:
+            break
+    # 1-D parameters follow their readers in the final layout.
+    final = dict(assign)
+    for name, ph in params.items():
+        if name in grads and name not in final and len(_shape(ph) or ()) < 2:
+            w = _follow_views(ph, best, T)
+            if w is not None and len(w) == 1:
+                (q,) = w
+                if q.kind == "S" and _valid(q, _shape(ph), T):
+                    final[name] = q
+    if final != assign:
+        best = propagate(gm, signature, final, cm)
+    return {n: p for n, p in final.items() if p.kind == "S" or p == WHOLE}, best
+
+
+def _multiplied_activation(weight: fx.Node) -> fx.Node | None:
+    """The activation a weight is multiplied with (its matmul's other operand, views stripped), or None."""
+    frontier = [weight]
+    for _ in range(3):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if u.target in (aten.mm.default, aten.addmm.default):
+                    other = [a for a in u.args[-2:] if isinstance(a, fx.Node) and a is not n]
+                    if other:
+                        x = other[0]
+                        while x.op == "call_function" and x.target in (*_VIEWS, aten.t.default):
+                            x = x.args[0]
+                        return x
+                elif u.target in (aten.t.default, aten.transpose.int, *_VIEWS):
+                    nxt.append(u)
+        frontier = nxt
+    return None
+
+
+def check_heads(gm: fx.GraphModule, T: int) -> None:
+    """Attention heads (query and key/value heads) must split evenly over T ranks: say which T work."""
+    for n in gm.graph.nodes:
+        if n.target in _ATTENTION:
+            q, k = _shape(n.args[0]), _shape(n.args[1])
+            if q is None or k is None or len(q) != 4:
+                continue
+            h, kv = q[1], _kv_heads(n.args[1], k[1])
+            if h % T or kv % T:
+                ok = [str(t) for t in range(1, math.gcd(h, kv) + 1) if math.gcd(h, kv) % t == 0]
+                works = ", ".join(ok[:-1]) + f" or {ok[-1]}" if len(ok) > 1 else ok[0]
+                raise ConfigError(f"Config.tensor={T}: the model's attention has {h} query heads and {kv} key/value "
+                                  f"heads, which do not split evenly over {T} tensor-parallel ranks; tensor={works} "
+                                  "works (a divisor of both head counts)")
+
+
+class PlacementAnalysis:
+    """The pass-manager analysis "tp_placements" for one engine (`.graph_pass`). It solves the first
+    training program it sees and keeps that parameter layout (`.params`) for every later program
+    (eval, other batch shapes), since the live Parameters then hold those slices."""
+
+    def __init__(self, devices: Sequence[DeviceSpec]):
+        from fxspeed.compiler.pass_manager import graph_pass
+
+        self.device = devices[0]
+        self.params: dict[str, Placement] | None = None
+        self.comm: dict[str, float] = {}
+        self.graph_pass = graph_pass("tp_placements", requires=("annotate",), produces=("tp_placements",),
+                                     is_analysis=True)(self._run)
+
+    def _run(self, gm: fx.GraphModule, ctx: Any) -> Any:
+        from fxspeed.compiler.pass_manager import PassResult
+
+        T = ctx.options.tp_size
+        if T > 1:
+            check_heads(gm, T)
+            check_random(gm, T)
+            params, res = solve(gm, ctx.signature, self.device, T, fixed=self.params)
+            if self.params is None:
+                self.params, self.comm = params, dict(res.comm)
+            for n, npl in res.nodes.items():
+                n.meta[TP_KEY] = npl
+            gm.meta[PARAMS_KEY] = dict(params)
+        return PassResult(gm, modified=False)
+
+
+def check_random(gm: fx.GraphModule, T: int) -> None:
+    """Random ops (dropout) are refused under tensor parallelism: their masks must be equal on
+    every tp rank and cut like the values they apply to, which this version does not arrange."""
+    for n in gm.graph.nodes:
+        name = str(n.target)
+        if n.op == "call_function" and (n.target in RANDOM_OPS or any(k in name for k in ("rand", "bernoulli",
+                                                                                          "dropout"))):
+            inf = n.meta.get(META_KEY)
+            where = f" in {inf.module}" if inf is not None and inf.module else ""
+            raise ConfigError(f"Config.tensor={T}: the training step draws random numbers ({name}{where}, e.g. "
+                              "dropout), which tensor parallelism does not support yet; set the model's dropout "
+                              "probabilities to 0 or use tensor=1")
+
+
+def _kv_heads(k: fx.Node, heads: int) -> int:
+    """Key/value heads before grouped-query attention repeated them (Llama's repeat_kv:
+    [B, kv, S, hd] -> expand [B, kv, n_rep, S, hd] -> reshape [B, kv * n_rep, S, hd])."""
+    for _ in range(8):
+        if not isinstance(k, fx.Node) or k.op != "call_function":
+            break
+        if k.target == aten.expand.default:
+            src = _shape(k.args[0])
+            return src[1] if src is not None and len(src) == 5 else heads
+        if k.target not in (*_VIEWS, aten.clone.default, aten.unsqueeze.default, aten._to_copy.default):
+            break
+        k = k.args[0]
+    return heads
+
+
+def make_placement_analysis(devices: Sequence[DeviceSpec]) -> Any:
+    """The "tp_placements" graph pass of a new PlacementAnalysis (see there)."""
+    return PlacementAnalysis(devices).graph_pass
+
+
+__all__ = ["P", "PARAMS_KEY", "Placement", "PlacementAnalysis", "NodePlacement", "R", "S", "TP_KEY", "WHOLE",
+           "check_heads", "check_random", "check_tensor_config", "describe_placements", "make_placement_analysis",
+           "propagate", "reshape_placement", "solve"]
+
+
+def describe_placements(gm: fx.GraphModule, signature: Any) -> tuple[dict[str, str], dict[str, int]]:
+    """For plan.tp_placements / tp_communication: every parameter's placement (by name) in the
+    program `gm` (after the tp_placements analysis) and the tp collective bytes per step, counted
+    from the functional collectives shard_tensors put in the graph (bytes of each result)."""
+    chosen = gm.meta.get(PARAMS_KEY, {})
+    names = [s.target for s in signature.inputs if s.kind in ("param", "param_tp")]
+    placements = {n: str(R if chosen.get(n, R) == WHOLE else chosen.get(n, R)) for n in names}
+    comm: dict[str, int] = {}
+    c10d = torch.ops._c10d_functional
+    for n in gm.graph.nodes:
+        if n.target in (c10d.all_reduce.default, c10d.all_gather_into_tensor.default):
+            key = "tp_all_reduce" if n.target == c10d.all_reduce.default else "tp_all_gather"
+            comm[key] = comm.get(key, 0) + _nbytes(n)
+    return placements, comm
+
+
+def check_tensor_config(config: Any, n_devices: int) -> None:
+    """Config.tensor against the device count: devices = pipeline x tensor x replicas, and this
+    version runs tensor parallelism without data parallelism (devices == tensor)."""
+    T, pp = config.tensor, config.pipeline
+    if n_devices % (T * pp):
+        raise ConfigError(f"Config.tensor={T} (x pipeline={pp}) does not divide the {n_devices} devices: the devices "
+                          f"must be a multiple of pipeline x tensor = {T * pp}; use devices="
+                          f"{max(1, n_devices // (T * pp)) * T * pp} or a tensor that divides {n_devices // pp}")
+    if n_devices != T * pp:
+        raise ConfigError(f"Config.tensor={T} on {n_devices} devices would add data parallelism "
+                          f"({n_devices // (T * pp)} replicas), which is not implemented with tensor parallelism in "
+                          f"this version of fxspeed; use devices={T * pp} (tensor x pipeline)")

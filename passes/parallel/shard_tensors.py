@@ -1,0 +1,252 @@
+"""shard_tensors: rewrite the joint graph for this tensor-parallel rank, as the placements say.
+
+The placements come from the "tp_placements" analysis (fxspeed/planner/placement.py, handed
+in by the engine): every node's output placement and the placement each of its inputs must
+have. This pass applies them:
+
+    before (one device):                          after (rank t of T, Megatron MLP):
+      w1: f32[4D, D]   w2: f32[D, 4D]               w1: f32[4D/T, D]  (param_tp, S(0))
+      h  = mm(x, t(w1))          [B, 4D]            w2: f32[D, 4D/T]  (param_tp, S(1))
+      a  = gelu(h)                                  h  = mm(x, t(w1))             [B, 4D/T]
+      y  = mm(a, t(w2))          [B, D]             a  = gelu(h)
+      ...                                           y_ = mm(a, t(w2))             [B, D] partial
+                                                    y  = wait_tensor(all_reduce(y_, "sum", tp))
+      return (loss, g_w1, g_w2)                     return (loss, g_w1 [4D/T, D], g_w2 [D, 4D/T])
+
+- A sharded parameter input becomes this rank's slice: its IOSpec kind is "param_tp" and
+  `signature.tp_layout[name] = (dim, blocks)` says which slice (blocks: see Placement).
+- Ops run on local shapes: size arguments of views/expands and split sizes are rewritten to
+  the local shape (the head count of `view(x, [B, S, H, hd])` becomes H/T); every rewritten
+  node's shape is checked against the placement, and a mismatch is an error, never a guess.
+- Where a value's placement differs from what a reader needs, a collective is inserted
+  (functional collectives over `options.tp_group_name`, each followed by wait_tensor):
+  P -> R all_reduce, S -> R all_gather_into_tensor (+ reorder for dims other than 0 and
+  blocked shards), R -> S a local slice (no communication); P -> S is an all-reduce then a
+  slice (gloo has no reduce-scatter worth using). Each conversion is made once per value.
+- addmm whose product is a partial sum (row-parallel with a bias) becomes mm, all-reduce, add.
+- Gradients come out in their parameter's placement (the local slice's gradient).
+
+Options read: tp_size, tp_rank, tp_group_name. Does nothing when tp_size is 1.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
+from fxspeed.compiler.rewrite import call, fake_value
+from fxspeed.errors import ConfigError, PassError
+from fxspeed.ir import IOSpec
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+TP_KEY = "fxspeed_tp"          # written by the tp_placements analysis (fxspeed/planner/placement.py)
+PARAMS_KEY = "fxspeed_tp_params"
+
+_SIZE_ARG = {aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1, aten.expand.default: 1,
+             aten.slice_backward.default: 1}
+
+
+def local_shape(shape: tuple[int, ...], p: Any, T: int) -> tuple[int, ...]:
+    if getattr(p, "kind", "R") != "S":
+        return tuple(shape)
+    s = list(shape)
+    s[p.dim] //= T
+    return tuple(s)
+
+
+@graph_pass("shard_tensors", requires=("annotate", "tp_placements"), invalidates=("annotate",))
+def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    opts = ctx.options
+    T = opts.tp_size
+    if T == 1:
+        return PassResult(gm, modified=False)
+    if not opts.tp_group_name:
+        raise ConfigError(f"pass 'shard_tensors' emits collectives over {T} tensor-parallel ranks but "
+                          "PassOptions.tp_group_name is empty; derive the options from the mesh (derive_options)")
+    group, rank = opts.tp_group_name, opts.tp_rank
+    sig = ctx.signature
+    params = gm.meta.get(PARAMS_KEY, {})
+    old = gm.graph
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    place: dict[fx.Node, Any] = {}
+    cache: dict[tuple[fx.Node, Any], fx.Node] = {}
+
+    def pl(n: fx.Node) -> Any:
+        npl = n.meta.get(TP_KEY)
+        if npl is None:
+            raise PassError(f"shard_tensors: node {n.name!r} has no placement; the tp_placements analysis must run "
+                            "on the graph this pass rewrites")
+        return npl.out
+
+    def reduce(x: fx.Node) -> fx.Node:
+        return call(g, c10d.wait_tensor.default, (call(g, c10d.all_reduce.default, (x, "sum", group)),))
+
+    def take(x: fx.Node, shape: tuple[int, ...], p: Any) -> fx.Node:
+        """This rank's slice of a full tensor `x` (global `shape`) placed `p`."""
+        n = shape[p.dim]
+        m = n // (p.blocks * T)
+        pieces = [call(g, aten.slice.Tensor, (x, p.dim, k * (n // p.blocks) + rank * m,
+                                              k * (n // p.blocks) + (rank + 1) * m)) for k in range(p.blocks)]
+        y = pieces[0] if len(pieces) == 1 else call(g, aten.cat.default, (pieces, p.dim))
+        return call(g, aten.clone.default, (y,), {"memory_format": torch.contiguous_format})
+
+    def gather(x: fx.Node, shape: tuple[int, ...], p: Any) -> fx.Node:
+        """The full tensor (global `shape`) from this rank's slice `x` placed `p`."""
+        nd = len(shape)
+        d, b = p.dim, p.blocks
+        order = [d, *[i for i in range(nd) if i != d]]
+        y = x if d == 0 else call(g, aten.permute.default, (x, order))
+        y = call(g, aten.clone.default, (y,), {"memory_format": torch.contiguous_format})
+        full = call(g, c10d.wait_tensor.default, (call(g, c10d.all_gather_into_tensor.default, (y, T, group)),))
+        rest = [shape[i] for i in order[1:]]
+        m = shape[d] // (b * T)
+        if b > 1:  # [T, b, m, ...] -> [b, T, m, ...]: block-major, as the full dim is laid out
+            full = call(g, aten.reshape.default, (full, [T, b, m, *rest]))
+            full = call(g, aten.permute.default, (full, [1, 0, *range(2, len(rest) + 3)]))
+            full = call(g, aten.reshape.default, (full, [shape[d], *rest]))
+        if d != 0:
+            inv = [order.index(i) for i in range(nd)]
+            full = call(g, aten.permute.default, (full, inv))
+            full = call(g, aten.clone.default, (full,), {"memory_format": torch.contiguous_format})
+        return full
+
+    def convert(src_node: fx.Node, want: Any) -> fx.Node:
+        x = env[src_node]
+        have = place[src_node]
+        if have == want or (getattr(want, "kind", "R") == "R" and getattr(have, "kind", "R") == "R"):
+            return x
+        key = (src_node, want)
+        if key in cache:
+            return cache[key]
+        shape = tuple(int(s) for s in src_node.meta["val"].shape)
+        if want.kind == "P":
+            raise PassError(f"shard_tensors: node {src_node.name!r} would have to become a partial sum; "
+                            "the placements are inconsistent")
+        if have.kind == "P":
+            y = reduce(x)
+        elif have.kind == "S":
+            y = gather(x, shape, have)
+        else:
+            y = x
+        if want.kind == "S":
+            y = take(y, shape, want)
+        cache[key] = y
+        return y
+
+    placeholders = [n for n in old.nodes if n.op == "placeholder"]
+    spec_of = dict(zip(placeholders, sig.inputs))
+    new_inputs = list(sig.inputs)
+    layout: dict[str, tuple[int, int]] = {}
+    for n in list(old.nodes):
+        if n.op == "placeholder":
+            new = g.placeholder(n.name)
+            new.meta.update({k: v for k, v in n.meta.items() if k not in (TP_KEY, "fxspeed")})
+            spec = spec_of[n]
+            p = params.get(spec.target) if spec.kind == "param" else None
+            if p is not None and p.kind == "S":
+                v = n.meta["val"]
+                new.meta["val"] = fake_value(aten.empty.memory_format, (list(local_shape(v.shape, p, T)),),
+                                             {"dtype": v.dtype, "device": v.device})
+                new_inputs[placeholders.index(n)] = IOSpec("param_tp", spec.target)
+                layout[spec.target] = (p.dim, p.blocks)
+                place[n] = p
+            else:
+                place[n] = _R
+            env[n] = new
+            continue
+        if n.op == "output":
+            npl = n.meta[TP_KEY]
+            outs = list(n.args[0])
+            k = 0
+            new_outs = []
+            for o in outs:
+                if isinstance(o, fx.Node):
+                    new_outs.append(convert(o, npl.want[k]))
+                    k += 1
+                else:
+                    new_outs.append(o)
+            out = g.output(tuple(new_outs))
+            out.meta.update({k2: v for k2, v in n.meta.items() if k2 not in (TP_KEY, "fxspeed")})
+            continue
+        if n.op == "get_attr":  # a constant the trace baked in: replicated
+            new = g.get_attr(n.target)
+            new.meta.update({k: v for k, v in n.meta.items() if k not in (TP_KEY, "fxspeed")})
+            env[n], place[n] = new, _R
+            continue
+        if n.op != "call_function":
+            raise PassError(f"shard_tensors: node {n.name!r} ({n.op}) is not a call; only ATen graphs are sharded")
+        npl = n.meta.get(TP_KEY)
+        if npl is None:
+            raise PassError(f"shard_tensors: node {n.name!r} has no placement; run the tp_placements analysis first")
+        if n.target is operator.getitem:
+            new = g.call_function(operator.getitem, (env[n.args[0]], n.args[1]))
+            new.meta["val"] = env[n.args[0]].meta["val"][n.args[1]]
+            new.name = n.name
+        else:
+            wants = iter(npl.want)
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: convert(a, next(wants)))
+            args = _local_args(n, list(args), npl, T)
+            if npl.reduce_before_bias:
+                prod = call(g, aten.mm.default, (args[1], args[2]))
+                new = call(g, aten.add.Tensor, (reduce(prod), args[0]))
+            elif _all_global(npl):
+                # Same shapes as before: reuse the traced value instead of running the op on fakes.
+                new = g.call_function(n.target, tuple(args), kwargs)
+                new.meta["val"] = n.meta["val"]
+            else:
+                new = call(g, n.target, tuple(args), kwargs)
+        for k, v in n.meta.items():
+            if k not in ("val", TP_KEY, "fxspeed"):
+                new.meta[k] = v
+        _check_shape(n, new, npl.out, T)
+        env[n] = new
+        place[n] = npl.out
+    gm.graph = g
+    gm.recompile()
+    sig.inputs = new_inputs
+    sig.tp_layout = layout
+    return PassResult(gm, modified=True)
+
+
+class _Replicated:
+    kind = "R"
+
+
+_R = _Replicated()
+
+
+def _all_global(npl: Any) -> bool:
+    outs = npl.out if isinstance(npl.out, tuple) else (npl.out,)
+    return all(getattr(p, "kind", "R") != "S" for p in (*outs, *npl.want))
+
+
+def _local_args(n: fx.Node, args: list[Any], npl: Any, T: int) -> list[Any]:
+    """Size arguments rewritten to the local shape (views, expands, split sizes)."""
+    t = n.target
+    out = npl.out
+    if t in _SIZE_ARG and getattr(out, "kind", "R") == "S":
+        args[_SIZE_ARG[t]] = list(local_shape(tuple(n.meta["val"].shape), out, T))
+    elif t in (aten.split.Tensor, aten.split_with_sizes.default) and isinstance(out, tuple):
+        src = npl.want[0]
+        nd = n.args[0].meta["val"].dim()
+        dim = (n.args[2] if len(n.args) > 2 else 0) % nd
+        if getattr(src, "kind", "R") == "S" and src.dim == dim:
+            args[1] = [s // T for s in args[1]] if isinstance(args[1], (list, tuple)) else args[1] // T
+    return args
+
+
+def _check_shape(old: fx.Node, new: fx.Node, out: Any, T: int) -> None:
+    ov, nv = old.meta.get("val"), new.meta.get("val")
+    pairs = list(zip(ov, nv, out)) if isinstance(ov, (tuple, list)) and isinstance(out, tuple) else [(ov, nv, out)]
+    for a, b, p in pairs:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            want = local_shape(tuple(a.shape), p, T)
+            if tuple(b.shape) != want:
+                raise PassError(f"shard_tensors: {old.name} ({old.target}) came out {tuple(b.shape)} on this rank "
+                                f"but its placement {p} needs {want}; please report this with the model")

@@ -1,0 +1,120 @@
+"""The engine's side of tensor parallelism: Parameters that hold this tp rank's slice.
+
+After the first training program is compiled, every parameter the program takes as a
+"param_tp" input (signature.tp_layout: name -> (dim, blocks)) is cut down to this rank's slice
+in place (`Parameter.data`), so the optimizer, gradients and memory are per slice. Full
+tensors come back by all-gathering over the tp group: for `state_dict`/`save` and while the
+engine traces another program (the tracer needs the full shapes).
+
+Slice layout (the same one passes/parallel/shard_tensors.py takes in the graph): the dim is read
+as `blocks` equal blocks, each split into T contiguous pieces; rank t holds piece t of every
+block, concatenated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+TP_PLAN_NOTE = ("tensor parallel: memory and time above are the single-device program's, not yet divided by the "
+                "placements (tp_placements, tp_communication are the chosen layout and its collectives)")
+
+
+def take_slice(full: torch.Tensor, dim: int, blocks: int, rank: int, T: int) -> torch.Tensor:
+    n = full.shape[dim]
+    m = n // (blocks * T)
+    pieces = [full.narrow(dim, k * (n // blocks) + rank * m, m) for k in range(blocks)]
+    return torch.cat(pieces, dim).contiguous() if blocks > 1 else pieces[0].contiguous()
+
+
+def join_slices(parts: list[torch.Tensor], dim: int, blocks: int) -> torch.Tensor:
+    """The full tensor from every rank's slice (rank order)."""
+    if blocks == 1:
+        return torch.cat(parts, dim)
+    per = [p.chunk(blocks, dim) for p in parts]
+    return torch.cat([per[r][k] for k in range(blocks) for r in range(len(parts))], dim)
+
+
+class TensorParallelParameters:
+    """The Parameters sliced over the tp group, and how to get their full values back."""
+
+    def __init__(self, group: Any, rank: int, size: int):
+        self.group, self.rank, self.size = group, rank, size
+        self.layout: dict[int, tuple[nn.Parameter, int, int, tuple[int, ...]]] = {}  # id -> (p, dim, blocks, full)
+
+    def __bool__(self) -> bool:
+        return bool(self.layout)
+
+    def apply(self, params: dict[str, nn.Parameter], layout: dict[str, tuple[int, int]]) -> None:
+        """Cut each Parameter in `layout` to this rank's slice (once; later programs reuse it)."""
+        for name, (dim, blocks) in layout.items():
+            p = params[name]
+            if id(p) in self.layout:
+                continue
+            full_shape = tuple(p.shape)
+            with torch.no_grad():
+                p.data = take_slice(p.data, dim, blocks, self.rank, self.size)
+            self.layout[id(p)] = (p, dim, blocks, full_shape)
+
+    def full_shape(self, p: torch.Tensor) -> tuple[int, ...] | None:
+        e = self.layout.get(id(p))
+        return e[3] if e else None
+
+    def full(self, p: torch.Tensor) -> torch.Tensor:
+        """The full value of a sliced Parameter (collective over the tp group); others as they are."""
+        e = self.layout.get(id(p))
+        if e is None:
+            return p.detach()
+        _, dim, blocks, _ = e
+        parts = [torch.empty_like(p.data) for _ in range(self.size)]
+        dist.all_gather(parts, p.data.contiguous(), group=self.group)
+        return join_slices(parts, dim, blocks)
+
+    def gather_like(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The full value of `t`, a tensor laid out like sliced Parameter `p` (an optimizer state);
+        anything else as it is. Collective over the tp group when p is sliced."""
+        e = self.layout.get(id(p))
+        if e is None or not torch.is_tensor(t) or tuple(t.shape) != tuple(p.shape):
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return join_slices(parts, e[1], e[2])
+
+    def local(self, p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full value for Parameter `p` (full as is when p is not sliced)."""
+        e = self.layout.get(id(p))
+        if e is None or not torch.is_tensor(full) or tuple(full.shape) != e[3]:
+            return full
+        return take_slice(full, e[1], e[2], self.rank, self.size)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Inside: every sliced Parameter holds its full value (collective); restored on exit."""
+        if not self.layout:
+            yield
+            return
+        saved = {}
+        for pid, (p, *_rest) in self.layout.items():
+            saved[pid] = p.data
+            full = self.full(p)
+            p.data = full
+        try:
+            yield
+        finally:
+            for pid, (p, *_rest) in self.layout.items():
+                p.data = saved[pid]
+
+    def squared_norm(self, grads: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Sum of squared gradient entries over the whole model: slices summed over the tp group,
+        replicated gradients counted once."""
+        sliced = [g.float().pow(2).sum() for p, g in grads if id(p) in self.layout]
+        whole = [g.float().pow(2).sum() for p, g in grads if id(p) not in self.layout]
+        dev = grads[0][1].device if grads else torch.device("cpu")
+        s = torch.stack(sliced).sum() if sliced else torch.zeros((), device=dev)
+        dist.all_reduce(s, group=self.group)
+        return s + (torch.stack(whole).sum() if whole else torch.zeros((), device=dev))
