@@ -1,0 +1,168 @@
+"""Inference: fxspeed.serve against Hugging Face `generate` (eager), side by side in one run.
+
+    python benchmarks/bench_inference.py --out inference.json                 # GPT-2 124M, fp32
+    python benchmarks/bench_inference.py --layers 4 --out /tmp/i.json          # smaller, faster
+    python benchmarks/bench_inference.py --workload 64 --out w.json            # + the mixed workload
+
+HF GPT2LMHeadModel from its config (random init), fp32, `--threads` CPU threads, prompts of
+`--prompt` random tokens, `--new` new tokens, greedy, at batch 8 and 1. Both generate exactly
+`--new` tokens per request (no eos). Tokens/s = batch x new tokens / wall seconds of the whole
+call (prefill included), and per CPU second of this process (fairer on a shared machine with
+one thread), medians of `--repeats` runs after one warm-up run (fxspeed compiles its
+token buckets in the warm-up; its compile seconds are reported separately). The tokens of both
+are compared: greedy fp32 must agree.
+
+`--workload N`: N requests, prompts uniform in --prompt-range, outputs uniform in --new-range
+(seeded), all submitted at once. Useful tokens/s counts requested tokens only; fxspeed streams
+them (p50/p95 seconds between a request's consecutive tokens), HF `generate` runs padded
+batches of 16 (left padding, each batch to its longest requested output), HF `generate_batch`
+(its continuous batching) runs all N with the longest requested output (one generation config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def timed(fn, repeats: int) -> tuple[float, float, object]:  # noqa: ANN001
+    """Median wall seconds and median CPU seconds of this process (the fairer figure on a shared
+    machine: with one thread it excludes time the scheduler gave to other processes)."""
+    out = fn()  # warm-up
+    ts, cs = [], []
+    for _ in range(repeats):
+        t, c = time.perf_counter(), time.process_time()
+        out = fn()
+        ts.append(time.perf_counter() - t)
+        cs.append(time.process_time() - c)
+    return statistics.median(ts), statistics.median(cs), out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 1])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--token-budget", type=int, default=256)
+    ap.add_argument("--workload", type=int, default=0)
+    ap.add_argument("--prompt-range", type=int, nargs=2, default=[32, 128])
+    ap.add_argument("--new-range", type=int, nargs=2, default=[32, 64])
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    import fxspeed
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=args.layers, attn_implementation="sdpa")
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    t = time.perf_counter()
+    max_batch = max(*args.batches, 16 if args.workload else 1)
+    context = max(args.prompt + args.new, sum(args.prompt_range[1:]) + args.new_range[1] if args.workload else 0)
+    engine = fxspeed.serve(model, token_budget=args.token_budget, max_batch=max_batch, block_size=16,
+                           cache_tokens=max_batch * context)
+    serve_s = time.perf_counter() - t
+    rows = []
+    g = torch.Generator().manual_seed(1)
+    for b in args.batches:
+        prompts = torch.randint(0, cfg.vocab_size, (b, args.prompt), generator=g)
+
+        def hf() -> list[list[int]]:
+            with torch.no_grad():
+                out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.new,
+                                     min_new_tokens=args.new, do_sample=False, pad_token_id=0)
+            return out[:, args.prompt:].tolist()
+
+        def fx() -> list[list[int]]:
+            return engine.generate(prompts.tolist(), max_new_tokens=args.new)
+
+        c0 = engine._serving.stats["compile_s"]
+        hf_s, hf_c, hf_out = timed(hf, args.repeats)
+        fx_s, fx_c, fx_out = timed(fx, args.repeats)
+        tokens = b * args.new
+        rows.append({"batch": b, "hf_eager_tok_s": tokens / hf_s, "fxspeed_tok_s": tokens / fx_s,
+                     "speedup": hf_s / fx_s, "hf_eager_tok_per_cpu_s": tokens / hf_c,
+                     "fxspeed_tok_per_cpu_s": tokens / fx_c, "speedup_cpu": hf_c / fx_c,
+                     "same_tokens": hf_out == fx_out,
+                     "fxspeed_compile_s_this_batch": engine._serving.stats["compile_s"] - c0})
+        print(json.dumps(rows[-1]), flush=True)
+    workload = run_workload(args, model, engine, cfg.vocab_size) if args.workload else None
+    result = {"model": f"GPT2LMHeadModel n_layer={args.layers} fp32", "threads": args.threads, "workload": workload,
+              "prompt": args.prompt, "new": args.new, "serve_s": serve_s,
+              "compile_s_total": engine._serving.stats["compile_s"], "rows": rows,
+              "plan": engine.plan.to_dict()}
+    print(engine.plan.summary())
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def run_workload(args: argparse.Namespace, model: torch.nn.Module, engine: object, vocab: int) -> dict:
+    g = torch.Generator().manual_seed(2)
+    n = args.workload
+    plens = torch.randint(args.prompt_range[0], args.prompt_range[1] + 1, (n,), generator=g).tolist()
+    news = torch.randint(args.new_range[0], args.new_range[1] + 1, (n,), generator=g).tolist()
+    prompts = [torch.randint(0, vocab, (p,), generator=g).tolist() for p in plens]
+    useful = sum(news)
+    out: dict = {"requests": n, "prompt_range": args.prompt_range, "new_range": args.new_range,
+                 "useful_tokens": useful}
+
+    t0 = time.perf_counter()
+    for b in engine._serving.buckets:  # compile every bucket first: the workload may need any
+        engine._serving.program(b)
+    out["fxspeed_compile_all_buckets_s"] = time.perf_counter() - t0
+    t0, c0 = time.perf_counter(), time.process_time()
+    last: dict[int, float] = {}
+    gaps: list[float] = []
+    for rid, _ in engine.stream(prompts, max_new_tokens=news):
+        now = time.perf_counter()
+        if rid in last:
+            gaps.append(now - last[rid])
+        last[rid] = now
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    gaps.sort()
+    out["fxspeed"] = {"useful_tok_s": useful / wall, "wall_s": wall, "useful_tok_per_cpu_s": useful / cpu,
+                      "p50_between_tokens_s": gaps[len(gaps) // 2] if gaps else None,
+                      "p95_between_tokens_s": gaps[int(len(gaps) * 0.95)] if gaps else None}
+    print(json.dumps({"workload_fxspeed": out["fxspeed"]}), flush=True)
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    for i in range(0, n, 16):
+        ps, ns = prompts[i:i + 16], news[i:i + 16]
+        width = max(len(p) for p in ps)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in ps])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=max(ns), min_new_tokens=max(ns), do_sample=False,
+                           pad_token_id=0)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    out["hf_generate_padded_16"] = {"useful_tok_s": useful / wall, "wall_s": wall, "useful_tok_per_cpu_s": useful / cpu}
+    print(json.dumps({"workload_hf_padded": out["hf_generate_padded_16"]}), flush=True)
+
+    try:
+        import transformers
+
+        gc = transformers.GenerationConfig(max_new_tokens=max(news), do_sample=False, eos_token_id=None,
+                                           pad_token_id=0)
+        t0, c0 = time.perf_counter(), time.process_time()
+        model.generate_batch(prompts, generation_config=gc)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        out["hf_generate_batch"] = {"useful_tok_s": useful / wall, "wall_s": wall,
+                                    "useful_tok_per_cpu_s": useful / cpu}  # it may run threads of its own
+    except Exception as e:  # noqa: BLE001 - reported, not fatal: the other rows stand
+        out["hf_generate_batch"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    print(json.dumps({"workload_hf_generate_batch": out["hf_generate_batch"]}), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()

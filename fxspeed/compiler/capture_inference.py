@@ -1,0 +1,107 @@
+"""Capture and compile a causal LM's forward as a serving program for one packed row of tokens.
+
+    model(input_ids [1, T], position_ids [1, T], use_cache=False) -> logits      (eager)
+                 becomes
+    gm(*params, *buffers, tokens, positions, slot_mapping, block_table, query_index, query_pos,
+       *kv_cache) -> (logits,)                                                    (one ATen graph)
+
+The forward is captured once per token bucket T with `capture_step(train=False)` (fake tensors,
+the model's Python never runs at serve time), its inputs relabelled (`tokens`, `positions`), its
+outputs cut to the logits, then the inference passes run under the pass manager:
+
+    normalize_graph, insert_casts (bf16/fp16 configs), kv_cache, select_logits, eliminate_dead_code, annotate
+
+A model whose forward takes no `position_ids` (fxspeed's GPT) makes its own `arange(T)`, which
+`kv_cache` replaces by a `positions` input.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import torch
+import torch.nn as nn
+
+from fxspeed.compiler.annotate import make_annotate_pass
+from fxspeed.compiler.capture import capture_step
+from fxspeed.compiler.options import PassOptions
+from fxspeed.compiler.pass_manager import PassContext, PassManager
+from fxspeed.compiler.rewrite import output_node
+from fxspeed.config import Config
+from fxspeed.errors import CaptureError
+from fxspeed.ir import IOSpec
+from fxspeed.ir.program import InferenceProgram
+
+
+# Passes of training programs a Config may disable by name; they do not run here.
+TRAINING_ONLY = ("recompute_checkpointed", "fuse_kernels", "chunk_cross_entropy")
+
+
+def _inputs(model: nn.Module, T: int, device: torch.device) -> tuple[tuple, dict, list[str]]:
+    """The example call and the meaning of each traced tensor, in the order capture feeds them."""
+    ids = torch.zeros(1, T, dtype=torch.long, device=device)
+    pos = torch.arange(T, device=device)[None]
+    params = inspect.signature(model.forward).parameters
+    if "input_ids" in params:
+        kwargs: dict = {"input_ids": ids}
+        kinds = ["tokens"]
+        if "position_ids" in params:
+            kwargs["position_ids"] = pos
+            kinds.append("positions")
+        if "use_cache" in params:
+            kwargs["use_cache"] = False
+        return (), kwargs, kinds
+    first = next((p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), None)
+    if first is None:
+        raise CaptureError(f"{type(model).__name__}.forward takes no token ids (neither `input_ids` nor a positional "
+                           "argument); a served model is called as model(input_ids) -> logits")
+    return (ids,), {}, ["tokens"]
+
+
+def compile_inference(model: nn.Module, tokens: int, *, config: Config,
+                      options: PassOptions | None = None) -> InferenceProgram:
+    """The serving program for a packed row of `tokens` tokens (see the module docstring)."""
+    from fxspeed.passes import ALL_PASSES, STAGE_PASS_NAMES, eliminate_dead_code, insert_casts, normalize_graph
+    from fxspeed.passes.inference.kv_cache import kv_cache
+    from fxspeed.passes.inference.select_logits import select_logits
+
+    opts = options or PassOptions.single_device(config)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    args, kwargs, kinds = _inputs(model, tokens, device)
+    t0 = time.perf_counter()
+    cap = capture_step(model, args, kwargs, train=False)
+    t1 = time.perf_counter()
+    sig = cap.signature
+    user = [i for i, s in enumerate(sig.inputs) if s.kind == "input"]
+    for i, kind in zip(user, kinds):
+        sig.inputs[i] = IOSpec(kind, "")
+    gm = cap.gm
+    out = output_node(gm)
+    outs = list(out.args[0])
+    names = _output_names(cap.out_spec, len(outs))
+    want = names.index("logits") if "logits" in names else 0
+    logits = outs[want]
+    shape = tuple(logits.meta["val"].shape)
+    if len(shape) != 3 or shape[:2] != (1, tokens):
+        raise CaptureError(f"{type(model).__name__}'s output {names[want]!r} has shape {shape}; a served model "
+                           f"returns logits [batch, tokens, vocab] (here [1, {tokens}, vocab])")
+    out.args = ((logits,),)
+    sig.outputs = [IOSpec("output", "logits")]
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    ctx = PassContext(signature=sig, module_of=cap.module_of, options=opts.local(), model_name=type(model).__name__)
+    passes = [normalize_graph, insert_casts, kv_cache, select_logits, eliminate_dead_code]
+    pm = PassManager(passes, analyses=[make_annotate_pass()], disabled=config.disable_passes,
+                     known=[*ALL_PASSES, *STAGE_PASS_NAMES, *TRAINING_ONLY, *(p.name for p in passes)])
+    gm = pm.ensure("annotate", pm.run(gm, ctx), ctx)
+    t2 = time.perf_counter()
+    return InferenceProgram(gm=gm, signature=sig, tokens=tokens, kv_layout=list(gm.meta["kv_cache_layout"]),
+                            selects_logits=bool(gm.meta.get("selects_logits")), records=pm.records, capture_seconds=t1 - t0, pass_seconds=t2 - t1)
+
+
+def _output_names(out_spec: object, n: int) -> list[str]:
+    if out_spec is not None and getattr(out_spec, "context", None) is not None and \
+            isinstance(out_spec.context, (list, tuple)) and len(out_spec.context) == n:
+        return [str(c) for c in out_spec.context]
+    return [str(i) for i in range(n)]

@@ -1,0 +1,96 @@
+"""The inference plan: KV-cache bytes per token, what fits, and the decode roofline.
+
+Decode is memory-bound: every step reads all the weights once plus each request's cached keys
+and values, and does about 2 x parameters FLOPs per token, so
+
+    step seconds(B, L) = max(2 * P * B / peak_flops, (weight_bytes + B * L * kv_bytes_per_token) / bandwidth)
+    tokens/s(B, L)     = B / step seconds
+
+The largest batch x context that fits: (device memory - weights - workspace) / kv_bytes_per_token
+tokens of cache, shared by the batch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch.nn as nn
+
+from fxspeed.config import Config
+from fxspeed.devices import DeviceSpec
+
+# Activations of one step (one row of `token_budget` tokens) are small next to weights and cache;
+# they are kept aside as a fixed share of device memory rather than modelled.
+WORKSPACE_FRACTION = 0.05
+
+
+@dataclass
+class InferencePlan:
+    model: str
+    device: str
+    parameters: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    layers: int
+    context: int
+    cache_tokens: int  # what serve allocated
+    cache_bytes: int
+    max_cache_tokens: int  # what would fit on the device
+    max_batch_at_context: int  # requests of the full context length that fit at once
+    token_budget: int
+    block_size: int
+    predicted_tokens_per_s: dict[str, float] = field(default_factory=dict)  # "batch=B,context=L" -> tokens/s
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def summary(self) -> str:
+        mb = 1 << 20
+        lines = [
+            f"inference plan: {self.model} on {self.device}",
+            f"  weights            {self.parameters / 1e6:.2f}M parameters, {self.weight_bytes / mb:.1f} MiB",
+            f"  KV cache           {self.kv_bytes_per_token} bytes/token ({self.layers} layers, keys + values)",
+            f"  cache allocated    {self.cache_tokens} tokens ({self.cache_bytes / mb:.1f} MiB) in blocks of "
+            f"{self.block_size}",
+            f"  fits on device     {self.max_cache_tokens} tokens of cache = {self.max_batch_at_context} requests "
+            f"x {self.context} context",
+            f"  token budget/step  {self.token_budget}",
+            "  predicted decode (roofline):",
+        ]
+        lines += [f"    {k:<24} {v:10.1f} tokens/s" for k, v in self.predicted_tokens_per_s.items()]
+        return "\n".join(lines)
+
+
+def decode_tokens_per_s(parameters: int, weight_bytes: int, kv_bytes_per_token: int, batch: int, context: int,
+                        device: DeviceSpec, dtype: str = "fp32") -> float:
+    """The roofline of one decode step at `batch` requests of `context` cached tokens."""
+    flops_s = 2.0 * parameters * batch / device.peak_flops(dtype)
+    bytes_s = (weight_bytes + batch * context * kv_bytes_per_token) / max(device.mem_bandwidth, 1.0)
+    return batch / max(flops_s, bytes_s)
+
+
+def plan_inference(model: nn.Module, program: Any, serving: Any, device: DeviceSpec, config: Config) -> InferencePlan:
+    """`program`: an InferenceProgram (its kv_layout); `serving`: the ServingLoop (cache, budget)."""
+    unique = {id(p): p for p in model.parameters()}
+    params = sum(p.numel() for p in unique.values())
+    wbytes = sum(p.numel() * p.element_size() for p in unique.values())
+    kvb = program.kv_bytes_per_token()
+    free = device.memory * (1 - WORKSPACE_FRACTION) - wbytes
+    max_tokens = max(int(free // kvb), 0) if kvb else 0
+    ctx = serving.max_context
+    dtype = {"bf16": "bf16", "fp16": "fp16"}.get(config.precision, "fp32")
+    pred = {}
+    for b in sorted({1, serving.max_batch}):
+        for length in sorted({min(128, ctx), ctx}):
+            pred[f"batch={b},context={length}"] = decode_tokens_per_s(params, wbytes, kvb, b, length, device, dtype)
+    return InferencePlan(model=type(model).__name__, device=device.name, parameters=params, weight_bytes=wbytes,
+                         kv_bytes_per_token=kvb, layers=len(program.kv_layout), context=ctx,
+                         cache_tokens=serving.cache.usable_blocks * serving.block_size,
+                         cache_bytes=serving.cache.nbytes(), max_cache_tokens=max_tokens,
+                         max_batch_at_context=max_tokens // ctx if ctx else 0, token_budget=serving.token_budget,
+                         block_size=serving.block_size, predicted_tokens_per_s=pred)

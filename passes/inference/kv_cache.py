@@ -1,0 +1,208 @@
+"""kv_cache: thread a paged KV cache through the attention ops of a captured forward.
+
+The forward was captured on one packed row of T tokens (`capture_inference`): the tokens of a
+serving step, from several requests, side by side. Each attention is replaced by
+`fxspeed::paged_attention`, which writes the step's keys and values into persistent cache
+buffers (in place: no per-step allocation, no Hugging Face cache object) and attends, per
+request, over everything that request cached so far:
+
+    before:  q, k, v = ...                                  # [1, H, T, D], k/v maybe repeat_kv'd
+             a = _scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=causal, scale=s)
+             o = getitem(a, 0)
+    after:   o = paged_attention(q, k0, v0, k_cache.i, v_cache.i, slot_mapping, block_table,
+                                 query_index, query_pos, s)     # k0/v0: [1, Hkv, T, D]
+
+New graph inputs (IOSpec kinds): `kv_cache` (target "<layer>.k" / "<layer>.v"; bound to the
+runtime's cache tensors [num_blocks, block_size, Hkv, D]), and one each of `slot_mapping`,
+`block_table`, `query_index`, `query_pos` (see runtime/kernels/paged_attention.py). Grouped-query
+attention: a `repeat_kv` in front of the attention (unsqueeze -> expand -> clone -> view) is
+looked through, so the cache holds Hkv heads, not H.
+
+Positions: a model whose forward takes `position_ids` gets them as the `positions` input
+(capture labels it). A model that makes its own positions with `arange(T)` (fxspeed's GPT) has
+that arange replaced by the `positions` input, which this pass adds; with packed requests
+`arange(T)` would be wrong for every request but the first. Anything else the pass cannot prove
+right is refused: an attention that is not causal, an attention op it does not know, an
+`arange(T)` still read after the rewrite next to a `positions` input.
+
+`gm.meta["kv_cache_layout"]`: per layer (Hkv, D, dtype) — what the runtime allocates and what the
+planner counts as cache bytes per token. Reads no options.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
+from fxspeed.compiler.rewrite import call
+from fxspeed.errors import PassError
+from fxspeed.ir import IOSpec
+from fxspeed.runtime.kernels import paged_attention as _registers_the_op  # noqa: F401 - torch.ops.fxspeed.paged_attention
+
+aten = torch.ops.aten
+
+# attention op -> (position of dropout_p, of is_causal, of the mask (None: keyword only), the mask's name)
+ATTENTION_OPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: (3, 4, None, "attn_mask"),
+    aten._scaled_dot_product_flash_attention.default: (3, 4, None, None),
+    aten._scaled_dot_product_efficient_attention.default: (5, 6, 3, "attn_bias"),
+    aten.scaled_dot_product_attention.default: (4, 5, 3, "attn_mask"),
+}
+METADATA = ("slot_mapping", "block_table", "query_index", "query_pos")
+NOMINAL_BLOCKS, NOMINAL_BLOCK_SIZE = 1, 16  # the cache placeholders' traced shape; the runtime binds any
+
+
+def _arg(n: fx.Node, i: int, name: str, default: object) -> object:
+    if len(n.args) > i:
+        return n.args[i]
+    return n.kwargs.get(name, default)
+
+
+def _unrepeat(k: fx.Node) -> fx.Node:
+    """`repeat_kv(x)` (unsqueeze(x, 2) -> expand -> [clone] -> view/_unsafe_view/reshape) -> x."""
+    n = k
+    if n.target not in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        return k
+    n = n.args[0]
+    if n.target == aten.clone.default:
+        n = n.args[0]
+    if n.target != aten.expand.default:
+        return k
+    n = n.args[0]
+    if n.target != aten.unsqueeze.default or n.args[1] != 2:
+        return k
+    x = n.args[0]
+    xs, ks = x.meta["val"].shape, k.meta["val"].shape
+    if len(xs) == 4 and xs[0] == ks[0] and xs[2:] == ks[2:] and ks[1] % xs[1] == 0:
+        return x
+    return k
+
+
+def _placeholder(gm: fx.GraphModule, ctx: PassContext, spec: IOSpec, val: torch.Tensor) -> fx.Node:
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    with gm.graph.inserting_after(last):
+        ph = gm.graph.placeholder(f"{spec.kind}_{spec.target}".replace(".", "_").rstrip("_"))
+    ph.meta["val"] = val
+    ctx.signature.inputs.append(spec)
+    return ph
+
+
+@graph_pass("kv_cache", requires=("annotate",), produces=("kv_cache",), invalidates=("annotate",))
+def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    g = gm.graph
+    attention = [n for n in g.nodes if n.op == "call_function" and n.target in ATTENTION_OPS]
+    if not attention:
+        others = sorted({str(n.target) for n in g.nodes if "attention" in str(n.target)})
+        raise PassError(f"kv_cache: no scaled_dot_product_attention in {ctx.model_name}'s forward"
+                        + (f" (found {others})" if others else "")
+                        + "; build the model with attn_implementation='sdpa' (Hugging Face) or call "
+                        "F.scaled_dot_product_attention, so the cache can be threaded through it")
+    phs = [n for n in g.nodes if n.op == "placeholder"]
+    tokens = next((ph for ph, s in zip(phs, ctx.signature.inputs) if s.kind == "tokens"), None)
+    if tokens is None:
+        raise PassError("kv_cache: the program has no `tokens` input; capture it with capture_inference")
+    T = tokens.meta["val"].shape[-1]
+    device = tokens.meta["val"].device
+    i64 = dict(dtype=torch.int64, device=device)
+    meta = {k: _placeholder(gm, ctx, IOSpec(k, ""), torch.empty((T,) if k == "slot_mapping" else (1, T), **i64))
+            for k in METADATA}
+    layout = []
+    for layer, n in enumerate(attention):
+        q, k, v = n.args[:3]
+        dropout_i, causal_i, mask_i, mask_name = ATTENTION_OPS[n.target]
+        if _arg(n, dropout_i, "dropout_p", 0.0) not in (0, 0.0):
+            raise PassError(f"kv_cache: attention {n.name} of {ctx.model_name} has dropout; serve the model in eval "
+                            "mode (fxspeed.serve does) or set its attention dropout to 0")
+        causal = _arg(n, causal_i, "is_causal", False)
+        masked = mask_name is not None and _arg(n, mask_i if mask_i is not None else 99, mask_name, None) is not None
+        # With one query (T == 1) models drop the causal mask (nothing to hide); serve compiles
+        # its largest bucket first, where a bidirectional attention is caught.
+        if not (causal or masked or T == 1):
+            raise PassError(f"kv_cache: attention {n.name} of {ctx.model_name} is not causal (no mask, is_causal="
+                            "False); a KV cache serves decoder (causal) attention only")
+        qv = q.meta["val"]
+        if qv.shape[0] != 1 or qv.shape[2] != T:
+            raise PassError(f"kv_cache: attention {n.name} has queries of shape {tuple(qv.shape)}, expected "
+                            f"[1, heads, {T}, head_dim] for a packed row of {T} tokens")
+        k0, v0 = _unrepeat(k), _unrepeat(v)
+        if k0.meta["val"].shape != v0.meta["val"].shape:
+            k0, v0 = k, v
+        kv = k0.meta["val"]
+        scale = n.kwargs.get("scale") or 1.0 / math.sqrt(qv.shape[-1])
+        cache_val = torch.empty(NOMINAL_BLOCKS, NOMINAL_BLOCK_SIZE, kv.shape[1], kv.shape[3], dtype=kv.dtype,
+                                device=device)
+        kc = _placeholder(gm, ctx, IOSpec("kv_cache", f"{layer}.k"), cache_val)
+        vc = _placeholder(gm, ctx, IOSpec("kv_cache", f"{layer}.v"), torch.empty_like(cache_val))
+        layout.append((int(kv.shape[1]), int(kv.shape[3]), kv.dtype))
+        with g.inserting_before(n):
+            out = call(g, torch.ops.fxspeed.paged_attention.default,
+                       (q, k0, v0, kc, vc, meta["slot_mapping"], meta["block_table"], meta["query_index"],
+                        meta["query_pos"], float(scale)))
+        users = list(n.users)
+        if isinstance(n.meta["val"], torch.Tensor):
+            n.replace_all_uses_with(out)
+        else:
+            for u in users:
+                if u.target != operator.getitem or u.args[1] != 0:
+                    if u.users:
+                        raise PassError(f"kv_cache: {u.name} reads output {u.args[1]} of attention {n.name} "
+                                        "(its log-sum-exp), which a paged cache does not produce")
+                    g.erase_node(u)
+                    continue
+                u.replace_all_uses_with(out)
+                g.erase_node(u)
+        g.erase_node(n)
+    _dead_code(g)
+    _thread_positions(gm, ctx, T, device)
+    gm.meta["kv_cache_layout"] = layout
+    gm.recompile()
+    return PassResult(gm, modified=True)
+
+
+def _dead_code(g: fx.Graph) -> None:
+    """The causal masks the attention read are dead now; drop them so `_thread_positions` sees
+    only the aranges still read."""
+    for n in reversed(list(g.nodes)):
+        if n.op == "call_function" and not n.users and not (
+                isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable):
+            g.erase_node(n)
+
+
+def _aranges(g: fx.Graph, T: int) -> list[fx.Node]:
+    out = []
+    for n in g.nodes:
+        if n.op == "call_function" and n.target in (aten.arange.default, aten.arange.start, aten.arange.start_step):
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == T:
+                out.append(n)
+    return out
+
+
+def _thread_positions(gm: fx.GraphModule, ctx: PassContext, T: int, device: torch.device) -> None:
+    g = gm.graph
+    has_positions = any(s.kind == "positions" for s in ctx.signature.inputs)
+    ranges = _aranges(g, T)
+    if has_positions:
+        if ranges:
+            raise PassError(f"kv_cache: {ctx.model_name}'s forward still reads arange({T}) ({ranges[0].name}) besides "
+                            "its position_ids; with several requests packed in one row that would be wrong for all "
+                            "but the first, so this model cannot be served yet")
+        return
+    pos = _placeholder(gm, ctx, IOSpec("positions", ""), torch.empty(1, T, dtype=torch.int64, device=device))
+    for r in ranges:
+        if r.target != aten.arange.default and (r.args[0] != 0 or (len(r.args) > 2 and r.args[2] != 1)):
+            raise PassError(f"kv_cache: {ctx.model_name}'s forward reads {r.name} = arange{tuple(r.args)}, not "
+                            f"arange({T}); it cannot be mapped to the tokens' positions, so this model cannot be "
+                            "served yet")
+        with g.inserting_after(pos):
+            flat = call(g, aten.view.default, (pos, [T]))
+        conv = flat
+        if r.meta["val"].dtype != torch.int64:
+            with g.inserting_after(flat):
+                conv = call(g, aten._to_copy.default, (flat,), {"dtype": r.meta["val"].dtype})
+        r.replace_all_uses_with(conv)
+        g.erase_node(r)

@@ -1,0 +1,443 @@
+"""Serving: continuous batching over compiled inference programs with a paged KV cache.
+
+`Engine.generate` / `Engine.stream` delegate here (the Engine stays the one engine; this module
+holds the per-step scheduling it runs). One serving step:
+
+    schedule     every decoding request gets 1 token, then prompts fill the rest of the token
+                 budget in chunks (Dynamic SplitFuse: a long prompt is split over several steps
+                 and shares them with decode tokens, so every step runs at about the budget)
+    pack         the step's tokens side by side in one row, padded to a bucket (a power of two,
+                 or the budget), so one compiled program per bucket is reused
+    run          program(tokens, positions, slot_mapping, block_table, query_index, query_pos,
+                 *kv_cache) -> logits; the cache is written in place by the program
+    sample       for each request whose chunk reached the end of what it has: greedy, or
+                 temperature / top_k / top_p from its own seeded generator
+    retire       a request that produced eos or max_new_tokens frees its blocks; waiting
+                 requests join as soon as blocks are free
+
+Requests reserve the blocks of their whole length (prompt + max_new_tokens) when admitted, so
+a running request is never preempted. Block 0 is never handed out: padding tokens write there.
+
+Bad requests (empty prompt, token id outside the vocabulary, prompt + max_new_tokens longer
+than the model's context, a request larger than the whole cache, max_new_tokens < 1) fail
+alone with a `RequestError`; the others run. `stream` yields (req_id, RequestError) for them;
+`generate` raises `GenerationError` at the end (its `.results` hold the other requests'
+tokens), or returns the errors in place with `on_error="return"`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.nn as nn
+
+from fxspeed.errors import ConfigError, FxspeedError
+from fxspeed.ir import IOSpec
+from fxspeed.ir.program import InferenceProgram
+
+log = logging.getLogger("fxspeed")
+
+PER_STEP = ("tokens", "positions", "slot_mapping", "block_table", "query_index", "query_pos", "logits_index")
+
+
+class RequestError(FxspeedError, ValueError):
+    """One request of a generate/stream call was refused; `req_id` is its index in the prompts."""
+
+    def __init__(self, req_id: int, message: str):
+        super().__init__(f"request {req_id}: {message}")
+        self.req_id = req_id
+
+
+class GenerationError(FxspeedError):
+    """Some requests of a `generate` call failed. `results[i]` is request i's tokens, or its
+    RequestError; `errors` lists the failures. The other requests ran to completion."""
+
+    def __init__(self, results: list[Any]):
+        self.results = results
+        self.errors = [r for r in results if isinstance(r, RequestError)]
+        super().__init__(f"{len(self.errors)} of {len(results)} requests failed: "
+                         + "; ".join(str(e) for e in self.errors[:5]))
+
+
+class KVCache:
+    """The paged cache: per layer a key and a value tensor [num_blocks, block_size, kv_heads,
+    head_dim], allocated once; blocks are handed to requests from a free list."""
+
+    def __init__(self, layout: Sequence[tuple[int, int, torch.dtype]], num_blocks: int, block_size: int,
+                 device: torch.device):
+        if num_blocks < 2:
+            raise ConfigError(f"serve: the cache needs at least 2 blocks (block 0 is reserved), got {num_blocks}; "
+                              "raise cache_tokens")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.tensors: dict[str, torch.Tensor] = {}
+        for i, (h, d, dt) in enumerate(layout):
+            for kv in ("k", "v"):
+                self.tensors[f"{i}.{kv}"] = torch.zeros(num_blocks, block_size, h, d, dtype=dt, device=device)
+        self._free = list(range(num_blocks - 1, 0, -1))
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclass
+class _Request:
+    id: int
+    prompt: list[int]
+    max_new: int
+    eos: frozenset[int]
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    generator: torch.Generator | None
+    blocks: list[int] = field(default_factory=list)
+    cached: int = 0  # tokens whose keys/values are in the cache
+    out: list[int] = field(default_factory=list)
+    last_token_at: float = 0.0
+
+    def pending(self) -> list[int]:
+        """Tokens not yet fed: the rest of the prompt, or the last sampled token."""
+        seq = self.prompt + self.out
+        return seq[self.cached:]
+
+    def done(self) -> bool:
+        return len(self.out) >= self.max_new or (bool(self.out) and self.out[-1] in self.eos)
+
+
+class _Bound:
+    """One compiled bucket with its argument list built once; a step fills the per-step slots."""
+
+    def __init__(self, program: InferenceProgram, bind: Callable[[IOSpec], torch.Tensor], cache: KVCache):
+        self.program = program
+        self.args: list[Any] = []
+        self.slots: dict[str, int] = {}
+        for i, s in enumerate(program.signature.inputs):
+            if s.kind in PER_STEP:
+                self.slots[s.kind] = i
+                self.args.append(None)
+            elif s.kind == "kv_cache":
+                self.args.append(cache.tensors[s.target])
+            else:
+                self.args.append(bind(s))
+
+    def __call__(self, step: dict[str, torch.Tensor]) -> torch.Tensor:
+        args = list(self.args)
+        for k, i in self.slots.items():
+            args[i] = step[k]
+        with torch.no_grad():
+            return self.program.gm(*args)[0]
+
+
+class ServingLoop:
+    """Continuous batching for one Engine (see the module docstring)."""
+
+    def __init__(self, compile_bucket: Callable[[int], InferenceProgram], bind: Callable[[IOSpec], torch.Tensor],
+                 *, vocab_size: int, max_context: int, device: torch.device, token_budget: int = 256,
+                 max_batch: int = 16, block_size: int = 16, cache_tokens: int | None = None):
+        if token_budget < 1 or max_batch < 1 or block_size < 1:
+            raise ConfigError(f"serve: token_budget ({token_budget}), max_batch ({max_batch}) and block_size "
+                              f"({block_size}) must be >= 1")
+        if max_batch > token_budget:
+            raise ConfigError(f"serve: max_batch ({max_batch}) > token_budget ({token_budget}): every running request "
+                              "needs a token of each step's budget; raise token_budget or lower max_batch")
+        self._compile = compile_bucket
+        self._bind = bind
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        self.device = device
+        self.token_budget = token_budget
+        self.max_batch = max_batch
+        self.block_size = block_size
+        self.buckets = sorted({*(1 << i for i in range(token_budget.bit_length()) if 1 << i < token_budget),
+                               token_budget})
+        # The largest bucket first: prefills need it anyway, and with several tokens the kv_cache pass
+        # can check that the attention is causal (a one-token trace carries no mask).
+        first = compile_bucket(self.buckets[-1])
+        tokens = cache_tokens if cache_tokens is not None else max_context * max_batch
+        self.cache = KVCache(first.kv_layout, -(-tokens // block_size) + 1, block_size, device)
+        self.programs: dict[int, _Bound] = {first.tokens: _Bound(first, bind, self.cache)}
+        self.stats: dict[str, Any] = {"steps": 0, "tokens": 0, "padded_tokens": 0,
+                                      "compile_s": first.capture_seconds + first.pass_seconds}
+        self.record_logits: dict[int, list[torch.Tensor]] | None = None  # tests: logits per sampled token
+        self._only_bucket: int | None = None  # check_against runs every step in one bucket
+
+    def program(self, T: int) -> _Bound:
+        """The bound program of bucket T, compiled on first use."""
+        if T not in self.programs:
+            t0 = time.perf_counter()
+            self.programs[T] = _Bound(self._compile(T), self._bind, self.cache)
+            self.stats["compile_s"] += time.perf_counter() - t0
+        return self.programs[T]
+
+    def _bucket(self, n: int) -> int:
+        if self._only_bucket is not None:
+            return self._only_bucket
+        return next(b for b in self.buckets if b >= n)
+
+    def check_against(self, model: nn.Module, low_precision: bool = False) -> None:
+        """Serve two short requests packed together (a prefill chunk beside decode tokens) and
+        compare every sampled row's logits with the model's own eager forward over the whole
+        sequence. A model whose positions or attention the passes followed wrongly (positions made
+        from the packed row, a mask they did not see) fails here, at serve time, instead of
+        generating wrong tokens. Runs in the largest bucket only (no extra compile)."""
+        prompts = [[(7 * i + 3) % self.vocab_size for i in range(5)], [(11 * i + 1) % self.vocab_size for i in range(3)]]
+        new = 3
+        if self.max_context < 8 or self.cache.usable_blocks < 2 * -(-8 // self.block_size):
+            log.warning("fxspeed: serve skipped its packed check against the eager model: the context (%d) or the "
+                        "cache (%d blocks of %d) is smaller than two 8-token requests", self.max_context,
+                        self.cache.usable_blocks, self.block_size)
+            return
+        self._only_bucket, recorded, self.record_logits = self.buckets[-1], self.record_logits, {}
+        counters = {k: self.stats[k] for k in ("steps", "tokens", "padded_tokens")}
+        try:
+            outs = self.generate(prompts, max_new_tokens=new)
+            got = {i: torch.stack(v) for i, v in self.record_logits.items()}
+        finally:
+            self._only_bucket, self.record_logits = None, recorded
+            self.stats.update(counters)  # the check is not serving work
+        with torch.no_grad():
+            for i, (p, o) in enumerate(zip(prompts, outs)):
+                out = model(torch.tensor([p + o], device=self.device))
+                ref = (out if isinstance(out, torch.Tensor) else out["logits"])[0, len(p) - 1:len(p) + new - 1].float()
+                err = (got[i].to(ref.device) - ref).abs().max().item()
+                tol = (5e-2 if low_precision else 1e-3) * (1.0 + ref.abs().max().item())
+                if not err <= tol:
+                    raise ConfigError(
+                        f"serve: {type(model).__name__}'s compiled serving program disagrees with its eager forward "
+                        f"(max logit error {err:.3g} > {tol:.3g} on a packed check of two requests), so it would "
+                        "generate wrong tokens; the model probably computes positions or masks in a way the "
+                        "kv_cache pass cannot follow (e.g. from an attention_mask cumsum). Please report it")
+
+    # --- requests ---------------------------------------------------------------------------
+    def _requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], temperature: float,
+                  top_k: int | None, top_p: float | None, seed: int | None,
+                  eos_token_id: int | Sequence[int] | None,
+                  eos_token_ids: Sequence[Any] | None) -> list[_Request | RequestError]:
+        if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)):
+            raise ConfigError("generate: prompts must be a list of token-id lists (one per request)")
+        n = len(prompts)
+        if isinstance(max_new_tokens, int):
+            max_new = [max_new_tokens] * n
+        else:
+            max_new = list(max_new_tokens)
+            if len(max_new) != n:
+                raise ConfigError(f"generate: max_new_tokens has {len(max_new)} entries for {n} prompts; give an int "
+                                  "or one per prompt")
+        if eos_token_ids is not None and len(eos_token_ids) != n:
+            raise ConfigError(f"generate: eos_token_ids has {len(eos_token_ids)} entries for {n} prompts (one per "
+                              "prompt; eos_token_id= applies one to all)")
+        eos_each = list(eos_token_ids) if eos_token_ids is not None else [eos_token_id] * n
+        if temperature < 0:
+            raise ConfigError(f"generate: temperature must be >= 0 (0 is greedy), got {temperature}")
+        out: list[_Request | RequestError] = []
+        for i, p in enumerate(prompts):
+            try:
+                ids = [int(t) for t in (p.tolist() if isinstance(p, torch.Tensor) else p)]
+            except (TypeError, ValueError):
+                out.append(RequestError(i, f"the prompt is not a list of token ids ({type(p).__name__})"))
+                continue
+            m = max_new[i]
+            err = None
+            if not ids:
+                err = "the prompt is empty; give at least one token id"
+            elif any(t < 0 or t >= self.vocab_size for t in ids):
+                bad = next(t for t in ids if t < 0 or t >= self.vocab_size)
+                err = f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            elif not isinstance(m, int) or m < 1:
+                err = f"max_new_tokens must be an int >= 1, got {m!r}"
+            elif len(ids) + m > self.max_context:
+                err = (f"prompt ({len(ids)} tokens) + max_new_tokens ({m}) = {len(ids) + m} exceeds the model's "
+                       f"context of {self.max_context} tokens; shorten the prompt or lower max_new_tokens")
+            elif -(-(len(ids) + m) // self.block_size) > self.cache.usable_blocks:
+                err = (f"needs {len(ids) + m} tokens of KV cache but the whole cache holds "
+                       f"{self.cache.usable_blocks * self.block_size}; raise serve(..., cache_tokens=)")
+            if err:
+                out.append(RequestError(i, err))
+                continue
+            e = eos_each[i]
+            eos = frozenset() if e is None else frozenset([e] if isinstance(e, int) else e)
+            gen = None
+            if temperature > 0:
+                gen = torch.Generator(device="cpu")
+                base = seed if seed is not None else int(torch.randint(0, 2**31, ()).item())
+                gen.manual_seed(base * 1_000_003 + i)  # per request: results do not depend on batching
+            out.append(_Request(i, ids, m, eos, temperature, top_k, top_p, gen))
+        return out
+
+    # --- the loop ---------------------------------------------------------------------------
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16, *,
+               temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+               seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
+               eos_token_ids: Sequence[Any] | None = None) -> Iterator[tuple[int, int | RequestError]]:
+        """Yield (req_id, token) as tokens are produced, (req_id, RequestError) for a refused request.
+        `eos_token_id` (an id or a list of ids) stops every request; `eos_token_ids` gives one per request."""
+        reqs = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, eos_token_ids)
+        waiting: list[_Request] = []
+        for r in reqs:
+            if isinstance(r, RequestError):
+                yield r.req_id, r
+            else:
+                waiting.append(r)
+        active: list[_Request] = []
+        try:
+            yield from self._loop(waiting, active)
+        finally:
+            # the caller stopped iterating (or a step failed): give the blocks back
+            for r in active:
+                self.cache.release(r.blocks)
+                r.blocks = []
+
+    def _loop(self, waiting: list[_Request], active: list[_Request]) -> Iterator[tuple[int, int]]:
+        bs = self.block_size
+        while waiting or active:
+            while waiting and len(active) < self.max_batch:
+                r = waiting[0]
+                blocks = self.cache.allocate(-(-(len(r.prompt) + r.max_new) // bs))
+                if blocks is None:
+                    break  # it fits in the cache (checked), just not now: wait for others to finish
+                r.blocks = blocks
+                active.append(waiting.pop(0))
+            chunks = self._schedule(active)
+            sampled = self._step(chunks)
+            for r, tok in sampled:
+                r.out.append(tok)
+                yield r.id, tok
+            for r in [r for r in active if r.done()]:
+                self.cache.release(r.blocks)
+                r.blocks = []
+                active.remove(r)
+
+    def _schedule(self, active: list[_Request]) -> list[tuple[_Request, int]]:
+        """(request, tokens fed this step): decode tokens first, then prompt chunks."""
+        budget = self.token_budget
+        chunks: list[tuple[_Request, int]] = []
+        for r in active:
+            if r.cached >= len(r.prompt) and budget > 0:
+                chunks.append((r, 1))
+                budget -= 1
+        for r in active:
+            left = len(r.prompt) - r.cached
+            if left > 0 and budget > 0:
+                c = min(left, budget)
+                chunks.append((r, c))
+                budget -= c
+        return chunks
+
+    def _step(self, chunks: list[tuple[_Request, int]]) -> list[tuple[_Request, int]]:
+        n = sum(c for _, c in chunks)
+        T = self._bucket(n)
+        bs = self.block_size
+        tokens = torch.zeros(1, T, dtype=torch.long)
+        positions = torch.zeros(1, T, dtype=torch.long)
+        slots = torch.zeros(T, dtype=torch.long)  # padding writes block 0
+        S = len(chunks)
+        Q = max(c for _, c in chunks)
+        NB = max(-(-(r.cached + c) // bs) for r, c in chunks)
+        block_table = torch.zeros(S, NB, dtype=torch.long)
+        query_index = torch.full((S, Q), T, dtype=torch.long)
+        query_pos = torch.zeros(S, Q, dtype=torch.long)
+        at = 0
+        last: list[tuple[_Request, int]] = []
+        for s, (r, c) in enumerate(chunks):
+            feed = r.pending()[:c]
+            pos = torch.arange(r.cached, r.cached + c)
+            blocks = torch.tensor(r.blocks, dtype=torch.long)
+            tokens[0, at:at + c] = torch.tensor(feed)
+            positions[0, at:at + c] = pos
+            slots[at:at + c] = blocks[pos // bs] * bs + pos % bs
+            nb = -(-(r.cached + c) // bs)
+            block_table[s, :nb] = blocks[:nb]
+            query_index[s, :c] = torch.arange(at, at + c)
+            query_pos[s, :c] = pos
+            r.cached += c
+            if r.cached >= len(r.prompt) + len(r.out):
+                last.append((r, at + c - 1))
+            at += c
+        rows_at = torch.tensor([i for _, i in last], dtype=torch.long)
+        step = {k: v.to(self.device) for k, v in (("tokens", tokens), ("positions", positions),
+                                                  ("slot_mapping", slots), ("block_table", block_table),
+                                                  ("query_index", query_index), ("query_pos", query_pos),
+                                                  ("logits_index", rows_at))}
+        bound = self.program(T)
+        logits = bound(step)
+        self.stats["steps"] += 1
+        self.stats["tokens"] += n
+        self.stats["padded_tokens"] += T - n
+        if not last:
+            return []
+        rows = (logits[0] if bound.program.selects_logits else logits[0, rows_at.to(logits.device)]).float()
+        out = []
+        for (r, _), row in zip(last, rows):
+            if self.record_logits is not None:
+                self.record_logits.setdefault(r.id, []).append(row.detach().cpu().clone())
+            out.append((r, _sample(row, r)))
+        return out
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16, *,
+                 on_error: str = "raise", **kw: Any) -> list[Any]:
+        if on_error not in ("raise", "return"):
+            raise ConfigError(f"generate: on_error must be 'raise' or 'return', got {on_error!r}")
+        results: list[Any] = [[] for _ in prompts]
+        for rid, tok in self.stream(prompts, max_new_tokens, **kw):
+            if isinstance(tok, RequestError):
+                results[rid] = tok
+            else:
+                results[rid].append(tok)
+        if on_error == "raise" and any(isinstance(r, RequestError) for r in results):
+            raise GenerationError(results)
+        return results
+
+
+def _sample(logits: torch.Tensor, r: _Request) -> int:
+    if r.temperature == 0.0:
+        return int(torch.argmax(logits).item())
+    x = logits / r.temperature
+    if r.top_k is not None and 0 < r.top_k < x.numel():
+        kth = torch.topk(x, r.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if r.top_p is not None and r.top_p < 1.0:
+        sorted_x, idx = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, -1)
+        drop = probs.cumsum(-1) - probs > r.top_p  # keep the smallest prefix whose mass reaches top_p
+        x = x.clone()
+        x[idx[drop]] = float("-inf")
+    probs = torch.softmax(x, -1).cpu()
+    return int(torch.multinomial(probs, 1, generator=r.generator).item())
+
+
+def model_limits(model: nn.Module) -> tuple[int, int]:
+    """(vocab size, context length) from the model's config (Hugging Face or fxspeed's GPT)."""
+    cfg = getattr(model, "config", None)
+    vocab = getattr(cfg, "vocab_size", None)
+    ctx = None
+    for name in ("max_position_embeddings", "n_positions", "block_size", "n_ctx"):
+        ctx = ctx or getattr(cfg, name, None)
+    if vocab is None:
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        vocab = emb.num_embeddings if emb is not None else None
+    window = getattr(cfg, "sliding_window", None)
+    if isinstance(window, int) and ctx is not None and window < ctx and getattr(cfg, "use_sliding_window", True):
+        ctx = window  # sliding-window attention is plain causal attention up to the window: serve that far
+    if vocab is None or ctx is None:
+        raise ConfigError(f"serve: cannot read the vocabulary size and context length of {type(model).__name__} "
+                          "(model.config.vocab_size and max_position_embeddings / n_positions / block_size)")
+    return int(vocab), int(ctx)

@@ -1,0 +1,164 @@
+"""fxspeed.serve: greedy tokens identical to Hugging Face `generate` over mixed-length batches
+(prompts split into chunks and mixed with decode tokens under a small token budget), logits
+within 1e-4 of a full forward, bad requests failing alone, streaming, sampling, the plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxspeed
+from fxspeed.errors import ConfigError
+from fxspeed.models.gpt import GPT, GPTConfig
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+V = 96
+# Lengths straddle the token budget (8) and the block size (4): chunked prefills, decode tokens of
+# other requests in the same steps, requests joining when max_batch (3) frees a slot.
+PROMPTS = [[5, 17, 3], list(range(10, 30)), [7], [40, 41, 42, 43, 44, 45, 46, 47, 48], list(range(60, 72))]
+NEW = [6, 5, 7, 4, 6]
+
+
+def _hf(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    common = dict(vocab_size=V, max_position_embeddings=64, attn_implementation="sdpa")
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=V,
+                                      attn_implementation="sdpa", initializer_range=0.2)
+        return transformers.GPT2LMHeadModel(cfg).eval()
+    if name == "llama":
+        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                       num_key_value_heads=2, initializer_range=0.2, **common)
+        return transformers.LlamaForCausalLM(cfg).eval()
+    if name == "mistral":
+        cfg = transformers.MistralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                         num_attention_heads=4, num_key_value_heads=1, sliding_window=48,
+                                         initializer_range=0.2, **common)
+        return transformers.MistralForCausalLM(cfg).eval()
+    if name == "neox":
+        cfg = transformers.GPTNeoXConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                         num_attention_heads=4, rotary_pct=0.5, initializer_range=0.2, **common)
+        return transformers.GPTNeoXForCausalLM(cfg).eval()
+    if name == "opt":
+        cfg = transformers.OPTConfig(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=4,
+                                     word_embed_proj_dim=32, init_std=0.2, **common)
+        return transformers.OPTForCausalLM(cfg).eval()
+    raise ValueError(name)
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=V, block_size=64, n_layer=2, n_head=4, n_embd=32)).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(8.0)  # away from near-uniform logits, so greedy choices are not ties
+    return m
+
+
+def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    out = model(torch.tensor([ids]))
+    return (out if isinstance(out, torch.Tensor) else out.logits)[0]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "fxspeed_gpt", "mistral", "neox", "opt"])
+def test_greedy_tokens_equal_hugging_face_generate_over_a_mixed_length_batch(name):
+    model = _gpt() if name == "fxspeed_gpt" else _hf(name)
+    engine = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
+    engine._serving.record_logits = {}
+    outs = engine.generate(PROMPTS, max_new_tokens=NEW)
+    with torch.no_grad():
+        for i, (p, n, o) in enumerate(zip(PROMPTS, NEW, outs)):
+            if name == "fxspeed_gpt":  # no generate(): greedy by hand, one full forward per token
+                ref = list(p)
+                for _ in range(n):
+                    ref.append(int(_logits(model, ref)[-1].argmax()))
+                ref = ref[len(p):]
+            else:
+                ref = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0)[0, len(p):].tolist()
+            assert o == ref, f"request {i}"
+            want = _logits(model, p + o)[len(p) - 1:len(p) + n - 1]
+            torch.testing.assert_close(torch.stack(engine._serving.record_logits[i]), want, rtol=0, atol=1e-4)
+    st = engine._serving.stats
+    assert st["steps"] < sum(NEW) + sum(len(p) for p in PROMPTS)  # requests shared steps
+    assert set(engine._serving.programs) <= set(engine._serving.buckets)  # one program per bucket, reused
+
+
+@pytest.fixture(scope="module")
+def gpt2_engine():
+    model = _hf("gpt2")
+    return model, fxspeed.serve(model, token_budget=8, max_batch=4, block_size=4, cache_tokens=40)
+
+
+def test_bad_requests_fail_alone_and_the_others_match_their_greedy_tokens(gpt2_engine):
+    model, engine = gpt2_engine
+    good = [[1, 2, 3], [9, 8]]
+    bad = {1: [], 2: [5, V + 3], 3: list(range(60)), 5: list(range(38))}  # empty, OOV, > context, > whole cache
+    prompts = [good[0], bad[1], bad[2], bad[3], good[1], bad[5]]
+    with pytest.raises(fxspeed.GenerationError) as e:
+        engine.generate(prompts, max_new_tokens=5)
+    res = e.value.results
+    assert [r.req_id for r in e.value.errors] == [1, 2, 3, 5]
+    assert "empty" in str(res[1]) and "outside the vocabulary" in str(res[2])
+    assert "exceeds the model's context of 64" in str(res[3]) and "cache_tokens" in str(res[5])
+    alone = engine.generate(good, max_new_tokens=5)
+    assert [res[0], res[4]] == alone
+    returned = engine.generate(prompts, max_new_tokens=5, on_error="return")
+    assert [returned[0], returned[4]] == alone and isinstance(returned[1], fxspeed.RequestError)
+
+
+def test_stream_yields_the_tokens_of_generate_and_eos_stops_a_request(gpt2_engine):
+    _, engine = gpt2_engine
+    prompts = [[1, 2, 3], [9, 8], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4]]
+    full = engine.generate(prompts, max_new_tokens=[6, 3, 5])
+    seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for rid, tok in engine.stream(prompts, max_new_tokens=[6, 3, 5]):
+        seen[rid].append(tok)
+    assert [seen[i] for i in range(3)] == full
+    stop = full[0][2]
+    cut = engine.generate(prompts, max_new_tokens=[6, 3, 5], eos_token_ids=[stop, None, None])
+    assert cut[0] == full[0][:full[0].index(stop) + 1] and cut[1:] == full[1:]
+
+
+def test_a_stream_left_early_gives_its_cache_blocks_back(gpt2_engine):
+    _, engine = gpt2_engine
+    free = engine._serving.cache.free_blocks()
+    it = engine.stream([[1, 2, 3], [9, 8]], max_new_tokens=10)
+    next(it)
+    assert engine._serving.cache.free_blocks() < free
+    it.close()
+    assert engine._serving.cache.free_blocks() == free
+
+
+def test_requests_wait_for_cache_blocks_and_still_finish(gpt2_engine):
+    _, engine = gpt2_engine  # 40 tokens of cache: two 20-token requests at a time
+    prompts = [[i + 1] * 14 for i in range(4)]
+    outs = engine.generate(prompts, max_new_tokens=6)
+    assert outs == [engine.generate([p], max_new_tokens=6)[0] for p in prompts]
+
+
+def test_sampling_is_reproducible_with_a_seed_and_top_k_1_is_greedy(gpt2_engine):
+    _, engine = gpt2_engine
+    prompts = [[1, 2, 3], [9, 8]]
+    a = engine.generate(prompts, max_new_tokens=8, temperature=1.5, top_p=0.9, seed=3)
+    b = engine.generate(prompts, max_new_tokens=8, temperature=1.5, top_p=0.9, seed=3)
+    assert a == b
+    assert engine.generate(prompts, max_new_tokens=8, temperature=0.7, top_k=1, seed=5) == \
+        engine.generate(prompts, max_new_tokens=8)
+    with pytest.raises(ConfigError, match="temperature"):
+        engine.generate(prompts, temperature=-1.0)
+
+
+def test_the_inference_plan_counts_cache_bytes_per_token_and_a_serving_engine_refuses_training(gpt2_engine):
+    model, engine = gpt2_engine
+    plan = engine.plan
+    assert plan.kv_bytes_per_token == 2 * 2 * 32 * 4  # layers x (k, v) x n_embd x fp32
+    assert plan.cache_tokens == 40 and plan.cache_bytes == 2 * 2 * (10 + 1) * 4 * 32 * 4
+    assert plan.max_batch_at_context == plan.max_cache_tokens // 64 > 0
+    assert all(v > 0 for v in plan.predicted_tokens_per_s.values())
+    text = plan.summary()
+    assert "bytes/token" in text and "tokens/s" in text
+    with pytest.raises(ConfigError, match="inference"):
+        engine.train_step(torch.zeros(1, 4, dtype=torch.long))

@@ -1,0 +1,167 @@
+"""The kv_cache pass (passes/inference/kv_cache.py) and the paged attention it puts in graphs:
+before/after on small models, refusals, and the property that prefill + k decode steps give the
+logits of one full forward over the prefix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fxspeed
+from fxspeed.compiler.capture_inference import compile_inference
+from fxspeed.config import Config
+from fxspeed.errors import PassError
+from fxspeed.models.gpt import GPT, GPTConfig
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+aten = torch.ops.aten
+SDPA = {aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default, aten.scaled_dot_product_attention.default}
+
+
+def tiny_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, block_size=48, n_layer=2, n_head=4, n_embd=32)).eval()
+
+
+def targets(gm: torch.fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_the_pass_replaces_every_attention_by_paged_attention_and_adds_the_cache_inputs():
+    prog = compile_inference(tiny_gpt(), 8, config=Config())
+    ts = targets(prog.gm)
+    assert not SDPA & set(ts)
+    assert ts.count(torch.ops.fxspeed.paged_attention.default) == 2
+    kinds = [s.kind for s in prog.signature.inputs if s.kind not in ("param", "buffer")]
+    assert sorted(kinds) == sorted(["tokens", "positions", "slot_mapping", "block_table", "query_index", "query_pos",
+                                    *["kv_cache"] * 4, "logits_index"])
+    # fxspeed's GPT makes its positions with arange(T): replaced by the positions input
+    assert aten.arange.start not in ts and aten.arange.default not in ts
+    assert prog.kv_layout == [(4, 8, torch.float32)] * 2
+    assert prog.kv_bytes_per_token() == 2 * 2 * 4 * 8 * 4
+    assert [r.name for r in prog.records if r.name != "annotate"][-3:] == ["kv_cache", "select_logits", "eliminate_dead_code"]
+
+
+def test_grouped_query_attention_caches_the_kv_heads_not_the_repeated_ones():
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=64, attn_implementation="sdpa")).eval()
+    before = fxspeed.compiler.capture.capture_step(
+        m, (), {"input_ids": torch.zeros(1, 4, dtype=torch.long), "position_ids": torch.arange(4)[None],
+                "use_cache": False}, train=False)
+    assert any(t in SDPA for t in targets(before.gm))
+    assert aten.expand.default in targets(before.gm)  # repeat_kv before the attention
+    prog = compile_inference(m, 4, config=Config())
+    assert prog.kv_layout == [(2, 8, torch.float32)]
+    assert aten.expand.default not in targets(prog.gm)  # the repeat is dead: the kernel reads Hkv heads
+
+
+class _Bidirectional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.emb(input_ids)).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+
+
+class _Handwritten(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(input_ids)
+        return torch.softmax(x @ x.transpose(1, 2), -1) @ x
+
+
+def test_a_bidirectional_attention_is_refused_not_served_wrongly():
+    with pytest.raises(PassError, match="not causal"):
+        compile_inference(_Bidirectional().eval(), 4, config=Config())
+
+
+def test_a_model_without_scaled_dot_product_attention_is_refused_with_the_fix():
+    with pytest.raises(PassError, match="attn_implementation='sdpa'"):
+        compile_inference(_Handwritten().eval(), 4, config=Config())
+
+
+_ENGINE: dict = {}
+
+
+def _served() -> tuple[GPT, fxspeed.Engine]:
+    if not _ENGINE:
+        model = tiny_gpt()
+        eng = fxspeed.serve(model, token_budget=8, max_batch=4, block_size=4, cache_tokens=160)
+        eng._serving.record_logits = {}
+        _ENGINE["v"] = (model, eng)
+    return _ENGINE["v"]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 19), min_size=1, max_size=3), k=st.integers(1, 4),
+       seed=st.integers(0, 2**16))
+def test_prefill_and_k_decode_steps_give_the_logits_of_a_full_forward_over_the_prefix(lengths, k, seed):
+    model, eng = _served()
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in lengths]
+    eng._serving.record_logits.clear()
+    outs = eng.generate(prompts, max_new_tokens=k)
+    with torch.no_grad():
+        for i, (p, o) in enumerate(zip(prompts, outs)):
+            assert len(o) == k
+            full = model(torch.tensor([p + o]))[0]  # one forward over prompt + generated
+            want = full[len(p) - 1:len(p) + k - 1]
+            got = torch.stack(eng._serving.record_logits[i])
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+class _SoftCapped(GPT):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        return 4.0 * torch.tanh(super().forward(idx) / 4.0)
+
+
+def test_a_head_followed_by_other_ops_keeps_all_logits_and_still_samples_the_right_rows():
+    torch.manual_seed(0)
+    model = _SoftCapped(GPTConfig(vocab_size=64, block_size=48, n_layer=1, n_head=2, n_embd=16)).eval()
+    prog = compile_inference(model, 8, config=Config())
+    assert not prog.selects_logits and not any(s.kind == "logits_index" for s in prog.signature.inputs)
+    eng = fxspeed.serve(model, token_budget=8, max_batch=2, block_size=4, cache_tokens=64)
+    prompts = [[1, 2, 3, 4, 5], [9, 9]]
+    outs = eng.generate(prompts, max_new_tokens=4)
+    with torch.no_grad():
+        for p, o in zip(prompts, outs):
+            ref = list(p)
+            for _ in range(4):
+                ref.append(int(model(torch.tensor([ref]))[0, -1].argmax()))
+            assert o == ref[len(p):]
+
+
+class _CumsumPositions(GPT):
+    """Positions from a cumsum over the row (as older OPT did from its attention mask): packed
+    requests would get the wrong ones, and nothing in the graph says so."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        pos = torch.ones_like(idx).cumsum(-1) - 1
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def test_serve_refuses_a_model_whose_positions_the_passes_cannot_follow():
+    torch.manual_seed(0)
+    model = _CumsumPositions(GPTConfig(vocab_size=64, block_size=48, n_layer=1, n_head=2, n_embd=16)).eval()
+    with torch.no_grad():
+        model.wpe.weight.mul_(50.0)  # make positions matter
+    with pytest.raises(fxspeed.ConfigError, match="disagrees with its eager forward"):
+        fxspeed.serve(model, token_budget=8, max_batch=2, block_size=4, cache_tokens=64)
