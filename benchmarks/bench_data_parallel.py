@@ -27,6 +27,9 @@ stays alive, every other row is built after it and its timed steps alternate wit
 cancels load that changes over seconds. Peak growth of each row is measured over its setup
 and warmup steps with DDP idle (DDP's memory is in the baseline), so --warmup must be >= 2
 for the growth to include a steady-state step with the optimizer state allocated.
+
+Bytes each row's collectives send per step: benchmarks/count_collective_bytes.py; the gloo
+collectives themselves, one bucket at a time: benchmarks/bench_gloo_collectives.py.
 """
 
 from __future__ import annotations

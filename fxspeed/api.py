@@ -1,4 +1,5 @@
-"""Public entry points: `compile` (returns an Engine) and `plan` (returns a Plan, runs nothing)."""
+"""Public entry points: `compile` (returns an Engine), `serve` (an Engine compiled for inference) and
+`plan` (returns a Plan, runs nothing)."""
 
 from __future__ import annotations
 
@@ -56,8 +57,14 @@ def compile(model: nn.Module, devices: Devices = 1, config: Config | dict | str 
     args, kwargs = _split_example(example_inputs, "compile")
     if cfg.pipeline > 1:
         check_pipeline_config(cfg, len(devs))
+    analyses = []
+    if cfg.tensor > 1:
+        from fxspeed.planner.placement import check_tensor_config, make_placement_analysis
+
+        check_tensor_config(cfg, len(devs))
+        analyses.append(make_placement_analysis(devs))  # the parameter layout, chosen once per engine
     mesh = Mesh.join(len(devs), cfg.dist_timeout_s, pp=cfg.pipeline, tp=cfg.tensor)
-    engine = Engine(model, devs, cfg, loss_fn, compiler=Compiler(cfg, mesh, loss_fn), mesh=mesh)
+    engine = Engine(model, devs, cfg, loss_fn, compiler=Compiler(cfg, mesh, loss_fn, analyses=analyses), mesh=mesh)
     engine.compile(args, kwargs)
     return engine
 
@@ -95,8 +102,51 @@ def plan(model: nn.Module, devices: Devices = 1, config: Config | dict | str | N
     # Meta models trace as fake CPU tensors; deep stacks of identical blocks are traced with a
     # few blocks and extrapolated (see planner.plan_model).
     p = plan_model(model, args, kwargs, config=cfg, devices=devs, loss_fn=loss_fn)
+    if cfg.tensor > 1:
+        p.notes.append(f"Config.tensor={cfg.tensor}: the tensor-parallel placements are chosen when fxspeed.compile "
+                       "compiles the step (engine.plan.tp_placements); this plan's memory and time are the "
+                       "single-device program's")
     if dynamic:
         from fxspeed.planner.symbolic import fit_symbolic
 
         fit_symbolic(p, model, args, kwargs, dynamic, cfg, devs, loss_fn)
     return p
+
+
+def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | None = None, *,
+          token_budget: int = 256, max_batch: int = 16, block_size: int = 16,
+          cache_tokens: int | None = None) -> Engine:
+    """Compile a causal LM for inference; returns the Engine, with `generate` and `stream`.
+
+        engine = fxspeed.serve(model)
+        outs = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)   # list of token-id lists
+
+    Forward-only programs over a packed row of tokens (one per token bucket, compiled on first
+    use) with a paged KV cache of `cache_tokens` tokens (default: max_batch x the model's
+    context) in blocks of `block_size`; each step runs at most `token_budget` tokens and
+    `max_batch` requests (continuous batching, prompts split in chunks). `engine.plan` is an
+    InferencePlan (`engine.plan.summary()`). One device, no tensor parallelism yet. Before
+    returning, two short packed requests are served and checked against the model's own eager
+    forward (a model the passes would serve wrongly is refused here). Puts the model in eval mode.
+    """
+    _check_model(model, "serve")
+    cfg = Config.coerce(config)
+    cfg.check_supported()
+    devs = normalize_devices(devices)
+    if len(devs) != 1 or cfg.pipeline > 1 or cfg.tensor > 1:
+        raise ConfigError(f"serve: one device only for now (got devices={len(devs)}, Config.pipeline={cfg.pipeline}, "
+                          f"Config.tensor={cfg.tensor}); tensor-parallel inference is not built yet")
+    if any(p.is_meta for p in model.parameters()):
+        raise ConfigError("serve: the model has parameters on the meta device; materialize and load it first")
+    set_attn = getattr(model, "set_attn_implementation", None)
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl is not None and impl != "sdpa":
+        if set_attn is None:
+            raise ConfigError(f"serve: {type(model).__name__} uses attn_implementation={impl!r}; build it with "
+                              "attn_implementation='sdpa' so the KV cache can be threaded through its attention")
+        set_attn("sdpa")  # the same attention, as one op the kv_cache pass can find
+    mesh = Mesh.join(1, cfg.dist_timeout_s)
+    engine = Engine(model, devs, cfg, None, compiler=Compiler(cfg, mesh, None), mesh=mesh)
+    engine.setup_serving(token_budget=token_budget, max_batch=max_batch, block_size=block_size,
+                         cache_tokens=cache_tokens)
+    return engine

@@ -28,6 +28,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine", "manual")  # manual: the user se
 NAN_CHECKS = ("off", "skip", "raise")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 OFFLOADS = ("none", "optimizer", "parameters", "activations", "all")
+OFFLOAD_DEVICES = ("auto", "cpu", "nvme")
 LAYER_EXTRAPOLATION = (True, False, "auto")
 DEFAULT_BUCKET_MB = 25.0  # the one definition of the default collective bucket size
 
@@ -38,15 +39,14 @@ _EXTRA_FIELDS = ("pipeline_chunks", "split_points", "layer_extrapolation")
 
 # Fields whose meaning later capabilities provide. Until then a non-default value is refused
 # with a clear message rather than silently ignored.
-_NOT_YET = {
-    "tensor": (1, "tensor parallelism is not implemented yet"),
-    "offload": ("none", "offload is not implemented yet"),
-}
+_NOT_YET: dict[str, tuple[Any, str]] = {}
+# Offload kinds accepted by Config but not built yet (refused by check_supported).
+_OFFLOAD_NOT_YET = ("parameters", "activations", "all")
 
 # The accepted values of the fields that take one of a few (named in type errors too).
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "optimizer": OPTIMIZERS, "precision": PRECISIONS, "lr_schedule": LR_SCHEDULES, "schedule": SCHEDULES,
-    "offload": OFFLOADS, "zero": (0, 1, 2, 3), "reduce_dtype": ("fp32", "bf16", "fp16"),
+    "offload": OFFLOADS, "offload_device": OFFLOAD_DEVICES, "zero": (0, 1, 2, 3), "reduce_dtype": ("fp32", "bf16", "fp16"),
     "layer_extrapolation": LAYER_EXTRAPOLATION, "nan_check": NAN_CHECKS,
 }
 # Name-list fields where a single string is one name (a 1-tuple), never split into characters.
@@ -104,7 +104,16 @@ class Config:
     tensor: int = 1
     microbatches: int = 1
     grad_accum: int = 1
+    # "optimizer": Adam's moments live off the device and are stepped there (ZeRO-Offload /
+    # ZeRO-Infinity). Where: offload_device "nvme" (files under nvme_path; any device, the CPU
+    # included), "cpu" (host memory; only meaningful for a CUDA device), "auto" (files on a CPU
+    # device). "parameters", "activations", "all" are accepted names, not built yet.
     offload: str = "none"
+    offload_device: str = "auto"
+    nvme_path: str | None = None  # a directory on a local disk for offload_device="nvme"
+    # Bytes one rank may hold (GB). With offload="optimizer" the planner offloads only as much of
+    # the optimizer states as it takes to fit (plan.offloaded); None offloads all of them.
+    memory_budget_gb: float | None = None
     fp32_modules: tuple[str, ...] = ()  # module paths (prefixes) kept in fp32 under bf16/fp16
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in across ranks
     loss_scale: float | None = None  # fp16: initial dynamic loss scale (default 2**16)
@@ -152,6 +161,14 @@ class Config:
         _choice("nan_check", self.nan_check, NAN_CHECKS)
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("offload", self.offload, OFFLOADS)
+        _choice("offload_device", self.offload_device, OFFLOAD_DEVICES)
+        if self.offload == "optimizer" and self.optimizer == "sgd":
+            raise ConfigError("Config.offload='optimizer' offloads Adam's moments; optimizer='sgd' has none to move "
+                              "(use optimizer='adamw' or 'adam', or offload='none')")
+        if self.memory_budget_gb is not None:
+            _positive("memory_budget_gb", self.memory_budget_gb)
+        if self.nvme_path is not None and not self.nvme_path:
+            raise ConfigError("Config.nvme_path='' is invalid: give a directory on a local disk, or None")
         _choice("zero", self.zero, (0, 1, 2, 3))
         _positive("lr", self.lr, allow_zero=True)
         _positive("eps", self.eps)
@@ -231,6 +248,12 @@ class Config:
         elif self.schedule != "interleaved" and "pipeline_chunks" in changed:
             ignored.append(("pipeline_chunks", f"schedule={self.schedule!r} places one stage per position (only "
                                                "'interleaved' reads pipeline_chunks)"))
+        if self.offload == "none":
+            ignored += [(k, "offload='none' moves nothing off the device (set Config.offload='optimizer' to let "
+                            "the planner offload optimizer states)")
+                        for k in ("offload_device", "nvme_path", "memory_budget_gb") if k in changed]
+        elif self.offload_device == "cpu" and "nvme_path" in changed:
+            ignored.append(("nvme_path", "offload_device='cpu' keeps the states in host memory, not in files"))
         for key, why in ignored:
             warnings.warn(f"Config.{key}={getattr(self, key)!r} has no effect: {why}", ConfigWarning, stacklevel=4)
 
@@ -265,6 +288,17 @@ class Config:
         if self.microbatches != 1 and self.pipeline == 1:
             raise ConfigError(f"Config.microbatches={self.microbatches!r} needs pipeline > 1 (micro-batches feed a "
                               "pipeline); on one stage use grad_accum to split the batch, or set pipeline")
+        if self.offload in _OFFLOAD_NOT_YET:
+            raise ConfigError(f"Config.offload={self.offload!r}: offloading parameters and activations is not "
+                              "implemented in this version of fxspeed; offload='optimizer' is (Adam's states in "
+                              "files under Config.nvme_path), or use offload='none'")
+        if self.tensor > 1 and self.pipeline > 1:
+            raise ConfigError(f"Config.tensor={self.tensor} with Config.pipeline={self.pipeline}: tensor parallelism "
+                              "under a pipeline is not implemented in this version of fxspeed; use pipeline=1 or "
+                              "tensor=1")
+        if self.tensor > 1 and self.offload != "none":
+            raise ConfigError(f"Config.tensor={self.tensor} with Config.offload={self.offload!r} is not implemented "
+                              "in this version of fxspeed; use offload='none' or tensor=1")
         for key, (default, why) in _NOT_YET.items():
             value = getattr(self, key)
             if value != default:

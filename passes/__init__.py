@@ -8,15 +8,18 @@ compile_step runs them in:
     insert_casts             mixed precision: matmul/conv/attention in bf16/fp16, the rest fp32
     scale_loss               fp16: backward seeded with the dynamic loss scale (a graph input)
     eliminate_dead_code      drop values nothing reads (keeps random and mutating ops)
+    shard_tensors            tensor parallelism: this tp rank's slices, local shapes, tp collectives
     reduce_gradients         bucketed async all-reduce / reduce-scatter of gradients (data parallel)
     wait_parameter_gathers   ZeRO-1/2: wait for each bucket's post-step all-gather at its first use
     shard_parameters         ZeRO-3: parameter shards as inputs, gathered before use, prefetched
     reuse_buffers            gathered / flattened buckets written into a few reused workspaces
 
-Two graph passes join the single-device list only when they have work (so the pass records of
+Three graph passes join the single-device list only when they have work (so the pass records of
 other programs are unchanged), and are disabled by name like the rest:
 
     recompute_checkpointed   torch.utils.checkpoint regions (tagged at capture) recomputed in backward
+    chunk_cross_entropy      vocabulary projection + cross-entropy (+ backward) as one op over row
+                             chunks, where the fp32 logits would take >= 64 MiB
     fuse_kernels             norms and their backward -> Triton kernels, on CUDA programs
 
 The distributed passes read ctx.options (PassOptions: world_size, zero, group_name, ...) and do
@@ -49,6 +52,7 @@ from .parallel.reduce_gradients import reduce_gradients
 from .memory.reuse_buffers import reuse_buffers
 from .graph.scale_loss import scale_loss
 from .parallel.shard_parameters import shard_parameters
+from .parallel.shard_tensors import shard_tensors
 from .parallel.wait_parameter_gathers import wait_parameter_gathers
 from .program.accumulate_gradients import accumulate_gradients_pass
 from .program.lower_schedule import lower_schedule_pass
@@ -56,7 +60,8 @@ from .program.split_stages import split_backward_pass, split_stages_pass
 
 # DCE after the casts: it removes the fp32 views (W^T) that only low-precision ops used to read.
 SINGLE_DEVICE_PASSES = (normalize_graph, dedupe_tied_parameters, insert_casts, scale_loss, eliminate_dead_code)
-DISTRIBUTED_PASSES = (reduce_gradients, wait_parameter_gathers, shard_parameters, reuse_buffers)
+# shard_tensors first: the data-parallel buckets are then laid out over tp slices.
+DISTRIBUTED_PASSES = (shard_tensors, reduce_gradients, wait_parameter_gathers, shard_parameters, reuse_buffers)
 ALL_PASSES: dict[str, GraphPass] = {p.name: p for p in (*SINGLE_DEVICE_PASSES, *DISTRIBUTED_PASSES)}
 # The schedule first: it is cheap, and split_backward needs it to know which stages run I and W.
 PROGRAM_PASSES: tuple[ProgramPass, ...] = (lower_schedule_pass, split_stages_pass, split_backward_pass,
@@ -75,5 +80,5 @@ def program_pipeline() -> list[ProgramPass]:
 __all__ = ["ALL_PASSES", "DISTRIBUTED_PASSES", "PROGRAM_PASSES", "SINGLE_DEVICE_PASSES", "STAGE_PASS_NAMES",
            "accumulate_gradients_pass", "dedupe_tied_parameters", "default_pipeline", "eliminate_dead_code",
            "insert_casts", "lower_schedule_pass", "normalize_graph", "program_pipeline", "reduce_gradients",
-           "reuse_buffers", "scale_loss", "shard_parameters", "split_backward_pass", "split_stages_pass",
+           "reuse_buffers", "scale_loss", "shard_parameters", "shard_tensors", "split_backward_pass", "split_stages_pass",
            "wait_parameter_gathers"]

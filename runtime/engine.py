@@ -41,12 +41,15 @@ from fxspeed.ir.batch import input_key, split_batch, tensor_leaves
 from fxspeed.ir.schedule import B, F, I, RECV_B, RECV_F, SEND_F, STEP, W, Action, Schedule
 from fxspeed.mesh import Mesh, check_agreement, check_same_everywhere, check_same_model, expect_all_ranks, fingerprint
 from fxspeed.planner import costs_reader, finish_plan
+from fxspeed.planner.estimate import offload_chunk_bytes
 from fxspeed.planner.plan import Plan
 from fxspeed.runtime.executor import StepExecutor
 from fxspeed.runtime.flat_parameters import FlatParameters
 from fxspeed.runtime.loss_scale import DynamicLossScaler
+from fxspeed.runtime.offloaded_optimizer import OffloadedAdam
 from fxspeed.runtime.optimizer import OptimizerSpec, build_optimizer
 from fxspeed.runtime.runner import PipelineRuntime
+from fxspeed.runtime.tensor_parallel import TP_PLAN_NOTE, TensorParallelParameters
 
 log = logging.getLogger("fxspeed")
 RETRACE_WARN_AFTER = 8
@@ -60,6 +63,8 @@ class CompilerLike(Protocol):
     def program(self, model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, train: bool,
                 positions: Sequence[int] = (), split_points: Sequence[str] | None = None,
                 analyze: Any = None) -> Any: ...
+
+    def inference(self, model: nn.Module, tokens: int) -> Any: ...  # an InferenceProgram (fxspeed.serve)
 
 
 def check_pipeline_config(config: Config, n_devices: int) -> None:
@@ -107,6 +112,8 @@ class Engine:
         for name, p in self._params.items():
             self._names_of.setdefault(id(p), []).append(name)
         self._flat: FlatParameters | None = None
+        # Tensor parallel: Parameters cut to this tp rank's slice after the first compile.
+        self._tp = TensorParallelParameters(mesh.group("tp"), mesh.coords()["tp"], mesh.tp) if mesh.tp > 1 else None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
         self.plan: Plan | None = None
@@ -140,6 +147,7 @@ class Engine:
         self._pending: list[tuple[int, Any, torch.Tensor]] = []
         self._grad_divisor = 1.0
         self._p2p_latency = 0.0
+        self._serving: Any = None  # fxspeed.serve: the ServingLoop generate/stream delegate to
         if self.dist.active:
             check_same_model(self.dist, model, config)
 
@@ -197,8 +205,9 @@ class Engine:
                         "BatchNorm on running statistics). Call model.train() first to train in training mode",
                         type(self.model).__name__)
         want_plan = train and self.plan is None
-        # ZeRO-3 keeps only shards between steps; tracing needs the full parameters once.
-        with self._gathered():
+        # ZeRO-3 keeps only shards between steps, tensor parallelism slices; tracing needs the full
+        # parameters once.
+        with self._gathered() if self._tp is None else self._tp.gathered():
             compiled = self.compiler.step(self.model, args, kwargs, train=train,
                                           analyze=costs_reader(self.config, self.devices) if want_plan else None)
         after = self._python_state(train)
@@ -207,6 +216,18 @@ class Engine:
             # Keyed under what the next step will see, or every step would trace again.
             key = (train, key[1], after)
         cap = compiled.captured
+        if want_plan:  # before the state: the optimizer follows the plan's offload choice
+            self.plan = finish_plan(compiled.costs, model_name=type(self.model).__name__, config=self.config,
+                                    devices=self.devices, passes=[r.to_dict() for r in compiled.records],
+                                    tp=self.config.tensor)
+            self._note_mesh()
+            if self._tp is not None:
+                from fxspeed.planner.placement import describe_placements
+
+                self.plan.tp_placements, self.plan.tp_communication = describe_placements(cap.gm, cap.signature)
+                self.plan.notes.append(TP_PLAN_NOTE)
+        if self._tp is not None:
+            self._apply_tp_layout(cap.signature)
         if train and self.optimizer is None:
             self._setup_state(cap.signature)
         elif train and self._flat is not None and _layout(cap.signature.buckets) != _layout(self._flat.buckets):
@@ -215,10 +236,6 @@ class Engine:
         ex = StepExecutor(Program(cap.gm, cap.signature, train=train, out_spec=cap.out_spec), self._bind)
         self._executors[key] = ex
         self._count_compile()
-        if want_plan:
-            self.plan = finish_plan(compiled.costs, model_name=type(self.model).__name__, config=self.config,
-                                    devices=self.devices, passes=[r.to_dict() for r in compiled.records])
-            self._note_mesh()
         return ex
 
     def _setup_state(self, sig: StepSignature) -> None:
@@ -265,7 +282,7 @@ class Engine:
         """Context manager: inside it, the user's module holds this rank's full weights (ZeRO-3
         gathers them; collective, call it on every rank). Without ZeRO-3 it does nothing."""
         self.synchronize()
-        return self._gathered()
+        return self._gathered() if self._tp is None else self._tp.gathered()
 
     def _python_state(self, train: bool) -> tuple:
         """What a trace baked in besides the batch: each module's train/eval mode (train steps) and
@@ -299,8 +316,31 @@ class Engine:
                                "use Config.grad_clip, for scaling change the loss (or use loss_fn)")
 
     def _build_optimizer(self, tensors: list[torch.Tensor]) -> None:
-        self.optimizer, self.lr_scheduler = build_optimizer(tensors, _optimizer_spec(self.config))
+        spec = dataclasses.replace(_optimizer_spec(self.config), **self._offload_spec())
+        self.optimizer, self.lr_scheduler = build_optimizer(tensors, spec)
         self._lr_set = [g["lr"] for g in self.optimizer.param_groups]
+
+    def _offload_spec(self) -> dict[str, Any]:
+        """Config.offload="optimizer": where the Adam moments go on this rank's device."""
+        c = self.config
+        if c.offload != "optimizer":
+            return {}
+        if self._device.type != "cpu":
+            raise ConfigError(f"Config.offload='optimizer' on a {self._device.type} device is not built in this "
+                              "version (the update runs in host memory on host tensors); train on the CPU with "
+                              "offload_device='nvme', or use offload='none'")
+        if c.offload_device == "cpu":
+            raise ConfigError("Config.offload_device='cpu' on a CPU device moves nothing: the states are in host "
+                              "memory already. Use offload_device='nvme' with nvme_path=<a directory on a local disk> "
+                              "to keep Adam's moments in files, or offload='none'")
+        if c.nvme_path is None:
+            raise ConfigError("Config.offload='optimizer' on a CPU device keeps Adam's moments in files: set "
+                              "Config.nvme_path to a directory on a local disk (a swap directory is created and "
+                              "removed there)")
+        # With a memory budget the plan says how much must go (it was made before the state is built).
+        moved = self.plan.offloaded.get("disk", 0) if self.plan is not None and c.memory_budget_gb is not None else None
+        return {"swap_root": c.nvme_path, "swap_name": f"rank{self.rank}", "chunk_bytes": offload_chunk_bytes(c),
+                "offload_bytes": moved}
 
     # --- compile: pipeline ---------------------------------------------------------------------
     def _compile_pipeline(self, args: tuple, kwargs: dict) -> None:
@@ -426,8 +466,26 @@ class Engine:
                 self._counted_buckets.append(k)
         return buckets
 
+    def _apply_tp_layout(self, sig: StepSignature) -> None:
+        """The first program's tp layout slices the Parameters; every later program must read each
+        sliced Parameter as that same slice (never as a full "param" input)."""
+        if not self._tp:
+            self._tp.apply(self._params, sig.tp_layout)
+            return
+        have = {id(p): (d, b) for p, d, b, _ in self._tp.layout.values()}
+        for spec in sig.inputs:
+            if spec.kind not in ("param", "param_tp"):
+                continue
+            p = self._params[spec.target]
+            want = have.get(id(p))
+            got = tuple(sig.tp_layout[spec.target]) if spec.kind == "param_tp" else None
+            if (want is None) != (got is None) or (want is not None and tuple(want) != got):
+                raise FxspeedError(f"a new program of this engine reads {spec.target} as {got or 'a full tensor'} "
+                                   f"but its Parameter holds the tensor-parallel slice {want or 'whole'}; please "
+                                   "report this with the model and shapes")
+
     def _bind(self, spec: IOSpec) -> Any:
-        if spec.kind == "param":
+        if spec.kind in ("param", "param_tp"):
             return self._params[spec.target]
         if spec.kind == "buffer":
             return self._buffers[spec.target]
@@ -469,6 +527,41 @@ class Engine:
         raise ValueError("no training step compiled yet; call fxspeed.compile(..., example_inputs=...) or "
                          "engine.train_step(batch) first")
 
+    # --- inference (fxspeed.serve) -------------------------------------------------------------
+    def setup_serving(self, **options: Any) -> None:
+        """Compile for inference: the serving loop over the compiler's inference programs and a
+        paged KV cache (runtime/serving.py; options: token_budget, max_batch, block_size,
+        cache_tokens), and the inference plan as `self.plan`."""
+        from fxspeed.planner.inference import plan_inference
+        from fxspeed.runtime.serving import ServingLoop, model_limits
+
+        vocab, context = model_limits(self.model)
+        self.model.eval()
+        self._serving = ServingLoop(lambda T: self.compiler.inference(self.model, T), self._bind,
+                                    vocab_size=vocab, max_context=context, device=self._device, **options)
+        self._serving.check_against(self.model, low_precision=self.config.precision != "fp32")
+        first = next(iter(self._serving.programs.values())).program
+        self.plan = plan_inference(self.model, first, self._serving, self.devices[0], self.config)  # type: ignore[assignment]
+
+    def _serving_loop(self) -> Any:
+        if self._serving is None:
+            raise ConfigError("generate/stream need an engine compiled for inference: engine = fxspeed.serve(model, ...)")
+        return self._serving
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16,
+                 **kwargs: Any) -> list[Any]:
+        """Token ids generated for each prompt (a list of token-id lists, any lengths), by continuous
+        batching over the compiled programs. kwargs: temperature (0: greedy), top_k, top_p, seed,
+        eos_token_id (all requests) or eos_token_ids (one per prompt), on_error ("raise": a
+        GenerationError after the other requests finished, with .results; "return": the
+        RequestError in place of that request's tokens). See runtime/serving.py."""
+        return self._serving_loop().generate(prompts, max_new_tokens, **kwargs)
+
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16,
+               **kwargs: Any) -> Any:
+        """Yield (req_id, token) as tokens are produced, (req_id, RequestError) for a refused request."""
+        return self._serving_loop().stream(prompts, max_new_tokens, **kwargs)
+
     # --- steps -------------------------------------------------------------------------------
     def train_step(self, *args: Any, **kwargs: Any) -> float:
         """Forward, backward and optimizer step on one batch; returns the loss of the global batch
@@ -483,8 +576,13 @@ class Engine:
         -100 labels) gives the mean of per-slice means, as DDP and DeepSpeed do; for the exact
         global mean, return sum / (the global batch's item count) from loss_fn (or the model).
         """
+        if self._serving is not None:
+            raise ConfigError("train_step: this engine was compiled for inference by fxspeed.serve (no optimizer); "
+                              "use fxspeed.compile(model, ...) to train")
         if self.scaler is not None:
             self._scale.copy_(self.scaler.scale)
+        if isinstance(self.optimizer, OffloadedAdam):
+            self.optimizer.prefetch()  # the first chunks' moments come off the disk during forward
         if self._requires_grad is not None:
             self._check_parameters_unchanged()
         if self.pipelined:
@@ -675,7 +773,12 @@ class Engine:
 
     def _clip(self, stepped: list[torch.Tensor]) -> None:
         """Clip `stepped` by the norm of the whole model's gradient: each weight counted once,
-        wherever it lives (shards over replicas, stages over positions)."""
+        wherever it lives (shards over replicas, stages over positions, slices over tp ranks)."""
+        if self._tp:
+            norm = self._tp.squared_norm([(t, t.grad) for t in stepped]).sqrt().to(torch.float32)
+            if stepped:
+                torch.nn.utils.clip_grads_with_norm_(stepped, self.config.grad_clip, norm, foreach=True)
+            return
         if self._flat is not None and self.config.zero >= 1:
             # Disjoint shards over replicas (and positions): everyone's counted squares.
             counted = [self._flat.shards[k].grad for k in self._counted_buckets]
@@ -871,6 +974,8 @@ class Engine:
             for p in held:
                 name = self._canonical[id(p)]
                 out[name] = full[name] if name in full else p.detach()
+        elif self._tp:
+            out = {self._canonical[id(p)]: self._tp.full(p) for p in held}  # all-gather over tp
         else:
             out = {self._canonical[id(p)]: p.detach() for p in held}
         if self.pipelined:
@@ -887,7 +992,7 @@ class Engine:
         name), loadable into the plain model with `load_state_dict(strict=True)`, on every rank.
         A collective under ZeRO-3 and pipelines (call it on every rank). Without them, as with
         nn.Module.state_dict(), the tensors alias the live weights: clone them to keep a snapshot."""
-        if self.pipelined or self.config.zero >= 3:
+        if self.pipelined or self.config.zero >= 3 or self._tp:
             self._expect_all_ranks("engine.state_dict()")
         local = self._local_state()
         if self.pipelined and self.dist.active:
@@ -913,8 +1018,8 @@ class Engine:
     def _full_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's and buffer's full shape by canonical name, whatever this rank holds."""
         full = {n: tuple(s) for b in (self._flat.buckets if self._flat is not None else ()) for n, s in zip(b.names, b.shapes)}
-        out = {self._canonical[id(p)]: full.get(self._canonical[id(p)], self._freed_shapes.get(id(p), tuple(p.shape)))
-               for p in self._unique}
+        out = {self._canonical[id(p)]: full.get(self._canonical[id(p)], self._freed_shapes.get(
+                   id(p), (self._tp.full_shape(p) if self._tp else None) or tuple(p.shape))) for p in self._unique}
         out.update({n: tuple(b.shape) for n, b in self.model.named_buffers()})
         return out
 
@@ -948,9 +1053,11 @@ class Engine:
             raise ConfigError(f"load_state_dict: the state does not fit {type(self.model).__name__} ({len(problems)} "
                               f"problem(s); nothing was loaded): {'; '.join(problems[:5])}"
                               + (" ..." if len(problems) > 5 else "") + ". Pass the full state of the same model")
-        with torch.no_grad(), self._gathered():
+        # Under tp each rank copies its slice of the full value into its sliced Parameter.
+        with torch.no_grad(), (self._gathered() if self._tp is None else contextlib.nullcontext()):
             for name, src in pairs:
-                self._params[name].copy_(src)
+                p = self._params[name]
+                p.copy_(self._tp.local(p, src) if self._tp else src)
             for name, b in self.model.named_buffers():
                 if name in state:
                     b.copy_(state[name])
@@ -1048,7 +1155,7 @@ class Engine:
         """Optimizer states per parameter (canonical name), full tensors: shards of flat buckets
         are gathered over the replicas (collective)."""
         out: dict[str, dict[str, torch.Tensor]] = {}
-        opt_state = self.optimizer.state
+        opt_state = _states_of(self.optimizer)
         if self._flat is not None and self.config.zero >= 1:
             flat = self._flat
             for k, b in enumerate(flat.buckets):
@@ -1071,10 +1178,19 @@ class Engine:
                 name = self._canonical[id(p)]
                 out[name] = {key: (v.clone() if torch.is_tensor(v) else torch.tensor(v)) for key, v in st.items()
                              if v is not None}
+                if self._tp:  # slices of tp-sharded states -> full tensors (collective over tp)
+                    out[name] = {key: self._tp.gather_like(p, v) for key, v in out[name].items()}
         return out
 
     def _load_canonical_optimizer_state(self, saved: dict[str, dict[str, torch.Tensor]]) -> None:
-        opt_state = self.optimizer.state
+        if isinstance(self.optimizer, OffloadedAdam):
+            staged: dict = {}
+            self._fill_optimizer_state(saved, staged)
+            self.optimizer.load_full_state(staged)
+            return
+        self._fill_optimizer_state(saved, self.optimizer.state)
+
+    def _fill_optimizer_state(self, saved: dict[str, dict[str, torch.Tensor]], opt_state: Any) -> None:
         if self._flat is not None and self.config.zero >= 1:
             flat = self._flat
             for k, b in enumerate(flat.buckets):
@@ -1099,7 +1215,8 @@ class Engine:
             for p in g["params"]:
                 name = self._canonical[id(p)]
                 if name in saved and saved[name]:
-                    opt_state[p] = {key: v.clone().to(p.device) for key, v in saved[name].items()}
+                    opt_state[p] = {key: (self._tp.local(p, v) if self._tp else v).clone().to(p.device)
+                                    for key, v in saved[name].items()}
 
 
 def unscale_or_skip(scaler: DynamicLossScaler | None, stepped: list[torch.Tensor], stats: dict) -> bool:
@@ -1198,6 +1315,11 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _states_of(optimizer: torch.optim.Optimizer) -> Any:
+    """Per-tensor optimizer states, read back from the swap file when they are offloaded."""
+    return optimizer.full_state() if isinstance(optimizer, OffloadedAdam) else optimizer.state
 
 
 def _optimizer_spec(c: Config) -> OptimizerSpec:

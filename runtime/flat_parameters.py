@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxspeed.ir import Bucket
+from fxspeed.runtime.kernels.collectives import exchange_gather_out
 
 
 class FlatParameters:
@@ -37,6 +38,10 @@ class FlatParameters:
         self.buckets = buckets
         self.rank, self.world, self.zero, self.group = rank, world, zero, group
         self.gather_group = gather_group
+        # On gloo the post-step gathers are point-to-point exchanges (runtime/kernels/collectives.py),
+        # half the cost of gloo's own all-gather, as the compiled programs' gathers are
+        # (PassOptions.gather_via_exchange, set for gloo). why: docs/decisions/zero-gather-via-all-reduce-on-gloo.md
+        self.exchange = world > 1 and group is not None and dist.get_backend(group) == "gloo"
         self.in_flight = False  # deferred gathers issued and not yet known to be finished
         self.grad_buffers: dict[int, torch.Tensor] = {}  # persistent reduced-gradient buckets
         self.full: list[torch.Tensor | None] = []
@@ -148,9 +153,19 @@ class FlatParameters:
             return
         if defer and self.gather_group is not None:
             name = self.gather_group.group_name
+            gather = exchange_gather_out if self.exchange else _c10d.all_gather_into_tensor_out
             for k in range(len(self.buckets)):
-                _c10d.all_gather_into_tensor_out(self.shards[k], self.world, name, out=self.full[k])
+                gather(self.shards[k], self.world, name, out=self.full[k])
             self.in_flight = True
+            return
+        if self.exchange:
+            # The shard is this rank's slot of the full bucket: the sends read it in place while the
+            # receives fill the other slots, so every bucket can be in flight at once.
+            name = self.group.group_name
+            for k in range(len(self.buckets)):
+                exchange_gather_out(self.shards[k], self.world, name, out=self.full[k])
+            for f in self.full:
+                _c10d.wait_tensor(f)
             return
         # At most two gathers in flight: each needs a private copy of the shard (the shard is
         # a view into the output buffer), and copies of every bucket at once would cost 1/N

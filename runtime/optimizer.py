@@ -4,6 +4,8 @@ Using torch.optim means fxspeed's AdamW/Adam/SGD are torch.optim's own update ru
 ranks run the same optimizer over their flat shards (as ZeRO does). fxspeed asks for torch's
 fused kernels (one pass over each tensor; on CPU since torch 2.4, on CUDA) and falls back to the
 default implementation where they are not supported (another device, a non-float tensor).
+With Config.offload="optimizer" the Adam moments live in files (runtime/offloaded_optimizer.py),
+stepped by the same fused kernel.
 why: docs/decisions/fused-optimizers.md
 """
 
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
+
+from fxspeed.runtime.offloaded_optimizer import OffloadedAdam
 
 
 @dataclass(frozen=True)
@@ -27,11 +31,24 @@ class OptimizerSpec:
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     total_steps: int | None = None
+    # Config.offload="optimizer" with states in files: the directory (Config.nvme_path) and this
+    # rank's name for its swap directory; None keeps the states in memory.
+    swap_root: str | None = None
+    swap_name: str = "rank0"
+    chunk_bytes: int = 64 * 2**20
+    offload_bytes: int | None = None  # None: every state to the file; else at least this many bytes
 
 
 def build_optimizer(params: Iterable[torch.Tensor], spec: OptimizerSpec) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     params = list(params)
-    if spec.name in ("adamw", "adam"):
+    if spec.swap_root is not None:
+        if spec.name not in ("adamw", "adam"):
+            raise ValueError(f"optimizer offload steps Adam/AdamW only, not {spec.name!r}")
+        opt: torch.optim.Optimizer = OffloadedAdam(params, lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                                                   weight_decay=spec.weight_decay, decoupled=spec.name == "adamw",
+                                                   swap_root=spec.swap_root, name=spec.swap_name,
+                                                   chunk_bytes=spec.chunk_bytes, offload_bytes=spec.offload_bytes)
+    elif spec.name in ("adamw", "adam"):
         cls = torch.optim.AdamW if spec.name == "adamw" else torch.optim.Adam
         opt = _fused(cls, params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
     elif spec.name == "sgd":

@@ -286,7 +286,12 @@ def valid_configs(draw: st.DrawFn) -> dict:
                                                          max_size=stages - 1))
     d["tensor"] = draw(st.integers(1, 8))
     d["grad_accum"] = draw(st.integers(1, 8))
-    d["offload"] = draw(st.sampled_from(["none", "optimizer", "parameters", "activations", "all"]))
+    kinds = ["none", "parameters", "activations", "all"] + (["optimizer"] if d["optimizer"] != "sgd" else [])
+    d["offload"] = draw(st.sampled_from(kinds))
+    if d["offload"] != "none":
+        d["offload_device"] = draw(st.sampled_from(["auto", "nvme"]))
+        d["nvme_path"] = draw(st.none() | st.text(min_size=1, max_size=12))
+        d["memory_budget_gb"] = draw(st.none() | st.floats(0.01, 1e4, **finite))
     d["fp32_modules"] = draw(names | st.text(min_size=1, max_size=8))
     d["reduce_dtype"] = draw(st.sampled_from(["fp32", "bf16", "fp16"]))
     d["loss_scale"] = draw(st.none() | st.floats(1e-3, 2.0**24, **finite))

@@ -16,8 +16,12 @@ from torch.utils.flop_counter import flop_registry
 from fxspeed.ir import (ACTIVATIONS, BACKWARD, BUFFERS, FORWARD, GRADIENTS, INPUTS, IO, META_KEY, PARAMETERS,
                  TEMPORARIES, NodeInfo, StepSignature, dtype_name, tensor_bytes)
 
-_INPUT_CATEGORY = {"param": PARAMETERS, "param_shard": PARAMETERS, "buffer": BUFFERS, "input": INPUTS,
-                   "loss_scale": INPUTS, "grad_buffer": GRADIENTS}
+_INPUT_CATEGORY = {"param": PARAMETERS, "param_shard": PARAMETERS, "param_tp": PARAMETERS, "buffer": BUFFERS,
+                   "input": INPUTS,
+                   "loss_scale": INPUTS, "grad_buffer": GRADIENTS,
+                   # inference programs (passes/inference/kv_cache.py): the cache is state, the rest per step
+                   "kv_cache": BUFFERS, "tokens": INPUTS, "positions": INPUTS, "slot_mapping": INPUTS,
+                   "block_table": INPUTS, "query_index": INPUTS, "query_pos": INPUTS, "logits_index": INPUTS}
 
 
 def annotate(gm: fx.GraphModule, signature: StepSignature, module_of: dict[str, str] | None = None) -> None:
@@ -31,7 +35,7 @@ def annotate(gm: fx.GraphModule, signature: StepSignature, module_of: dict[str, 
     forward = _forward_nodes(outs, signature)
     grad_outputs = {o for o, s in zip(outs, signature.outputs) if s.kind in ("grad", "grad_bucket") and isinstance(o, fx.Node)}
     param_module = {ph: signature.inputs[i].target.rpartition(".")[0] for i, ph in enumerate(placeholders)
-                    if signature.inputs[i].kind == "param"}
+                    if signature.inputs[i].kind in ("param", "param_tp")}
 
     for i, ph in enumerate(placeholders):
         spec = signature.inputs[i]

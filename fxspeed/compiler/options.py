@@ -43,7 +43,11 @@ class PassOptions:
     group_name: str = ""                     # the data-parallel process group's name (collectives' target)
     bucket_bytes: int = bucket_bytes(DEFAULT_BUCKET_MB)  # gradient / parameter bucket limit
     scatter_via_all_reduce: bool = False     # ZeRO-2/3: all-reduce then keep the slice (gloo)
-    gather_via_all_reduce: bool = False      # ZeRO-3: gather by all-reducing zero-padded shards (gloo)
+    gather_via_all_reduce: bool = False      # ZeRO-3: gather by all-reducing zero-padded shards
+    # ZeRO-2/3 reduce-scatter and ZeRO-3 gathers as point-to-point exchanges
+    # (runtime/kernels/collectives.py; gloo): they take precedence over the two above
+    scatter_via_exchange: bool = False
+    gather_via_exchange: bool = False
     reuse_grad_buckets: bool = False         # ZeRO-0: persistent reduced-gradient buckets
     # reuse_buffers: smallest buffer placed in a workspace (0: small buckets gain little, but one
     # code path for every size is then tested by every run)
@@ -55,11 +59,20 @@ class PassOptions:
     pipeline_chunks: int = 1                 # stages per position (1 unless the schedule is interleaved)
     split_points: tuple[str, ...] = ()       # modules stages 1.. start at; () = balanced cuts
     positions: tuple[int, ...] = ()          # pipeline positions whose stages this rank runs
+    # tensor parallelism (shard_tensors; does nothing when tp_size is 1)
+    tp_size: int = 1                         # tensor-parallel degree (Config.tensor)
+    tp_rank: int = 0                         # this rank's index in its tensor-parallel group
+    tp_group_name: str = ""                  # the tensor-parallel process group's name (collectives' target)
     # fuse_kernels (passes/graph/fuse_kernels.py: norms and their backward as Triton kernels):
     # "cuda" fuses programs whose tensors are on CUDA (the target device, read off the program),
     # "always" fuses any program (FXSPEED_FUSE_ON_CPU=1: tests, where the kernels run under
     # TRITON_INTERPRET=1 or as their torch fallback), "off" never. See fuse_kernels_mode().
     fuse_kernels: str = "cuda"
+    # chunk_cross_entropy (passes/memory/chunk_cross_entropy.py: vocabulary projection + cross-
+    # entropy in chunks of rows, gradients computed in forward): "auto" where the fp32 logits
+    # would take at least chunk_cross_entropy_min_bytes, "always", "off".
+    chunk_cross_entropy: str = "auto"
+    chunk_cross_entropy_min_bytes: int = 64 * MIB
 
     def __post_init__(self) -> None:
         for name in ("fp32_modules", "split_points", "positions"):
@@ -73,8 +86,12 @@ class PassOptions:
         _one_of("schedule", self.schedule, SCHEDULES)
         for name in ("world_size", "pipeline", "microbatches", "pipeline_chunks", "bucket_bytes"):
             _int(name, getattr(self, name), 1)
-        for name in ("rank", "reuse_min_bytes"):
+        for name in ("rank", "reuse_min_bytes", "tp_rank"):
             _int(name, getattr(self, name), 0)
+        _int("tp_size", self.tp_size, 1)
+        if self.tp_rank >= self.tp_size:
+            raise ConfigError(f"PassOptions.tp_rank={self.tp_rank} is invalid for tp_size={self.tp_size}; "
+                              f"it must be in [0, {self.tp_size})")
         if self.rank >= self.world_size:
             raise ConfigError(f"PassOptions.rank={self.rank} is invalid for world_size={self.world_size}; "
                               f"it must be in [0, {self.world_size})")
@@ -86,7 +103,10 @@ class PassOptions:
                 raise ConfigError(f"PassOptions.positions={list(self.positions)} is invalid; each must be a "
                                   f"pipeline position in [0, {self.pipeline})")
         _one_of("fuse_kernels", self.fuse_kernels, FUSE_MODES)
-        for name in ("scatter_via_all_reduce", "gather_via_all_reduce", "reuse_grad_buckets"):
+        _one_of("chunk_cross_entropy", self.chunk_cross_entropy, ("auto", "always", "off"))
+        _int("chunk_cross_entropy_min_bytes", self.chunk_cross_entropy_min_bytes, 0)
+        for name in ("scatter_via_all_reduce", "gather_via_all_reduce", "scatter_via_exchange", "gather_via_exchange",
+                     "reuse_grad_buckets"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"PassOptions.{name}={getattr(self, name)!r} is invalid; give True or False")
         if not isinstance(self.group_name, str):
@@ -135,7 +155,8 @@ class PassOptions:
         """The same options without data parallelism (one replica): what a pipeline's joint
         micro-batch graph is compiled with before it is cut into stages."""
         return dataclasses.replace(self, world_size=1, rank=0, zero=0, group_name="", scatter_via_all_reduce=False,
-                                   gather_via_all_reduce=False, reuse_grad_buckets=False)
+                                   gather_via_all_reduce=False, scatter_via_exchange=False,
+                                   gather_via_exchange=False, reuse_grad_buckets=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -152,15 +173,17 @@ def derive_options(config: Config, mesh: Any) -> PassOptions:
         precision=config.precision, fp32_modules=tuple(config.fp32_modules), reduce_dtype=config.reduce_dtype,
         world_size=mesh.dp, rank=coords["dp"], zero=config.zero, group_name=mesh.group_name("dp"),
         bucket_bytes=bucket_bytes(config.bucket_mb),
-        # On gloo, ZeRO-2/3 all-reduce and keep their slice instead of reduce-scattering.
-        # why: docs/decisions/zero-scatter-via-all-reduce-on-gloo.md
-        scatter_via_all_reduce=gloo,
-        # On gloo, ZeRO-3 gathers by all-reducing the zero-padded shard.
-        # why: docs/decisions/zero-gather-via-all-reduce-on-gloo.md
-        gather_via_all_reduce=gloo,
+        # On gloo, gloo's own reduce-scatter and all-gather cost more than an all-reduce; ZeRO-2/3
+        # reduce-scatter gradients and ZeRO-3 gathers parameters with point-to-point exchanges,
+        # which cost about half an all-reduce each (ZeRO-2 then moves DDP's bytes).
+        # why: docs/decisions/zero-scatter-via-all-reduce-on-gloo.md, zero-gather-via-all-reduce-on-gloo.md
+        scatter_via_exchange=gloo,
+        gather_via_exchange=gloo,
         # why: docs/decisions/persistent-gradient-buckets-for-zero0.md
         reuse_grad_buckets=True,
         **_pipeline_fields(config), positions=(coords.get("pp", 0),),
+        tp_size=getattr(mesh, "tp", 1), tp_rank=coords.get("tp", 0),
+        tp_group_name=mesh.group_name("tp") if getattr(mesh, "tp", 1) > 1 else "",
         fuse_kernels=fuse_kernels_mode())
 
 

@@ -53,8 +53,12 @@ class CompiledStep:
 def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, loss_fn: LossFn | None,
                  train: bool = True, extra_passes: Sequence[Any] = (),
                  options: PassOptions | Mapping[str, Any] | None = None,
-                 analyze: Callable[[fx.GraphModule, StepSignature], Any] | None = None) -> CompiledStep:
+                 analyze: Callable[[fx.GraphModule, StepSignature], Any] | None = None,
+                 analyses: Sequence[Any] = ()) -> CompiledStep:
     """Capture one step and run the graph passes over it.
+
+    `analyses`: extra analyses the distributed passes may require, made by the planner and
+    handed in by the engine (e.g. "tp_placements", which shard_tensors requires when tp_size > 1).
 
     `options` reach passes as ctx.options: this rank's PassOptions (`derive_options(config,
     mesh)`); None means `PassOptions.single_device(config)`, and a mapping of field names is
@@ -65,6 +69,7 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     from fxspeed.passes import ALL_PASSES, DISTRIBUTED_PASSES, SINGLE_DEVICE_PASSES, STAGE_PASS_NAMES
     from fxspeed.passes.memory.recompute_checkpointed import has_checkpointed_regions, recompute_checkpointed
     from fxspeed.passes.graph.fuse_kernels import fuse_kernels, wanted as fusion_wanted
+    from fxspeed.passes.memory.chunk_cross_entropy import chunk_cross_entropy, wanted as chunking_wanted
 
     opts = PassOptions.coerce(options, config)
     _check_derived(opts, config, ("precision", "fp32_modules", "reduce_dtype"))
@@ -72,23 +77,28 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     cap = capture_step(model, args, kwargs, loss_fn=loss_fn, train=train)
     t1 = time.perf_counter()
     annotate = make_annotate_pass()
-    known = [*ALL_PASSES, recompute_checkpointed.name, fuse_kernels.name, *STAGE_PASS_NAMES,
-             *(p.name for p in extra_passes)]
+    known = [*ALL_PASSES, recompute_checkpointed.name, fuse_kernels.name, chunk_cross_entropy.name,
+             *STAGE_PASS_NAMES, *(p.name for p in extra_passes)]
     ctx = PassContext(signature=cap.signature, module_of=cap.module_of, options=opts,
                       model_name=type(model).__name__)
     # torch.utils.checkpoint regions (tagged at capture) are recomputed in backward: after the
     # casts and DCE (a cast of a region's value is recomputed with it), before the planner reads
     # the program and the distributed passes rewrite it. Only graphs with such regions run it.
     # Norms -> Triton kernels last, on CUDA programs (options.fuse_kernels): it sees every norm,
-    # recomputed ones included, and the planner reads the fused program.
+    # recomputed ones included, and the planner reads the fused program. A large vocabulary's
+    # projection + cross-entropy is chunked after the casts (it matches through them).
     single = [*SINGLE_DEVICE_PASSES, *([recompute_checkpointed] if has_checkpointed_regions(cap.gm) else []),
+              *([chunk_cross_entropy] if chunking_wanted(cap.gm, opts) else []),
               *([fuse_kernels] if fusion_wanted(cap.gm, opts) else [])]
     local = PassManager(single, analyses=[annotate], disabled=config.disable_passes, known=known)
     gm = local.ensure("annotate", local.run(cap.gm, ctx), ctx)
     costs = None
     if train and analyze is not None:
         costs = analyze(gm, cap.signature)
-    dist = PassManager([*DISTRIBUTED_PASSES, *extra_passes], analyses=[annotate], disabled=config.disable_passes,
+    if not any(a.name == "tp_placements" for a in analyses):
+        analyses = [*analyses, _no_placements()]
+    dist = PassManager([*DISTRIBUTED_PASSES, *extra_passes], analyses=[annotate, *analyses],
+                       disabled=config.disable_passes,
                        known=known)
     gm = dist.ensure("annotate", dist.run(gm, ctx), ctx)
     cap.gm = gm
@@ -96,6 +106,21 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     log.info("fxspeed: captured %s %s step: %d nodes in %.2fs, passes %.2fs", type(model).__name__,
              "training" if train else "eval", len(gm.graph.nodes), t1 - t0, t2 - t1)
     return CompiledStep(cap, local.records + dist.records, t1 - t0, t2 - t1, costs)
+
+
+def _no_placements() -> Any:
+    """Stands in for the planner's "tp_placements" analysis when none was handed in: nothing to
+    place on one tp rank; with tp_size > 1 a clear error instead of a guess."""
+    from fxspeed.compiler.pass_manager import PassResult, graph_pass
+
+    def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        if ctx.options.tp_size > 1:
+            raise ConfigError(f"tensor parallelism (tp_size={ctx.options.tp_size}) needs the planner's placements: "
+                              "compile through fxspeed.compile, or pass analyses=[fxspeed.planner.placement."
+                              "make_placement_analysis(devices)] to compile_step")
+        return PassResult(gm, modified=False)
+
+    return graph_pass("tp_placements", is_analysis=True)(run)
 
 
 def _check_derived(opts: PassOptions, config: Config, names: Sequence[str]) -> None:
@@ -180,7 +205,7 @@ def compile_program(model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, 
     ctx = PassContext(signature=cap.signature, options=opts, module_of=cap.module_of,
                       model_name=type(model).__name__)
     pm = PassManager(PROGRAM_PASSES, disabled=config.disable_passes,
-                     known=[*ALL_PASSES, recompute_checkpointed.name, "fuse_kernels",
+                     known=[*ALL_PASSES, recompute_checkpointed.name, "fuse_kernels", "chunk_cross_entropy",
                             *(p.name for p in PROGRAM_PASSES)])
     t0 = time.perf_counter()
     program = pm.run(DistributedProgram(cap.gm, cap.signature), ctx)
@@ -202,7 +227,9 @@ class Compiler:
     Pass options are derived here, once, from the Config and the mesh (`self.options`).
     """
 
-    def __init__(self, config: Config, mesh: Any, loss_fn: LossFn | None = None):
+    def __init__(self, config: Config, mesh: Any, loss_fn: LossFn | None = None, analyses: Sequence[Any] = ()):
+        """`analyses`: planner-made analyses the distributed passes require (tp placements)."""
+        self.analyses = tuple(analyses)
         self.config = config
         self.mesh = mesh
         self.loss_fn = loss_fn
@@ -213,7 +240,15 @@ class Compiler:
         """One-stage program: the joint step graph rewritten for this rank (data parallel, ZeRO).
         Eval programs are compiled without data parallelism."""
         return compile_step(model, args, kwargs, config=self.config, loss_fn=self.loss_fn, train=train,
-                            options=self.options if train else self.options.local(), analyze=analyze)
+                            options=self.options if train else self.options.local(), analyze=analyze,
+                            analyses=self.analyses)
+
+    def inference(self, model: nn.Module, tokens: int) -> Any:
+        """The serving program for one packed row of `tokens` tokens, with the paged KV cache
+        (fxspeed/compiler/capture_inference.py)."""
+        from fxspeed.compiler.capture_inference import compile_inference
+
+        return compile_inference(model, tokens, config=self.config, options=self.options.local())
 
     def program(self, model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, train: bool,
                 positions: Sequence[int] | None = None, split_points: Sequence[str] | None = None,

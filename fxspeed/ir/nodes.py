@@ -58,8 +58,13 @@ class NodeInfo:
 class IOSpec:
     """Meaning of one graph input or output. `kind` is one of
     inputs:  "param", "buffer", "input", "param_shard" (target: bucket index; ZeRO-3),
+             "param_tp" (target: parameter name; this tensor-parallel rank's slice of it, as
+             `StepSignature.tp_layout[name]` says),
              "grad_buffer" (target: bucket index; a persistent flat buffer the program reduces
              gradients into, ZeRO-0), "loss_scale" (fp16: the dynamic loss scale)
+             inference programs (passes/inference/): "tokens", "positions", "slot_mapping",
+             "block_table", "query_index", "query_pos", "logits_index" (per serving step),
+             "kv_cache" (target "<layer>.k" / "<layer>.v"; the paged cache, written in place)
     outputs: "buffer_update", "loss", "output", "grad", "grad_bucket" (target: bucket index;
              the reduced flat bucket, or this rank's shard of it under ZeRO-2/3)
     `target` is the parameter/buffer name (user's original name) or the input's position.
@@ -107,6 +112,10 @@ class StepSignature:
     # Set by wait_parameter_gathers (ZeRO-1/2): the program waits for each bucket's post-step
     # all-gather before it reads the bucket, so the runtime may leave the gathers in flight.
     waits_for_parameters: bool = False
+    # Set by shard_tensors: parameter name -> (dim, blocks) of each "param_tp" input. The dim is
+    # read as `blocks` equal blocks, each split into tp_size contiguous pieces; tp rank t holds
+    # piece t of every block (blocks > 1: a fused QKV weight split by heads).
+    tp_layout: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def is_alias(self, name: str) -> bool:
         return name in self.tied
@@ -120,7 +129,8 @@ class StepSignature:
     def to_dict(self) -> dict[str, Any]:
         return {"inputs": [s.__dict__ for s in self.inputs], "outputs": [s.__dict__ for s in self.outputs],
                 "tied": dict(self.tied), "buckets": [b.to_dict() for b in self.buckets],
-                "waits_for_parameters": self.waits_for_parameters}
+                "waits_for_parameters": self.waits_for_parameters,
+                "tp_layout": {k: list(v) for k, v in self.tp_layout.items()}}
 
 
 def info(node: fx.Node) -> NodeInfo:

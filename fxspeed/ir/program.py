@@ -75,3 +75,31 @@ class StageProgram:
                 "grads_accumulated_in_place": list(self.grads_into),
                 "split_backward": self.backward_input is not None, "carry": self.n_carry,
                 "predicted_s": dict(self.predicted), **self.nodes}
+
+
+@dataclass
+class InferenceProgram:
+    """A forward-only serving program for one bucket of `tokens` packed tokens (prefill chunks and
+    decode tokens of several requests in one row), with the paged KV cache threaded through it
+    (passes/inference/kv_cache.py).
+
+        gm(*params, *buffers, tokens, positions, slot_mapping, block_table, query_index, query_pos,
+           *kv_cache, [logits_index]) -> (logits,)             (inputs in `signature` order)
+
+    logits: [1, N, vocab] for the N rows of `logits_index` when `selects_logits`
+    (passes/inference/select_logits.py), else [1, tokens, vocab].
+    `kv_layout`: per attention layer (kv_heads, head_dim, dtype), what the runtime allocates.
+    `records`: the passes run (PassRecord)."""
+
+    gm: fx.GraphModule
+    signature: StepSignature
+    tokens: int
+    kv_layout: list[tuple[int, int, torch.dtype]]
+    selects_logits: bool = False
+    records: list[Any] = field(default_factory=list)
+    capture_seconds: float = 0.0
+    pass_seconds: float = 0.0
+
+    def kv_bytes_per_token(self) -> int:
+        """Cache bytes one token occupies: keys and values of every layer."""
+        return sum(2 * h * d * torch.empty((), dtype=dt).element_size() for h, d, dt in self.kv_layout)

@@ -185,11 +185,15 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     p_bytes, t_bytes = costs.param_bytes, costs.trainable_bytes
 
     shard = lambda b, stage: b / dp if z >= stage else b  # noqa: E731
-    step = step_phase(costs.step, costs, config, dp)
+    states = shard(state_f * t_bytes, 1)
+    peak_resident = max(sum(step_phase(costs.step, costs, config, dp, 0).values()),  # nothing offloaded
+                        sum(_optimizer_phase(costs, config, devices, dp, 0).values()))
+    moved, budget_note = choose_offload(config, states, peak_resident)
+    notes = [*(notes or []), *([budget_note] if budget_note else [])]
+    offloaded = {"disk": moved} if moved else {}
+    step = step_phase(costs.step, costs, config, dp, moved)
     comm = step[COMM_BUFFERS]
-    opt_phase = {PARAMETERS: shard(p_bytes, 3), GRADIENTS: shard(t_bytes, 2), OPTIMIZER_STATES: shard(state_f * t_bytes, 1),
-                 TEMPORARIES: optimizer_temporaries(config, devices[0], shard(t_bytes, 1), costs.largest_trainable),
-                 BUFFERS: step.get(BUFFERS, 0), INPUTS: step.get(INPUTS, 0)}
+    opt_phase = _optimizer_phase(costs, config, devices, dp, moved)
     as_int = lambda d: {c: int(round(d.get(c, 0))) for c in CATEGORIES}  # noqa: E731
     step_i, opt_i = as_int(step), as_int(opt_phase)
     peak, phase = (step_i, "step") if sum(step_i.values()) >= sum(opt_i.values()) else (opt_i, "optimizer")
@@ -221,8 +225,22 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
         notes=list(notes or []), zero_formula=[int(formula)] * n,
         phase_memory={"step": step_i, "optimizer": opt_i}, dtypes=category_dtypes(config),
         communication={k: int(v) for k, v in communication.items()},
-        mesh=layout_text(dp, pp, tp) if n > 1 else "",
+        mesh=layout_text(dp, pp, tp) if n > 1 else "", offloaded=offloaded,
     )
+
+
+def _optimizer_phase(costs: GraphCosts, config: Config, devices: Sequence[DeviceSpec], dp: int,
+                     offloaded: float | None = None) -> dict[str, float]:
+    """Rank bytes by category during the optimizer step (parameters, gradients, states, the
+    optimizer's temporaries), ZeRO-sharded over `dp`."""
+    z = config.zero
+    shard = lambda b, stage: b / dp if z >= stage else b  # noqa: E731
+    t_bytes = costs.trainable_bytes
+    states = shard(opt_factors(config)[0] * t_bytes, 1)
+    return {PARAMETERS: shard(costs.param_bytes, 3), GRADIENTS: shard(t_bytes, 2),
+            OPTIMIZER_STATES: resident_optimizer_states(config, states, offloaded),
+            TEMPORARIES: optimizer_temporaries(config, devices[0], shard(t_bytes, 1), costs.largest_trainable),
+            BUFFERS: costs.step.get(BUFFERS, 0), INPUTS: costs.step.get(INPUTS, 0)}
 
 
 def communication_bytes(costs: GraphCosts, config: Config, dp: int) -> dict[str, float]:
@@ -265,7 +283,47 @@ def grad_scale(config: Config, n_devices: int) -> float:
     return 1.0 / n_devices if config.zero >= 2 else 1.0
 
 
-def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, n_devices: int) -> dict[str, float]:
+def offload_chunk_bytes(config: Config) -> int:
+    """Bytes of Adam moments per chunk of the offloaded optimizer (the engine asks for this): two
+    gradient buckets' worth (a bucket's exp_avg and exp_avg_sq), at least two pages."""
+    return max(int(2 * config.bucket_mb * 2**20), 2 * 4096)
+
+
+def resident_optimizer_states(config: Config, states: float, offloaded: float | None = None) -> float:
+    """Optimizer-state bytes held in memory: all of them, or under Config.offload="optimizer" those
+    not offloaded (`offloaded`, default all) plus the three staging slots the offloaded optimizer
+    reads, steps and writes chunks through."""
+    if config.offload != "optimizer":
+        return states
+    moved = states if offloaded is None else offloaded
+    if not moved:
+        return states
+    return states - moved + min(moved, 3 * offload_chunk_bytes(config))
+
+
+def choose_offload(config: Config, states: float, peak_resident: float) -> tuple[int, str | None]:
+    """Bytes of optimizer states to offload under Config.offload="optimizer": all of them, or with
+    Config.memory_budget_gb just enough (in whole chunks) that the rank's peak fits the budget.
+    Also a note when even offloading everything does not fit."""
+    if config.offload != "optimizer":
+        return 0, None
+    if config.memory_budget_gb is None:
+        return int(states), None
+    budget = config.memory_budget_gb * 1e9
+    chunk = offload_chunk_bytes(config)
+    moved = 0.0
+    while moved < states and peak_resident - states + resident_optimizer_states(config, states, moved) > budget:
+        moved = min(states, moved + chunk)
+    note = None
+    if peak_resident - states + resident_optimizer_states(config, states, moved) > budget:
+        note = (f"Config.memory_budget_gb={config.memory_budget_gb:g}: the peak is "
+                f"{(peak_resident - states + resident_optimizer_states(config, states, moved)) / 1e9:.2f} GB even with "
+                "every optimizer state offloaded; shard more (zero=2/3, more ranks) or use a smaller batch")
+    return int(moved), note
+
+
+def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, n_devices: int,
+               offloaded: float | None = None) -> dict[str, float]:
     """Rank bytes by category while the graph runs, from the graph's live bytes at one node.
 
     The graph's own parameters and gradients are full-size; ZeRO shards what the rank keeps.
@@ -275,7 +333,8 @@ def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, 
     step = dict(graph_live)
     step[PARAMETERS] = shard(costs.param_bytes, 3)
     step[GRADIENTS] = shard(step.get(GRADIENTS, 0), 2)
-    step[OPTIMIZER_STATES] = shard(opt_factors(config)[0] * costs.trainable_bytes, 1)
+    states = shard(opt_factors(config)[0] * costs.trainable_bytes, 1)
+    step[OPTIMIZER_STATES] = resident_optimizer_states(config, states, offloaded)
     comm = 0.0
     if dp > 1:
         comm = 2 * config.bucket_mb * 2**20 if z < 3 else 2 * costs.largest_param  # double-buffered buckets / prefetch
@@ -395,7 +454,7 @@ def plan_model(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, d
     """Trace (on fake tensors) and plan `model`'s training step for `config` on `devices`."""
     costs, passes, notes = trace_costs(model, args, kwargs, config=config, devices=devices, loss_fn=loss_fn)
     return finish_plan(costs, model_name=type(model).__name__, config=config, devices=devices,
-                       passes=passes, notes=notes)
+                       passes=passes, notes=notes, tp=config.tensor)
 
 
 __all__ = ["GraphCosts", "costs_reader", "finish_plan", "optimizer_temporaries", "step_phase_series", "grad_scale", "graph_costs", "opt_factors", "plan_model",

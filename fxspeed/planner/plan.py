@@ -45,6 +45,12 @@ class Plan:
     # peak memory; the simulated bubble (planner/pipeline.py)
     pipeline: dict[str, Any] = field(default_factory=dict)
     mesh: str = ""  # the rank layout over the dp x pp x tp mesh, one line per rank (layout_text)
+    # tensor parallel: every parameter's placement over the tp ranks ("R", "S(0)", "S(1,blocks=3)")
+    # and the tp collectives' bytes per step (fxspeed/planner/placement.py)
+    tp_placements: dict[str, str] = field(default_factory=dict)
+    tp_communication: dict[str, int] = field(default_factory=dict)
+    # bytes per rank kept off the device, by where ("disk": Config.offload="optimizer" in files)
+    offloaded: dict[str, int] = field(default_factory=dict)
 
     # --- queries ---------------------------------------------------------------------------
     def memory(self, rank: int = 0) -> dict[str, int]:
@@ -108,6 +114,8 @@ class Plan:
         if self.zero_formula:
             k = "K=12, 2-byte params/grads" if self.strategy["precision"] != "fp32" else "fp32 Adam: 4+4+8 bytes"
             lines.append(f"  {'ZeRO paper model states':<26}{gb(self.zero_formula[0])}   ({k})")
+        for where, b in self.offloaded.items():
+            lines.append(f"  {'off the device: ' + where:<26}{gb(b)}   (optimizer states; read and written every step)")
         if self.dtypes:
             lines.append("  dtypes: " + "; ".join(f"{c} {d}" for c, d in self.dtypes.items()))
         if self.communication:
@@ -148,6 +156,11 @@ class Plan:
             lines += ["", "symbolic (fitted over dynamic dims " + ", ".join(f"{k}∈{v}" for k, v in self.dynamic.items()) + "):"]
             for k, v in self.symbolic.items():
                 lines.append(f"  {k} = {v}")
+        if self.tp_placements:
+            lines += ["", "tensor parallel placements (R replicated, S(d) sharded on dim d; chosen by the planner):"]
+            lines += [f"  {n:<48}{p}" for n, p in self.tp_placements.items()]
+            lines.append("  tp collectives per step: " + ", ".join(f"{k} {v / 1e6:.3f} MB"
+                                                                  for k, v in self.tp_communication.items()))
         if self.passes:
             lines += ["", f"{'pass':<24}{'ms':>9}{'nodes':>16}"]
             for p in self.passes:

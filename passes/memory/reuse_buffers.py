@@ -19,7 +19,8 @@ previous occupant (views, waits, the in-place collective's result) is dead and a
 still reading or writing it has been waited for. A workspace is a graph value, so the
 generated code frees it after its last occupant, as it freed the buckets before.
 
-Only 1-D `cat`s, `constant_pad_nd`s and `all_gather_into_tensor`s of at least `min_bytes`
+Only 1-D `cat`s, `constant_pad_nd`s, `all_gather_into_tensor`s and `fxspeed.exchange_gather`s
+(runtime/kernels/collectives.py) of at least `min_bytes`
 whose value never reaches the graph's outputs are rewritten (a bucket the runtime keeps, as under ZeRO-1, needs its own
 memory). Does nothing on one device. Options read from ctx.options: world_size, reuse_min_bytes
 (default 0: every such buffer).
@@ -35,13 +36,15 @@ import torch.fx as fx
 
 from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
 from fxspeed.compiler.rewrite import call
+from fxspeed.runtime.kernels.collectives import EXCHANGE_OPS, exchange_gather, exchange_gather_out
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 # Allocating op -> its variant writing into `out` (zero padding is written by _pad_into instead).
 _OUT_VARIANTS = {aten.cat.default: aten.cat.out,
-                 c10d.all_gather_into_tensor.default: c10d.all_gather_into_tensor_out.default}
+                 c10d.all_gather_into_tensor.default: c10d.all_gather_into_tensor_out.default,
+                 exchange_gather: exchange_gather_out}
 _REWRITTEN = {*_OUT_VARIANTS, aten.constant_pad_nd.default}
 _WAIT = c10d.wait_tensor.default
 
@@ -125,7 +128,8 @@ def _last_use(n: fx.Node, order: dict[fx.Node, int]) -> int | None:
 
 
 def _is_collective(u: fx.Node) -> bool:
-    return getattr(u.target, "namespace", None) == "_c10d_functional" and u.target is not _WAIT
+    """An asynchronous collective: functional ones and runtime/kernels/collectives' exchanges."""
+    return (getattr(u.target, "namespace", None) == "_c10d_functional" and u.target is not _WAIT) or u.target in EXCHANGE_OPS
 
 
 def _aliases(u: fx.Node) -> bool:

@@ -18,6 +18,17 @@ fresh flat buffer in place and keep a copy of this rank's slice right after the 
     after:   b0 = all_reduce_(flat0)    ...               w0 = clone(slice(wait(b0), rank*s, (rank+1)*s))
 
 Memory is the same: the full flat buffer lives until the wait either way.
+
+With `scatter_via_exchange` (the engine sets it on gloo, where it takes precedence) ZeRO-2/3
+reduce-scatter with point-to-point transfers (runtime/kernels/collectives.py): each rank
+sends every peer that peer's chunk of the flat bucket and adds what it receives to its own
+chunk after the wait, half an all-reduce's bytes:
+
+    before:  b0 = all_reduce_(flat0)                 ...  w0 = clone(slice(wait(b0), rank*s, (rank+1)*s))
+    after:   b0 = fxspeed.exchange_scatter(flat0)    ...  w0 = add_(wait(b0), slice(flat0, rank*s, (rank+1)*s))
+
+(with more than 2 ranks the received (N-1) chunks are summed first, into a new shard). ZeRO-1
+keeps its all-reduce: it holds the full reduced gradients by definition (see the decision).
 why: docs/decisions/zero-scatter-via-all-reduce-on-gloo.md
 
 With `reuse_grad_buckets` (ZeRO-0, which keeps every reduced bucket until the optimizer step
@@ -37,7 +48,7 @@ backward with 1/N (fxspeed.compiler.rewrite.scale_backward_seed), so no extra pa
 gradients is needed. The layout goes to `signature.buckets`; outputs become "grad_bucket" entries.
 
 Options read from ctx.options: world_size, rank, zero, group_name, bucket_bytes, scatter_via_all_reduce,
-reuse_grad_buckets, reduce_dtype
+scatter_via_exchange, reuse_grad_buckets, reduce_dtype
 ("fp32" default: gradients are reduced in their own dtype; "bf16"/"fp16" halve the bytes).
 """
 
@@ -49,6 +60,7 @@ import torch.fx as fx
 from fxspeed.ir import Bucket, IOSpec, dtype_name
 from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
 from fxspeed.compiler.rewrite import call, output_node, scale_backward_seed
+from fxspeed.runtime.kernels.collectives import exchange_scatter
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -66,7 +78,10 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     group = opts.dp_group("reduce_gradients")
     limit = opts.bucket_bytes
     reduce_dtype = REDUCE_DTYPES[opts.reduce_dtype]
-    via_all_reduce = zero >= 2 and opts.scatter_via_all_reduce
+    # ZeRO-1 keeps all-reducing: its layout holds the full reduced gradients (the ZeRO paper's
+    # P_os, what the planner counts); a reduce-scatter would give it ZeRO-2's gradient memory.
+    via_exchange = zero >= 2 and opts.scatter_via_exchange
+    via_all_reduce = zero >= 2 and opts.scatter_via_all_reduce and not via_exchange
     rank = opts.rank
     sig = ctx.signature
     out = output_node(gm)
@@ -132,7 +147,7 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 coll = call(g, c10d.all_reduce_.default, (flat, "sum", group))
             else:
                 coll = _flatten_and_reduce(g, pieces, scale, reduce_dtype, zero >= 2 and not via_all_reduce,
-                                           world, group)
+                                           world, group, via_exchange)
         pending = coll
     if pending is not None:
         with g.inserting_before(out):
@@ -145,6 +160,21 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 piece = call(g, aten.slice.Tensor, (w, 0, rank * s, (rank + 1) * s))
                 with g.inserting_after(piece):
                     waits[k] = call(g, aten.clone.default, (piece,))
+    if via_exchange:
+        # Add the peers' chunks to this rank's own into a shard-size tensor, so the flat bucket dies here.
+        for k, w in enumerate(waits):
+            s = buckets[k].shard_size(world)
+            flat = w.args[0].args[0]  # wait(exchange_scatter(flat, ...))
+            with g.inserting_before(w.next):  # keeps the new nodes in creation order
+                mine = call(g, aten.slice.Tensor, (flat, 0, rank * s, (rank + 1) * s))
+                if world == 2:
+                    # Into the received chunk, which nothing else reads: no new shard-size
+                    # buffer. a + b == b + a, so it still equals the collective's sum.
+                    waits[k] = call(g, aten.add_.Tensor, (w, mine))
+                else:
+                    theirs = call(g, aten.view.default, (w, [world - 1, s]))
+                    theirs = call(g, aten.sum.dim_IntList, (theirs, [0]))
+                    waits[k] = call(g, aten.add.Tensor, (mine, theirs))
     if reduce_dtype is not None:
         # Gradients reach the optimizer in their own dtype (fp32 master gradients).
         for k, w in enumerate(waits):
@@ -162,13 +192,16 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
 
 def _flatten_and_reduce(g: fx.Graph, pieces: list[fx.Node], scale: float, reduce_dtype: torch.dtype | None,
-                        scatter: bool, world: int, group: str) -> fx.Node:
-    """The collective over a new flat tensor of `pieces` (scaled and cast as asked)."""
+                        scatter: bool, world: int, group: str, exchange: bool = False) -> fx.Node:
+    """The collective over a new flat tensor of `pieces` (scaled and cast as asked); with
+    `exchange`, the point-to-point half of a reduce-scatter (the caller adds the chunks)."""
     flat = call(g, aten.cat.default, (pieces,)) if len(pieces) > 1 else pieces[0]
     if scale != 1.0:
         flat = call(g, aten.mul.Tensor, (flat, scale))
     if reduce_dtype is not None and reduce_dtype != flat.meta["val"].dtype:
         flat = call(g, aten._to_copy.default, (flat,), {"dtype": reduce_dtype})
+    if exchange:
+        return call(g, exchange_scatter, (flat, world, group))
     if scatter:
         return call(g, c10d.reduce_scatter_tensor.default, (flat, "sum", world, group))
     if len(pieces) > 1 or scale != 1.0:

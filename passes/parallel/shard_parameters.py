@@ -24,13 +24,21 @@ rank's shard in a zero-filled full-size buffer and all-reducing it in place (x +
     after:   a0 = all_reduce_(constant_pad_nd(shard0, [rank*s, (N-rank-1)*s]))
 
 The padded buffer is a flat value that reuse_buffers then places in a reused workspace.
+
+With `gather_via_exchange` (the engine sets it on gloo, where it takes precedence) the gather
+is point-to-point (runtime/kernels/collectives.py): each rank sends its shard to every peer
+and receives theirs into their slots, half the all-reduce's bytes:
+
+    before:  a0 = all_reduce_(constant_pad_nd(shard0, [rank*s, (N-rank-1)*s]))
+    after:   a0 = fxspeed.exchange_gather(shard0, N, group)   # reuse_buffers: exchange_gather_out
 why: docs/decisions/zero-gather-via-all-reduce-on-gloo.md
 
 A bucket whose readers in one phase are far apart (two or more other buckets read in between)
 is gathered once per cluster of readers, not once per phase (see _clusters).
 why: docs/decisions/zero3-regather-distant-readers.md
 
-Options read from ctx.options: world_size, rank, group_name, precision, gather_via_all_reduce.
+Options read from ctx.options: world_size, rank, group_name, precision, gather_via_all_reduce,
+gather_via_exchange.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
 from fxspeed.compiler.rewrite import call, cast_only_dtype
 
 from fxspeed.passes.graph.insert_casts import LOW_DTYPES
+from fxspeed.runtime.kernels.collectives import exchange_gather
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -66,7 +75,8 @@ def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if world == 1 or ctx.options.zero < 3:
         return PassResult(gm, modified=False)
     group = ctx.options.dp_group("shard_parameters")
-    via_all_reduce = ctx.options.gather_via_all_reduce
+    via_exchange = ctx.options.gather_via_exchange
+    via_all_reduce = ctx.options.gather_via_all_reduce and not via_exchange
     rank = ctx.options.rank
     sig = ctx.signature
     g = gm.graph
@@ -110,7 +120,9 @@ def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 src = shards[k]
                 if low is not None:
                     src = call(g, aten._to_copy.default, (src,), {"dtype": low})
-                if via_all_reduce:
+                if via_exchange:
+                    gathered = call(g, exchange_gather, (src, world, group))
+                elif via_all_reduce:
                     s = b.shard_size(world)
                     placed = call(g, aten.constant_pad_nd.default, (src, [rank * s, (world - rank - 1) * s], 0.0))
                     gathered = call(g, c10d.all_reduce_.default, (placed, "sum", group))
