@@ -254,20 +254,15 @@ def _chunks(tensors: list[torch.Tensor], chunk_bytes: int) -> list[_Chunk]:
     is a chunk alone)."""
     chunks: list[_Chunk] = []
     group: list[torch.Tensor] = []
-
-    def close_group() -> None:
-        if not group:
-            return
-        offsets, total = [], 0
-        for p in group:
-            offsets.append(total)
-            total += p.numel()
-        chunks.append(_Chunk(tuple(group), tuple(offsets), total, 0))
-        group.clear()
-
+    offsets: list[int] = []
+    total = 0
     for p in tensors:
-        if group and 8 * (sum(q.numel() for q in group) + p.numel()) > chunk_bytes:
-            close_group()
+        if group and 8 * (total + p.numel()) > chunk_bytes:
+            chunks.append(_Chunk(tuple(group), tuple(offsets), total, 0))
+            group, offsets, total = [], [], 0
         group.append(p)
-    close_group()
+        offsets.append(total)
+        total += p.numel()
+    if group:
+        chunks.append(_Chunk(tuple(group), tuple(offsets), total, 0))
     return chunks
