@@ -24,6 +24,8 @@ from fxspeed.errors import ConfigError
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 PRECISIONS = ("fp32", "bf16", "fp16")
+# "auto": the gradients' own dtype (the working precision under master weights, else fp32)
+REDUCE_DTYPES = ("auto", "fp32", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "linear", "cosine", "manual")  # manual: the user sets the lr
 NAN_CHECKS = ("off", "skip", "raise")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
@@ -46,7 +48,7 @@ _OFFLOAD_NOT_YET = ("parameters", "activations", "all")
 # The accepted values of the fields that take one of a few (named in type errors too).
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "optimizer": OPTIMIZERS, "precision": PRECISIONS, "lr_schedule": LR_SCHEDULES, "schedule": SCHEDULES,
-    "offload": OFFLOADS, "offload_device": OFFLOAD_DEVICES, "zero": (0, 1, 2, 3), "reduce_dtype": ("fp32", "bf16", "fp16"),
+    "offload": OFFLOADS, "offload_device": OFFLOAD_DEVICES, "zero": (0, 1, 2, 3), "reduce_dtype": REDUCE_DTYPES,
     "layer_extrapolation": LAYER_EXTRAPOLATION, "nan_check": NAN_CHECKS,
 }
 # Name-list fields where a single string is one name (a 1-tuple), never split into characters.
@@ -115,7 +117,10 @@ class Config:
     # the optimizer states as it takes to fit (plan.offloaded); None offloads all of them.
     memory_budget_gb: float | None = None
     fp32_modules: tuple[str, ...] = ()  # module paths (prefixes) kept in fp32 under bf16/fp16
-    reduce_dtype: str = "fp32"  # dtype gradients are reduced in across ranks
+    # dtype gradients are reduced (and, under master weights, held) in across ranks. "auto": their own
+    # dtype, which is the working precision (bf16/fp16) where ZeRO-1/2/3 keep the fp32 master in
+    # the partition (the ZeRO paper's layout), fp32 otherwise; "fp32" keeps fp32 gradients there too.
+    reduce_dtype: str = "auto"
     loss_scale: float | None = None  # fp16: initial dynamic loss scale (default 2**16)
     loss_scale_window: int = 1000  # fp16: grow the scale after this many steps without overflow
     loss_scale_backoff: float = 0.5  # fp16: multiply the scale by this on overflow
@@ -175,7 +180,7 @@ class Config:
         _positive("weight_decay", self.weight_decay, allow_zero=True)
         _positive("momentum", self.momentum, allow_zero=True)
         _positive("bucket_mb", self.bucket_mb)
-        _choice("reduce_dtype", self.reduce_dtype, ("fp32", "bf16", "fp16"))
+        _choice("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
         if self.loss_scale is not None:
             _positive("loss_scale", self.loss_scale)
         _positive_int("loss_scale_window", self.loss_scale_window)

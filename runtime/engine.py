@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -233,7 +234,9 @@ class Engine:
         elif train and self._flat is not None and _layout(cap.signature.buckets) != _layout(self._flat.buckets):
             raise FxspeedError("a new batch shape produced a different gradient bucket layout; please report this "
                                "with the model and shapes")
-        ex = StepExecutor(Program(cap.gm, cap.signature, train=train, out_spec=cap.out_spec), self._bind)
+        working = cap.signature.working_dtype is not None
+        ex = StepExecutor(Program(cap.gm, cap.signature, train=train, out_spec=cap.out_spec),
+                          functools.partial(self._bind, working=working))
         self._executors[key] = ex
         self._count_compile()
         return ex
@@ -246,12 +249,17 @@ class Engine:
                 # Deferred post-step gathers get their own group (same ranks): on the main one the
                 # next step's batch-signature check and loss mean would queue behind all of them.
                 gather_group = self.mesh.new_group(self.mesh.ranks("dp"))
+            work_dtype = getattr(torch, sig.working_dtype) if sig.working_dtype else None
             self._flat = FlatParameters(canonical, sig.buckets, rank=self.dp_rank, world=self.dp_size,
-                                        zero=self.config.zero, group=self.mesh.group("dp"), gather_group=gather_group)
+                                        zero=self.config.zero, group=self.mesh.group("dp"), gather_group=gather_group,
+                                        work_dtype=work_dtype)
             tensors = self._flat.optimizer_tensors()
             self._counted_buckets = list(range(len(sig.buckets)))
-            if self.config.zero >= 3:
-                self._guard_released_module(list(canonical.values()), "sharded across the data-parallel ranks (ZeRO-3)",
+            if self._flat.released:
+                where = ("sharded across the data-parallel ranks (ZeRO-3)" if not self._flat.master else
+                         f"as {sig.working_dtype} working copies and fp32 master shards across the data-parallel "
+                         f"ranks (ZeRO-{self.config.zero} under {self.config.precision})")
+                self._guard_released_module(list(canonical.values()), where,
                                             " or wrap the call in `with engine.gathered():` (on every rank)")
         else:
             tensors = [p for p in self._unique if p.requires_grad]
@@ -484,13 +492,20 @@ class Engine:
                                    f"but its Parameter holds the tensor-parallel slice {want or 'whole'}; please "
                                    "report this with the model and shapes")
 
-    def _bind(self, spec: IOSpec) -> Any:
+    def _bind(self, spec: IOSpec, working: bool = False) -> Any:
+        """The tensor behind a program input. `working`: the program reads low-precision working
+        copies of the trainable weights (master weights), not the Parameters."""
         if spec.kind in ("param", "param_tp"):
-            return self._params[spec.target]
+            p = self._params[spec.target]
+            if working and self._flat is not None:
+                w = self._flat.working(self._canonical[id(p)])
+                if w is not None:
+                    return w
+            return p
         if spec.kind == "buffer":
             return self._buffers[spec.target]
         if spec.kind == "param_shard" and self._flat is not None:
-            return self._flat.shards[int(spec.target)]
+            return self._flat.work_shards[int(spec.target)]
         if spec.kind == "grad_buffer" and self._flat is not None:
             return self._flat.grad_buffer(int(spec.target))
         if spec.kind == "loss_scale":
@@ -969,7 +984,7 @@ class Engine:
         self.synchronize()
         held = self._owned if self.pipelined else self._unique
         out: dict[str, torch.Tensor] = {}
-        if self._flat is not None and self.config.zero >= 3:
+        if self._flat is not None and self._flat.released:
             full = self._flat.full_state()
             for p in held:
                 name = self._canonical[id(p)]
@@ -992,7 +1007,7 @@ class Engine:
         name), loadable into the plain model with `load_state_dict(strict=True)`, on every rank.
         A collective under ZeRO-3 and pipelines (call it on every rank). Without them, as with
         nn.Module.state_dict(), the tensors alias the live weights: clone them to keep a snapshot."""
-        if self.pipelined or self.config.zero >= 3 or self._tp:
+        if self.pipelined or self.config.zero >= 3 or self._tp or (self._flat is not None and self._flat.released):
             self._expect_all_ranks("engine.state_dict()")
         local = self._local_state()
         if self.pipelined and self.dist.active:

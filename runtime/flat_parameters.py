@@ -13,6 +13,20 @@ or sharded per rank, and the tensors the optimizer steps for each ZeRO stage.
 For zero 0-2 the model's Parameters are re-pointed into the flat buckets, so the user's
 module (and its state_dict) always shows the current weights. Under zero 3 they are emptied
 and `full_state()` gathers them on request.
+
+Master weights (`work_dtype`, ZeRO-1/2/3 under bf16/fp16; the program's parameters are
+low-precision working copies, see passes/graph/keep_weights_low.py): the ZeRO paper's layout.
+
+    shards[k]       fp32 master of this rank's partition of bucket k: what the optimizer steps
+    full[k]         the working copy of the whole bucket (zero 1/2; None under zero 3), which
+                    the program reads and the post-step gathers fill
+    work_shards[k]  this rank's slot of full[k] (zero 1/2) or its own working shard (zero 3)
+
+A step: reduced low-precision gradient shard -> fp32 .grad of the master -> optimizer -> master
+copied (rounded) into the working shard -> working shards gathered (half the bytes of fp32).
+Full fp32 weights exist nowhere between steps, so the module's Parameters are emptied (as under
+zero 3) and `gathered()` / `full_state()` gather the masters.
+why: docs/decisions/master-weights-in-the-partition.md
 """
 
 from __future__ import annotations
@@ -31,9 +45,12 @@ from fxspeed.runtime.kernels.collectives import exchange_gather_out
 
 class FlatParameters:
     def __init__(self, params: dict[str, nn.Parameter], buckets: list[Bucket], *, rank: int, world: int,
-                 zero: int, group: dist.ProcessGroup | None, gather_group: dist.ProcessGroup | None = None):
+                 zero: int, group: dist.ProcessGroup | None, gather_group: dist.ProcessGroup | None = None,
+                 work_dtype: torch.dtype | None = None):
         """`gather_group` (same ranks as `group`) carries deferred post-step gathers, so the next
-        step's small collectives on `group` do not queue behind them; without it none are deferred."""
+        step's small collectives on `group` do not queue behind them; without it none are deferred.
+        `work_dtype`: the program reads working copies in this dtype and the shards are fp32
+        masters (zero >= 1)."""
         self.params = params  # canonical name -> Parameter (tied aliases resolved by the caller)
         self.buckets = buckets
         self.rank, self.world, self.zero, self.group = rank, world, zero, group
@@ -46,13 +63,28 @@ class FlatParameters:
         self.grad_buffers: dict[int, torch.Tensor] = {}  # persistent reduced-gradient buckets
         self.full: list[torch.Tensor | None] = []
         self.shards: list[torch.Tensor] = []
+        self.master = work_dtype is not None and zero >= 1
+        # The module's Parameters hold nothing between steps (zero 3, master weights).
+        self.released = zero >= 3 or self.master
+        self.work_shards: list[torch.Tensor] = self.shards if not self.master else []
+        self._working: dict[str, torch.Tensor] = {}  # canonical name -> view into a working bucket
         # One bucket at a time: each Parameter is re-pointed (or released) as soon as its bucket
         # is built, so building the layout never holds a second copy of the model.
         with torch.no_grad():
             for b in buckets:
                 flat = self._flatten(b)
                 lo, hi = self._range(b)
-                if zero >= 3:
+                if self.master:
+                    self.shards.append(flat[lo:hi].clone())
+                    work = flat.to(work_dtype) if zero < 3 else None
+                    self.full.append(work)
+                    self.work_shards.append(work[lo:hi] if work is not None else flat[lo:hi].to(work_dtype))
+                    if work is not None:
+                        for name, shape, off in zip(b.names, b.shapes, b.offsets):
+                            self._working[name] = work[off:off + _numel(shape)].view(shape)
+                    del flat
+                    self._release(b)
+                elif zero >= 3:
                     self.full.append(None)
                     self.shards.append(flat[lo:hi].clone())
                     self._release(b)
@@ -126,9 +158,10 @@ class FlatParameters:
                     self.params[name].grad = t[off:off + _numel(shape)].view(shape)
             elif t.numel() == b.padded and self.world > 1:
                 lo, hi = self._range(b)
-                self.shards[k].grad = t[lo:hi].clone()  # keep only our shard; the full bucket dies
+                # keep only our shard (in the master's dtype); the full bucket dies
+                self.shards[k].grad = t[lo:hi].to(self.shards[k].dtype, copy=True)
             else:
-                self.shards[k].grad = t
+                self.shards[k].grad = t.to(self.shards[k].dtype)  # a working-precision shard -> fp32
             del t
 
     def clear_grads(self) -> None:
@@ -149,13 +182,16 @@ class FlatParameters:
         `wait_tensor` on any of its Parameters finds it. Until then the full buckets hold other
         ranks' old values: call wait_gathers() before reading them.
         why: docs/decisions/defer-parameter-gathers.md"""
+        if self.master:
+            with torch.no_grad():  # the rounded new weights: what the next step computes with
+                torch._foreach_copy_(self.work_shards, self.shards)
         if self.zero not in (1, 2):
             return
         if defer and self.gather_group is not None:
             name = self.gather_group.group_name
             gather = exchange_gather_out if self.exchange else _c10d.all_gather_into_tensor_out
             for k in range(len(self.buckets)):
-                gather(self.shards[k], self.world, name, out=self.full[k])
+                gather(self.work_shards[k], self.world, name, out=self.full[k])
             self.in_flight = True
             return
         if self.exchange:
@@ -163,7 +199,7 @@ class FlatParameters:
             # receives fill the other slots, so every bucket can be in flight at once.
             name = self.group.group_name
             for k in range(len(self.buckets)):
-                exchange_gather_out(self.shards[k], self.world, name, out=self.full[k])
+                exchange_gather_out(self.work_shards[k], self.world, name, out=self.full[k])
             for f in self.full:
                 _c10d.wait_tensor(f)
             return
@@ -172,7 +208,7 @@ class FlatParameters:
         # of the model.
         pending = None
         for k in range(len(self.buckets)):
-            work = _all_gather(self.full[k], self.shards[k].clone(), group=self.group, async_op=True)
+            work = _all_gather(self.full[k], self.work_shards[k].clone(), group=self.group, async_op=True)
             if pending is not None:
                 pending.wait()
             pending = work
@@ -190,8 +226,9 @@ class FlatParameters:
     # --- state -------------------------------------------------------------------------------
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
-        """ZeRO-3: temporarily materialize full parameters (for retracing or exporting)."""
-        if self.zero < 3:
+        """ZeRO-3 and master weights: temporarily materialize full fp32 parameters (for retracing,
+        eval or exporting)."""
+        if not self.released:
             yield
             return
         for b, flat in zip(self.buckets, self.gather_full()):
@@ -203,7 +240,8 @@ class FlatParameters:
                 self._release(b)
 
     def gather_full(self) -> list[torch.Tensor]:
-        if self.zero < 3:
+        """Every bucket's full fp32 weights (gathered masters or zero-3 shards: collective)."""
+        if not self.released:
             return [f for f in self.full]  # type: ignore[misc]
         out = []
         for k, b in enumerate(self.buckets):
@@ -221,6 +259,11 @@ class FlatParameters:
                 state[name] = flat[off:off + _numel(shape)].view(shape).clone()
         return state
 
+    def working(self, name: str) -> torch.Tensor | None:
+        """The working copy of parameter `name` (a view into its working bucket) that a program
+        with master weights reads; None when there is none (zero 3, frozen, not master)."""
+        return self._working.get(name)
+
     def owns(self, name: str) -> bool:
         return any(name in b.names for b in self.buckets)
 
@@ -233,6 +276,8 @@ class FlatParameters:
                 self.shards[k].copy_(flat[lo:hi])
                 if self.full[k] is not None:
                     self.full[k].copy_(flat)
+                elif self.master:
+                    self.work_shards[k].copy_(flat[lo:hi])
 
     def shard_state(self) -> list[torch.Tensor]:
         return [s.detach().clone() for s in self.shards]

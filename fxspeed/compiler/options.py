@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from fxspeed.config import DEFAULT_BUCKET_MB, PRECISIONS, SCHEDULES, Config
+from fxspeed.config import DEFAULT_BUCKET_MB, PRECISIONS, REDUCE_DTYPES, SCHEDULES, Config
 from fxspeed.errors import ConfigError
 
 MIB = 2**20
@@ -34,7 +34,11 @@ class PassOptions:
     # numerics (insert_casts, scale_loss, reduce_gradients, shard_parameters)
     precision: str = "fp32"                  # "fp32" | "bf16" | "fp16"
     fp32_modules: tuple[str, ...] = ()       # module path prefixes kept in fp32 under bf16/fp16
-    reduce_dtype: str = "fp32"               # dtype gradients are reduced in across ranks
+    reduce_dtype: str = "auto"               # dtype gradients are reduced in across ranks ("auto": their own)
+    # keep_weights_low: trainable parameters enter the training program as low-precision working
+    # copies and leave gradients in the working (or reduce_dtype) precision; the fp32 master lives
+    # with the optimizer in this rank's partition (ZeRO-1/2/3 joint programs under bf16/fp16)
+    master_weights: bool = False
     # data parallelism: this rank's replica group (reduce_gradients, wait_parameter_gathers,
     # shard_parameters, reuse_buffers do nothing when world_size is 1)
     world_size: int = 1                      # the data-parallel degree
@@ -81,7 +85,7 @@ class PassOptions:
                 raise ConfigError(f"PassOptions.{name}={value!r} is invalid; give a sequence")
             object.__setattr__(self, name, tuple(value))
         _one_of("precision", self.precision, PRECISIONS)
-        _one_of("reduce_dtype", self.reduce_dtype, PRECISIONS)
+        _one_of("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
         _one_of("zero", self.zero, (0, 1, 2, 3))
         _one_of("schedule", self.schedule, SCHEDULES)
         for name in ("world_size", "pipeline", "microbatches", "pipeline_chunks", "bucket_bytes"):
@@ -106,7 +110,7 @@ class PassOptions:
         _one_of("chunk_cross_entropy", self.chunk_cross_entropy, ("auto", "always", "off"))
         _int("chunk_cross_entropy_min_bytes", self.chunk_cross_entropy_min_bytes, 0)
         for name in ("scatter_via_all_reduce", "gather_via_all_reduce", "scatter_via_exchange", "gather_via_exchange",
-                     "reuse_grad_buckets"):
+                     "reuse_grad_buckets", "master_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"PassOptions.{name}={getattr(self, name)!r} is invalid; give True or False")
         if not isinstance(self.group_name, str):
@@ -131,7 +135,7 @@ class PassOptions:
         base = dict(precision=config.precision, fp32_modules=tuple(config.fp32_modules),
                     reduce_dtype=config.reduce_dtype, bucket_bytes=bucket_bytes(config.bucket_mb),
                     **_pipeline_fields(config), positions=tuple(range(config.pipeline)),
-                    fuse_kernels=fuse_kernels_mode())
+                    fuse_kernels=fuse_kernels_mode(), master_weights=master_weights_wanted(config))
         return cls(**{**base, **overrides})
 
     @classmethod
@@ -156,7 +160,7 @@ class PassOptions:
         micro-batch graph is compiled with before it is cut into stages."""
         return dataclasses.replace(self, world_size=1, rank=0, zero=0, group_name="", scatter_via_all_reduce=False,
                                    gather_via_all_reduce=False, scatter_via_exchange=False,
-                                   gather_via_exchange=False, reuse_grad_buckets=False)
+                                   gather_via_exchange=False, reuse_grad_buckets=False, master_weights=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -184,7 +188,17 @@ def derive_options(config: Config, mesh: Any) -> PassOptions:
         **_pipeline_fields(config), positions=(coords.get("pp", 0),),
         tp_size=getattr(mesh, "tp", 1), tp_rank=coords.get("tp", 0),
         tp_group_name=mesh.group_name("tp") if getattr(mesh, "tp", 1) > 1 else "",
-        fuse_kernels=fuse_kernels_mode())
+        fuse_kernels=fuse_kernels_mode(), master_weights=master_weights_wanted(config) and mesh.dp > 1)
+
+
+def master_weights_wanted(config: Config) -> bool:
+    """The ZeRO paper's mixed-precision layout (low-precision working parameters and gradients, fp32
+    master + optimizer states in the partition) where it is built: bf16/fp16 with ZeRO-1/2/3 over
+    data-parallel ranks, without a pipeline or tensor parallelism (those keep fp32 parameters and
+    cast them per step). ZeRO-0 keeps fp32 parameters too: its partition is the whole model, so the
+    fp32 weights are the master, and the bytes are the paper's 16 per parameter either way.
+    why: docs/decisions/master-weights-in-the-partition.md"""
+    return config.precision != "fp32" and config.zero >= 1 and config.pipeline == 1 and config.tensor == 1
 
 
 FUSE_MODES = ("cuda", "always", "off")

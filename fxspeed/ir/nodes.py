@@ -116,6 +116,11 @@ class StepSignature:
     # read as `blocks` equal blocks, each split into tp_size contiguous pieces; tp rank t holds
     # piece t of every block (blocks > 1: a fused QKV weight split by heads).
     tp_layout: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Set by keep_weights_low: trainable parameters enter the program in this dtype (low-precision
+    # working copies) and their gradients leave it in `grad_dtype`; the fp32 master weights live
+    # with the optimizer. None: parameters enter as they are (fp32 masters cast inside the graph).
+    working_dtype: str | None = None
+    grad_dtype: str | None = None
 
     def is_alias(self, name: str) -> bool:
         return name in self.tied
@@ -130,7 +135,8 @@ class StepSignature:
         return {"inputs": [s.__dict__ for s in self.inputs], "outputs": [s.__dict__ for s in self.outputs],
                 "tied": dict(self.tied), "buckets": [b.to_dict() for b in self.buckets],
                 "waits_for_parameters": self.waits_for_parameters,
-                "tp_layout": {k: list(v) for k, v in self.tp_layout.items()}}
+                "tp_layout": {k: list(v) for k, v in self.tp_layout.items()},
+                "working_dtype": self.working_dtype, "grad_dtype": self.grad_dtype}
 
 
 def info(node: fx.Node) -> NodeInfo:

@@ -120,6 +120,15 @@ class GraphCosts:
     flops: dict[str, float]  # forward, backward
     times: dict[str, float]  # forward, backward (seconds on the plan's device)
     timeline: dict[str, list[Any]] = field(default_factory=dict)
+    # Master weights (the program reads low-precision working copies, keep_weights_low): bytes of
+    # the fp32 masters of the trainable parameters, which the optimizer steps (0 otherwise)
+    master_bytes: float = 0.0
+    grad_bytes: float = 0.0  # the trainable parameters' gradients, as the program leaves them
+
+    @property
+    def state_basis(self) -> float:
+        """Bytes of the tensors the optimizer steps (its states are the same size per state)."""
+        return self.master_bytes or self.trainable_bytes
 
     def extrapolate(self, two: "GraphCosts", layers: int) -> "GraphCosts":
         """`self` traced with 1 block, `two` with 2: costs with `layers` blocks, linear in the
@@ -137,7 +146,9 @@ class GraphCosts:
                           largest_param=two.largest_param, largest_trainable=two.largest_trainable,
                           n_params=lin(self.n_params, two.n_params),
                           n_trainable=lin(self.n_trainable, two.n_trainable), flops=lin_d(self.flops, two.flops),
-                          times=lin_d(self.times, two.times), timeline=two.timeline)
+                          times=lin_d(self.times, two.times), timeline=two.timeline,
+                          master_bytes=lin(self.master_bytes, two.master_bytes),
+                          grad_bytes=lin(self.grad_bytes, two.grad_bytes))
 
 
 def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec,
@@ -149,6 +160,10 @@ def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec
     params = {s.target: tensor_bytes(ph.meta.get("val")) for s, ph in owned}
     numel = {s.target: ph.meta["val"].numel() for s, ph in owned}
     trainable = {s.target for s in signature.outputs if s.kind == "grad" and s.target in params}
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    grad_bytes = sum(tensor_bytes(o.meta.get("val")) for o, s in zip(out_node.args[0], signature.outputs)
+                     if s.kind == "grad" and s.target in trainable and isinstance(o, fx.Node))
+    master = 4.0 * sum(numel[n] for n in trainable) if signature.working_dtype else 0.0
 
     tl = memory_timeline(gm, grad_scale)
     by_role = estimate_times(gm, device)
@@ -165,6 +180,7 @@ def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec
         flops={k: float(v) for k, v in flops.items()},
         times={"forward": by_role.get("forward", 0.0), "backward": by_role.get("backward", 0.0)},
         timeline={"names": tl.names, "roles": tl.roles, "bytes": tl.totals, "gradients": tl.gradients},
+        master_bytes=master, grad_bytes=float(grad_bytes),
     )
 
 
@@ -185,7 +201,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     p_bytes, t_bytes = costs.param_bytes, costs.trainable_bytes
 
     shard = lambda b, stage: b / dp if z >= stage else b  # noqa: E731
-    states = shard(state_f * t_bytes, 1)
+    states = shard(state_f * costs.state_basis, 1)  # what offload may move (not the masters)
     peak_resident = max(sum(step_phase(costs.step, costs, config, dp, 0).values()),  # nothing offloaded
                         sum(_optimizer_phase(costs, config, devices, dp, 0).values()))
     moved, budget_note = choose_offload(config, states, peak_resident)
@@ -199,7 +215,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     peak, phase = (step_i, "step") if sum(step_i.values()) >= sum(opt_i.values()) else (opt_i, "optimizer")
 
     dev = devices[0]
-    t_opt = optimizer_time(shard(t_bytes, 1), config.optimizer, dev)
+    t_opt = optimizer_time(shard(costs.state_basis, 1), config.optimizer, dev)
     communication = communication_bytes(costs, config, dp)
     comm_bytes = sum(communication.values())
     t_comm = comm_bytes / dev.link_bandwidth if dp > 1 and dev.link_bandwidth else 0.0
@@ -214,6 +230,10 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
         formula = zero_paper_bytes(n_params, z, dp, k=12, bytes_per_param=2)
     timeline = dict(costs.timeline)
     timeline["resident"] = [int(step[OPTIMIZER_STATES] + comm)]
+    model_states = {PARAMETERS: int(round(shard(p_bytes, 3))),
+                    GRADIENTS: int(round(shard(costs.grad_bytes or t_bytes, 2))),
+                    OPTIMIZER_STATES: int(round(resident_optimizer_states(config, states, moved)
+                                                + shard(costs.master_bytes, 1)))}
     return Plan(
         model=model_name, n_params=n_params, n_trainable=int(round(costs.n_trainable)),
         config=config.to_dict(), devices=[d.to_dict() for d in devices],
@@ -223,7 +243,8 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
               "total": fwd + bwd + t_opt + t_comm},
         flops=flops, passes=passes, timeline=timeline,
         notes=list(notes or []), zero_formula=[int(formula)] * n,
-        phase_memory={"step": step_i, "optimizer": opt_i}, dtypes=category_dtypes(config),
+        phase_memory={"step": step_i, "optimizer": opt_i}, model_states=model_states,
+        dtypes=category_dtypes(config, master=costs.master_bytes > 0),
         communication={k: int(v) for k, v in communication.items()},
         mesh=layout_text(dp, pp, tp) if n > 1 else "", offloaded=offloaded,
     )
@@ -236,9 +257,11 @@ def _optimizer_phase(costs: GraphCosts, config: Config, devices: Sequence[Device
     z = config.zero
     shard = lambda b, stage: b / dp if z >= stage else b  # noqa: E731
     t_bytes = costs.trainable_bytes
-    states = shard(opt_factors(config)[0] * t_bytes, 1)
-    return {PARAMETERS: shard(costs.param_bytes, 3), GRADIENTS: shard(t_bytes, 2),
-            OPTIMIZER_STATES: resident_optimizer_states(config, states, offloaded),
+    states = shard(opt_factors(config)[0] * costs.state_basis, 1)
+    # Master weights: the reduced low-precision shards became fp32 gradients of the masters.
+    grads = shard(costs.master_bytes, 1) if costs.master_bytes else shard(t_bytes, 2)
+    return {PARAMETERS: shard(costs.param_bytes, 3), GRADIENTS: grads,
+            OPTIMIZER_STATES: resident_optimizer_states(config, states, offloaded) + shard(costs.master_bytes, 1),
             TEMPORARIES: optimizer_temporaries(config, devices[0], shard(t_bytes, 1), costs.largest_trainable),
             BUFFERS: costs.step.get(BUFFERS, 0), INPUTS: costs.step.get(INPUTS, 0)}
 
@@ -253,25 +276,40 @@ def communication_bytes(costs: GraphCosts, config: Config, dp: int) -> dict[str,
         return {}
     ring = (dp - 1) / dp
     elem = {"fp32": 4, "bf16": 2, "fp16": 2}
-    grads = costs.trainable_bytes / 4 * elem[config.reduce_dtype]
+    own = (costs.grad_bytes or costs.trainable_bytes) / max(costs.n_trainable, 1)  # bytes per gradient element
+    grads = costs.n_trainable * reduce_elem(config, own)
     out = {"gradient_reduction": (2 if config.zero < 2 else 1) * ring * grads}
     if config.zero in (1, 2):
-        out["parameter_all_gather"] = ring * costs.trainable_bytes
+        out["parameter_all_gather"] = ring * costs.trainable_bytes  # working copies under master weights
     if config.zero >= 3:
-        out["parameter_all_gather"] = 2 * ring * costs.param_bytes / 4 * elem[config.precision]
+        out["parameter_all_gather"] = 2 * ring * costs.n_params * elem[config.precision]
     return out
 
 
-def category_dtypes(config: Config) -> dict[str, str]:
+def reduce_elem(config: Config, own: float = 4) -> float:
+    """Bytes per gradient element on the wire: Config.reduce_dtype, or the gradients' own
+    (`own`) for "auto" and "fp32" (the program's gradients are fp32 unless master weights made
+    them low-precision; see passes/parallel/reduce_gradients.py)."""
+    return {"bf16": 2, "fp16": 2}.get(config.reduce_dtype, own)
+
+
+def category_dtypes(config: Config, master: bool = False) -> dict[str, str]:
     """The dtype each tensor category is held in under `config` (what insert_casts and the
-    runtime do: fp32 master weights, gradients and states; low-precision compute copies)."""
+    runtime do). Without master weights: fp32 weights (the master), gradients and states, and
+    low-precision compute copies made in the step; with them (`master`, keep_weights_low):
+    low-precision working weights and gradients, fp32 master + states in the partition."""
     if config.precision == "fp32":
         return {c: "float32" for c in ("parameters", "gradients", "optimizer_states", "activations")}
     low = {"bf16": "bfloat16", "fp16": "float16"}[config.precision]
-    reduce = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[config.reduce_dtype]
-    d = {"parameters": f"float32 master + {low} compute copies", "gradients": "float32",
+    names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+    grads = names.get(config.reduce_dtype, low) if master else "float32"
+    reduce = names.get(config.reduce_dtype, grads)
+    d = {"parameters": f"float32 master + {low} compute copies", "gradients": grads,
          "optimizer_states": "float32", "activations": f"{low} (matmul/attention operands), float32 elsewhere",
          "gradient_reduction": reduce}
+    if master:
+        d["parameters"] = f"{low} working copies (float32 master with the optimizer, in this rank's partition)"
+        d["optimizer_states"] = "float32 (master weights + the optimizer's states)"
     if config.zero >= 3:
         d["parameter_gathers"] = low
     if config.precision == "fp16":
@@ -333,8 +371,8 @@ def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, 
     step = dict(graph_live)
     step[PARAMETERS] = shard(costs.param_bytes, 3)
     step[GRADIENTS] = shard(step.get(GRADIENTS, 0), 2)
-    states = shard(opt_factors(config)[0] * costs.trainable_bytes, 1)
-    step[OPTIMIZER_STATES] = resident_optimizer_states(config, states, offloaded)
+    states = shard(opt_factors(config)[0] * costs.state_basis, 1)
+    step[OPTIMIZER_STATES] = resident_optimizer_states(config, states, offloaded) + shard(costs.master_bytes, 1)
     comm = 0.0
     if dp > 1:
         comm = 2 * config.bucket_mb * 2**20 if z < 3 else 2 * costs.largest_param  # double-buffered buckets / prefetch

@@ -51,6 +51,7 @@ from fxspeed.devices import DeviceSpec
 from fxspeed.ir import (ACTIVATIONS, BUFFERS, CATEGORIES, COMM_BUFFERS, GRADIENTS, INPUTS, OPTIMIZER_STATES,
                         PARAMETERS, TEMPORARIES, StageProgram, tensor_bytes)
 from fxspeed.ir.schedule import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Schedule
+from fxspeed.planner.estimate import reduce_elem
 from fxspeed.planner.memory import ProgramLiveness, program_liveness
 from fxspeed.planner.plan import Plan
 
@@ -424,13 +425,12 @@ def apply_pipeline(plan: Plan, report: dict[str, Any], world: int, pp: int) -> N
     busy, fwd = ranks[r]["busy_s"], min(ranks[r]["forward_s"], ranks[r]["busy_s"])
     t_opt = optimizer_time(ranks[r]["trainable_bytes"] / (dp if z >= 1 else 1), config.optimizer, device)
     ring = (dp - 1) / dp
-    elem = {"fp32": 4, "bf16": 2, "fp16": 2}
     communication = {"pipeline_p2p": int(ranks[0]["send_bytes"])}
     if dp > 1:
         communication["gradient_reduction"] = int((2 if z < 2 else 1) * ring * ranks[0]["trainable_bytes"] / 4
-                                                  * elem[config.reduce_dtype])
+                                                  * reduce_elem(config))
     plan.communication = communication
-    grads_r = ranks[r]["trainable_bytes"] / 4 * elem[config.reduce_dtype] * (2 if z < 2 else 1) * ring
+    grads_r = ranks[r]["trainable_bytes"] / 4 * reduce_elem(config) * (2 if z < 2 else 1) * ring
     t_comm = grads_r / device.link_bandwidth if dp > 1 and device.link_bandwidth else 0.0
     plan.time = {"forward": fwd, "backward": busy - fwd, "bubble": max(0.0, report["step_s"] - busy),
                  "optimizer": t_opt, "communication": t_comm, "total": report["step_s"] + t_opt + t_comm}

@@ -37,6 +37,10 @@ class Plan:
     dynamic: dict[str, list[int]] = field(default_factory=dict)  # symbol -> values traced
     notes: list[str] = field(default_factory=list)
     zero_formula: list[int] = field(default_factory=list)  # ZeRO paper model-state bytes per rank
+    # rank 0's model states as this layout holds them: parameters, gradients (as backward leaves
+    # them), optimizer states (with the fp32 master under master weights), i.e. what the paper's
+    # Table 1 counts; comparable with zero_formula
+    model_states: dict[str, int] = field(default_factory=dict)
     # rank 0 bytes by category in each phase: "step" (graph peak, states resident), "optimizer"
     phase_memory: dict[str, dict[str, int]] = field(default_factory=dict)
     dtypes: dict[str, str] = field(default_factory=dict)  # tensor category -> dtype(s) it is held in
@@ -111,6 +115,9 @@ class Plan:
                 lines.append(f"  {c:<26}{gb(mem[c])}")
         fit = "fits" if mem["total"] <= self.devices[0]["memory"] else "DOES NOT FIT"
         lines.append(f"  {'total (peak, ' + self.peak_phase[0] + ')':<26}{gb(mem['total'])}   {fit}")
+        if self.model_states:
+            parts = " + ".join(f"{c} {gb(b).strip()}" for c, b in self.model_states.items())
+            lines.append(f"  {'model states':<26}{gb(sum(self.model_states.values()))}   ({parts})")
         if self.zero_formula:
             k = "K=12, 2-byte params/grads" if self.strategy["precision"] != "fp32" else "fp32 Adam: 4+4+8 bytes"
             lines.append(f"  {'ZeRO paper model states':<26}{gb(self.zero_formula[0])}   ({k})")

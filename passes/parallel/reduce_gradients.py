@@ -49,7 +49,8 @@ gradients is needed. The layout goes to `signature.buckets`; outputs become "gra
 
 Options read from ctx.options: world_size, rank, zero, group_name, bucket_bytes, scatter_via_all_reduce,
 scatter_via_exchange, reuse_grad_buckets, reduce_dtype
-("fp32" default: gradients are reduced in their own dtype; "bf16"/"fp16" halve the bytes).
+("auto" default, and "fp32": gradients are reduced in their own dtype, which keep_weights_low
+made the working precision under master weights; "bf16"/"fp16" halve the bytes of fp32 ones).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from fxspeed.runtime.kernels.collectives import exchange_scatter
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-REDUCE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # None: the gradient's own
+REDUCE_DTYPES = {"auto": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # None: the gradient's own
 
 
 @graph_pass("reduce_gradients", produces=("gradient_buckets",), invalidates=("annotate",))

@@ -15,7 +15,8 @@ Forward views of a parameter that backward reads (the transposed weight of a Lin
 re-derived from the backward gather, so nothing keeps a forward gather alive. Requires the
 bucket layout from reduce_gradients and node roles from annotate.
 
-Under bf16/fp16 the shards are cast before the all-gather, which then moves half the bytes.
+Under bf16/fp16 the shards are cast before the all-gather, which then moves half the bytes;
+under master weights (keep_weights_low) the shards are the working copies and need no cast.
 
 With `gather_via_all_reduce` (the engine sets it on gloo) a bucket is gathered by placing this
 rank's shard in a zero-filled full-size buffer and all-reducing it in place (x + 0 is exact):
@@ -118,7 +119,7 @@ def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             # Issue the gather one bucket ahead: right after the previous bucket's wait.
             with g.inserting_before(prev_wait.next if prev_wait is not None else anchor):
                 src = shards[k]
-                if low is not None:
+                if low is not None and src.meta["val"].dtype != low:  # not already a working copy
                     src = call(g, aten._to_copy.default, (src,), {"dtype": low})
                 if via_exchange:
                     gathered = call(g, exchange_gather, (src, world, group))

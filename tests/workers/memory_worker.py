@@ -33,6 +33,7 @@ def status_kb(field: str) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    # ZeRO stages to run, one after another: "2" (fp32) or "bf16:2" (that precision)
     ap.add_argument("--zero", default="0,1,2,3")
     ap.add_argument("--preset", default="100m")
     ap.add_argument("--batch", type=int, default=2)
@@ -49,14 +50,15 @@ def main() -> None:
     fxspeed.compile(tiny, world, fxspeed.Config(zero=3, optimizer="adam"), example_inputs=(x, x)).train_step(x, x)
     del tiny
     gc.collect()
-    for zero in map(int, a.zero.split(",")):
-        run(zero, a, world)
+    for item in a.zero.split(","):
+        precision, _, zero = item.rpartition(":")
+        run(int(zero), precision or "fp32", a, world)
         gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def run(zero: int, a: argparse.Namespace, world: int) -> None:
+def run(zero: int, precision: str, a: argparse.Namespace, world: int) -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset(a.preset))
     x = torch.randint(0, model.config.vocab_size, (a.batch, a.seq))
@@ -65,15 +67,16 @@ def run(zero: int, a: argparse.Namespace, world: int) -> None:
     base = status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
-    engine = fxspeed.compile(model, world, fxspeed.Config(zero=zero, optimizer="adam"), example_inputs=(x, x))
+    engine = fxspeed.compile(model, world, fxspeed.Config(zero=zero, optimizer="adam", precision=precision),
+                             example_inputs=(x, x))
     for _ in range(a.steps):
         engine.train_step(x, x)
     peak = status_kb("VmHWM")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    rec = {"rank": rank, "world": world, "zero": zero, "baseline_bytes": base * 1024,
+    rec = {"rank": rank, "world": world, "zero": zero, "precision": precision, "baseline_bytes": base * 1024,
            "growth_bytes": (peak - base) * 1024, "plan_peak_bytes": engine.plan.peak_memory(rank),
            "param_bytes": 4 * engine.plan.n_params}
-    with open(os.path.join(a.out, f"mem_w{world}_zero{zero}_rank{rank}.json"), "w") as f:
+    with open(os.path.join(a.out, f"mem_w{world}_{precision}_zero{zero}_rank{rank}.json"), "w") as f:
         json.dump(rec, f)
     del engine, model
 
