@@ -829,7 +829,8 @@ class Engine:
     def eval_step(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only, model in eval mode, no gradients. Returns the loss of the global batch as
         a float when the output has one (or loss_fn is set), else the model's outputs (one stage
-        only). A collective under ZeRO-3 and pipelines: call it on every rank."""
+        only). A collective under ZeRO-3, master weights (ZeRO-1/2 under bf16/fp16: the fp32 masters
+        are gathered) and pipelines: call it on every rank."""
         if self.pipelined:
             return self._pipeline_eval(args, kwargs)
         ex = self._executor(args, kwargs, train=False)
@@ -1005,7 +1006,8 @@ class Engine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's full state in its original names and shapes (tied weights under every
         name), loadable into the plain model with `load_state_dict(strict=True)`, on every rank.
-        A collective under ZeRO-3 and pipelines (call it on every rank). Without them, as with
+        A collective under ZeRO-3, master weights (ZeRO-1/2/3 under bf16/fp16) and pipelines (call it
+        on every rank). Without them, as with
         nn.Module.state_dict(), the tensors alias the live weights: clone them to keep a snapshot."""
         if self.pipelined or self.config.zero >= 3 or self._tp or (self._flat is not None and self._flat.released):
             self._expect_all_ranks("engine.state_dict()")
