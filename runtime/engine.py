@@ -346,7 +346,11 @@ class Engine:
                               "Config.nvme_path to a directory on a local disk (a swap directory is created and "
                               "removed there)")
         # With a memory budget the plan says how much must go (it was made before the state is built).
-        moved = self.plan.offloaded.get("disk", 0) if self.plan is not None and c.memory_budget_gb is not None else None
+        moved = None
+        if self.plan is not None and c.memory_budget_gb is not None:
+            ranks = self.plan.pipeline.get("ranks") if self.pipelined else None
+            # under a pipeline each position's states (and budget decision) are its own
+            moved = ranks[self.position]["offloaded"] if ranks else self.plan.offloaded.get("disk", 0)
         return {"swap_root": c.nvme_path, "swap_name": f"rank{self.rank}", "chunk_bytes": offload_chunk_bytes(c),
                 "offload_bytes": moved}
 

@@ -218,6 +218,22 @@ def test_the_plan_shows_the_moments_on_disk_and_only_the_staging_slots_in_memory
     assert "off the device: disk" in off.summary()
 
 
+def test_a_pipeline_plan_keeps_each_positions_moments_on_disk_and_its_staging_slots_in_memory(tmp_path: Path) -> None:
+    model, batch = _gpt()
+    small = dict(bucket_mb=0.01, pipeline=2, microbatches=2)
+    plain = fxspeed.plan(model, 2, fxspeed.Config(**small), example_inputs=batch)
+    off = fxspeed.plan(model, 2, fxspeed.Config(**small, offload="optimizer", nvme_path=str(tmp_path)),
+                       example_inputs=batch)
+    slots = 3 * int(2 * 0.01 * 2**20)
+    for rk_plain, rk_off in zip(plain.pipeline["ranks"], off.pipeline["ranks"]):
+        states = rk_plain["phase_memory"]["step"]["optimizer_states"]
+        assert rk_off["offloaded"] == states > slots
+        for phase in ("step", "optimizer"):
+            assert rk_off["phase_memory"][phase]["optimizer_states"] == slots
+    assert off.offloaded == {"disk": off.pipeline["ranks"][0]["offloaded"]}
+    assert off.memory(0)["total"] == plain.memory(0)["total"] - off.offloaded["disk"] + slots
+
+
 def test_with_a_memory_budget_the_planner_offloads_only_what_does_not_fit_and_the_engine_follows(tmp_path: Path) -> None:
     model, batch = _gpt()
     states = 8 * sum(p.numel() for p in model.parameters())

@@ -51,7 +51,7 @@ from fxspeed.devices import DeviceSpec
 from fxspeed.ir import (ACTIVATIONS, BUFFERS, CATEGORIES, COMM_BUFFERS, GRADIENTS, INPUTS, OPTIMIZER_STATES,
                         PARAMETERS, TEMPORARIES, StageProgram, tensor_bytes)
 from fxspeed.ir.schedule import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Schedule
-from fxspeed.planner.estimate import reduce_elem
+from fxspeed.planner.estimate import choose_offload, reduce_elem, resident_optimizer_states
 from fxspeed.planner.memory import ProgramLiveness, program_liveness
 from fxspeed.planner.plan import Plan
 
@@ -340,11 +340,17 @@ def pipeline_report(stages: list[StageProgram], schedule: Schedule, config: Conf
         step = dict(resident)
         for c, v in walk["by_category"].items():
             step[c] = step.get(c, 0) + v
+        # Config.offload="optimizer": this position's states go to its files (all, or what its
+        # memory budget needs), as they do without a pipeline; three staging chunks stay.
+        moved, note = choose_offload(config, states, sum(step.values()))
+        states_held = resident_optimizer_states(config, states, moved)
+        step[OPTIMIZER_STATES] = resident[OPTIMIZER_STATES] = states_held
         opt = {PARAMETERS: w_bytes, BUFFERS: resident[BUFFERS], INPUTS: resident[INPUTS],
-               GRADIENTS: t_bytes / (D if z >= 2 else 1), OPTIMIZER_STATES: states,
+               GRADIENTS: t_bytes / (D if z >= 2 else 1), OPTIMIZER_STATES: states_held,
                COMM_BUFFERS: resident[COMM_BUFFERS]}
         as_int = lambda d: {c: int(round(d.get(c, 0))) for c in CATEGORIES}  # noqa: E731
-        ranks.append({"position": r, "stages": sorted(mine), "peak_at": walk["at"],
+        ranks.append({"position": r, "stages": sorted(mine), "peak_at": walk["at"], "offloaded": int(moved),
+                      "offload_note": note,
                       # the optimizer's own temporaries depend on the device: apply_pipeline adds them
                       "phase_memory": {"step": as_int(step), "optimizer": as_int(opt)},
                       "weights_bytes": int(w_bytes), "trainable_bytes": int(t_bytes),
@@ -418,6 +424,10 @@ def apply_pipeline(plan: Plan, report: dict[str, Any], world: int, pp: int) -> N
     plan.config = config.to_dict()
     plan.mesh = layout_text(dp, pp, tp)
     plan.phase_memory = {k: dict(v) for k, v in report["ranks"][0]["phase_memory"].items()}
+    moved = report["ranks"][0].get("offloaded", 0)  # rank 0's, as every plan field without a rank is
+    plan.offloaded = {"disk": int(moved)} if moved else {}
+    plan.notes = [n for n in plan.notes if "memory_budget_gb" not in n]  # the micro-batch plan's, not the pipeline's
+    plan.notes += sorted({rk["offload_note"] for rk in report["ranks"] if rk.get("offload_note")})
 
     # Time: the busiest position's compute, its wait (the bubble as it lives it), its optimizer step.
     ranks = report["ranks"]
