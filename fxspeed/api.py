@@ -103,9 +103,9 @@ def plan(model: nn.Module, devices: Devices = 1, config: Config | dict | str | N
     # few blocks and extrapolated (see planner.plan_model).
     p = plan_model(model, args, kwargs, config=cfg, devices=devs, loss_fn=loss_fn)
     if cfg.tensor > 1:
-        p.notes.append(f"Config.tensor={cfg.tensor}: the tensor-parallel placements are chosen when fxspeed.compile "
-                       "compiles the step (engine.plan.tp_placements); this plan's memory and time are the "
-                       "single-device program's")
+        from fxspeed.runtime.tensor_parallel import TP_PLAN_NOTE
+
+        p.notes.append(TP_PLAN_NOTE)
     if dynamic:
         from fxspeed.planner.symbolic import fit_symbolic
 

@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 
-TP_PLAN_NOTE = ("tensor parallel: memory and time above are the single-device program's, not yet divided by the "
-                "placements (tp_placements, tp_communication are the chosen layout and its collectives)")
+TP_PLAN_NOTE = ("tensor parallel: memory and time above are tp rank 0's program (its slices of the sharded weights, "
+                "its share of the activations, the tp collectives); tp_placements is the chosen layout")
 
 
 def take_slice(full: torch.Tensor, dim: int, blocks: int, rank: int, T: int) -> torch.Tensor:

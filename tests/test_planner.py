@@ -329,3 +329,18 @@ def test_a_symbol_marking_dims_of_different_sizes_is_refused_with_its_name():
     a, b = torch.zeros(2, 16, dtype=torch.long), torch.zeros(3, 16, dtype=torch.long)
     with pytest.raises(fxspeed.ConfigError, match="'batch'"):
         fxspeed.plan(model, 1, example_inputs=(a, b), dynamic={0: {0: "batch"}, 1: {0: "batch"}})
+
+
+def test_a_tensor_parallel_plan_is_one_tp_ranks_program_its_slices_and_its_share_of_the_step() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("small"))
+    ids = torch.randint(0, 256, (2, 64))
+    plans = {t: fxspeed.plan(model, t, fxspeed.Config(tensor=t), example_inputs=(ids, ids)) for t in (1, 2, 4)}
+    n = sum(p.numel() for p in model.parameters())
+    for t, plan in plans.items():
+        assert plan.n_params == n and plan.strategy["tp"] == t
+        # Norms, biases of row-parallel layers and the position table stay whole: a bit over 1/t.
+        share = plan.memory()[PARAMETERS] / plans[1].memory()[PARAMETERS]
+        assert 1 / t <= share <= 1 / t + 0.03, (t, share)
+        assert plan.memory()[OPTIMIZER_STATES] == 2 * plan.memory()[PARAMETERS]
+    assert any("tp rank 0's program" in note for note in plans[2].notes)

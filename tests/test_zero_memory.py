@@ -23,10 +23,10 @@ from tests.multiprocess import run_ranks
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def measure(world: int, zero: str, out: Path) -> dict[tuple[int, int], dict]:
+def measure(world: int, zero: str, out: Path, *extra: str) -> dict[tuple[int, int], dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "tests.workers.memory_worker", "--zero", zero, "--out", str(out)]
+           "-m", "tests.workers.memory_worker", "--zero", zero, "--out", str(out), *extra]
     proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     recs = [json.loads(p.read_text()) for p in out.glob(f"mem_w{world}_*.json")]
@@ -74,3 +74,14 @@ def test_zero3_on_four_ranks_needs_at_most_a_third_of_data_parallel_memory_in_fp
         check_plan(recs[(0, rank)])
         check_plan(recs[(3, rank)])
         check_plan(recs[("bf16", 3, rank)])
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_plan_counts_each_ranks_slices_and_is_within_15_percent_of_its_peak_rss(tmp_path: Path) -> None:
+    recs = measure(2, "0", tmp_path, "--tensor", "2")
+    for rank in range(2):
+        rec = recs[(0, rank)]
+        # The plan is tp rank 0's program: about half the model's weights, gradients and states
+        # (16 bytes per parameter under fp32 Adam), not the whole model's.
+        assert rec["plan_peak_bytes"] < 0.6 * 4 * rec["param_bytes"]
+        check_plan(rec)

@@ -92,20 +92,30 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
               *([fuse_kernels] if fusion_wanted(cap.gm, opts) else [])]
     local = PassManager(single, analyses=[annotate], disabled=config.disable_passes, known=known)
     gm = local.ensure("annotate", local.run(cap.gm, ctx), ctx)
+    if not any(a.name == "tp_placements" for a in analyses):
+        analyses = [*analyses, _no_placements()]
+    distributed = [*DISTRIBUTED_PASSES, *extra_passes]
+    records = list(local.records)
+    if train and analyze is not None and opts.tp_size > 1:
+        # Tensor parallelism: the planner reads this tp rank's program (its slices of the weights,
+        # its share of the activations), before data parallelism rewrites it.
+        from fxspeed.passes import shard_tensors
+
+        tp = PassManager([shard_tensors], analyses=[annotate, *analyses], disabled=config.disable_passes, known=known)
+        gm = tp.ensure("annotate", tp.run(gm, ctx), ctx)
+        records += tp.records
+        distributed = [p for p in distributed if p is not shard_tensors]
     costs = None
     if train and analyze is not None:
         costs = analyze(gm, cap.signature)
-    if not any(a.name == "tp_placements" for a in analyses):
-        analyses = [*analyses, _no_placements()]
-    dist = PassManager([*DISTRIBUTED_PASSES, *extra_passes], analyses=[annotate, *analyses],
-                       disabled=config.disable_passes,
-                       known=known)
+    dist = PassManager(distributed, analyses=[annotate, *analyses], disabled=config.disable_passes, known=known)
     gm = dist.ensure("annotate", dist.run(gm, ctx), ctx)
+    records += dist.records
     cap.gm = gm
     t2 = time.perf_counter()
     log.info("fxspeed: captured %s %s step: %d nodes in %.2fs, passes %.2fs", type(model).__name__,
              "training" if train else "eval", len(gm.graph.nodes), t1 - t0, t2 - t1)
-    return CompiledStep(cap, local.records + dist.records, t1 - t0, t2 - t1, costs)
+    return CompiledStep(cap, records, t1 - t0, t2 - t1, costs)
 
 
 def _no_placements() -> Any:

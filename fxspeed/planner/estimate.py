@@ -152,13 +152,17 @@ class GraphCosts:
 
 
 def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec,
-                grad_scale: float = 1.0) -> GraphCosts:
-    """`grad_scale`: the fraction of each gradient a rank keeps (1/dp under ZeRO-2 and 3)."""
+                grad_scale: float = 1.0, tp: int = 1) -> GraphCosts:
+    """`grad_scale`: the fraction of each gradient a rank keeps (1/dp under ZeRO-2 and 3). `tp`:
+    the tensor-parallel degree when `gm` is one tp rank's program: bytes are the rank's (its
+    slices), parameter counts the model's (a "param_tp" slice is 1/tp of its parameter)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # Count each tensor once: a tied weight appears under several names.
-    owned = [(s, ph) for s, ph in zip(signature.inputs, placeholders) if s.kind == "param" and not signature.is_alias(s.target)]
+    owned = [(s, ph) for s, ph in zip(signature.inputs, placeholders)
+             if s.kind in ("param", "param_tp") and not signature.is_alias(s.target)]
     params = {s.target: tensor_bytes(ph.meta.get("val")) for s, ph in owned}
     numel = {s.target: ph.meta["val"].numel() for s, ph in owned}
+    full = {s.target: numel[s.target] * (tp if s.kind == "param_tp" else 1) for s, _ in owned}
     trainable = {s.target for s in signature.outputs if s.kind == "grad" and s.target in params}
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     grad_bytes = sum(tensor_bytes(o.meta.get("val")) for o, s in zip(out_node.args[0], signature.outputs)
@@ -176,7 +180,7 @@ def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec
         step={c: float(v) for c, v in tl.peak.items()}, param_bytes=float(sum(params.values())),
         trainable_bytes=float(sum(params[n] for n in trainable)), largest_param=float(max(params.values(), default=0)),
         largest_trainable=float(max((params[n] for n in trainable), default=0)),
-        n_params=float(sum(numel.values())), n_trainable=float(sum(numel[n] for n in trainable)),
+        n_params=float(sum(full.values())), n_trainable=float(sum(full[n] for n in trainable)),
         flops={k: float(v) for k, v in flops.items()},
         times={"forward": by_role.get("forward", 0.0), "backward": by_role.get("backward", 0.0)},
         timeline={"names": tl.names, "roles": tl.roles, "bytes": tl.totals, "gradients": tl.gradients},
@@ -224,10 +228,11 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     flops["total"] = flops["forward"] + flops["backward"]
 
     n_params = int(round(costs.n_params))
+    share = n_params / tp  # the paper has no tensor parallelism: its formula over a tp rank's 1/tp
     if config.precision == "fp32":
-        formula = zero_paper_bytes(n_params, z, dp, k=4 * state_f, bytes_per_param=4)
+        formula = zero_paper_bytes(share, z, dp, k=4 * state_f, bytes_per_param=4)
     else:  # the paper's mixed-precision accounting: 2-byte params and grads, K=12
-        formula = zero_paper_bytes(n_params, z, dp, k=12, bytes_per_param=2)
+        formula = zero_paper_bytes(share, z, dp, k=12, bytes_per_param=2)
     timeline = dict(costs.timeline)
     timeline["resident"] = [int(step[OPTIMIZER_STATES] + comm)]
     model_states = {PARAMETERS: int(round(shard(p_bytes, 3))),
@@ -437,8 +442,10 @@ def _extrapolation_wanted(config: Config, layers: int) -> bool:
 
 
 def costs_reader(config: Config, devices: Sequence[DeviceSpec]) -> Any:
-    """The `analyze` hook of compile_step: reads GraphCosts off the single-device program."""
-    return lambda gm, sig: graph_costs(gm, sig, devices[0], grad_scale(config, len(devices)))
+    """The `analyze` hook of compile_step: reads GraphCosts off the single-device program (under
+    tensor parallelism, off one tp rank's program: its slices of the weights and activations)."""
+    dp = max(1, len(devices) // (config.pipeline * config.tensor))
+    return lambda gm, sig: graph_costs(gm, sig, devices[0], grad_scale(config, dp), tp=config.tensor)
 
 
 def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, devices: Sequence[DeviceSpec],
@@ -447,9 +454,18 @@ def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, 
     all blocks for a deep stack of identical blocks. Returns (costs, pass records, notes)."""
     from fxspeed.compiler import compile_step
 
+    options, analyses = None, []
+    if config.tensor > 1:  # plan tp rank 0's program, with the layout the engine would choose
+        from fxspeed.compiler.options import PassOptions
+        from fxspeed.planner.placement import make_placement_analysis
+
+        options = PassOptions.single_device(config, tp_size=config.tensor, tp_group_name="tp (planned)")
+
     def one() -> tuple[GraphCosts, list[dict]]:
+        if config.tensor > 1:
+            analyses[:] = [make_placement_analysis(devices)]
         compiled = compile_step(model, args, kwargs, config=config, loss_fn=loss_fn, train=True,
-                                analyze=costs_reader(config, devices))
+                                analyze=costs_reader(config, devices), options=options, analyses=analyses)
         return compiled.costs, [r.to_dict() for r in compiled.records]
 
     found = repeated_blocks(model)

@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--tensor", type=int, default=1)  # tensor-parallel degree (Config.tensor)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -47,7 +48,8 @@ def main() -> None:
     # charged to whichever stage happens to run first.
     tiny = GPT(GPTConfig.preset("tiny"))
     x = torch.randint(0, 256, (a.batch, 16))
-    fxspeed.compile(tiny, world, fxspeed.Config(zero=3, optimizer="adam"), example_inputs=(x, x)).train_step(x, x)
+    warm = fxspeed.Config(zero=3 if a.tensor == 1 else 0, optimizer="adam", tensor=a.tensor)
+    fxspeed.compile(tiny, world, warm, example_inputs=(x, x)).train_step(x, x)
     del tiny
     gc.collect()
     for item in a.zero.split(","):
@@ -67,16 +69,17 @@ def run(zero: int, precision: str, a: argparse.Namespace, world: int) -> None:
     base = status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
-    engine = fxspeed.compile(model, world, fxspeed.Config(zero=zero, optimizer="adam", precision=precision),
+    engine = fxspeed.compile(model, world, fxspeed.Config(zero=zero, optimizer="adam", precision=precision, tensor=a.tensor),
                              example_inputs=(x, x))
     for _ in range(a.steps):
         engine.train_step(x, x)
     peak = status_kb("VmHWM")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    rec = {"rank": rank, "world": world, "zero": zero, "precision": precision, "baseline_bytes": base * 1024,
+    rec = {"rank": rank, "world": world, "zero": zero, "precision": precision, "tensor": a.tensor,
+           "baseline_bytes": base * 1024,
            "growth_bytes": (peak - base) * 1024, "plan_peak_bytes": engine.plan.peak_memory(rank),
            "param_bytes": 4 * engine.plan.n_params}
-    with open(os.path.join(a.out, f"mem_w{world}_{precision}_zero{zero}_rank{rank}.json"), "w") as f:
+    with open(os.path.join(a.out, f"mem_w{world}_tp{a.tensor}_{precision}_zero{zero}_rank{rank}.json"), "w") as f:
         json.dump(rec, f)
     del engine, model
 
