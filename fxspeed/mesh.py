@@ -237,6 +237,16 @@ class Mesh:
             return None
         return dist.new_group(sorted(ranks), backend=dist.get_backend(self.ctx.group))
 
+    def new_group_along(self, dim: str) -> Any:
+        """A second group of this rank's `dim` slice (e.g. for collectives that must not queue
+        behind the first's). Collective over the world: every rank makes one group per slice, in
+        the same order (torch requires it), and keeps its own; with one slice it is new_group."""
+        if not self.active:
+            return None
+        slices = sorted({tuple(self.ranks(dim, g)) for g in range(self.world)})
+        mine, _ = dist.new_subgroups_by_enumeration([list(r) for r in slices], backend=dist.get_backend(self.ctx.group))
+        return mine
+
     def describe(self) -> str:
         """The rank layout as a table, one line per rank (shown in plan.summary())."""
         lines = [f"mesh dp={self.dp} x pp={self.pp} x tp={self.tp} over {self.world} rank(s); "

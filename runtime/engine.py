@@ -248,7 +248,7 @@ class Engine:
             if sig.waits_for_parameters:
                 # Deferred post-step gathers get their own group (same ranks): on the main one the
                 # next step's batch-signature check and loss mean would queue behind all of them.
-                gather_group = self.mesh.new_group(self.mesh.ranks("dp"))
+                gather_group = self.mesh.new_group_along("dp")
             work_dtype = getattr(torch, sig.working_dtype) if sig.working_dtype else None
             self._flat = FlatParameters(canonical, sig.buckets, rank=self.dp_rank, world=self.dp_size,
                                         zero=self.config.zero, group=self.mesh.group("dp"), gather_group=gather_group,
