@@ -188,11 +188,13 @@ def launch(n: int, out: Path, *args: str, timeout: int = 900) -> float:
     return time.perf_counter() - t0
 
 
-def launch_cases(n: int, out: Path, cases: dict[str, str], timeout: int = 1800) -> Path:
-    """One launch of n ranks running every case (tag -> the worker's flags for it) in turn: a launch
-    costs more than most cases (process start-up and imports, 4 ranks on 2 cores), so the tests of
-    one world size share one. A case's files are named {tag}_{schedule}_m{M}..."""
-    launch(n, out, *[a for tag, flags in cases.items() for a in ("--case", f"{flags} --tag {tag}_")],
+def launch_cases(n: int, out: Path, cases: dict[str, str | list[str]], timeout: int = 1800) -> Path:
+    """One launch of n ranks running every case (tag -> the worker's flags for it, or a list of
+    flags for several runs under that tag) in turn: a launch costs more than most cases (process
+    start-up and imports, 4 ranks on 2 cores), so the tests of one world size share one. A case's
+    files are named {tag}_{schedule}_m{M}..."""
+    runs = [(tag, f) for tag, flags in cases.items() for f in ([flags] if isinstance(flags, str) else flags)]
+    launch(n, out, *[a for tag, flags in runs for a in ("--case", f"{flags} --tag {tag}_")],
            timeout=timeout)
     return out
 
@@ -201,10 +203,12 @@ EVERY_SCHEDULE = ("gpipe", "1f1b", "zb", "interleaved")
 
 # Every 2-rank run of the module, in one launch (the fixture below): the fxspeed GPT under every
 # schedule at M=2 and M=4; GPT-2 under every schedule at M=4; bf16 and fp16 under 1f1b and zb; an
-# fp16 overflow on the last stage.
+# fp16 overflow on the last stage. --eval (eval_step after training: it compiles forward-only
+# programs) only in the runs whose eval loss a test reads.
 TWO_RANK_CASES = {
-    "gpt": f"--model gpt --schedules {','.join(EVERY_SCHEDULE)} --microbatches 2,4",
-    "gpt2": f"--model gpt2 --schedules {','.join(EVERY_SCHEDULE)} --microbatches 4",
+    "gpt": [f"--model gpt --schedules {','.join(EVERY_SCHEDULE)} --microbatches 2",
+            f"--model gpt --schedules {','.join(EVERY_SCHEDULE)} --microbatches 4 --eval"],
+    "gpt2": f"--model gpt2 --schedules {','.join(EVERY_SCHEDULE)} --microbatches 4 --eval",
     "bf16": "--precision bf16 --schedules 1f1b,zb --microbatches 2",
     "fp16": "--precision fp16 --schedules 1f1b,zb --microbatches 2",
     "overflow": f"--precision fp16 --loss-scale {2.0**24} --schedules 1f1b --microbatches 2",

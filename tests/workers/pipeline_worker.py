@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import time
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--grad-clip", type=float, default=None)
     ap.add_argument("--checkpoint", action="store_true",
                     help="also: save after 2 steps, resume a fresh engine from it, record both runs' losses")
+    ap.add_argument("--eval", action="store_true",
+                    help="also run eval_step after training (compiles the forward-only programs) and record its loss")
     ap.add_argument("--tag", default="", help="prefix of this run's file names")
     ap.add_argument("--case", action="append", default=[],
                     help="one run's flags, quoted; repeat for several runs in this launch")
@@ -53,8 +56,11 @@ def main() -> None:
     os.environ.setdefault("FXSPEED_BACKEND", "gloo")
     torch.set_num_threads(1)
     for case in [ap.parse_args([*shlex.split(c), "--out", a.out]) for c in a.case] or [a]:
+        t0 = time.perf_counter()
         run(case)
         dist.barrier()
+        if dist.get_rank() == 0:  # in the launch's output: where its time goes
+            print(f"pipeline_worker: {case.tag or case.model}: {time.perf_counter() - t0:.1f} s", flush=True)
     dist.destroy_process_group()
 
 
@@ -76,7 +82,9 @@ def run(a: argparse.Namespace) -> None:
         losses = [engine.train_step(*b) if isinstance(b, tuple) else engine.train_step(**b) for b in mine]
         state = {k: v.clone() for k, v in engine.state_dict().items()}
         ev = mine[0]
-        eval_loss = engine.eval_step(*ev) if isinstance(ev, tuple) else engine.eval_step(**ev)
+        eval_loss = None
+        if a.eval:
+            eval_loss = engine.eval_step(*ev) if isinstance(ev, tuple) else engine.eval_step(**ev)
         low = {n.meta["val"].dtype for p in engine.programs for n in p.forward.graph.nodes
                if n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)}
         torch.save({"losses": losses, "state": state, "stages": engine.stages, "stats": dict(engine.stats),
