@@ -1,6 +1,12 @@
-"""Models and batches shared by multi-process workers and the tests that check them."""
+"""Models and batches shared by multi-process workers and the tests that check them, and the main of
+the workers that run named cases (run_cases)."""
 
 from __future__ import annotations
+
+import argparse
+import os
+import traceback
+from typing import Callable
 
 import torch
 
@@ -61,7 +67,7 @@ def captured_gpt_step(layers: int, width: int, rows: int, precision: str = "fp32
     return model, (x, y), cap
 
 
-def run_cases(cases: dict, argv: list[str] | None = None) -> None:
+def run_cases(cases: dict[str, Callable[[], str]], argv: list[str] | None = None) -> None:
     """The main of a worker of named cases, launched as
     `fxspeed run -n N -m tests.workers.<worker> --case CASE --out DIR`.
 
@@ -70,10 +76,6 @@ def run_cases(cases: dict, argv: list[str] | None = None) -> None:
     Each returns "ok" or what went wrong; that text, or an exception's type, message and
     traceback, goes to DIR/{case}_rank{r}.txt, and the launch goes on and exits 0. DIR is also
     in the environment as WORKER_OUT for cases that write more files."""
-    import argparse
-    import os
-    import traceback
-
     import torch.distributed as dist
 
     ap = argparse.ArgumentParser()
