@@ -2,9 +2,10 @@
 checkpoint loads under another ZeRO stage or world size (one format: torch.distributed.checkpoint
 with full tensors by name), and engine.state_dict() exports full tensors under the model's own names.
 
-Two launches of `fxspeed run -n 2` (so the resumed run is a fresh process group): the first
-trains 3 steps, saves, trains 2 more; the second builds the model from another seed, loads
-the checkpoint and trains the same 2 steps. Losses and final parameters must be identical.
+Two launches of `fxspeed run -n 2` (so the resumed run is a fresh process group), each going
+through every ZeRO stage in turn: the first trains 3 steps, saves, trains 2 more; the second
+builds the model from another seed, loads the checkpoint and trains the same 2 steps. Losses and
+final parameters must be identical.
 """
 
 from __future__ import annotations
@@ -34,31 +35,24 @@ def fxspeed_run(n: int, *args: str, timeout: int = 240) -> subprocess.CompletedP
     return proc
 
 
-_launched: dict[int, Path] = {}
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("checkpoint")
-
-
-def launched(base: Path, zero: int) -> Path:
-    """Both launches for one ZeRO stage (once per module): out/{save,load}_zero{z}.pt, ckpt/zero{z}/.
-    Stage 1's resumed run also loads its checkpoint into a ZeRO-2 engine (out/mismatch_rank{r}.txt)."""
-    if zero not in _launched:
-        ckpt, out = base / "ckpt", base / "out"
-        out.mkdir(exist_ok=True)
-        common = ("--zero", str(zero), "--ckpt", str(ckpt), "--out", str(out))
-        fxspeed_run(2, "--phase", "save", *common)
-        fxspeed_run(2, "--phase", "load", *common, *(("--mismatch-zero", "2") if zero == 1 else ()))
-        _launched[zero] = base
-    return _launched[zero]
+    """Both launches, every ZeRO stage in each (a launch costs more than a stage's run):
+    out/{save,load}_zero{z}.pt, ckpt/zero{z}/. The resumed run also loads stage 1's checkpoint
+    into a ZeRO-2 engine (out/mismatch_rank{r}.txt)."""
+    runs = tmp_path_factory.mktemp("checkpoint")
+    ckpt, out = runs / "ckpt", runs / "out"
+    out.mkdir()
+    common = ("--zero", ",".join(map(str, STAGES)), "--ckpt", str(ckpt), "--out", str(out))
+    fxspeed_run(2, "--phase", "save", *common, timeout=600)
+    fxspeed_run(2, "--phase", "load", *common, "--mismatch-zero", "2", "--mismatch-from", "1", timeout=600)
+    return runs
 
 
 @pytest.mark.parametrize("zero", STAGES)
 def test_resuming_from_a_checkpoint_in_a_fresh_process_group_reproduces_losses_and_weights_bit_exactly(
         base: Path, zero: int) -> None:
-    runs = launched(base, zero)
+    runs = base
     saved = torch.load(runs / "out" / f"save_zero{zero}.pt")
     loaded = torch.load(runs / "out" / f"load_zero{zero}.pt")
     assert loaded["losses"] == saved["losses"], (zero, loaded["losses"], saved["losses"])
@@ -69,13 +63,13 @@ def test_resuming_from_a_checkpoint_in_a_fresh_process_group_reproduces_losses_a
 
 def test_a_checkpoint_is_one_complete_dcp_directory_whatever_the_zero_stage(base: Path) -> None:
     for zero in STAGES:
-        files = set(os.listdir(launched(base, zero) / "ckpt" / f"zero{zero}"))
+        files = set(os.listdir(base / "ckpt" / f"zero{zero}"))
         assert {".metadata", "COMPLETE", "extra.pt"} <= files, files
         assert any(f.endswith(".distcp") for f in files), files
 
 
 def test_zero3_state_dict_has_full_tensors_under_the_original_names_equal_to_a_zero0_run(base: Path) -> None:
-    runs = launched(base, 0) and launched(base, 3)
+    runs = base
     reference = build_model("gpt").state_dict()
     z0 = torch.load(runs / "out" / "save_zero0.pt")
     z3 = torch.load(runs / "out" / "save_zero3.pt")
@@ -95,7 +89,7 @@ def test_zero3_state_dict_has_full_tensors_under_the_original_names_equal_to_a_z
 
 @pytest.mark.parametrize("zero", STAGES)
 def test_an_exported_state_dict_loads_strictly_into_a_plain_pytorch_model(base: Path, zero: int) -> None:
-    runs = launched(base, zero)
+    runs = base
     state = torch.load(runs / "out" / f"save_zero{zero}.pt")["state"]
     plain = build_model("gpt")
     plain.load_state_dict(state, strict=True)
@@ -107,14 +101,14 @@ def test_an_exported_state_dict_loads_strictly_into_a_plain_pytorch_model(base: 
 
 
 def test_a_zero1_checkpoint_loads_into_a_zero2_engine_on_every_rank(base: Path) -> None:
-    runs = launched(base, 1)
+    runs = base
     for r in range(2):
         msg = (runs / "out" / f"mismatch_rank{r}.txt").read_text()
         assert msg == "no error", msg
 
 
 def test_a_two_rank_checkpoint_loads_into_one_process_and_continues_the_same_run(base: Path) -> None:
-    runs = launched(base, 0)
+    runs = base
     batches = global_batches("gpt", 5)
     engine = fxspeed.compile(build_model("gpt"), 1, fxspeed.Config(zero=0, lr=1e-2, grad_clip=0.5, optimizer="adamw"),
                              example_inputs=batches[0])

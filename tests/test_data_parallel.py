@@ -53,15 +53,23 @@ def assert_parity(path: Path, name: str, optimizer: str, ref: tuple[list[float],
         assert err <= TOL, f"{path.name}: {k} relative error {err:.2e}"
 
 
+# Every ZeRO stage on both models at 2 and at 4 ranks, each model under both optimizers at each
+# world size; across the two world sizes every (model, ZeRO stage, optimizer) runs once. (A run
+# is ~2-4 s of compile; 4 ranks on 2 cores cost twice the cores' time per run.)
+RUNS = {world: [(m, z, ("adamw", "sgd")[(z + (m == "gpt2") + (world == 2)) % 2]) for m in ("gpt", "gpt2")
+                for z in range(4)] for world in (2, 4)}
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_zero_stage_matches_one_process_on_the_global_batch(world: int, tmp_path: Path) -> None:
-    launch(world, tmp_path, "--models", "gpt,gpt2", "--zero", "0,1,2,3", "--optimizers", "adamw,sgd",
-           "--grad-clip", "0.5")
+    runs = RUNS[world]
+    assert {(m, z) for m, z, _ in runs} == {(m, z) for m in ("gpt", "gpt2") for z in range(4)}
+    assert {(m, o) for m, _, o in runs} == {(m, o) for m in ("gpt", "gpt2") for o in ("adamw", "sgd")}
+    assert len(set(RUNS[2]) | set(RUNS[4])) == 16  # together: the whole product
+    launch(world, tmp_path, "--runs", ",".join(f"{m}:{z}:{o}" for m, z, o in runs), "--grad-clip", "0.5")
     refs = {(m, o): eager_reference_clipped(m, o) for m in ("gpt", "gpt2") for o in ("adamw", "sgd")}
-    for m in ("gpt", "gpt2"):
-        for z in range(4):
-            for o in ("adamw", "sgd"):
-                assert_parity(tmp_path / f"{m}_zero{z}_{o}.pt", m, o, refs[(m, o)])
+    for m, z, o in runs:
+        assert_parity(tmp_path / f"{m}_zero{z}_{o}.pt", m, o, refs[(m, o)])
 
 
 def eager_reference_clipped(name: str, optimizer: str) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -88,15 +96,22 @@ def _reference(name: str, optimizer: str, clip: float | None, steps: int = 5):
     return losses, model.state_dict()
 
 
-def test_a_zero1_or_zero2_step_returns_with_its_parameter_gathers_in_flight_and_the_next_forward_waits_for_them(
-        tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def deferred_gathers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One launch of the deferred-gather worker for ZeRO-0, -1 and -2: out/zero{k}.pt."""
+    out = tmp_path_factory.mktemp("deferred_gather")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "tests.workers.deferred_gather_worker", "--out", str(tmp_path), "--zero", "1,2"]
+           "-m", "tests.workers.deferred_gather_worker", "--out", str(out), "--zero", "0,1,2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "FXSPEED_BACKEND": "gloo"}
     proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return out
+
+
+def test_a_zero1_or_zero2_step_returns_with_its_parameter_gathers_in_flight_and_the_next_forward_waits_for_them(
+        deferred_gathers: Path) -> None:
     for zero in (1, 2):
-        rec = torch.load(tmp_path / f"zero{zero}.pt")
+        rec = torch.load(deferred_gathers / f"zero{zero}.pt")
         assert rec["buckets"] > 1
         # The step returned with one gather per bucket issued and none waited for ...
         assert rec["in_flight_after_step"] and rec["registered_after_step"] == rec["buckets"]
@@ -110,12 +125,8 @@ def test_a_zero1_or_zero2_step_returns_with_its_parameter_gathers_in_flight_and_
             torch.testing.assert_close(rec["state"][k], want, rtol=1e-6, atol=1e-7, msg=k)
 
 
-def test_zero0_reduces_gradients_into_one_persistent_buffer_per_bucket_reused_every_step(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "tests.workers.deferred_gather_worker", "--out", str(tmp_path), "--zero", "0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "FXSPEED_BACKEND": "gloo"}
-    proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    rec = torch.load(tmp_path / "zero0.pt")
+def test_zero0_reduces_gradients_into_one_persistent_buffer_per_bucket_reused_every_step(
+        deferred_gathers: Path) -> None:
+    rec = torch.load(deferred_gathers / "zero0.pt")
     assert rec["buckets"] > 1 and rec["grad_buffers"] == rec["buckets"] and rec["grad_buffers_kept"]
     assert not rec["in_flight_after_step"]  # ZeRO-0 steps every full bucket: nothing to gather

@@ -188,6 +188,54 @@ def launch(n: int, out: Path, *args: str, timeout: int = 900) -> float:
     return time.perf_counter() - t0
 
 
+def launch_cases(n: int, out: Path, cases: dict[str, str | list[str]], timeout: int = 1800) -> Path:
+    """One launch of n ranks running every case (tag -> the worker's flags for it, or a list of
+    flags for several runs under that tag) in turn: a launch costs more than most cases (process
+    start-up and imports, 4 ranks on 2 cores), so the tests of one world size share one. A case's
+    files are named {tag}_{schedule}_m{M}..."""
+    runs = [(tag, f) for tag, flags in cases.items() for f in ([flags] if isinstance(flags, str) else flags)]
+    launch(n, out, *[a for tag, flags in runs for a in ("--case", f"{flags} --tag {tag}_")],
+           timeout=timeout)
+    return out
+
+
+EVERY_SCHEDULE = ("gpipe", "1f1b", "zb", "interleaved")
+
+# Every 2-rank run of the module, in one launch (the fixture below): the fxspeed GPT under every
+# schedule at M=2 and M=4; GPT-2 under every schedule at M=4; bf16 and fp16 under 1f1b and zb; an
+# fp16 overflow on the last stage. --eval (eval_step after training: it compiles forward-only
+# programs) only in the runs whose eval loss a test reads.
+TWO_RANK_CASES = {
+    "gpt": [f"--model gpt --schedules {','.join(EVERY_SCHEDULE)} --microbatches 2",
+            f"--model gpt --schedules {','.join(EVERY_SCHEDULE)} --microbatches 4 --eval"],
+    "gpt2": f"--model gpt2 --schedules {','.join(EVERY_SCHEDULE)} --microbatches 4 --eval",
+    "bf16": "--precision bf16 --schedules 1f1b,zb --microbatches 2",
+    "fp16": "--precision fp16 --schedules 1f1b,zb --microbatches 2",
+    "overflow": f"--precision fp16 --loss-scale {2.0**24} --schedules 1f1b --microbatches 2",
+}
+
+# Every 4-rank run, in one launch: 4 stages (6 blocks, so interleaved has its 8 stages) with
+# clipping, and 2 data-parallel replicas of 2-stage pipelines under ZeRO-1, -2 and -3.
+FOUR_RANK_CASES = {
+    "gpt6": f"--model gpt6 --schedules {','.join(EVERY_SCHEDULE)} --microbatches 4,8 --grad-clip 0.5",
+    "gpt2-6": "--model gpt2-6 --schedules interleaved --microbatches 8 --grad-clip 0.5",
+    "zero1_gpt": "--model gpt --pipeline 2 --zero 1 --schedules 1f1b,zb --microbatches 2 --grad-clip 0.5 --checkpoint",
+    "zero1_gpt2": "--model gpt2 --pipeline 2 --zero 1 --schedules 1f1b,zb --microbatches 2 --grad-clip 0.5",
+    "zero23_gpt": "--model gpt --pipeline 2 --zero 2,3 --schedules 1f1b --microbatches 2 --grad-clip 0.5",
+    "zero23_gpt2": "--model gpt2 --pipeline 2 --zero 2,3 --schedules 1f1b --microbatches 2 --grad-clip 0.5",
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return launch_cases(2, tmp_path_factory.mktemp("pipeline_2_ranks"), TWO_RANK_CASES)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return launch_cases(4, tmp_path_factory.mktemp("pipeline_4_ranks"), FOUR_RANK_CASES)
+
+
 def eager_reference(model: str = "gpt", steps: int = 5, clip: float | None = None, microbatches: int = 1):
     """Losses and parameters of one eager process training on the whole global batch.
 
@@ -248,20 +296,17 @@ def assert_parity(out: Path, tag: str, world: int, ref, tol: float = TOL) -> Non
         assert err <= tol, f"{tag}: {k} relative error {err:.2e}"
 
 
-EVERY_SCHEDULE = ("gpipe", "1f1b", "zb", "interleaved")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt", "gpt2"])
-def test_pipeline_2_ranks_every_schedule_matches_eager(tmp_path: Path, model: str) -> None:
+def test_pipeline_2_ranks_every_schedule_matches_eager(two_ranks: Path, model: str) -> None:
     # interleaved puts 2 chunks per rank: 4 stages (embeddings | block 0 | block 1 | head).
-    launch(2, tmp_path, "--model", model, "--schedules", ",".join(EVERY_SCHEDULE), "--microbatches", "2,4")
+    # M=2 (as many micro-batches as ranks) on the fxspeed GPT; M=4 on both models.
     ref = eager_reference(model)
     for sched in EVERY_SCHEDULE:
-        for M in (2, 4):
-            assert_parity(tmp_path, f"{sched}_m{M}", 2, ref)
+        for M in (2, 4) if model == "gpt" else (4,):
+            assert_parity(two_ranks, f"{model}_{sched}_m{M}", 2, ref)
     # The plan shows each stage's modules, parameters, predicted time and memory, and the bubble.
-    got = torch.load(tmp_path / "1f1b_m4_rank0.pt")
+    got = torch.load(two_ranks / f"{model}_1f1b_m4_rank0.pt")
     plan = got["plan"]
     assert [st["rank"] for st in plan["stages"]] == [0, 1] and 0 < plan["bubble"] < 1
     assert plan["stages"][0]["modules"][-1].endswith(".0") and plan["stages"][1]["modules"][0].endswith(".1")
@@ -280,58 +325,53 @@ def test_pipeline_2_ranks_every_schedule_matches_eager(tmp_path: Path, model: st
         want = (m(*b) if isinstance(b, tuple) else m(**b).loss).item()
     for sched in EVERY_SCHEDULE:
         for r in range(2):
-            have = torch.load(tmp_path / f"{sched}_m4_rank{r}.pt")["eval_loss"]
+            have = torch.load(two_ranks / f"{model}_{sched}_m4_rank{r}.pt")["eval_loss"]
             assert abs(have - want) <= 1e-5 * abs(want), (sched, r, have, want)
     assert got["rank_memory"]["parameters"] == plan["stages"][0]["memory_bytes"]["parameters"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt6", "gpt2-6"])
-def test_pipeline_4_ranks_every_schedule_with_clipping_matches_eager(tmp_path: Path, model: str) -> None:
+def test_pipeline_4_ranks_every_schedule_with_clipping_matches_eager(four_ranks: Path, model: str) -> None:
     # 6 blocks: interleaved needs 8 stages (embeddings+block 0 | ... | block 5 + head).
-    # HF GPT-2 at M=8 only: M=4 on 4 ranks is the fxspeed GPT's case, and the suite's time budget is tight.
-    counts = (4, 8) if model == "gpt6" else (8,)
-    launch(4, tmp_path, "--model", model, "--schedules", ",".join(EVERY_SCHEDULE), "--microbatches",
-           ",".join(map(str, counts)), "--grad-clip", "0.5")
+    # Every schedule at M=4 and M=8 on the fxspeed GPT; HF GPT-2 (every schedule at 2 ranks above)
+    # under interleaved at M=8, the schedule with the most stages: the suite's time budget is tight.
+    counts, schedules = ((4, 8), EVERY_SCHEDULE) if model == "gpt6" else ((8,), ("interleaved",))
     for M in counts:
         ref = eager_reference(model, clip=0.5, microbatches=M)
-        for sched in EVERY_SCHEDULE:
-            assert_parity(tmp_path, f"{sched}_m{M}", 4, ref)
+        for sched in schedules:
+            assert_parity(four_ranks, f"{model}_{sched}_m{M}", 4, ref)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt", "gpt2"])
-def test_two_pipelines_of_two_stages_with_zero1_match_eager_on_the_global_batch(tmp_path: Path, model: str) -> None:
+def test_two_pipelines_of_two_stages_with_zero1_match_eager_on_the_global_batch(four_ranks: Path,
+                                                                                 model: str) -> None:
     # 4 ranks = 2 data-parallel replicas x 2 stages; optimizer states sharded over the replicas.
-    launch(4, tmp_path, "--model", model, "--pipeline", "2", "--zero", "1", "--schedules", "1f1b,zb",
-           "--microbatches", "2", "--grad-clip", "0.5", *(["--checkpoint"] if model == "gpt" else []))
     ref = eager_reference(model, clip=0.5)
     for sched in ("1f1b", "zb"):
-        assert_parity(tmp_path, f"{sched}_m2", 4, ref)
+        assert_parity(four_ranks, f"zero1_{model}_{sched}_m2", 4, ref)
     if model == "gpt":  # save after 2 steps, load into a fresh engine: the same losses and weights, bit for bit
         for r in range(4):
-            got = torch.load(tmp_path / f"resume_zb_m2_rank{r}.pt")
+            got = torch.load(four_ranks / f"resume_zero1_gpt_zb_m2_rank{r}.pt")
             assert got["straight"] == got["resumed"] and got["same_params"], got
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt", "gpt2"])
-def test_two_pipelines_of_two_stages_with_zero2_and_zero3_match_eager_on_the_global_batch(tmp_path: Path,
+def test_two_pipelines_of_two_stages_with_zero2_and_zero3_match_eager_on_the_global_batch(four_ranks: Path,
                                                                                           model: str) -> None:
     # 4 ranks = 2 replicas x 2 stages. ZeRO-2: gradients reduced per stage at its REDUCE action into
     # this replica's shard; ZeRO-3: parameters kept as shards between steps, gathered for the step.
-    launch(4, tmp_path, "--model", model, "--pipeline", "2", "--zero", "2,3", "--schedules", "1f1b",
-           "--microbatches", "2", "--grad-clip", "0.5")
     ref = eager_reference(model, clip=0.5)
     for zero in (2, 3):
-        assert_parity(tmp_path, f"1f1b_m2_z{zero}", 4, ref)
+        assert_parity(four_ranks, f"zero23_{model}_1f1b_m2_z{zero}", 4, ref)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_under_a_pipeline_tracks_one_process_at_the_same_precision(tmp_path: Path,
+def test_mixed_precision_under_a_pipeline_tracks_one_process_at_the_same_precision(two_ranks: Path,
                                                                                     precision: str) -> None:
-    launch(2, tmp_path, "--precision", precision, "--schedules", "1f1b,zb", "--microbatches", "2")
     # Same micro-batches as the pipeline: the low-precision matmuls see the same rows, and the
     # stage programs are bit-exact against the joint graph. bf16 matches to ~4e-8; under fp16
     # the step-1 gradients differ only in the tied embedding (its two uses are summed in
@@ -342,8 +382,8 @@ def test_mixed_precision_under_a_pipeline_tracks_one_process_at_the_same_precisi
         # bf16 on a 2-core AVX512-BF16 host (the same at 7059ab8, before the one-engine work): the tied
         # embedding's summation order shows as in fp16 (wte.weight 4.5e-4 relative, 4th loss 1.1e-5);
         # ~4e-8 on the host where the earlier 1e-5 bound was set. CPU bf16 kernels differ by host.
-        assert_parity(tmp_path, f"{sched}_m2", 2, ref, tol=2e-3)
-        got = torch.load(tmp_path / f"{sched}_m2_rank0.pt")
+        assert_parity(two_ranks, f"{precision}_{sched}_m2", 2, ref, tol=2e-3)
+        got = torch.load(two_ranks / f"{precision}_{sched}_m2_rank0.pt")
         assert got["matmul_dtypes"] == [str({"bf16": torch.bfloat16, "fp16": torch.float16}[precision])]
         if precision == "fp16":
             assert got["stats"]["loss_scale"] > 0
@@ -355,12 +395,10 @@ def test_mixed_precision_under_a_pipeline_tracks_one_process_at_the_same_precisi
 
 
 @pytest.mark.slow
-def test_an_fp16_overflow_on_the_last_stage_skips_the_step_on_every_stage(tmp_path: Path) -> None:
+def test_an_fp16_overflow_on_the_last_stage_skips_the_step_on_every_stage(two_ranks: Path) -> None:
     # 2**24 overflows fp16 at the loss's backward seed, on the last stage only; stage 0 sees
     # the infs it is sent. Both ranks skip, back off, and go on with finite losses.
-    launch(2, tmp_path, "--precision", "fp16", "--loss-scale", str(2.0**24), "--schedules", "1f1b",
-           "--microbatches", "2")
-    runs = [torch.load(tmp_path / f"1f1b_m2_rank{r}.pt") for r in range(2)]
+    runs = [torch.load(two_ranks / f"overflow_1f1b_m2_rank{r}.pt") for r in range(2)]
     skipped = [r["stats"]["skipped_steps"] for r in runs]
     assert skipped[0] == skipped[1] and 1 <= skipped[0] < 5, skipped  # some steps skipped, then training
     assert runs[0]["stats"]["loss_scale"] == runs[1]["stats"]["loss_scale"] == 2.0**24 / 2**skipped[0]

@@ -40,6 +40,17 @@ def test_a_rank_that_fails_after_compile_stops_every_rank_with_an_error_naming_i
         assert "rank 1 fails on purpose after compile" in out  # the failed rank's own traceback
 
 
+CONFIG_ERROR_CASES = ("model", "config", "shapes", "indivisible")
+
+
+@pytest.fixture(scope="module")
+def config_errors(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, float, Path]:
+    """One launch going through every ConfigError case in turn (a launch costs more than a case)."""
+    out = tmp_path_factory.mktemp("config_errors")
+    proc, wall = fxspeed_run(2, ",".join(CONFIG_ERROR_CASES), out)
+    return proc, wall, out
+
+
 @pytest.mark.parametrize("case,what", [
     ("model", "ranks disagree on the model and config: rank(s) [1] differ from rank 0"),
     ("config", "ranks disagree on the model and config: rank(s) [1] differ from rank 0"),
@@ -47,11 +58,11 @@ def test_a_rank_that_fails_after_compile_stops_every_rank_with_an_error_naming_i
     ("indivisible", "a global batch of 5 rows cannot be split evenly across 2 ranks"),
 ], ids=["model", "config", "shapes", "indivisible"])
 def test_ranks_that_disagree_or_a_batch_that_cannot_be_split_raise_a_config_error_on_every_rank(
-        case: str, what: str, tmp_path: Path) -> None:
-    proc, wall = fxspeed_run(2, case, tmp_path)
+        case: str, what: str, config_errors: tuple[subprocess.CompletedProcess, float, Path]) -> None:
+    proc, wall, tmp_path = config_errors
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert wall < DEADLINE_S, f"took {wall:.0f} s"
+    assert wall < DEADLINE_S, f"took {wall:.0f} s for the {len(CONFIG_ERROR_CASES)} cases"
     for r in range(2):
-        msg = (tmp_path / f"rank{r}.txt").read_text()
+        msg = (tmp_path / f"{case}_rank{r}.txt").read_text()
         assert msg.startswith("ConfigError: ") and what in msg, (r, msg)

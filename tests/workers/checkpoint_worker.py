@@ -6,8 +6,9 @@
 --phase load: in a fresh process group, build the model from another seed (so nothing matches
     unless load() restores it), compile, engine.load(ckpt/zero{z}), train the same 2 steps;
     rank 0 writes out/load_zero{z}.pt. Loading a checkpoint of another ZeRO stage must fail;
-    with --mismatch-zero S, also load the checkpoint into an engine of stage S, which must fail:
-    the ConfigError message of each rank goes to out/mismatch_rank{r}.txt.
+    with --mismatch-zero S, also load the checkpoint of stage --mismatch-from (default: the last
+    stage run) into an engine of stage S: the message of each rank (ConfigError, or "no error")
+    goes to out/mismatch_rank{r}.txt.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--mismatch-zero", type=int, default=None)
+    ap.add_argument("--mismatch-from", type=int, default=None, help="the stage whose checkpoint --mismatch-zero loads")
     a = ap.parse_args()
     os.environ.setdefault("FXSPEED_BACKEND", "gloo")
     torch.set_num_threads(1)
@@ -65,6 +67,8 @@ def main() -> None:
             torch.save(record, os.path.join(a.out, f"{a.phase}_zero{zero}.pt"))
         dist.barrier()
     if a.phase == "load" and a.mismatch_zero is not None:
+        if a.mismatch_from is not None:
+            ckpt = os.path.join(a.ckpt, f"zero{a.mismatch_from}")
         # A checkpoint of one ZeRO stage loaded into an engine of another: a clear error on every rank.
         engine = fxspeed.compile(build_model("gpt"), world, config(a.mismatch_zero),
                                  example_inputs=local_batch(batches[0]))

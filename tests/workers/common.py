@@ -1,6 +1,12 @@
-"""Models and batches shared by multi-process workers and the tests that check them."""
+"""Models and batches shared by multi-process workers and the tests that check them, and the main of
+the workers that run named cases (run_cases)."""
 
 from __future__ import annotations
+
+import argparse
+import os
+import traceback
+from typing import Callable
 
 import torch
 
@@ -59,3 +65,37 @@ def captured_gpt_step(layers: int, width: int, rows: int, precision: str = "fp32
     cap = compile_step(model, (x, y), {}, config=cfg, loss_fn=None,
                        options=PassOptions.single_device(cfg)).captured
     return model, (x, y), cap
+
+
+def run_cases(cases: dict[str, Callable[[], str]], argv: list[str] | None = None) -> None:
+    """The main of a worker of named cases, launched as
+    `fxspeed run -n N -m tests.workers.<worker> --case CASE --out DIR`.
+
+    --case is one name, several joined by commas, or `all` (every case, in the dict's order). The
+    cases run in turn in this launch's one process group (a launch costs more than most cases).
+    Each returns "ok" or what went wrong; that text, or an exception's type, message and
+    traceback, goes to DIR/{case}_rank{r}.txt, and the launch goes on and exits 0. DIR is also
+    in the environment as WORKER_OUT for cases that write more files."""
+    import torch.distributed as dist
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", required=True, help=f"all, or some of {sorted(cases)} joined by commas")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    names = list(cases) if a.case == "all" else a.case.split(",")
+    unknown = [n for n in names if n not in cases]
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}; choose from {sorted(cases)} or all")
+    os.environ.setdefault("FXSPEED_BACKEND", "gloo")
+    os.environ["WORKER_OUT"] = a.out
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    for name in names:
+        try:
+            msg = cases[name]()
+        except Exception as e:  # noqa: BLE001 - reported per case, the launch goes on
+            msg = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+        with open(os.path.join(a.out, f"{name}_rank{rank}.txt"), "w") as f:
+            f.write(msg)
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -11,12 +11,11 @@
                   steps equal one process's eager fused AdamW on the global batch
 
 Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt and exits 0 (`--case all`:
-every case in one launch).
+every case in one launch; tests/workers/common.py run_cases, shared with tensor_parallel_worker).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 
@@ -27,6 +26,7 @@ import fxspeed
 from fxspeed.data import local_batch
 from fxspeed.errors import FxspeedError
 from tests.test_training_correctness import ConvAndTransposed, Tiny
+from tests.workers.common import run_cases
 
 
 def zero3_module() -> str:
@@ -105,21 +105,5 @@ def layout_dp() -> str:
 CASES = {"zero3_module": zero3_module, "nan_one_rank": nan_one_rank, "eval_global": eval_global, "layout_dp": layout_dp}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--case", required=True, choices=[*CASES, "all"])
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    os.environ.setdefault("FXSPEED_BACKEND", "gloo")
-    torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
-    for case in CASES if a.case == "all" else [a.case]:  # one launch for all: each costs a process group
-        msg = CASES[case]()
-        with open(os.path.join(a.out, f"{case}_rank{rank}.txt"), "w") as f:
-            f.write(msg)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(CASES)  # tests/workers/common.py: every case of one launch in turn, a file per case and rank

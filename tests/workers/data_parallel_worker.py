@@ -26,10 +26,13 @@ def main() -> None:
     ap.add_argument("--grad-clip", type=float, default=None)
     ap.add_argument("--bucket-mb", type=float, default=0.05)
     ap.add_argument("--optimizers", default="adamw")
+    ap.add_argument("--runs", default="", help="model:zero:optimizer,... instead of the product of the lists above")
     a = ap.parse_args()
     os.environ.setdefault("FXSPEED_BACKEND", "gloo")
     torch.set_num_threads(1)
     runs = [(n, z, o) for n in a.models.split(",") for z in map(int, a.zero.split(",")) for o in a.optimizers.split(",")]
+    if a.runs:
+        runs = [(n, int(z), o) for n, z, o in (r.split(":") for r in a.runs.split(","))]
     for name, zero, opt in runs:
             model = build_model(name)
             batches = global_batches(name, a.steps)

@@ -1,7 +1,12 @@
 """Run under torch.distributed.run with N = pipeline x data-parallel ranks: trains a tiny model
 (the GPT with tied wte/head, or GPT2LMHeadModel) with fxspeed pipeline parallelism for each
 requested (schedule, micro-batches) and writes, per rank, the losses and the parameters the rank
-holds to --out/{schedule}_m{M}_rank{r}.pt.
+holds to --out/{tag}{schedule}_m{M}_rank{r}.pt.
+
+Several runs in one launch: each `--case "<these flags>"` is parsed as its own command line (with
+the launch's --out) and run in turn, in one process group; the tests give each case a --tag. A
+launch costs ~12 s (2 ranks) to ~25 s (4 ranks on 2 cores) of process start-up and imports, a
+case a few seconds, so the suite runs its cases in few launches.
 
 The ranks of one pipeline pass the same batch: their replica's slice of the global batch
 (fxspeed.data.local_batch with the engine's dp_rank / dp_size). The test merges one
@@ -12,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,7 +28,7 @@ from fxspeed.data import local_batch
 from tests.workers.common import build_model, global_batches
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="gpt", choices=("gpt", "gpt2", "gpt6", "gpt2-6"))
     ap.add_argument("--schedules", default="gpipe,1f1b")
@@ -34,10 +41,30 @@ def main() -> None:
     ap.add_argument("--grad-clip", type=float, default=None)
     ap.add_argument("--checkpoint", action="store_true",
                     help="also: save after 2 steps, resume a fresh engine from it, record both runs' losses")
+    ap.add_argument("--eval", action="store_true",
+                    help="also run eval_step after training (compiles the forward-only programs) and record its loss")
+    ap.add_argument("--tag", default="", help="prefix of this run's file names")
+    ap.add_argument("--case", action="append", default=[],
+                    help="one run's flags, quoted; repeat for several runs in this launch")
     ap.add_argument("--out", required=True)
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     a = ap.parse_args()
     os.environ.setdefault("FXSPEED_BACKEND", "gloo")
     torch.set_num_threads(1)
+    for case in [ap.parse_args([*shlex.split(c), "--out", a.out]) for c in a.case] or [a]:
+        t0 = time.perf_counter()
+        run(case)
+        dist.barrier()
+        if dist.get_rank() == 0:  # in the launch's output: where its time goes
+            print(f"pipeline_worker: {case.tag or case.model}: {time.perf_counter() - t0:.1f} s", flush=True)
+    dist.destroy_process_group()
+
+
+def run(a: argparse.Namespace) -> None:
     world = int(os.environ["WORLD_SIZE"])
     P = a.pipeline or world
     mbs = [int(m) for m in a.microbatches.split(",")] if a.microbatches else [P, 2 * P]
@@ -55,18 +82,19 @@ def main() -> None:
         losses = [engine.train_step(*b) if isinstance(b, tuple) else engine.train_step(**b) for b in mine]
         state = {k: v.clone() for k, v in engine.state_dict().items()}
         ev = mine[0]
-        eval_loss = engine.eval_step(*ev) if isinstance(ev, tuple) else engine.eval_step(**ev)
+        eval_loss = None
+        if a.eval:
+            eval_loss = engine.eval_step(*ev) if isinstance(ev, tuple) else engine.eval_step(**ev)
         low = {n.meta["val"].dtype for p in engine.programs for n in p.forward.graph.nodes
                if n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)}
         torch.save({"losses": losses, "state": state, "stages": engine.stages, "stats": dict(engine.stats),
                     "matmul_dtypes": sorted(str(d) for d in low), "plan": engine.plan.pipeline,
                     "summary": engine.plan.summary(), "eval_loss": eval_loss, "rank_memory": engine.plan.memory(dist.get_rank()),
                     "describe": engine.describe() if dist.get_rank() == 0 else None},
-                   os.path.join(a.out, f"{sched}_m{M}{f'_z{zero}' if len(zeros) > 1 else ''}_rank{dist.get_rank()}.pt"))
+                   os.path.join(a.out, f"{a.tag}{sched}_m{M}{f'_z{zero}' if len(zeros) > 1 else ''}_rank{dist.get_rank()}.pt"))
         dist.barrier()
         if a.checkpoint:
-            resume_check(a, model_name=a.model, world=world, cfg=cfg, batches=mine, tag=f"{sched}_m{M}")
-    dist.destroy_process_group()
+            resume_check(a, model_name=a.model, world=world, cfg=cfg, batches=mine, tag=f"{a.tag}{sched}_m{M}")
 
 
 def resume_check(a: argparse.Namespace, *, model_name: str, world: int, cfg: fxspeed.Config, batches: list,

@@ -8,7 +8,9 @@
     indivisible  a global batch of 5 rows on 2 ranks -> ConfigError from local_batch
     shapes     rank 1's local batch has another shape -> ConfigError at compile on every rank
 
-Expected errors are written to --out/rank{r}.txt as "ConfigError: message" and the worker exits 0.
+Expected errors are written to --out/{case}_rank{r}.txt as "ConfigError: message" and the worker
+exits 0. The ConfigError cases may be joined by commas (`--case model,config,shapes,indivisible`):
+they run in turn in one launch, each error agreed on every rank before the next case starts.
 """
 
 from __future__ import annotations
@@ -30,22 +32,32 @@ from tests.workers.common import build_model, global_batches
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", required=True,
-                    choices=("raise", "exit", "model", "config", "indivisible", "shapes"))
+                    help="raise, exit, or some of model, config, indivisible, shapes joined by commas")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     os.environ.setdefault("FXSPEED_BACKEND", "gloo")
     torch.set_num_threads(1)
+    cases = a.case.split(",")
+    if not (cases in (["raise"], ["exit"]) or set(cases) <= {"model", "config", "indivisible", "shapes"}):
+        ap.error(f"--case {a.case}: raise, exit, or some of model, config, indivisible, shapes")
+    for case in cases:
+        run(case, a.out)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run(case: str, out: str | None) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     batches = global_batches("gpt", 50)
     model = build_model("gpt")
     cfg = fxspeed.Config(zero=3, lr=1e-2, bucket_mb=0.05)
     example = local_batch(batches[0])
 
-    if a.case in ("raise", "exit"):
+    if case in ("raise", "exit"):
         engine = fxspeed.compile(model, world, cfg, example_inputs=example)
         engine.train_step(*example)
         if rank == 1:
-            if a.case == "exit":
+            if case == "exit":
                 os._exit(13)
             raise RuntimeError("rank 1 fails on purpose after compile")
         t0 = time.time()
@@ -55,24 +67,22 @@ def main() -> None:
         raise SystemExit(0)
 
     try:
-        if a.case == "model" and rank == 1:
+        if case == "model" and rank == 1:
             model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32))
-        if a.case == "config" and rank == 1:
+        if case == "config" and rank == 1:
             cfg = fxspeed.Config(zero=3, lr=3e-2, bucket_mb=0.05)
-        if a.case == "indivisible":
+        if case == "indivisible":
             x = torch.randint(0, 64, (5, 16))
             example = local_batch((x, x))
-        if a.case == "shapes" and rank == 1:
+        if case == "shapes" and rank == 1:
             example = tuple(t[:, :8] for t in example)  # a shorter sequence on rank 1 only
         engine = fxspeed.compile(model, world, cfg, example_inputs=example)
         engine.train_step(*example)
         msg = "no error"
     except ConfigError as e:
         msg = f"ConfigError: {e}"
-    with open(os.path.join(a.out, f"rank{rank}.txt"), "w") as f:
+    with open(os.path.join(out, f"{case}_rank{rank}.txt"), "w") as f:
         f.write(msg)
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -14,25 +14,23 @@ eagerly on the same batches: relative error <= 1e-5.
              exactly Megatron's collectives, 2 all-reduces per block in forward and 2 in backward
     llama    Hugging Face LlamaForCausalLM with GQA (4 query heads, 2 key/value heads); then: the
              same collective count, and eval_step equals the eager loss of the trained model
-    bert     Hugging Face BertForMaskedLM (not in `all`: the slow test runs it)
+    bert     Hugging Face BertForMaskedLM (post-norm, separate q/k/v with biases, tied decoder)
 
 Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt and exits 0 (`--case all`:
-every case in one launch).
+every case in one launch; tests/workers/common.py run_cases, shared with correctness_worker).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import fxspeed
 from fxspeed.models import GPT, GPTConfig
-from tests.workers.common import key_bias_masked
+from tests.workers.common import key_bias_masked, run_cases
 
 STEPS = 5
 D = 256  # wide enough that the cost model finds sharding attention worth its all-reduces (see the test)
@@ -160,7 +158,7 @@ def gpt() -> str:
             return "plan.summary() does not show the placements"
         # A checkpoint of full tensors (optimizer states gathered over tp too), then one more
         # step: the test loads the checkpoint on one device and compares that step.
-        out = os.environ["TP_OUT"]
+        out = os.environ["WORKER_OUT"]
         engine.save(os.path.join(out, "gpt_ckpt"))
         engine.train_step(*bs[0])
         state = engine.state_dict()
@@ -205,27 +203,5 @@ def bert() -> str:
 CASES = {"gpt": gpt, "gpt2": gpt2, "llama": llama, "bert": bert}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--case", required=True, help=f"all, or some of {sorted(CASES)} joined by commas")
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    os.environ.setdefault("FXSPEED_BACKEND", "gloo")
-    os.environ["TP_OUT"] = a.out
-    torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
-    for case in list(CASES) if a.case == "all" else a.case.split(","):
-        try:
-            msg = CASES[case]()
-        except Exception as e:  # noqa: BLE001 - reported per case, the launch goes on
-            import traceback
-
-            msg = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
-        with open(os.path.join(a.out, f"{case}_rank{rank}.txt"), "w") as f:
-            f.write(msg)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(CASES)
