@@ -47,7 +47,7 @@ def test_two_tensor_parallel_ranks_match_one_process_for_gpt_gpt2_llama_and_bert
     """One launch for the four models (BERT: its separate key bias has an exactly-zero true
     gradient, so Adam's float noise on it is left out of the comparison)."""
     cmd = [sys.executable, "-m", "fxspeed", "run", "-n", "2", "-m", "tests.workers.tensor_parallel_worker",
-           "--case", "all", "--out", str(tmp_path)]
+           "--case", "gpt,gpt2,llama,bert", "--out", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -69,16 +69,16 @@ def test_two_tensor_parallel_ranks_match_one_process_for_gpt_gpt2_llama_and_bert
 
 
 @pytest.mark.slow
-def test_four_tensor_parallel_ranks_match_one_process(tmp_path: Path) -> None:
-    """TP=4 on fxspeed's GPT (one head per rank; 4 processes on 2 cores). GPT-2 at TP=4 passes
-    through the worker too (`fxspeed run -n 4 -m tests.workers.tensor_parallel_worker --case gpt2`),
-    kept out of the suite for time."""
+def test_four_ranks_as_tp4_and_as_tp2_x_two_replicas_match_one_process_on_the_global_batch(tmp_path: Path) -> None:
+    """TP=4 on fxspeed's GPT (one head per rank; 4 processes on 2 cores), then TP=2 x DP=2 (ZeRO-0,
+    clipping) in the same launch. GPT-2 at TP=4 passes through the worker too (`fxspeed run -n 4
+    -m tests.workers.tensor_parallel_worker --case gpt2`), kept out of the suite for time."""
     cmd = [sys.executable, "-m", "fxspeed", "run", "-n", "4", "-m", "tests.workers.tensor_parallel_worker",
-           "--case", "gpt", "--out", str(tmp_path)]
+           "--case", "gpt,gpt_dp", "--out", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    for case in ("gpt",):
+    for case in ("gpt", "gpt_dp"):
         for r in range(4):
             got = (tmp_path / f"{case}_rank{r}.txt").read_text()
             assert got == "ok", f"{case} rank {r}: {got}"
@@ -112,11 +112,12 @@ def test_heads_not_divisible_by_tensor_name_the_tensor_sizes_that_work() -> None
         _compile(model, (), {"input_ids": ids, "labels": ids}, T=4)
 
 
-def test_devices_must_be_a_multiple_of_pipeline_times_tensor_and_no_data_parallelism_yet() -> None:
+def test_devices_must_be_a_multiple_of_pipeline_times_tensor_and_replicas_run_zero0_only() -> None:
     with pytest.raises(ConfigError, match="multiple of pipeline x tensor = 2"):
         check_tensor_config(Config(tensor=2), 3)
-    with pytest.raises(ConfigError, match="data parallelism.*use devices=2"):
-        check_tensor_config(Config(tensor=2), 4)
+    with pytest.raises(ConfigError, match="data parallelism.*zero=0.*ZeRO-1 over tensor-parallel slices is not built"):
+        check_tensor_config(Config(tensor=2, zero=1), 4)
+    check_tensor_config(Config(tensor=2), 4)  # 2 replicas of a TP=2 program
     with pytest.raises(ConfigError, match="tensor parallelism under a pipeline"):
         Config(tensor=2, pipeline=2).check_supported()
     check_tensor_config(Config(tensor=2), 2)

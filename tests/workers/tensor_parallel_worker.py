@@ -15,6 +15,8 @@ eagerly on the same batches: relative error <= 1e-5.
     llama    Hugging Face LlamaForCausalLM with GQA (4 query heads, 2 key/value heads); then: the
              same collective count, and eval_step equals the eager loss of the trained model
     bert     Hugging Face BertForMaskedLM (post-norm, separate q/k/v with biases, tied decoder)
+    gpt_dp   GPT at TP=2 x DP=WORLD_SIZE/2 (ZeRO-0) with grad_clip: each replica trains on its rows
+             of the global batch, compared with one process on the whole batch
 
 Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt and exits 0 (`--case all`:
 every case in one launch; tests/workers/common.py run_cases, shared with correctness_worker).
@@ -101,15 +103,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def parity(name: str, config: fxspeed.Config | None = None, check: Any = None) -> str:
-    T = int(os.environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
+    T = config.tensor if config is not None else world
     # lr 1e-4: Adam turns float noise on near-zero gradients into +-lr steps (with SGD the largest
     # relative error after 5 steps is 7e-7; at lr 1e-3 Adam's is 3e-5); see the test module.
     config = config or fxspeed.Config(tensor=T, lr=1e-4)
     model = build(name)
     ref = copy.deepcopy(model)
     bs = batches(name)
-    engine = fxspeed.compile(model, T, config, example_inputs=bs[0])
-    got = [engine.train_step(**b) if isinstance(b, dict) else engine.train_step(*b) for b in bs]
+    # Replicas (world > T) each take their rows of the global batch; the eager run takes all.
+    replicas, replica = world // T, int(os.environ["RANK"]) // T
+    mine = [_rows(b, replica, replicas) for b in bs]
+    engine = fxspeed.compile(model, world, config, example_inputs=mine[0])
+    got = [engine.train_step(**b) if isinstance(b, dict) else engine.train_step(*b) for b in mine]
     want = _eager(ref, bs, config)
     for i, (g, w) in enumerate(zip(got, want)):
         if abs(g - w) > 1e-5 * abs(w):
@@ -128,6 +134,12 @@ def parity(name: str, config: fxspeed.Config | None = None, check: Any = None) -
         if err > 1e-5:
             return f"{name}: parameter {n} after {STEPS} steps: relative error {err:.2e}"
     return check(engine, model, ref, bs) if check is not None else "ok"
+
+
+def _rows(b: Any, i: int, n: int) -> Any:
+    """Replica i's rows (of n) of every tensor of batch `b`."""
+    cut = lambda t: t[i * t.shape[0] // n:(i + 1) * t.shape[0] // n]  # noqa: E731
+    return {k: cut(v) for k, v in b.items()} if isinstance(b, dict) else tuple(cut(t) for t in b)
 
 
 def _collectives(engine: Any) -> dict[str, int]:
@@ -200,7 +212,12 @@ def bert() -> str:
     return parity("bert")
 
 
-CASES = {"gpt": gpt, "gpt2": gpt2, "llama": llama, "bert": bert}
+def gpt_dp() -> str:
+    """TP=2 x DP=WORLD_SIZE/2 with ZeRO-0 and clipping."""
+    return parity("gpt", fxspeed.Config(tensor=2, lr=1e-4, grad_clip=0.05))
+
+
+CASES = {"gpt": gpt, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp}
 
 
 if __name__ == "__main__":
