@@ -21,3 +21,21 @@ def run_ranks(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
         print(f"retrying once after a gloo abort in a rank ({GLOO_ABORT!r}):\n{str(proc.stderr)[-2000:]}")
         proc = subprocess.run(cmd, **kwargs)
     return proc
+
+
+def launch_worker(module: str, n: int, out: Any, *args: str, timeout: int = 900,
+                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m <module> --out OUT *args` on `n` local ranks (torch.distributed.run, one
+    thread each, the repository on PYTHONPATH) and fail the test with the ranks' stderr unless
+    every rank exits 0."""
+    import os
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+           "-m", module, "--out", str(out), *args]
+    proc = run_ranks(cmd, cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return proc

@@ -7,8 +7,6 @@ partition (runtime/flat_parameters.py); the plan counts model states as the pape
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,10 +21,9 @@ from fxspeed.compiler.pass_manager import PassContext, PassManager
 from fxspeed.models.gpt import GPT, GPTConfig
 from fxspeed.passes import dedupe_tied_parameters, eliminate_dead_code, insert_casts, keep_weights_low, normalize_graph
 from fxspeed.planner.estimate import finish_plan, trace_costs, zero_paper_bytes
-from tests.multiprocess import run_ranks
+from tests.multiprocess import launch_worker
 from tests.test_properties import SETTINGS, Spec, make, specs
 
-ROOT = Path(__file__).resolve().parents[1]
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -137,11 +134,7 @@ def test_pipelines_tensor_parallelism_zero0_and_fp32_keep_fp32_weights() -> None
 @pytest.mark.slow
 def test_zero_1_2_3_with_master_weights_train_like_the_fp32_weight_layout_and_resume_from_checkpoints(
         tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "tests.workers.master_weights_worker", "--out", str(tmp_path)]
-    proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    launch_worker("tests.workers.master_weights_worker", 2, tmp_path)
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     r0 = res[0]
     torch.manual_seed(0)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import copy
 import operator
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +15,8 @@ import fxspeed
 from fxspeed.ir import META_KEY
 from fxspeed.models import GPT, GPTConfig
 from fxspeed.passes.graph.insert_casts import LOW_OPS
-from tests.multiprocess import run_ranks
+from tests.multiprocess import launch_worker
 
-ROOT = Path(__file__).resolve().parents[1]
 aten = torch.ops.aten
 FP32_OPS = {aten.native_layer_norm.default, aten.native_layer_norm_backward.default, aten._log_softmax.default,
             aten._softmax.default, aten.nll_loss_forward.default, aten.nll_loss_backward.default,
@@ -155,11 +152,7 @@ def test_the_loss_scale_grows_after_a_window_of_clean_steps() -> None:
 @pytest.mark.slow
 def test_on_two_ranks_an_overflow_on_one_rank_skips_everywhere_and_zero3_gathers_half_the_bytes_in_bf16(
         tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "tests.workers.mixed_precision_worker", "--out", str(tmp_path)]
-    proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    launch_worker("tests.workers.mixed_precision_worker", 2, tmp_path, timeout=600)
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in res:
         assert r["skipped"] == [0, 1, 0], r["skipped"]  # step 2 overflowed on rank 1 only

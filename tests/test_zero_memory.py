@@ -13,22 +13,16 @@ model already held at the baseline (the plan's peak counts them, sharded under Z
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
-from tests.multiprocess import run_ranks
+from tests.multiprocess import launch_worker
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def measure(world: int, zero: str, out: Path, *extra: str) -> dict[tuple[int, int], dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "tests.workers.memory_worker", "--zero", zero, "--out", str(out), *extra]
-    proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    launch_worker("tests.workers.memory_worker", world, out, "--zero", zero, *extra,
+                  env={"MALLOC_MMAP_THRESHOLD_": "65536"})
     recs = [json.loads(p.read_text()) for p in out.glob(f"mem_w{world}_*.json")]
     # fp32 runs keyed (zero, rank), others (precision, zero, rank)
     return {((r["zero"], r["rank"]) if r["precision"] == "fp32" else (r["precision"], r["zero"], r["rank"])): r
