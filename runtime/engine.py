@@ -794,7 +794,12 @@ class Engine:
         """Clip `stepped` by the norm of the whole model's gradient: each weight counted once,
         wherever it lives (shards over replicas, stages over positions, slices over tp ranks)."""
         if self._tp:
-            norm = self._tp.squared_norm([(t, t.grad) for t in stepped]).sqrt().to(torch.float32)
+            if self._flat is not None and self.config.zero >= 1:
+                sq = self._tp_shard_squares()
+                dist.all_reduce(sq, group=self.dist.group)  # every element counted once over dp x tp
+            else:
+                sq = self._tp.squared_norm([(t, t.grad) for t in stepped])
+            norm = sq.sqrt().to(torch.float32)
             if stepped:
                 torch.nn.utils.clip_grads_with_norm_(stepped, self.config.grad_clip, norm, foreach=True)
             return
@@ -818,6 +823,24 @@ class Engine:
         norm = sq.sqrt().to(torch.float32)
         if stepped:
             torch.nn.utils.clip_grads_with_norm_(stepped, self.config.grad_clip, norm, foreach=True)
+
+    def _tp_shard_squares(self) -> torch.Tensor:
+        """Tensor x ZeRO-1/2: this rank's share of the squared gradient norm. A flat shard mixes
+        tp slices (every tp rank holds its own: all count) and weights replicated over tp (tp
+        rank 0 counts them), so summing over the world counts each element once."""
+        flat, tp = self._flat, self._tp
+        sq = torch.zeros((), dtype=torch.float64, device=self._device)
+        for k in self._counted_buckets:
+            g = flat.shards[k].grad
+            if g is None:
+                continue
+            b = flat.buckets[k]
+            lo, hi = flat._range(b)
+            for name, shape, off in zip(b.names, b.shapes, b.offsets):
+                a, z = max(off, lo), min(off + _numel(shape), hi)
+                if a < z and (id(self._params[name]) in tp.layout or tp.rank == 0):
+                    sq += g[a - lo:z - lo].double().pow(2).sum()
+        return sq
 
     def synchronize(self) -> None:
         """Finish the parameter all-gathers a ZeRO-1/2 step left in flight; afterwards the model's
@@ -1191,7 +1214,9 @@ class Engine:
                     full = torch.empty(b.padded, dtype=v.dtype, device=v.device)
                     _all_gather(full, v.contiguous(), group=flat.group)
                     for name, shape, off in zip(b.names, b.shapes, b.offsets):
-                        out.setdefault(name, {})[key] = full[off:off + _numel(shape)].view(shape).clone()
+                        t = full[off:off + _numel(shape)].view(shape).clone()
+                        # a tp slice's state -> the full tensor (collective over tp)
+                        out.setdefault(name, {})[key] = self._tp.gather_like(self._params[name], t) if self._tp else t
             return out
         for g in self.optimizer.param_groups:
             for p in g["params"]:
@@ -1226,6 +1251,8 @@ class Engine:
                     full = torch.zeros(b.padded, dtype=first.dtype, device=shard.device)
                     for name, off in zip(b.names, b.offsets):
                         t = saved[name][key]
+                        if self._tp:  # this tp rank's slice of a full saved state
+                            t = self._tp.local(self._params[name], t)
                         full[off:off + t.numel()].copy_(t.reshape(-1))
                     lo, hi = flat._range(b)
                     st[key] = full[lo:hi].clone()

@@ -17,6 +17,7 @@ eagerly on the same batches: relative error <= 1e-5.
     bert     Hugging Face BertForMaskedLM (post-norm, separate q/k/v with biases, tied decoder)
     gpt_dp   GPT at TP=2 x DP=WORLD_SIZE/2 (ZeRO-0) with grad_clip: each replica trains on its rows
              of the global batch, compared with one process on the whole batch
+    gpt_dp_zero2  the same with ZeRO-2, then a checkpoint (gpt_dp_zero2_ckpt) and one more step
 
 Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt and exits 0 (`--case all`:
 every case in one launch; tests/workers/common.py run_cases, shared with correctness_worker).
@@ -149,6 +150,20 @@ def _collectives(engine: Any) -> dict[str, int]:
             for k, t in (("all_reduce", c10d.all_reduce.default), ("all_gather", c10d.all_gather_into_tensor.default))}
 
 
+def save_and_step(engine: Any, model: torch.nn.Module, ref: torch.nn.Module, bs: list, tag: str) -> str:
+    """A checkpoint of full tensors (optimizer states gathered over tp, and over dp from ZeRO
+    shards), then one more step on bs[0] (each replica its rows): the test loads {tag}_ckpt on
+    one device, takes that step on the whole batch and compares with {tag}_after.pt."""
+    out = os.environ["WORKER_OUT"]
+    engine.save(os.path.join(out, f"{tag}_ckpt"))
+    replicas = int(os.environ["WORLD_SIZE"]) // engine.config.tensor
+    engine.train_step(*_rows(bs[0], int(os.environ["RANK"]) // engine.config.tensor, replicas))
+    state = engine.state_dict()
+    if int(os.environ["RANK"]) == 0:
+        torch.save({n: t.clone() for n, t in state.items()}, os.path.join(out, f"{tag}_after.pt"))
+    return "ok"
+
+
 def gpt() -> str:
     """With grad_clip (the global norm sums slices over tp); then the layout the solver chose."""
     T = int(os.environ["WORLD_SIZE"])
@@ -168,15 +183,7 @@ def gpt() -> str:
                 return f"{n} holds {tuple(p.shape)} of {tuple(full[n].shape)} on this rank, not 1/{T}"
         if "tensor parallel placements" not in engine.plan.summary():
             return "plan.summary() does not show the placements"
-        # A checkpoint of full tensors (optimizer states gathered over tp too), then one more
-        # step: the test loads the checkpoint on one device and compares that step.
-        out = os.environ["WORKER_OUT"]
-        engine.save(os.path.join(out, "gpt_ckpt"))
-        engine.train_step(*bs[0])
-        state = engine.state_dict()
-        if int(os.environ["RANK"]) == 0:
-            torch.save({n: t.clone() for n, t in state.items()}, os.path.join(out, "gpt_after.pt"))
-        return "ok"
+        return save_and_step(engine, model, ref, bs, tag="gpt")
 
     return parity("gpt", fxspeed.Config(tensor=T, lr=1e-4, grad_clip=0.05), layout)
 
@@ -217,7 +224,14 @@ def gpt_dp() -> str:
     return parity("gpt", fxspeed.Config(tensor=2, lr=1e-4, grad_clip=0.05))
 
 
-CASES = {"gpt": gpt, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp}
+def gpt_dp_zero2() -> str:
+    """TP=2 x DP=WORLD_SIZE/2 with ZeRO-2 (flat shards of tp slices; the clip norm counts each
+    element once over dp x tp), then a checkpoint the test resumes on one device."""
+    return parity("gpt", fxspeed.Config(tensor=2, zero=2, lr=1e-4, grad_clip=0.05),
+                  check=lambda *a: save_and_step(*a, tag="gpt_dp_zero2"))
+
+
+CASES = {"gpt": gpt, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2}
 
 
 if __name__ == "__main__":
