@@ -27,7 +27,7 @@ import functools
 import logging
 import os
 import time
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -208,7 +208,7 @@ class Engine:
         want_plan = train and self.plan is None
         # ZeRO-3 keeps only shards between steps, tensor parallelism slices; tracing needs the full
         # parameters once.
-        with self._gathered() if self._tp is None else self._tp.gathered():
+        with self._full_weights():
             compiled = self.compiler.step(self.model, args, kwargs, train=train,
                                           analyze=costs_reader(self.config, self.devices) if want_plan else None)
         after = self._python_state(train)
@@ -290,7 +290,7 @@ class Engine:
         """Context manager: inside it, the user's module holds this rank's full weights (ZeRO-3
         gathers them; collective, call it on every rank). Without ZeRO-3 it does nothing."""
         self.synchronize()
-        return self._gathered() if self._tp is None else self._tp.gathered()
+        return self._full_weights()
 
     def _python_state(self, train: bool) -> tuple:
         """What a trace baked in besides the batch: each module's train/eval mode (train steps) and
@@ -849,6 +849,13 @@ class Engine:
         if self._flat is not None:
             self._flat.wait_gathers()
 
+    @contextlib.contextmanager
+    def _full_weights(self) -> Iterator[None]:
+        """The module holds the full weights: ZeRO shards gathered over dp, then tp slices
+        gathered over tp (collective)."""
+        with self._gathered(), (self._tp.gathered() if self._tp is not None else contextlib.nullcontext()):
+            yield
+
     def _gathered(self) -> Any:
         return self._flat.gathered() if self._flat is not None else contextlib.nullcontext()
 
@@ -1013,10 +1020,11 @@ class Engine:
         held = self._owned if self.pipelined else self._unique
         out: dict[str, torch.Tensor] = {}
         if self._flat is not None and self._flat.released:
-            full = self._flat.full_state()
+            full = self._flat.full_state()  # this tp rank's slices, gathered over dp
             for p in held:
                 name = self._canonical[id(p)]
-                out[name] = full[name] if name in full else p.detach()
+                t = full[name] if name in full else p.detach()
+                out[name] = self._tp.gather_like(p, t) if self._tp else t
         elif self._tp:
             out = {self._canonical[id(p)]: self._tp.full(p) for p in held}  # all-gather over tp
         else:
@@ -1098,7 +1106,7 @@ class Engine:
                               f"problem(s); nothing was loaded): {'; '.join(problems[:5])}"
                               + (" ..." if len(problems) > 5 else "") + ". Pass the full state of the same model")
         # Under tp each rank copies its slice of the full value into its sliced Parameter.
-        with torch.no_grad(), (self._gathered() if self._tp is None else contextlib.nullcontext()):
+        with torch.no_grad(), self._gathered():
             for name, src in pairs:
                 p = self._params[name]
                 p.copy_(self._tp.local(p, src) if self._tp else src)

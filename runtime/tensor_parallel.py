@@ -61,6 +61,14 @@ class TensorParallelParameters:
                 p.data = take_slice(p.data, dim, blocks, self.rank, self.size)
             self.layout[id(p)] = (p, dim, blocks, full_shape)
 
+    def slice_shape(self, p: torch.Tensor) -> tuple[int, ...] | None:
+        """The shape of this rank's slice of sliced Parameter `p` (whatever `p` holds now)."""
+        e = self.layout.get(id(p))
+        if e is None:
+            return None
+        _, dim, _, full = e
+        return tuple(n // self.size if d == dim else n for d, n in enumerate(full))
+
     def full_shape(self, p: torch.Tensor) -> tuple[int, ...] | None:
         e = self.layout.get(id(p))
         return e[3] if e else None
@@ -76,10 +84,11 @@ class TensorParallelParameters:
         return join_slices(parts, dim, blocks)
 
     def gather_like(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """The full value of `t`, a tensor laid out like sliced Parameter `p` (an optimizer state);
-        anything else as it is. Collective over the tp group when p is sliced."""
+        """The full value of `t`, a tensor laid out like sliced Parameter `p`'s slice (an optimizer
+        state, or the slice itself gathered from ZeRO-3 shards while `p` holds nothing); anything
+        else as it is. Collective over the tp group when p is sliced."""
         e = self.layout.get(id(p))
-        if e is None or not torch.is_tensor(t) or tuple(t.shape) != tuple(p.shape):
+        if e is None or not torch.is_tensor(t) or tuple(t.shape) != self.slice_shape(p):
             return t
         parts = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(parts, t.contiguous(), group=self.group)

@@ -75,18 +75,18 @@ def assert_checkpoint_resumes_on_one_device(out: Path, tag: str) -> None:
 @pytest.mark.slow
 def test_four_ranks_as_tp4_and_as_tp2_x_two_replicas_match_one_process_on_the_global_batch(tmp_path: Path) -> None:
     """TP=4 on fxspeed's GPT (one head per rank; 4 processes on 2 cores), then TP=2 x DP=2 with
-    ZeRO-0 and ZeRO-2 (clipping) in the same launch; the ZeRO-2 checkpoint resumes on one device. GPT-2 at TP=4 passes through the worker too (`fxspeed run -n 4
+    ZeRO-0, ZeRO-2 and ZeRO-3 (clipping) in the same launch; the ZeRO-3 checkpoint resumes on one device. GPT-2 at TP=4 passes through the worker too (`fxspeed run -n 4
     -m tests.workers.tensor_parallel_worker --case gpt2`), kept out of the suite for time."""
     cmd = [sys.executable, "-m", "fxspeed", "run", "-n", "4", "-m", "tests.workers.tensor_parallel_worker",
-           "--case", "gpt,gpt_dp,gpt_dp_zero2", "--out", str(tmp_path)]
+           "--case", "gpt,gpt_dp,gpt_dp_zero2,gpt_dp_zero3", "--out", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    for case in ("gpt", "gpt_dp", "gpt_dp_zero2"):
+    for case in ("gpt", "gpt_dp", "gpt_dp_zero2", "gpt_dp_zero3"):
         for r in range(4):
             got = (tmp_path / f"{case}_rank{r}.txt").read_text()
             assert got == "ok", f"{case} rank {r}: {got}"
-    assert_checkpoint_resumes_on_one_device(tmp_path, "gpt_dp_zero2")
+    assert_checkpoint_resumes_on_one_device(tmp_path, "gpt_dp_zero3")
 
 
 # --- in process ----------------------------------------------------------------------------------
@@ -117,13 +117,11 @@ def test_heads_not_divisible_by_tensor_name_the_tensor_sizes_that_work() -> None
         _compile(model, (), {"input_ids": ids, "labels": ids}, T=4)
 
 
-def test_devices_must_be_a_multiple_of_pipeline_times_tensor_and_replicas_run_zero_0_to_2() -> None:
+def test_devices_must_be_a_multiple_of_pipeline_times_tensor_and_replicas_run_every_zero_stage() -> None:
     with pytest.raises(ConfigError, match="multiple of pipeline x tensor = 2"):
         check_tensor_config(Config(tensor=2), 3)
-    with pytest.raises(ConfigError, match="data parallelism.*ZeRO-3 over tensor-parallel slices is not built"):
-        check_tensor_config(Config(tensor=2, zero=3), 4)
-    check_tensor_config(Config(tensor=2, zero=2), 4)
-    check_tensor_config(Config(tensor=2), 4)  # 2 replicas of a TP=2 program
+    for zero in (0, 1, 2, 3):
+        check_tensor_config(Config(tensor=2, zero=zero), 4)  # 2 replicas of a TP=2 program
     with pytest.raises(ConfigError, match="tensor parallelism under a pipeline"):
         Config(tensor=2, pipeline=2).check_supported()
     check_tensor_config(Config(tensor=2), 2)

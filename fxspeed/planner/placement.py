@@ -859,14 +859,10 @@ def describe_placements(gm: fx.GraphModule, signature: Any) -> tuple[dict[str, s
 
 
 def check_tensor_config(config: Any, n_devices: int) -> None:
-    """Config.tensor against the device count: devices = pipeline x tensor x replicas; replicas
-    (tensor x data parallelism) with ZeRO-0/1/2 in this version."""
+    """Config.tensor against the device count: devices = pipeline x tensor x replicas (tensor x
+    data parallelism, any ZeRO stage)."""
     T, pp = config.tensor, config.pipeline
     if n_devices % (T * pp):
         raise ConfigError(f"Config.tensor={T} (x pipeline={pp}) does not divide the {n_devices} devices: the devices "
                           f"must be a multiple of pipeline x tensor = {T * pp}; use devices="
                           f"{max(1, n_devices // (T * pp)) * T * pp} or a tensor that divides {n_devices // pp}")
-    if n_devices != T * pp and config.zero >= 3:
-        raise ConfigError(f"Config.tensor={T} on {n_devices} devices adds data parallelism ({n_devices // (T * pp)} "
-                          f"replicas), which runs with zero=0, 1 or 2 in this version of fxspeed (ZeRO-3 over "
-                          f"tensor-parallel slices is not built); use zero=2, or devices={T * pp}")

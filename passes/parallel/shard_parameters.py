@@ -82,7 +82,8 @@ def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     sig = ctx.signature
     g = gm.graph
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
-    by_name = {sig.inputs[i].target: ph for i, ph in enumerate(placeholders) if sig.inputs[i].kind == "param"}
+    # a tensor-parallel slice ("param_tp") is sharded over dp like a whole parameter
+    by_name = {sig.inputs[i].target: ph for i, ph in enumerate(placeholders) if sig.inputs[i].kind in ("param", "param_tp")}
     # Under bf16/fp16 every bucket is cast as a shard and gathered in low precision (half the
     # bytes). A parameter read only through its one low-precision cast (insert_casts made it)
     # takes the gathered view directly; one also read in fp32 (a norm's weight) gets a single
@@ -152,7 +153,7 @@ def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             g.erase_node(roots[name])
         g.erase_node(by_name[name])
     # Shard placeholders were inserted after the last input, so graph order is: survivors, shards.
-    sig.inputs = [s for s in sig.inputs if not (s.kind == "param" and s.target in sharded)] + [
+    sig.inputs = [s for s in sig.inputs if not (s.kind in ("param", "param_tp") and s.target in sharded)] + [
         IOSpec("param_shard", str(b.index)) for b in sig.buckets]
     return PassResult(gm, modified=True)
 

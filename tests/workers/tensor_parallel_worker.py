@@ -17,7 +17,8 @@ eagerly on the same batches: relative error <= 1e-5.
     bert     Hugging Face BertForMaskedLM (post-norm, separate q/k/v with biases, tied decoder)
     gpt_dp   GPT at TP=2 x DP=WORLD_SIZE/2 (ZeRO-0) with grad_clip: each replica trains on its rows
              of the global batch, compared with one process on the whole batch
-    gpt_dp_zero2  the same with ZeRO-2, then a checkpoint (gpt_dp_zero2_ckpt) and one more step
+    gpt_dp_zero2, gpt_dp_zero3  the same with ZeRO-2 and ZeRO-3; ZeRO-3 then writes a checkpoint
+             (gpt_dp_zero3_ckpt) and takes one more step
 
 Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt and exits 0 (`--case all`:
 every case in one launch; tests/workers/common.py run_cases, shared with correctness_worker).
@@ -226,12 +227,19 @@ def gpt_dp() -> str:
 
 def gpt_dp_zero2() -> str:
     """TP=2 x DP=WORLD_SIZE/2 with ZeRO-2 (flat shards of tp slices; the clip norm counts each
-    element once over dp x tp), then a checkpoint the test resumes on one device."""
-    return parity("gpt", fxspeed.Config(tensor=2, zero=2, lr=1e-4, grad_clip=0.05),
-                  check=lambda *a: save_and_step(*a, tag="gpt_dp_zero2"))
+    element once over dp x tp)."""
+    return parity("gpt", fxspeed.Config(tensor=2, zero=2, lr=1e-4, grad_clip=0.05))
 
 
-CASES = {"gpt": gpt, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2}
+def gpt_dp_zero3() -> str:
+    """TP=2 x DP=WORLD_SIZE/2 with ZeRO-3 (tp slices sharded over dp, gathered in the step), then
+    a checkpoint the test resumes on one device."""
+    return parity("gpt", fxspeed.Config(tensor=2, zero=3, lr=1e-4, grad_clip=0.05),
+                  check=lambda *a: save_and_step(*a, tag="gpt_dp_zero3"))
+
+
+CASES = {"gpt": gpt, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
+         "gpt_dp_zero3": gpt_dp_zero3}
 
 
 if __name__ == "__main__":
