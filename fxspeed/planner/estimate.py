@@ -380,7 +380,10 @@ def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, 
     step[OPTIMIZER_STATES] = resident_optimizer_states(config, states, offloaded) + shard(costs.master_bytes, 1)
     comm = 0.0
     if dp > 1:
-        comm = 2 * config.bucket_mb * 2**20 if z < 3 else 2 * costs.largest_param  # double-buffered buckets / prefetch
+        bucket = config.bucket_mb * 2**20
+        # double-buffered gradient buckets; ZeRO-3: two gathered parameter buckets in flight (a bucket
+        # is bucket_mb of gradients, so as many bytes of working parameters; a larger parameter alone)
+        comm = 2 * bucket if z < 3 else 2 * max(costs.largest_param, min(bucket, costs.param_bytes))
     step[COMM_BUFFERS] = comm
     return step
 
