@@ -287,8 +287,9 @@ class Engine:
         self._release_hook = self.model.register_forward_pre_hook(refuse)
 
     def gathered(self) -> Any:
-        """Context manager: inside it, the user's module holds this rank's full weights (ZeRO-3
-        gathers them; collective, call it on every rank). Without ZeRO-3 it does nothing."""
+        """Context manager: inside it, the user's module holds the full fp32 weights (ZeRO-3 and
+        master weights gather them over dp, tensor parallelism over tp; collective, call it on
+        every rank). Where every rank already holds them it does nothing."""
         self.synchronize()
         return self._full_weights()
 
@@ -825,7 +826,7 @@ class Engine:
             torch.nn.utils.clip_grads_with_norm_(stepped, self.config.grad_clip, norm, foreach=True)
 
     def _tp_shard_squares(self) -> torch.Tensor:
-        """Tensor x ZeRO-1/2: this rank's share of the squared gradient norm. A flat shard mixes
+        """Tensor x ZeRO-1/2/3: this rank's share of the squared gradient norm. A flat shard mixes
         tp slices (every tp rank holds its own: all count) and weights replicated over tp (tp
         rank 0 counts them), so summing over the world counts each element once."""
         flat, tp = self._flat, self._tp
@@ -844,7 +845,7 @@ class Engine:
 
     def synchronize(self) -> None:
         """Finish the parameter all-gathers a ZeRO-1/2 step left in flight; afterwards the model's
-        Parameters hold the updated weights. state_dict(), save(), load() and eval_step() call it;
+        Parameters hold the updated weights (under master weights they hold nothing: use gathered()). state_dict(), save(), load() and eval_step() call it;
         call it yourself before reading the model's Parameters directly between steps."""
         if self._flat is not None:
             self._flat.wait_gathers()

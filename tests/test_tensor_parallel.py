@@ -46,17 +46,22 @@ c10d = torch.ops._c10d_functional
 def test_two_tensor_parallel_ranks_match_one_process_for_gpt_gpt2_llama_and_bert(tmp_path: Path) -> None:
     """One launch for the four models (BERT: its separate key bias has an exactly-zero true
     gradient, so Adam's float noise on it is left out of the comparison)."""
-    cmd = [sys.executable, "-m", "fxspeed", "run", "-n", "2", "-m", "tests.workers.tensor_parallel_worker",
-           "--case", "gpt,gpt2,llama,bert", "--out", str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    for case in ("gpt", "gpt2", "llama", "bert"):
-        for r in range(2):
-            got = (tmp_path / f"{case}_rank{r}.txt").read_text()
-            assert got == "ok", f"{case} rank {r}: {got}"
+    run_cases_on(2, ("gpt", "gpt2", "llama", "bert"), tmp_path, timeout=600)
     # The TP=2 checkpoint loads on one device, optimizer states included: the next step agrees.
     assert_checkpoint_resumes_on_one_device(tmp_path, "gpt")
+
+
+def run_cases_on(n: int, cases: tuple[str, ...], out: Path, timeout: int) -> None:
+    """Run the worker's `cases` in one launch of `n` ranks; every rank of every case must say "ok"."""
+    cmd = [sys.executable, "-m", "fxspeed", "run", "-n", str(n), "-m", "tests.workers.tensor_parallel_worker",
+           "--case", ",".join(cases), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    for case in cases:
+        for r in range(n):
+            got = (out / f"{case}_rank{r}.txt").read_text()
+            assert got == "ok", f"{case} rank {r}: {got}"
 
 
 def assert_checkpoint_resumes_on_one_device(out: Path, tag: str) -> None:
@@ -75,17 +80,10 @@ def assert_checkpoint_resumes_on_one_device(out: Path, tag: str) -> None:
 @pytest.mark.slow
 def test_four_ranks_as_tp4_and_as_tp2_x_two_replicas_match_one_process_on_the_global_batch(tmp_path: Path) -> None:
     """TP=4 on fxspeed's GPT (one head per rank; 4 processes on 2 cores), then TP=2 x DP=2 with
-    ZeRO-0, ZeRO-2 and ZeRO-3 (clipping) in the same launch; the ZeRO-3 checkpoint resumes on one device. GPT-2 at TP=4 passes through the worker too (`fxspeed run -n 4
+    ZeRO-0, ZeRO-2 and ZeRO-3 (clipping) in the same launch; the ZeRO-3 checkpoint resumes on one
+    device. GPT-2 at TP=4 passes through the worker too (`fxspeed run -n 4
     -m tests.workers.tensor_parallel_worker --case gpt2`), kept out of the suite for time."""
-    cmd = [sys.executable, "-m", "fxspeed", "run", "-n", "4", "-m", "tests.workers.tensor_parallel_worker",
-           "--case", "gpt,gpt_dp,gpt_dp_zero2,gpt_dp_zero3", "--out", str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    for case in ("gpt", "gpt_dp", "gpt_dp_zero2", "gpt_dp_zero3"):
-        for r in range(4):
-            got = (tmp_path / f"{case}_rank{r}.txt").read_text()
-            assert got == "ok", f"{case} rank {r}: {got}"
+    run_cases_on(4, ("gpt", "gpt_dp", "gpt_dp_zero2", "gpt_dp_zero3"), tmp_path, timeout=900)
     assert_checkpoint_resumes_on_one_device(tmp_path, "gpt_dp_zero3")
 
 

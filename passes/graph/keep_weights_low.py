@@ -54,13 +54,12 @@ def keep_weights_low(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     outs = list(out.args[0])
     grad_at = {s.target: i for i, s in enumerate(sig.outputs) if s.kind == "grad"}
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
-    lowered: list[str] = []
+    changed = False
     for spec, ph in zip(sig.inputs, placeholders):
         val = ph.meta.get("val")
         if spec.kind != "param" or spec.target not in grad_at or not isinstance(val, torch.Tensor) \
                 or val.dtype != torch.float32:
             continue  # frozen weights (no master to keep) and non-fp32 ones stay as they are
-        fp32_val = val
         ph.meta["val"] = fake_value(aten._to_copy.default, (ph,), {"dtype": low})
         for u in list(ph.users):
             if u.op == "output":
@@ -72,16 +71,15 @@ def keep_weights_low(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 _embed_low(g, u)
             else:
                 with g.inserting_before(u):
-                    up = call(g, aten._to_copy.default, (ph,), {"dtype": fp32_val.dtype})
+                    up = call(g, aten._to_copy.default, (ph,), {"dtype": torch.float32})
                 u.replace_input_with(ph, up)
         _sink_views(g, ph)
-        lowered.append(spec.target)
+        changed = True
         i = grad_at[spec.target]
         outs[i] = _gradient_in(g, outs[i], grad_dtype, out)
-        out.args = (type(out.args[0])(outs),)
-    if not lowered:
+        out.args = (type(out.args[0])(outs),)  # now: the next _gradient_in counts the output's reads
+    if not changed:
         return PassResult(gm, modified=False)
-    out.args = (type(out.args[0])(outs),)
     sig.working_dtype, sig.grad_dtype = dtype_name(low), dtype_name(grad_dtype)
     return PassResult(gm, modified=True)
 
