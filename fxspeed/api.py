@@ -125,7 +125,10 @@ def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | 
     use) with a paged KV cache of `cache_tokens` tokens (default: max_batch x the model's
     context) in blocks of `block_size`; each step runs at most `token_budget` tokens and
     `max_batch` requests (continuous batching, prompts split in chunks). `engine.plan` is an
-    InferencePlan (`engine.plan.summary()`). One device, no tensor parallelism yet. Before
+    InferencePlan (`engine.plan.summary()`). `devices=N` with `Config(tensor=N)` serves
+    tensor-parallel (every rank of a `fxspeed run -n N` launch calls serve and generate with the
+    same prompts; heads and MLP split, the cache split by heads; every rank returns the same
+    tokens). Before
     returning, two short packed requests are served and checked against the model's own eager
     forward (a model the passes would serve wrongly is refused here). Puts the model in eval mode.
     """
@@ -133,9 +136,10 @@ def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | 
     cfg = Config.coerce(config)
     cfg.check_supported()
     devs = normalize_devices(devices)
-    if len(devs) != 1 or cfg.pipeline > 1 or cfg.tensor > 1:
-        raise ConfigError(f"serve: one device only for now (got devices={len(devs)}, Config.pipeline={cfg.pipeline}, "
-                          f"Config.tensor={cfg.tensor}); tensor-parallel inference is not built yet")
+    if cfg.pipeline > 1 or len(devs) != cfg.tensor:
+        raise ConfigError(f"serve: devices={len(devs)} with Config.tensor={cfg.tensor}, Config.pipeline={cfg.pipeline}; "
+                          "serving runs on one device or tensor-parallel over all of them: give devices=1, or "
+                          "devices=N with Config(tensor=N) (no data-parallel replicas or pipeline stages yet)")
     if any(p.is_meta for p in model.parameters()):
         raise ConfigError("serve: the model has parameters on the meta device; materialize and load it first")
     set_attn = getattr(model, "set_attn_implementation", None)
@@ -145,8 +149,14 @@ def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | 
             raise ConfigError(f"serve: {type(model).__name__} uses attn_implementation={impl!r}; build it with "
                               "attn_implementation='sdpa' so the KV cache can be threaded through its attention")
         set_attn("sdpa")  # the same attention, as one op the kv_cache pass can find
-    mesh = Mesh.join(1, cfg.dist_timeout_s)
-    engine = Engine(model, devs, cfg, None, compiler=Compiler(cfg, mesh, None), mesh=mesh)
+    analyses = []
+    if cfg.tensor > 1:
+        from fxspeed.planner.placement import check_tensor_config, make_placement_analysis
+
+        check_tensor_config(cfg, len(devs))
+        analyses.append(make_placement_analysis(devs))  # solved on the largest bucket, kept for the others
+    mesh = Mesh.join(len(devs), cfg.dist_timeout_s, tp=cfg.tensor)
+    engine = Engine(model, devs, cfg, None, compiler=Compiler(cfg, mesh, None, analyses=analyses), mesh=mesh)
     engine.setup_serving(token_budget=token_budget, max_batch=max_batch, block_size=block_size,
                          cache_tokens=cache_tokens)
     return engine

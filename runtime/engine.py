@@ -40,7 +40,8 @@ from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.ir import Bucket, IOSpec, Program, StepSignature
 from fxspeed.ir.batch import input_key, split_batch, tensor_leaves
 from fxspeed.ir.schedule import B, F, I, RECV_B, RECV_F, SEND_F, STEP, W, Action, Schedule
-from fxspeed.mesh import Mesh, check_agreement, check_same_everywhere, check_same_model, expect_all_ranks, fingerprint
+from fxspeed.mesh import (Mesh, check_agreement, check_same_everywhere, check_same_model, comm_device, expect_all_ranks,
+                          fingerprint)
 from fxspeed.planner import costs_reader, finish_plan
 from fxspeed.planner.estimate import offload_chunk_bytes
 from fxspeed.planner.plan import Plan
@@ -557,11 +558,36 @@ class Engine:
 
         vocab, context = model_limits(self.model)
         self.model.eval()
-        self._serving = ServingLoop(lambda T: self.compiler.inference(self.model, T), self._bind,
-                                    vocab_size=vocab, max_context=context, device=self._device, **options)
-        self._serving.check_against(self.model, low_precision=self.config.precision != "fp32")
+        tp = self._tp
+        self._serving = ServingLoop(self._inference_program, self._bind, vocab_size=vocab, max_context=context,
+                                    device=self._device, agree=self._agree_tokens if tp is not None else None,
+                                    **options)
+        self._serving.check_against(self.model, low_precision=self.config.precision != "fp32",
+                                    full_weights=tp.gathered if tp is not None else None)
         first = next(iter(self._serving.programs.values())).program
-        self.plan = plan_inference(self.model, first, self._serving, self.devices[0], self.config)  # type: ignore[assignment]
+        self.plan = plan_inference(self.model, first, self._serving, self.devices[0], self.config,  # type: ignore[assignment]
+                                   tensor=self.mesh.tp)
+
+    def _inference_program(self, tokens: int) -> Any:
+        """The compiler's serving program for a bucket of `tokens`. Under tensor parallelism the
+        tracer needs the full weights (gathered over tp while it runs: every rank compiles the
+        same bucket at the same step, since every rank schedules the same requests), and the first
+        program's layout cuts the Parameters to this rank's slices."""
+        with self._tp.gathered() if self._tp else contextlib.nullcontext():
+            program = self.compiler.inference(self.model, tokens)
+        if self._tp is not None:
+            self._apply_tp_layout(program.signature)
+        return program
+
+    def _agree_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tensor-parallel serving: every rank continues with tp rank 0's sampled tokens. The
+        logits are equal on every rank (all-reduced or all-gathered), so greedy choices agree
+        anyway; a sampled token (each rank's own generator, perhaps seeded differently) might not,
+        and one different token would make the ranks' schedules, and collectives, diverge."""
+        dev = comm_device(self._tp.group)
+        t = tokens.to(dev)
+        dist.broadcast(t, group=self._tp.group, group_src=0)
+        return t.to(tokens.device)
 
     def _serving_loop(self) -> Any:
         if self._serving is None:

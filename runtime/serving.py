@@ -27,10 +27,11 @@ tokens), or returns the errors in place with `on_error="return"`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -74,6 +75,7 @@ class KVCache:
                               "raise cache_tokens")
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.layout = list(layout)
         self.tensors: dict[str, torch.Tensor] = {}
         for i, (h, d, dt) in enumerate(layout):
             for kv in ("k", "v"):
@@ -152,7 +154,10 @@ class ServingLoop:
 
     def __init__(self, compile_bucket: Callable[[int], InferenceProgram], bind: Callable[[IOSpec], torch.Tensor],
                  *, vocab_size: int, max_context: int, device: torch.device, token_budget: int = 256,
-                 max_batch: int = 16, block_size: int = 16, cache_tokens: int | None = None):
+                 max_batch: int = 16, block_size: int = 16, cache_tokens: int | None = None,
+                 agree: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """`agree`: tensor-parallel serving hands every step's sampled tokens to it and continues with
+        what it returns (tp rank 0's choice), so that every rank schedules the same requests."""
         if token_budget < 1 or max_batch < 1 or block_size < 1:
             raise ConfigError(f"serve: token_budget ({token_budget}), max_batch ({max_batch}) and block_size "
                               f"({block_size}) must be >= 1")
@@ -160,6 +165,7 @@ class ServingLoop:
             raise ConfigError(f"serve: max_batch ({max_batch}) > token_budget ({token_budget}): every running request "
                               "needs a token of each step's budget; raise token_budget or lower max_batch")
         self._compile = compile_bucket
+        self._agree = agree
         self._bind = bind
         self.vocab_size = vocab_size
         self.max_context = max_context
@@ -184,7 +190,14 @@ class ServingLoop:
         """The bound program of bucket T, compiled on first use."""
         if T not in self.programs:
             t0 = time.perf_counter()
-            self.programs[T] = _Bound(self._compile(T), self._bind, self.cache)
+            program = self._compile(T)
+            if list(program.kv_layout) != self.cache.layout:
+                # Every bucket writes the same cache: under tensor parallelism its heads must be
+                # split the same way in every program (the layout is solved once and kept).
+                raise FxspeedError(f"serve: the program for {T} tokens lays out the KV cache as "
+                                   f"{list(program.kv_layout)} (heads, head_dim, dtype per layer) but the cache holds "
+                                   f"{self.cache.layout}; please report this with the model and Config")
+            self.programs[T] = _Bound(program, self._bind, self.cache)
             self.stats["compile_s"] += time.perf_counter() - t0
         return self.programs[T]
 
@@ -193,12 +206,15 @@ class ServingLoop:
             return self._only_bucket
         return next(b for b in self.buckets if b >= n)
 
-    def check_against(self, model: nn.Module, low_precision: bool = False) -> None:
+    def check_against(self, model: nn.Module, low_precision: bool = False,
+                      full_weights: Callable[[], ContextManager[None]] | None = None) -> None:
         """Serve two short requests packed together (a prefill chunk beside decode tokens) and
         compare every sampled row's logits with the model's own eager forward over the whole
         sequence. A model whose positions or attention the passes followed wrongly (positions made
         from the packed row, a mask they did not see) fails here, at serve time, instead of
-        generating wrong tokens. Runs in the largest bucket only (no extra compile)."""
+        generating wrong tokens. Runs in the largest bucket only (no extra compile). `full_weights`:
+        under tensor parallelism, the context in which the model holds its whole weights (gathered
+        over tp) for the eager reference."""
         prompts = [[(7 * i + 3) % self.vocab_size for i in range(5)], [(11 * i + 1) % self.vocab_size for i in range(3)]]
         new = 3
         if self.max_context < 8 or self.cache.usable_blocks < 2 * -(-8 // self.block_size):
@@ -214,7 +230,7 @@ class ServingLoop:
         finally:
             self._only_bucket, self.record_logits = None, recorded
             self.stats.update(counters)  # the check is not serving work
-        with torch.no_grad():
+        with torch.no_grad(), (full_weights() if full_weights is not None else contextlib.nullcontext()):
             for i, (p, o) in enumerate(zip(prompts, outs)):
                 out = model(torch.tensor([p + o], device=self.device))
                 ref = (out if isinstance(out, torch.Tensor) else out["logits"])[0, len(p) - 1:len(p) + new - 1].float()
@@ -385,12 +401,13 @@ class ServingLoop:
         if not last:
             return []
         rows = (logits[0] if bound.program.selects_logits else logits[0, rows_at.to(logits.device)]).float()
-        out = []
-        for (r, _), row in zip(last, rows):
-            if self.record_logits is not None:
+        picked = torch.tensor([_sample(row, r) for (r, _), row in zip(last, rows)], dtype=torch.long)
+        if self._agree is not None:
+            picked = self._agree(picked)
+        if self.record_logits is not None:
+            for (r, _), row in zip(last, rows):
                 self.record_logits.setdefault(r.id, []).append(row.detach().cpu().clone())
-            out.append((r, _sample(row, r)))
-        return out
+        return [(r, int(t)) for (r, _), t in zip(last, picked.tolist())]
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16, *,
                  on_error: str = "raise", **kw: Any) -> list[Any]:

@@ -162,3 +162,24 @@ def test_the_inference_plan_counts_cache_bytes_per_token_and_a_serving_engine_re
     assert "bytes/token" in text and "tokens/s" in text
     with pytest.raises(ConfigError, match="inference"):
         engine.train_step(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_two_tensor_parallel_ranks_serve_the_tokens_and_logits_of_one_device(tmp_path):
+    """tests/workers/serving_worker.py, one launch of 2 ranks: GPT-2, Llama (GQA), fxspeed's GPT and
+    OPT cut by heads (the cache holds kv_heads / 2 per rank) give HF's greedy tokens and logits
+    within 1e-4 of a full forward; sampling without a seed agrees over the ranks; bad requests
+    fail alone."""
+    from tests.multiprocess import launch_worker
+
+    cases = ("gpt2", "llama", "gpt", "opt", "sampling", "bad_request")
+    launch_worker("tests.workers.serving_worker", 2, tmp_path, "--case", ",".join(cases), timeout=600)
+    for case in cases:
+        for rank in range(2):
+            assert (tmp_path / f"{case}_rank{rank}.txt").read_text() == "ok", (case, rank)
+
+
+def test_serving_refuses_devices_that_are_not_one_or_the_tensor_size():
+    with pytest.raises(ConfigError, match="tensor-parallel over all of them"):
+        fxspeed.serve(_gpt(), devices=2)
+    with pytest.raises(ConfigError, match="tensor-parallel over all of them"):
+        fxspeed.serve(_gpt(), devices=4, config=fxspeed.Config(tensor=2))

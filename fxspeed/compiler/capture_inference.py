@@ -9,7 +9,14 @@ The forward is captured once per token bucket T with `capture_step(train=False)`
 the model's Python never runs at serve time), its inputs relabelled (`tokens`, `positions`), its
 outputs cut to the logits, then the inference passes run under the pass manager:
 
-    normalize_graph, insert_casts (bf16/fp16 configs), kv_cache, select_logits, eliminate_dead_code, annotate
+    normalize_graph, insert_casts (bf16/fp16 configs), [shard_tensors], kv_cache, select_logits,
+    eliminate_dead_code, annotate
+
+Tensor parallelism (options.tp_size > 1): `shard_tensors` cuts the program for this tp rank
+before `kv_cache`, with the parameter layout of the engine's "tp_placements" analysis (solved
+on the first program, the largest bucket, and kept for every later one, so every bucket reads
+the same weight slices and the same KV-cache heads). The cache pass then sees this rank's
+attention heads, so the cache holds only them: [blocks, block_size, kv_heads / T, head_dim].
 
 A model whose forward takes no `position_ids` (fxspeed's GPT) makes its own `arange(T)`, which
 `kv_cache` replaces by a `positions` input.
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
@@ -59,10 +67,13 @@ def _inputs(model: nn.Module, T: int, device: torch.device) -> tuple[tuple, dict
     return (ids,), {}, ["tokens"]
 
 
-def compile_inference(model: nn.Module, tokens: int, *, config: Config,
-                      options: PassOptions | None = None) -> InferenceProgram:
-    """The serving program for a packed row of `tokens` tokens (see the module docstring)."""
-    from fxspeed.passes import ALL_PASSES, STAGE_PASS_NAMES, eliminate_dead_code, insert_casts, normalize_graph
+def compile_inference(model: nn.Module, tokens: int, *, config: Config, options: PassOptions | None = None,
+                      analyses: Sequence[Any] = ()) -> InferenceProgram:
+    """The serving program for a packed row of `tokens` tokens (see the module docstring).
+    `analyses`: planner-made analyses (the "tp_placements" that shard_tensors requires when
+    options.tp_size > 1)."""
+    from fxspeed.passes import (ALL_PASSES, STAGE_PASS_NAMES, eliminate_dead_code, insert_casts, normalize_graph,
+                                shard_tensors)
     from fxspeed.passes.inference.kv_cache import kv_cache
     from fxspeed.passes.inference.select_logits import select_logits
 
@@ -91,8 +102,9 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config,
     gm.graph.eliminate_dead_code()
     gm.recompile()
     ctx = PassContext(signature=sig, module_of=cap.module_of, options=opts.local(), model_name=type(model).__name__)
-    passes = [normalize_graph, insert_casts, kv_cache, select_logits, eliminate_dead_code]
-    pm = PassManager(passes, analyses=[make_annotate_pass()], disabled=config.disable_passes,
+    tp = [shard_tensors] if opts.tp_size > 1 else []
+    passes = [normalize_graph, insert_casts, *tp, kv_cache, select_logits, eliminate_dead_code]
+    pm = PassManager(passes, analyses=[make_annotate_pass(), *analyses], disabled=config.disable_passes,
                      known=[*ALL_PASSES, *STAGE_PASS_NAMES, *TRAINING_ONLY, *(p.name for p in passes)])
     gm = pm.ensure("annotate", pm.run(gm, ctx), ctx)
     t2 = time.perf_counter()

@@ -258,7 +258,8 @@ class Compiler:
         (fxspeed/compiler/capture_inference.py)."""
         from fxspeed.compiler.capture_inference import compile_inference
 
-        return compile_inference(model, tokens, config=self.config, options=self.options.local())
+        return compile_inference(model, tokens, config=self.config, options=self.options.local(),
+                                 analyses=self.analyses)
 
     def program(self, model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, train: bool,
                 positions: Sequence[int] | None = None, split_points: Sequence[str] | None = None,

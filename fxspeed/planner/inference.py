@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from fxspeed.config import Config
 from fxspeed.devices import DeviceSpec
+from fxspeed.planner.placement import P, R, S, CostModel
 
 # Activations of one step (one row of `token_budget` tokens) are small next to weights and cache;
 # they are kept aside as a fixed share of device memory rather than modelled.
@@ -42,6 +43,8 @@ class InferencePlan:
     token_budget: int
     block_size: int
     predicted_tokens_per_s: dict[str, float] = field(default_factory=dict)  # "batch=B,context=L" -> tokens/s
+    tensor: int = 1  # tp ranks; weights, cache and "fits" are per rank
+    tp_collectives_per_step: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,8 +54,10 @@ class InferencePlan:
 
     def summary(self) -> str:
         mb = 1 << 20
+        per = f", per rank of tensor={self.tensor} ({self.tp_collectives_per_step} tp collectives/step)" \
+            if self.tensor > 1 else ""
         lines = [
-            f"inference plan: {self.model} on {self.device}",
+            f"inference plan: {self.model} on {self.device}{per}",
             f"  weights            {self.parameters / 1e6:.2f}M parameters, {self.weight_bytes / mb:.1f} MiB",
             f"  KV cache           {self.kv_bytes_per_token} bytes/token ({self.layers} layers, keys + values)",
             f"  cache allocated    {self.cache_tokens} tokens ({self.cache_bytes / mb:.1f} MiB) in blocks of "
@@ -67,15 +72,20 @@ class InferencePlan:
 
 
 def decode_tokens_per_s(parameters: int, weight_bytes: int, kv_bytes_per_token: int, batch: int, context: int,
-                        device: DeviceSpec, dtype: str = "fp32") -> float:
-    """The roofline of one decode step at `batch` requests of `context` cached tokens."""
+                        device: DeviceSpec, dtype: str = "fp32", comm_s: float = 0.0) -> float:
+    """The roofline of one decode step at `batch` requests of `context` cached tokens, plus
+    `comm_s` seconds of tensor-parallel collectives (not overlapped: each waits for its layer)."""
     flops_s = 2.0 * parameters * batch / device.peak_flops(dtype)
     bytes_s = (weight_bytes + batch * context * kv_bytes_per_token) / max(device.mem_bandwidth, 1.0)
-    return batch / max(flops_s, bytes_s)
+    return batch / (max(flops_s, bytes_s) + comm_s)
 
 
-def plan_inference(model: nn.Module, program: Any, serving: Any, device: DeviceSpec, config: Config) -> InferencePlan:
-    """`program`: an InferenceProgram (its kv_layout); `serving`: the ServingLoop (cache, budget)."""
+def plan_inference(model: nn.Module, program: Any, serving: Any, device: DeviceSpec, config: Config,
+                   tensor: int = 1) -> InferencePlan:
+    """`program`: an InferenceProgram (its kv_layout); `serving`: the ServingLoop (cache, budget).
+    Under tensor parallelism (`tensor` > 1) the model's Parameters hold this rank's slices and the
+    program's cache layout this rank's heads, so every figure is per tp rank; the decode roofline
+    adds the program's tp collectives (the placement cost model's all-reduce / all-gather time)."""
     unique = {id(p): p for p in model.parameters()}
     params = sum(p.numel() for p in unique.values())
     wbytes = sum(p.numel() * p.element_size() for p in unique.values())
@@ -84,13 +94,32 @@ def plan_inference(model: nn.Module, program: Any, serving: Any, device: DeviceS
     max_tokens = max(int(free // kvb), 0) if kvb else 0
     ctx = serving.max_context
     dtype = {"bf16": "bf16", "fp16": "fp16"}.get(config.precision, "fp32")
+    collectives = _tp_collectives(program.gm, program.tokens) if tensor > 1 else []
+    cm = CostModel(device, tensor)
     pred = {}
     for b in sorted({1, serving.max_batch}):
         for length in sorted({min(128, ctx), ctx}):
-            pred[f"batch={b},context={length}"] = decode_tokens_per_s(params, wbytes, kvb, b, length, device, dtype)
+            comm = sum(cm.move(P if reduce else S(0), R, int(b * per_token)) for reduce, per_token in collectives)
+            pred[f"batch={b},context={length}"] = decode_tokens_per_s(params, wbytes, kvb, b, length, device, dtype,
+                                                                     comm_s=comm)
     return InferencePlan(model=type(model).__name__, device=device.name, parameters=params, weight_bytes=wbytes,
                          kv_bytes_per_token=kvb, layers=len(program.kv_layout), context=ctx,
                          cache_tokens=serving.cache.usable_blocks * serving.block_size,
                          cache_bytes=serving.cache.nbytes(), max_cache_tokens=max_tokens,
                          max_batch_at_context=max_tokens // ctx if ctx else 0, token_budget=serving.token_budget,
-                         block_size=serving.block_size, predicted_tokens_per_s=pred)
+                         block_size=serving.block_size, predicted_tokens_per_s=pred, tensor=tensor,
+                         tp_collectives_per_step=len(collectives))
+
+
+def _tp_collectives(gm: Any, tokens: int) -> list[tuple[bool, float]]:
+    """The tp collectives of a serving program, as (is an all-reduce, bytes per token of the
+    row of `tokens`): every all-reduce / all-gather shard_tensors put in, sized by its result."""
+    import torch
+
+    c10d = torch.ops._c10d_functional
+    out = []
+    for n in gm.graph.nodes:
+        if n.target in (c10d.all_reduce.default, c10d.all_gather_into_tensor.default):
+            v = n.meta.get("val")
+            out.append((n.target == c10d.all_reduce.default, (v.numel() * v.element_size() if v is not None else 0) / tokens))
+    return out

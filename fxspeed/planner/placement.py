@@ -405,9 +405,13 @@ def _strategies_cat(node: fx.Node, ins: list[fx.Node], pl: list[Placement], shap
 
 @dataclass
 class CostModel:
+    """Seconds per rank. `forward_only` (a serving program): no optimizer step; the weights a
+    rank holds are read once per step instead."""
+
     device: DeviceSpec
     T: int
     latency: float = 0.0
+    forward_only: bool = False
 
     def __post_init__(self) -> None:
         self.latency = 3e-5 if self.device.kind == "cpu" else 1e-5
@@ -441,8 +445,10 @@ class CostModel:
         return self.latency + f * nbytes / self.bw  # all-gather (then a local slice for S)
 
     def memory(self, nbytes: float) -> float:
-        # Adam reads and writes parameter, gradient and two moments: 8 passes over the bytes.
-        return 8 * nbytes / self.device.mem_bandwidth if self.device.mem_bandwidth else 0.0
+        # Adam reads and writes parameter, gradient and two moments: 8 passes over the bytes. A
+        # serving step reads each weight it holds: a whole weight its readers slice is read whole.
+        passes = 1 if self.forward_only else 8
+        return passes * nbytes / self.device.mem_bandwidth if self.device.mem_bandwidth else 0.0
 
 
 _NBYTES: dict[fx.Node, int] = {}
@@ -639,10 +645,13 @@ def solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
 
 def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
            fixed: dict[str, Placement] | None) -> tuple[dict[str, Placement], Result]:
-    cm = CostModel(device, T)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     grads = {s.target for s in signature.outputs if s.kind == "grad"}
     params = {s.target: ph for ph, s in zip(placeholders, signature.inputs) if s.kind == "param"}
+    forward_only = not grads  # a serving program: every weight is laid out, not only trainable ones
+    if forward_only:
+        grads = set(params)
+    cm = CostModel(device, T, forward_only=forward_only)
     if fixed is not None:
         use = {n: p for n, p in fixed.items() if n in params}
         return use, propagate(gm, signature, use, cm)

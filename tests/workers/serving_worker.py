@@ -1,0 +1,154 @@
+"""Run under `fxspeed run -n T -m tests.workers.serving_worker --case CASE --out DIR`.
+
+Tensor-parallel serving: every rank calls fxspeed.serve(model, devices=T, Config(tensor=T)) and
+generate with the same prompts (mixed lengths, a token budget of 8 so prompts are split into
+chunks beside other requests' decode tokens). Each case compares with the same model run eagerly
+in this process (one device, whole weights):
+
+    gpt2, llama, gpt, opt   greedy tokens equal Hugging Face `generate` (fxspeed's GPT: greedy by
+                            hand), every sampled row's logits within 1e-4 (relative to the
+                            largest logit, when above 1) of a full forward; the
+                            cache holds kv_heads / T heads per rank (the program is cut by heads,
+                            not left replicated) and the plan counts tp collectives
+    sampling                temperature / top_k sampling with no seed (each rank would draw its own):
+                            every rank returns the same tokens
+    bad_request             an empty prompt and an out-of-vocabulary id fail alone; the other
+                            requests' tokens are those of one device
+
+Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt (tests/workers/common.py
+run_cases).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+
+import fxspeed
+from fxspeed.models import GPT, GPTConfig
+from tests.workers.common import run_cases
+
+V = 96
+D = 256  # wide enough that the placement cost model splits attention and MLP (narrower: replicated)
+PROMPTS = [[5, 17, 3], list(range(10, 30)), [7], [40, 41, 42, 43, 44, 45, 46, 47, 48], list(range(60, 72))]
+NEW = [6, 5, 7, 4, 6]
+KV_HEADS = {"gpt2": 4, "llama": 2, "gpt": 4, "opt": 4}
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "gpt":
+        m = GPT(GPTConfig(vocab_size=V, block_size=64, n_layer=2, n_head=4, n_embd=D))
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(4.0)  # away from near-uniform logits, so greedy choices are not ties
+        return m.eval()
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    common = dict(vocab_size=V, max_position_embeddings=64, attn_implementation="sdpa")
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=D, n_head=4, n_positions=64, vocab_size=V,
+                                      attn_implementation="sdpa", initializer_range=0.2)
+        return transformers.GPT2LMHeadModel(cfg).eval()
+    if name == "llama":
+        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=D, intermediate_size=2 * D,
+                                       num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2, **common)
+        return transformers.LlamaForCausalLM(cfg).eval()
+    if name == "opt":
+        cfg = transformers.OPTConfig(num_hidden_layers=2, hidden_size=D, ffn_dim=2 * D, num_attention_heads=4,
+                                     word_embed_proj_dim=D, init_std=0.2, **common)
+        return transformers.OPTForCausalLM(cfg).eval()
+    raise ValueError(name)
+
+
+def logits_of(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    out = model(torch.tensor([ids]))
+    return (out if isinstance(out, torch.Tensor) else out.logits)[0]
+
+
+def greedy(model: torch.nn.Module, name: str, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        if name != "gpt":
+            return model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+        seq = list(prompt)
+        for _ in range(n):
+            seq.append(int(logits_of(model, seq)[-1].argmax()))
+        return seq[len(prompt):]
+
+
+def serve(model: torch.nn.Module) -> fxspeed.Engine:
+    T = int(os.environ["WORLD_SIZE"])
+    return fxspeed.serve(model, devices=T, config=fxspeed.Config(tensor=T), token_budget=8, max_batch=3,
+                         block_size=4, cache_tokens=96)
+
+
+def case_model(name: str) -> str:
+    T = int(os.environ["WORLD_SIZE"])
+    model = build(name)
+    eager = copy.deepcopy(model)
+    engine = serve(model)
+    heads = engine._serving.cache.tensors["0.k"].shape[2]
+    if heads != KV_HEADS[name] // T:
+        return f"the cache holds {heads} key/value heads per rank, expected {KV_HEADS[name]} / {T}: not cut by heads"
+    if engine.plan.tensor != T or engine.plan.tp_collectives_per_step < 2:
+        return f"plan: tensor={engine.plan.tensor}, {engine.plan.tp_collectives_per_step} tp collectives per step"
+    engine._serving.record_logits = {}
+    outs = engine.generate(PROMPTS, max_new_tokens=NEW)
+    for i, (p, n, o) in enumerate(zip(PROMPTS, NEW, outs)):
+        ref = greedy(eager, name, p, n)
+        if o != ref:
+            return f"request {i}: tokens {o} != one device's {ref}"
+        with torch.no_grad():
+            full = logits_of(eager, p + o)[len(p) - 1:len(p) + n - 1]
+        err = (torch.stack(engine._serving.record_logits[i]) - full).abs().max().item()
+        scale = max(1.0, full.abs().max().item())  # float32 rounding grows with the logits
+        if err > 1e-4 * scale:
+            return f"request {i}: logits differ from the eager model's by {err:.3g} (> 1e-4 x {scale:.3g})"
+    return "ok"
+
+
+def case_sampling() -> str:
+    engine = serve(build("gpt2"))
+    outs = engine.generate(PROMPTS, max_new_tokens=NEW, temperature=0.8, top_k=20)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, outs)
+    if any(o != every[0] for o in every):
+        return f"the ranks sampled different tokens: {every}"
+    if [len(o) for o in outs] != NEW:
+        return f"lengths {[len(o) for o in outs]} != {NEW}"
+    return "ok"
+
+
+def case_bad_request() -> str:
+    model = build("llama")
+    eager = copy.deepcopy(model)
+    engine = serve(model)
+    prompts = [PROMPTS[0], [], PROMPTS[1], [3, V + 5]]
+    outs = engine.generate(prompts, max_new_tokens=4, on_error="return")
+    from fxspeed.runtime.serving import RequestError
+
+    if not (isinstance(outs[1], RequestError) and isinstance(outs[3], RequestError)):
+        return f"bad requests were not refused alone: {outs}"
+    for i in (0, 2):
+        ref = greedy(eager, "llama", prompts[i], 4)
+        if outs[i] != ref:
+            return f"request {i}: {outs[i]} != one device's {ref}"
+    return "ok"
+
+
+CASES = {
+    "gpt2": lambda: case_model("gpt2"),
+    "llama": lambda: case_model("llama"),
+    "gpt": lambda: case_model("gpt"),
+    "opt": lambda: case_model("opt"),
+    "sampling": case_sampling,
+    "bad_request": case_bad_request,
+}
+
+if __name__ == "__main__":
+    run_cases(CASES)
