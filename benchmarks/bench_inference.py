@@ -3,6 +3,8 @@
     python benchmarks/bench_inference.py --out inference.json                 # GPT-2 124M, fp32
     python benchmarks/bench_inference.py --layers 4 --out /tmp/i.json          # smaller, faster
     python benchmarks/bench_inference.py --workload 64 --out w.json            # + the mixed workload
+    python -m fxspeed run -n 2 benchmarks/bench_inference.py --tensor 2 --threads 1 --out t.json
+                                                    # tensor-parallel serving (fxspeed only)
 
 HF GPT2LMHeadModel from its config (random init), fp32, `--threads` CPU threads, prompts of
 `--prompt` random tokens, `--new` new tokens, greedy, at batch 8 and 1. Both generate exactly
@@ -11,6 +13,10 @@ call (prefill included), and per CPU second of this process (fairer on a shared 
 one thread), medians of `--repeats` runs after one warm-up run (fxspeed compiles its
 token buckets in the warm-up; its compile seconds are reported separately). The tokens of both
 are compared: greedy fp32 must agree.
+
+`--tensor T` (under `fxspeed run -n T`): fxspeed serves with Config(tensor=T) and HF is not run
+(`--no-hf` skips it at T=1 too, the anchor for a TP run); the RSS of every rank is
+reported (peak and at the end), measured from outside fxspeed's own counters.
 
 `--workload N`: N requests, prompts uniform in --prompt-range, outputs uniform in --new-range
 (seeded), all submitted at once. Useful tokens/s counts requested tokens only; fxspeed streams
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -54,22 +61,34 @@ def main() -> None:
     ap.add_argument("--workload", type=int, default=0)
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[32, 128])
     ap.add_argument("--new-range", type=int, nargs=2, default=[32, 64])
+    ap.add_argument("--tensor", type=int, default=1)
+    ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    run_hf = not args.no_hf and args.tensor == 1
+    if args.tensor > 1 and args.workload:
+        ap.error("--workload compares with HF, which runs on one process: use it with --tensor 1")
     torch.set_num_threads(args.threads)
+    if args.tensor > 1:  # joined here (serve would), so the baseline below includes gloo's buffers
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
     import transformers
 
     import fxspeed
 
     transformers.logging.set_verbosity_error()
+    baseline_mb = rss_mb()["end_mb"]  # torch, transformers, the process group: before the model
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=args.layers, attn_implementation="sdpa")
     model = transformers.GPT2LMHeadModel(cfg).eval()
     t = time.perf_counter()
     max_batch = max(*args.batches, 16 if args.workload else 1)
     context = max(args.prompt + args.new, sum(args.prompt_range[1:]) + args.new_range[1] if args.workload else 0)
-    engine = fxspeed.serve(model, token_budget=args.token_budget, max_batch=max_batch, block_size=16,
+    engine = fxspeed.serve(model, devices=args.tensor, config=fxspeed.Config(tensor=args.tensor),
+                           token_budget=args.token_budget, max_batch=max_batch, block_size=16,
                            cache_tokens=max_batch * context)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     serve_s = time.perf_counter() - t
     rows = []
     g = torch.Generator().manual_seed(1)
@@ -86,24 +105,52 @@ def main() -> None:
             return engine.generate(prompts.tolist(), max_new_tokens=args.new)
 
         c0 = engine._serving.stats["compile_s"]
-        hf_s, hf_c, hf_out = timed(hf, args.repeats)
         fx_s, fx_c, fx_out = timed(fx, args.repeats)
         tokens = b * args.new
-        rows.append({"batch": b, "hf_eager_tok_s": tokens / hf_s, "fxspeed_tok_s": tokens / fx_s,
-                     "speedup": hf_s / fx_s, "hf_eager_tok_per_cpu_s": tokens / hf_c,
-                     "fxspeed_tok_per_cpu_s": tokens / fx_c, "speedup_cpu": hf_c / fx_c,
-                     "same_tokens": hf_out == fx_out,
-                     "fxspeed_compile_s_this_batch": engine._serving.stats["compile_s"] - c0})
-        print(json.dumps(rows[-1]), flush=True)
+        row = {"batch": b, "fxspeed_tok_s": tokens / fx_s, "fxspeed_tok_per_cpu_s": tokens / fx_c,
+               "fxspeed_compile_s_this_batch": engine._serving.stats["compile_s"] - c0}
+        if run_hf:
+            hf_s, hf_c, hf_out = timed(hf, args.repeats)
+            row.update({"hf_eager_tok_s": tokens / hf_s, "speedup": hf_s / fx_s, "hf_eager_tok_per_cpu_s": tokens / hf_c,
+                        "speedup_cpu": hf_c / fx_c, "same_tokens": hf_out == fx_out})
+        rows.append(row)
+        if rank0:
+            print(json.dumps(rows[-1]), flush=True)
     workload = run_workload(args, model, engine, cfg.vocab_size) if args.workload else None
     result = {"model": f"GPT2LMHeadModel n_layer={args.layers} fp32", "threads": args.threads, "workload": workload,
-              "prompt": args.prompt, "new": args.new, "serve_s": serve_s,
+              "tensor": args.tensor, "prompt": args.prompt, "new": args.new, "serve_s": serve_s,
               "compile_s_total": engine._serving.stats["compile_s"], "rows": rows,
-              "plan": engine.plan.to_dict()}
+              "plan": engine.plan.to_dict(), "rss_per_rank": rss_per_rank(baseline_mb)}
+    if not rank0:
+        return
     print(engine.plan.summary())
+    print(json.dumps({"rss_per_rank": result["rss_per_rank"]}))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def rss_mb() -> dict[str, float]:
+    """This process's peak (VmHWM) and resident (VmRSS) memory in MB, as the kernel counts them."""
+    with open("/proc/self/status") as f:
+        got = {k: int(v.split()[0]) / 1024 for k, v in (line.split(":", 1) for line in f)
+               if k in ("VmHWM", "VmRSS")}
+    return {"peak_mb": got["VmHWM"], "end_mb": got["VmRSS"]}
+
+
+def rss_per_rank(baseline_mb: float) -> list[dict[str, float]]:
+    """Every rank's peak (the whole model is built in each process before serve slices it) and
+    resident memory at the end, and the end above the baseline taken before the model was built
+    (the weights the rank kept, the cache, the programs)."""
+    mine = rss_mb()
+    mine["end_above_baseline_mb"] = mine["end_mb"] - baseline_mb
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [mine]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
 
 
 def run_workload(args: argparse.Namespace, model: torch.nn.Module, engine: object, vocab: int) -> dict:

@@ -482,10 +482,10 @@ class Engine:
 
     def _apply_tp_layout(self, sig: StepSignature) -> None:
         """The first program's tp layout slices the Parameters; every later program must read each
-        sliced Parameter as that same slice (never as a full "param" input)."""
+        sliced Parameter as that same slice (never as a full "param" input), the first one included
+        (a tied weight fed under two names, one sliced and one whole, would be bound wrongly)."""
         if not self._tp:
             self._tp.apply(self._params, sig.tp_layout)
-            return
         have = {id(p): (d, b) for p, d, b, _ in self._tp.layout.values()}
         for spec in sig.inputs:
             if spec.kind not in ("param", "param_tp"):
@@ -570,10 +570,11 @@ class Engine:
 
     def _inference_program(self, tokens: int) -> Any:
         """The compiler's serving program for a bucket of `tokens`. Under tensor parallelism the
-        tracer needs the full weights (gathered over tp while it runs: every rank compiles the
-        same bucket at the same step, since every rank schedules the same requests), and the first
-        program's layout cuts the Parameters to this rank's slices."""
-        with self._tp.gathered() if self._tp else contextlib.nullcontext():
+        first program's layout cuts the Parameters to this rank's slices; later buckets are traced
+        with full-shaped meta stand-ins for them (the trace reads shapes only; gathering the
+        weights would put a whole model copy in memory at every new bucket)."""
+        shapes = {pid: full for pid, (_p, _d, _b, full) in self._tp.layout.items()} if self._tp else {}
+        with _meta_stand_ins(self.model, shapes):
             program = self.compiler.inference(self.model, tokens)
         if self._tp is not None:
             self._apply_tp_layout(program.signature)
@@ -922,23 +923,10 @@ class Engine:
         the same stages with the weights it holds. Other stages' weights were freed; tracing needs
         only their shapes: meta stand-ins (one per Parameter, so tied weights stay tied)."""
         margs, mkw = split_batch(args, kwargs, self.M)[0]
-        stand_in: dict[int, nn.Parameter] = {}
-        swapped: list[tuple[dict, str, nn.Parameter]] = []
-        try:
-            for mod in self.model.modules():
-                for name, t in list(mod._parameters.items()):
-                    if t is not None and id(t) in self._freed_shapes:
-                        if id(t) not in stand_in:
-                            stand_in[id(t)] = nn.Parameter(torch.empty(self._freed_shapes[id(t)], dtype=t.dtype,
-                                                                        device="meta"), requires_grad=t.requires_grad)
-                        swapped.append((mod._parameters, name, t))
-                        mod._parameters[name] = stand_in[id(t)]
-            with self._gathered():  # an eval trace puts the modules in eval mode, and restores each one's
-                cp = self.compiler.program(self.model, margs, mkw, train=False,
-                                           split_points=[p.starts_at for p in self.programs[1:]])
-        finally:
-            for store, name, t in swapped:
-                store[name] = t
+        # an eval trace puts the modules in eval mode, and restores each one's
+        with _meta_stand_ins(self.model, self._freed_shapes), self._gathered():
+            cp = self.compiler.program(self.model, margs, mkw, train=False,
+                                       split_points=[p.starts_at for p in self.programs[1:]])
         if not any(s.kind == "loss" for s in cp.captured.signature.outputs):
             raise ConfigError(f"eval_step under pipeline parallelism needs a loss: {type(self.model).__name__} "
                               "returns no loss for this batch; pass targets or compile with loss_fn=")
@@ -1350,6 +1338,29 @@ class _StateSnapshot:
 
     def unchanged(self) -> bool:
         return [m.training for m in self.modules] == self.modes and [d.get(k) for d, k in self.slots] == self.values
+
+
+@contextlib.contextmanager
+def _meta_stand_ins(model: nn.Module, shapes: dict[int, tuple[int, ...]]) -> Iterator[None]:
+    """Inside: every Parameter whose id is in `shapes` is replaced in its module by a meta
+    Parameter of that shape (one per Parameter, so tied weights stay tied): for tracing a model
+    whose Parameters hold only part of their values (pipeline stages freed, tp slices); the
+    capture fakes them on the model's device. Restored on exit."""
+    stand_in: dict[int, nn.Parameter] = {}
+    swapped: list[tuple[dict, str, nn.Parameter]] = []
+    try:
+        for mod in model.modules():
+            for name, t in list(mod._parameters.items()):
+                if t is not None and id(t) in shapes:
+                    if id(t) not in stand_in:
+                        stand_in[id(t)] = nn.Parameter(torch.empty(shapes[id(t)], dtype=t.dtype, device="meta"),
+                                                       requires_grad=t.requires_grad)
+                    swapped.append((mod._parameters, name, t))
+                    mod._parameters[name] = stand_in[id(t)]
+        yield
+    finally:
+        for store, name, t in swapped:
+            store[name] = t
 
 
 def _warn_python_state_changed(model: nn.Module, before: tuple, after: tuple) -> None:

@@ -176,8 +176,11 @@ class ServingLoop:
         self.buckets = sorted({*(1 << i for i in range(token_budget.bit_length()) if 1 << i < token_budget),
                                token_budget})
         # The largest bucket first: prefills need it anyway, and with several tokens the kv_cache pass
-        # can check that the attention is causal (a one-token trace carries no mask).
-        first = compile_bucket(self.buckets[-1])
+        # can check that the attention is causal (a one-token trace carries no mask). Under tensor
+        # parallelism the first program also decides the layout of the weights for every bucket:
+        # decode steps (about max_batch tokens) are most of serving, so their bucket goes first.
+        decode = min((b for b in self.buckets if b >= max(2, max_batch)), default=self.buckets[-1])
+        first = compile_bucket(decode if agree is not None else self.buckets[-1])
         tokens = cache_tokens if cache_tokens is not None else max_context * max_batch
         self.cache = KVCache(first.kv_layout, -(-tokens // block_size) + 1, block_size, device)
         self.programs: dict[int, _Bound] = {first.tokens: _Bound(first, bind, self.cache)}

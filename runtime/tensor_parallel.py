@@ -52,6 +52,7 @@ class TensorParallelParameters:
 
     def apply(self, params: dict[str, nn.Parameter], layout: dict[str, tuple[int, int]]) -> None:
         """Cut each Parameter in `layout` to this rank's slice (once; later programs reuse it)."""
+        cut_on_cpu = False
         for name, (dim, blocks) in layout.items():
             p = params[name]
             if id(p) in self.layout:
@@ -60,6 +61,9 @@ class TensorParallelParameters:
             with torch.no_grad():
                 p.data = take_slice(p.data, dim, blocks, self.rank, self.size)
             self.layout[id(p)] = (p, dim, blocks, full_shape)
+            cut_on_cpu |= p.device.type == "cpu"
+        if cut_on_cpu:
+            release_freed_host_memory()
 
     def slice_shape(self, p: torch.Tensor) -> tuple[int, ...] | None:
         """The shape of this rank's slice of sliced Parameter `p` (whatever `p` holds now)."""
@@ -117,6 +121,9 @@ class TensorParallelParameters:
         finally:
             for pid, (p, *_rest) in self.layout.items():
                 p.data = saved[pid]
+            del saved
+            if any(p.device.type == "cpu" for p, *_rest in self.layout.values()):
+                release_freed_host_memory()  # the gathered copies
 
     def squared_norm(self, grads: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Sum of squared gradient entries over the whole model: slices summed over the tp group,
@@ -127,3 +134,21 @@ class TensorParallelParameters:
         s = torch.stack(sliced).sum() if sliced else torch.zeros((), device=dev)
         dist.all_reduce(s, group=self.group)
         return s + (torch.stack(whole).sum() if whole else torch.zeros((), device=dev))
+
+
+def release_freed_host_memory() -> None:
+    """Give freed heap pages back to the OS (glibc's malloc_trim). The full weights a rank just
+    cut to slices were freed into the C heap, where glibc keeps them (its mmap threshold grows
+    after large frees, so weight-sized blocks come from the heap): without this a tp rank on
+    the CPU stays as large as the whole model. A no-op where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        trim = None
+    if trim is not None:
+        trim(0)

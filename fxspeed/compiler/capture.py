@@ -654,12 +654,15 @@ def fake_model_state(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[tu
     # constants that graph captured (e.g. an arange of positions) are real tensors.
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     made: dict[int, torch.Tensor] = {}
+    # Meta parameters beside real ones (the engine's stand-ins for weights a rank holds only part
+    # of) are faked on the real ones' device; an all-meta model (fxspeed.plan) on the CPU.
+    home = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
 
     def fake(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in made:
             with mode:
                 f = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype,
-                                        device="cpu" if t.is_meta else t.device)
+                                        device=home if t.is_meta else t.device)
             made[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
         return made[id(t)]
 

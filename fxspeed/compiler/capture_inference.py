@@ -9,8 +9,8 @@ The forward is captured once per token bucket T with `capture_step(train=False)`
 the model's Python never runs at serve time), its inputs relabelled (`tokens`, `positions`), its
 outputs cut to the logits, then the inference passes run under the pass manager:
 
-    normalize_graph, insert_casts (bf16/fp16 configs), [shard_tensors], kv_cache, select_logits,
-    eliminate_dead_code, annotate
+    dedupe_tied_parameters, normalize_graph, insert_casts (bf16/fp16 configs), [shard_tensors],
+    kv_cache, select_logits, eliminate_dead_code, annotate
 
 Tensor parallelism (options.tp_size > 1): `shard_tensors` cuts the program for this tp rank
 before `kv_cache`, with the parameter layout of the engine's "tp_placements" analysis (solved
@@ -72,8 +72,8 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     """The serving program for a packed row of `tokens` tokens (see the module docstring).
     `analyses`: planner-made analyses (the "tp_placements" that shard_tensors requires when
     options.tp_size > 1)."""
-    from fxspeed.passes import (ALL_PASSES, STAGE_PASS_NAMES, eliminate_dead_code, insert_casts, normalize_graph,
-                                shard_tensors)
+    from fxspeed.passes import (ALL_PASSES, STAGE_PASS_NAMES, dedupe_tied_parameters, eliminate_dead_code,
+                                insert_casts, normalize_graph, shard_tensors)
     from fxspeed.passes.inference.kv_cache import kv_cache
     from fxspeed.passes.inference.select_logits import select_logits
 
@@ -103,7 +103,9 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     gm.recompile()
     ctx = PassContext(signature=sig, module_of=cap.module_of, options=opts.local(), model_name=type(model).__name__)
     tp = [shard_tensors] if opts.tp_size > 1 else []
-    passes = [normalize_graph, insert_casts, *tp, kv_cache, select_logits, eliminate_dead_code]
+    # A tied weight (GPT-2's wte / lm_head) is fed once: shard_tensors must see one tensor, or it
+    # could slice it one way for the embedding and keep it whole for the head.
+    passes = [dedupe_tied_parameters, normalize_graph, insert_casts, *tp, kv_cache, select_logits, eliminate_dead_code]
     pm = PassManager(passes, analyses=[make_annotate_pass(), *analyses], disabled=config.disable_passes,
                      known=[*ALL_PASSES, *STAGE_PASS_NAMES, *TRAINING_ONLY, *(p.name for p in passes)])
     gm = pm.ensure("annotate", pm.run(gm, ctx), ctx)

@@ -418,21 +418,28 @@ class CostModel:
         self.bw = self.device.link_bandwidth or 1e9
         self._memo: dict[tuple[fx.Node, bool], float] = {}
 
-    def node(self, node: fx.Node, div: bool) -> float:
-        key = (node, div)
+    def node(self, node: fx.Node, div: bool, whole_bytes: int = 0) -> float:
+        """Roofline seconds of `node`, on 1/T of the work when `div`. `whole_bytes`: bytes of its
+        inputs every rank still reads whole (a replicated weight beside a token-split activation);
+        counted only for serving programs, where reading weights is most of the time."""
+        key = (node, div, whole_bytes)
         got = self._memo.get(key)
         if got is None:
-            got = self._memo[key] = self._node(node, div)
+            got = self._memo[key] = self._node(node, div, whole_bytes)
         return got
 
-    def _node(self, node: fx.Node, div: bool) -> float:
+    def _node(self, node: fx.Node, div: bool, whole_bytes: int) -> float:
         inf = node.meta.get(META_KEY)
         if inf is None or inf.is_view:
             return 0.0
         peak = self.device.peak_flops("fp32" if inf.dtype != "bfloat16" else "bf16")
         bw = self.device.mem_bandwidth
-        base = max(inf.flops / peak if peak else 0.0, (inf.bytes_read + inf.bytes_written) / bw if bw else 0.0)
-        return base / self.T if div else base
+        flops_s = inf.flops / peak if peak else 0.0
+        moved = inf.bytes_read + inf.bytes_written
+        if not div:
+            return max(flops_s, moved / bw if bw else 0.0)
+        whole = min(whole_bytes, moved)
+        return max(flops_s / self.T, ((moved - whole) / self.T + whole) / bw if bw else 0.0)
 
     def move(self, src: Placement, dst: Placement, nbytes: int) -> float:
         if src == dst or src.kind == "R" and dst.kind == "S":
@@ -543,7 +550,7 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
         for st in [*options, fallback]:
             c = sum(cm.move(p, w, _nbytes(i)) if p.kind != "R" or w.kind != "S" or i in derived else math.inf
                     for p, w, i in zip(pl, st.want, ins))
-            c += cm.node(n, st.div)
+            c += cm.node(n, st.div, _whole_bytes(cm, st, ins))
             if st.out == P or st.reduce_before_bias:
                 c += cm.move(P, R, _nbytes(n))  # a partial sum is reduced somewhere
             if c < best_cost:
@@ -552,7 +559,7 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
             total += charge(p, w, i)
             if i.op == "placeholder":
                 wants.setdefault(i, set()).add(w)
-        total += cm.node(n, best.div)
+        total += cm.node(n, best.div, _whole_bytes(cm, best, ins))
         if best.reduce_before_bias:
             total += charge(P, R, n)
         place[n] = best.out
@@ -560,6 +567,14 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
     for ph, name in param_of.items():
         total += cm.memory(_nbytes(ph) / (T if of(ph).kind == "S" else 1))
     return Result(total, nodes, wants, comm)
+
+
+def _whole_bytes(cm: CostModel, st: Strategy, ins: list[fx.Node]) -> int:
+    """Serving programs: the bytes of the inputs a sharded strategy still reads whole on every
+    rank (see CostModel.node)."""
+    if not (cm.forward_only and st.div):
+        return 0
+    return sum(_nbytes(i) for i, w in zip(ins, st.want) if w.kind == "R")
 
 
 # --- the search ---------------------------------------------------------------------------------
