@@ -183,3 +183,21 @@ def test_serving_refuses_devices_that_are_not_one_or_the_tensor_size():
         fxspeed.serve(_gpt(), devices=2)
     with pytest.raises(ConfigError, match="tensor-parallel over all of them"):
         fxspeed.serve(_gpt(), devices=4, config=fxspeed.Config(tensor=2))
+
+
+def test_a_bf16_gqa_model_caches_its_key_value_heads_in_bf16_and_stays_near_the_fp32_logits():
+    """Under bf16 the repeated keys are cast for the attention; the cache must still hold the 2
+    key/value heads (not the 4 repeated ones), in bf16: a quarter of the fp32 repeated bytes."""
+    model = _hf("llama")
+    engine = fxspeed.serve(model, config=fxspeed.Config(precision="bf16"), token_budget=8, max_batch=3, block_size=4,
+                           cache_tokens=96)
+    k = engine._serving.cache.tensors["0.k"]
+    assert k.dtype == torch.bfloat16 and k.shape[2] == 2
+    assert engine.plan.kv_bytes_per_token == 2 * 2 * 2 * (32 // 4) * 2  # layers x (k, v) x kv heads x head_dim x bf16
+    engine._serving.record_logits = {}
+    outs = engine.generate(PROMPTS[:3], max_new_tokens=4)
+    with torch.no_grad():
+        for i, (p, o) in enumerate(zip(PROMPTS[:3], outs)):
+            want = _logits(model, p + o)[len(p) - 1:len(p) + 3]
+            got = torch.stack(engine._serving.record_logits[i])
+            assert (got - want).abs().max() <= 5e-2 * (1 + want.abs().max()), i

@@ -62,8 +62,17 @@ def _arg(n: fx.Node, i: int, name: str, default: object) -> object:
     return n.kwargs.get(name, default)
 
 
-def _unrepeat(k: fx.Node) -> fx.Node:
-    """`repeat_kv(x)` (unsqueeze(x, 2) -> expand -> [clone] -> view/_unsafe_view/reshape) -> x."""
+def _unrepeat(k: fx.Node, g: fx.Graph, before: fx.Node) -> fx.Node:
+    """`repeat_kv(x)` (unsqueeze(x, 2) -> expand -> [clone] -> view/_unsafe_view/reshape) -> x.
+    Under bf16/fp16 the repeated keys are cast for the attention (`_to_copy(repeat_kv(x))`): that
+    becomes a cast of x, put before the attention, so the cache holds the key/value heads in the
+    low precision (half the bytes of the repeated fp32 heads it held otherwise, with GQA)."""
+    if k.target == aten._to_copy.default and set(k.kwargs) <= {"dtype"} and len(k.args) == 1:
+        inner = _unrepeat(k.args[0], g, before)
+        if inner is k.args[0]:
+            return k
+        with g.inserting_before(before):
+            return call(g, aten._to_copy.default, (inner,), dict(k.kwargs))
     n = k
     if n.target not in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
         return k
@@ -128,7 +137,7 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if qv.shape[0] != 1 or qv.shape[2] != T:
             raise PassError(f"kv_cache: attention {n.name} has queries of shape {tuple(qv.shape)}, expected "
                             f"[1, heads, {T}, head_dim] for a packed row of {T} tokens")
-        k0, v0 = _unrepeat(k), _unrepeat(v)
+        k0, v0 = _unrepeat(k, g, n), _unrepeat(v, g, n)
         if k0.meta["val"].shape != v0.meta["val"].shape:
             k0, v0 = k, v
         kv = k0.meta["val"]
