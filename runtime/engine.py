@@ -562,7 +562,8 @@ class Engine:
         self._serving = ServingLoop(self._inference_program, self._bind, vocab_size=vocab, max_context=context,
                                     device=self._device, agree=self._agree_tokens if tp is not None else None,
                                     **options)
-        self._serving.check_against(self.model, low_precision=self.config.precision != "fp32",
+        low = self.config.precision != "fp32" or any(p.dtype in (torch.bfloat16, torch.float16) for p in self._unique)
+        self._serving.check_against(self.model, low_precision=low,
                                     full_weights=tp.gathered if tp is not None else None)
         first = next(iter(self._serving.programs.values())).program
         self.plan = plan_inference(self.model, first, self._serving, self.devices[0], self.config,  # type: ignore[assignment]
