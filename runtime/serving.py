@@ -39,6 +39,7 @@ import torch.nn as nn
 from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.ir import IOSpec
 from fxspeed.ir.program import InferenceProgram
+from fxspeed.runtime.kernels.paged_attention import direct_calls
 
 log = logging.getLogger("fxspeed")
 
@@ -130,6 +131,7 @@ class _Bound:
 
     def __init__(self, program: InferenceProgram, bind: Callable[[IOSpec], torch.Tensor], cache: KVCache):
         self.program = program
+        self.run = direct_calls(program.gm)
         self.args: list[Any] = []
         self.slots: dict[str, int] = {}
         for i, s in enumerate(program.signature.inputs):
@@ -146,7 +148,7 @@ class _Bound:
         for k, i in self.slots.items():
             args[i] = step[k]
         with torch.no_grad():
-            return self.program.gm(*args)[0]
+            return self.run(*args)[0]
 
 
 class ServingLoop:

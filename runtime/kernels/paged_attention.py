@@ -27,10 +27,11 @@ import torch
 import torch.nn.functional as F
 
 
-@torch.library.custom_op("fxspeed::paged_attention", mutates_args=("k_cache", "v_cache"))
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
-                    query_index: torch.Tensor, query_pos: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                         query_index: torch.Tensor, query_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """The op's body. The serving runtime calls it directly from the program (`direct_calls`):
+    the custom op's dispatch costs about 0.2 ms a call on the CPU, ~5% of a GPT-2 decode step."""
     _, H, T, D = q.shape
     Hkv = k.shape[1]
     nb, bs = k_cache.shape[0], k_cache.shape[1]
@@ -54,9 +55,28 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return res[:T].transpose(0, 1).unsqueeze(0)
 
 
+@torch.library.custom_op("fxspeed::paged_attention", mutates_args=("k_cache", "v_cache"))
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                    query_index: torch.Tensor, query_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    return paged_attention_impl(q, k, v, k_cache, v_cache, slot_mapping, block_table, query_index, query_pos, scale)
+
+
 @paged_attention.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
       slot_mapping: torch.Tensor, block_table: torch.Tensor, query_index: torch.Tensor, query_pos: torch.Tensor,
       scale: float) -> torch.Tensor:
     _, H, T, D = q.shape
     return q.new_empty(T, H, D).transpose(0, 1).unsqueeze(0)
+
+
+def direct_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of serving program `gm` whose paged attentions call `paged_attention_impl` itself
+    instead of going through the op (the same computation, without the dispatch)."""
+    import copy
+
+    graph = copy.deepcopy(gm.graph)
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target == torch.ops.fxspeed.paged_attention.default:
+            n.target = paged_attention_impl
+    return torch.fx.GraphModule(gm, graph)
