@@ -181,6 +181,7 @@ class ServingLoop:
         # can check that the attention is causal (a one-token trace carries no mask). Under tensor
         # parallelism the first program also decides the layout of the weights for every bucket:
         # decode steps (about max_batch tokens) are most of serving, so their bucket goes first.
+        # why: docs/decisions/serving-layout-on-the-decode-bucket.md
         decode = min((b for b in self.buckets if b >= max(2, max_batch)), default=self.buckets[-1])
         first = compile_bucket(decode if agree is not None else self.buckets[-1])
         tokens = cache_tokens if cache_tokens is not None else max_context * max_batch

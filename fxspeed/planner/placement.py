@@ -406,7 +406,8 @@ def _strategies_cat(node: fx.Node, ins: list[fx.Node], pl: list[Placement], shap
 @dataclass
 class CostModel:
     """Seconds per rank. `forward_only` (a serving program): no optimizer step; the weights a
-    rank holds are read once per step instead."""
+    rank holds are read once per step instead.
+    why: docs/decisions/serving-layout-on-the-decode-bucket.md"""
 
     device: DeviceSpec
     T: int
