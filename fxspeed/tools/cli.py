@@ -3,6 +3,8 @@
     fxspeed run -n N script.py [args...]   launch N local processes (torch.distributed.run)
     fxspeed demo [--devices N] [--zero S] [--pipeline P] [--precision bf16]
                                            compile a byte-level GPT and train it
+    fxspeed serve --model gpt2|DIR --prompt "IDS" [--tensor N]
+                                           serve a Hugging Face causal LM, print its tokens
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="compute precision (default: fp32); bf16/fp16 keep fp32 master weights")
 
+    from fxspeed.tools.serve_cli import add_parser as add_serve
+
+    add_serve(sub)
     r = sub.add_parser("run", help="launch N local processes of a training script (torch.distributed.run)",
                        description="Run `script.py` (or `-m module`) in N local processes joined by "
                                    "torch.distributed, through torch.distributed.run --standalone. Each process "
@@ -77,6 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         args.argv = list(argv) if argv is not None else sys.argv[1:]
         return run(args)
+    if args.command == "serve":
+        from fxspeed.tools.serve_cli import run as serve
+
+        args.argv = list(argv) if argv is not None else sys.argv[1:]
+        return serve(args)
     if args.command == "run":
         script_args = list(args.script_args)
         if script_args[:1] == ["--"]:

@@ -1,0 +1,105 @@
+"""`fxspeed serve`: build a causal LM from a Hugging Face config, serve it and print the tokens.
+
+    fxspeed serve --model gpt2 --prompt "464 2068 7586" --prompt "40 1101" --max-new-tokens 16
+    fxspeed serve --model ./my-llama-dir --tensor 2 --precision bf16 --prompt "1 2 3"
+
+`--model` is a folder with a config.json (and its weights, when the folder has them: loaded with
+`from_pretrained`; otherwise random init) or a Hugging Face model type (`gpt2`, `llama`, ...: that
+architecture's default config, random init; nothing is downloaded). Prompts are token ids (no
+tokenizer is involved). `--tensor N` > 1 outside a launched group re-launches itself on N local
+processes (`fxspeed run -n N -m fxspeed serve ...`); every rank serves, rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from fxspeed.tools.launcher import launch
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("serve", help="serve a Hugging Face causal LM built from its config and print the tokens",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--model", required=True, help="a folder with config.json, or a model type such as gpt2 or llama")
+    s.add_argument("--layers", type=int, default=None, help="override the config's layer count (quick trials)")
+    s.add_argument("--prompt", action="append", required=True, metavar="IDS",
+                   help="space-separated token ids of one request; repeat for more requests")
+    s.add_argument("--max-new-tokens", type=int, default=16)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    s.add_argument("--top-k", type=int, default=None)
+    s.add_argument("--top-p", type=float, default=None)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--tensor", type=int, default=1, help="tensor-parallel processes (default: 1)")
+    s.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    s.add_argument("--token-budget", type=int, default=256)
+    s.add_argument("--plan", action="store_true", help="print the inference plan first")
+
+
+def build_model(name: str, layers: int | None):  # noqa: ANN201 - a transformers model
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if os.path.isdir(name):
+        cfg = transformers.AutoConfig.from_pretrained(name)
+        has_weights = any(f.endswith((".safetensors", ".bin")) for f in os.listdir(name))
+    else:
+        try:
+            cfg = transformers.AutoConfig.for_model(name)
+        except ValueError as e:
+            raise SystemExit(f"fxspeed serve: --model {name!r} is neither a folder nor a Hugging Face model type "
+                             f"({e})") from None
+        has_weights = False
+    if layers is not None:
+        for key in ("num_hidden_layers", "n_layer"):
+            if hasattr(cfg, key):
+                setattr(cfg, key, layers)
+                has_weights = False  # a truncated model cannot take the full checkpoint
+    cfg._attn_implementation = "sdpa"
+    if has_weights:
+        return transformers.AutoModelForCausalLM.from_pretrained(name, config=cfg).eval()
+    import torch
+
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tensor > 1 and not ("LOCAL_RANK" in os.environ and os.environ.get("WORLD_SIZE") == str(args.tensor)):
+        argv = list(getattr(args, "argv", None) or sys.argv[1:])
+        return launch(args.tensor, "fxspeed", argv if "serve" in argv else ["serve", *argv], module=True)
+    import fxspeed
+
+    try:
+        prompts = [[int(t) for t in p.split()] for p in args.prompt]
+    except ValueError:
+        print("fxspeed serve: --prompt takes space-separated token ids, e.g. --prompt \"464 2068\"", file=sys.stderr)
+        return 2
+    model = build_model(args.model, args.layers)
+    t0 = time.perf_counter()
+    engine = fxspeed.serve(model, devices=args.tensor,
+                           config=fxspeed.Config(tensor=args.tensor, precision=args.precision),
+                           token_budget=args.token_budget, max_batch=min(16, args.token_budget))
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if rank0:
+        print(f"fxspeed serve: {type(model).__name__} compiled in {time.perf_counter() - t0:.1f}s", flush=True)
+        if args.plan:
+            print(engine.plan.summary(), flush=True)
+    outs = engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_error="return")
+    failed = 0
+    if rank0:
+        for i, out in enumerate(outs):
+            if isinstance(out, fxspeed.RequestError):
+                failed += 1
+                print(f"request {i}: error: {out}", flush=True)
+            else:
+                print(f"request {i}: {' '.join(map(str, out))}", flush=True)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()  # every rank is done with its collectives before the group goes away
+        dist.destroy_process_group()
+    return 1 if failed else 0
