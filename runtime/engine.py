@@ -873,8 +873,9 @@ class Engine:
 
     def synchronize(self) -> None:
         """Finish the parameter all-gathers a ZeRO-1/2 step left in flight; afterwards the model's
-        Parameters hold the updated weights (under master weights they hold nothing: use gathered()). state_dict(), save(), load() and eval_step() call it;
-        call it yourself before reading the model's Parameters directly between steps."""
+        Parameters hold the updated weights (under master weights they hold nothing: use
+        gathered()). state_dict(), save(), load() and eval_step() call it; call it yourself before
+        reading the model's Parameters directly between steps."""
         if self._flat is not None:
             self._flat.wait_gathers()
 

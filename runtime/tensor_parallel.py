@@ -14,6 +14,7 @@ block, concatenated.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterator
 
 import torch
@@ -141,14 +142,19 @@ def release_freed_host_memory() -> None:
     cut to slices were freed into the C heap, where glibc keeps them (its mmap threshold grows
     after large frees, so weight-sized blocks come from the heap): without this a tp rank on
     the CPU stays as large as the whole model. A no-op where there is no glibc."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Any:
+    """libc's malloc_trim, looked up once (find_library runs ldconfig), or None."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        trim = getattr(libc, "malloc_trim", None)
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
     except OSError:
-        trim = None
-    if trim is not None:
-        trim(0)
+        return None

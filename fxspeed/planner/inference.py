@@ -121,5 +121,6 @@ def _tp_collectives(gm: Any, tokens: int) -> list[tuple[bool, float]]:
     for n in gm.graph.nodes:
         if n.target in (c10d.all_reduce.default, c10d.all_gather_into_tensor.default):
             v = n.meta.get("val")
-            out.append((n.target == c10d.all_reduce.default, (v.numel() * v.element_size() if v is not None else 0) / tokens))
+            nbytes = v.numel() * v.element_size() if v is not None else 0
+            out.append((n.target == c10d.all_reduce.default, nbytes / tokens))
     return out
