@@ -5,8 +5,9 @@ with them in memory.
     python benchmarks/bench_offload.py --out offload.json              # ~350M GPT, 2 gloo ranks, ZeRO-2
     python benchmarks/bench_offload.py --batch 4 --out offload.json    # a second operating point
     python benchmarks/bench_offload.py --tiny --out /tmp/o.json        # seconds: smoke test
-    python benchmarks/bench_offload.py --nproc 1 --layers 48 --width 1600 --zero 0 --batch 1 --seq 64 \
-        --modes nvme --rounds 1 --warmup 1 --steps 2 --skip-bandwidth --out big.json   # 1.5B, one process
+    python benchmarks/bench_offload.py --nproc 1 --layers 48 --width 1600 --zero 1 --precision bf16 \
+        --batch 1 --seq 64 --modes nvme --rounds 1 --warmup 1 --steps 2 --skip-bandwidth \
+        --out big.json   # 1.5B, one process: bf16 working copies, fp32 masters + Adam in the file
 
 1. Bandwidth: a STREAM-like copy and triad over 256 MB arrays (torch, --threads threads) and
    torch's fused AdamW over 32M parameters (what runtime/offloaded_optimizer.py calls per chunk).
@@ -15,7 +16,8 @@ with them in memory.
 2. Training: one torch.distributed.run launch per (round, mode), rounds alternating the order
    (plain, nvme, nvme, plain, ...) so drift hits both; step time = median over rounds and timed
    steps of the slowest rank; peak RSS = each rank's VmHWM (the kernel's counter). The RSS saving
-   is compared with the bytes offloaded (8 bytes per parameter in this rank's optimizer partition).
+   is compared with the bytes offloaded (8 bytes per parameter in this rank's optimizer partition;
+   12 with --precision bf16/fp16 and zero >= 1, where the fp32 masters go to the file too).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def launch(mode: str, a: argparse.Namespace, out: Path, swap: str) -> list[dict]
            "PYTHONPATH": os.pathsep.join([str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}", str(WORKER),
            "--mode", mode, "--layers", str(a.layers), "--width", str(a.width), "--batch", str(a.batch),
-           "--seq", str(a.seq), "--zero", str(a.zero), "--warmup", str(a.warmup), "--steps", str(a.steps),
+           "--seq", str(a.seq), "--zero", str(a.zero), "--precision", a.precision, "--warmup", str(a.warmup), "--steps", str(a.steps),
            "--nvme-path", swap, "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=a.launch_timeout)
     if proc.returncode != 0:
@@ -86,6 +88,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--zero", type=int, default=2)
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
@@ -127,12 +130,17 @@ def main() -> None:
             rows[mode] = {"step_s": statistics.median(times), "step_times_s": times,
                           "peak_rss_GB": [max(rec["peak_rss_kb"] for rec in (recs[i] for recs in rounds)) * 1024 / 1e9
                                           for i in range(a.nproc)],
-                          "losses_rank0": rounds[0][0]["losses"], "optimizer": rounds[0][0]["optimizer"]}
+                          "losses_rank0": rounds[0][0]["losses"], "optimizer": rounds[0][0]["optimizer"],
+                          # VmRSS after the model is built / after compile (the state laid out)
+                          "rss_after_model_GB": [rec["rss_after_model_kb"] * 1024 / 1e9 for rec in rounds[0]],
+                          "rss_after_compile_GB": [rec.get("rss_after_compile_kb", 0) * 1024 / 1e9 for rec in rounds[0]]}
         n = runs[modes[0]][0][0]["n_params"]
-        offloaded = 8 * n / (a.nproc if a.zero >= 1 else 1)  # Adam moments of one rank's partition
+        # Adam moments of one rank's partition (and its fp32 masters under bf16/fp16 master weights)
+        per_param = 12 if a.precision != "fp32" and a.zero >= 1 else 8
+        offloaded = per_param * n / (a.nproc if a.zero >= 1 else 1)
         result.update(rows=rows, n_params=n, offloaded_GB_per_rank=offloaded / 1e9,
-                      setup={k: getattr(a, k) for k in ("layers", "width", "batch", "seq", "zero", "nproc", "steps",
-                                                        "warmup", "rounds")})
+                      setup={k: getattr(a, k) for k in ("layers", "width", "batch", "seq", "zero", "precision", "nproc",
+                                                        "steps", "warmup", "rounds")})
         print(f"GPT {n / 1e6:.1f}M params, {a.nproc} ranks, ZeRO-{a.zero}, {a.batch}x{a.seq} tokens per rank")
         for mode in modes:
             print(f"  {mode:<6} step {rows[mode]['step_s']:.3f} s   peak RSS per rank "

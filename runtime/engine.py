@@ -46,7 +46,8 @@ from fxspeed.planner import costs_reader, finish_plan
 from fxspeed.planner.estimate import offload_chunk_bytes
 from fxspeed.planner.plan import Plan
 from fxspeed.runtime.executor import StepExecutor
-from fxspeed.runtime.flat_parameters import FlatParameters
+from fxspeed.runtime.flat_parameters import FlatParameters, gather_into
+from fxspeed.runtime.host_memory import release_freed_host_memory
 from fxspeed.runtime.loss_scale import DynamicLossScaler
 from fxspeed.runtime.offloaded_optimizer import OffloadedAdam
 from fxspeed.runtime.optimizer import OptimizerSpec, build_optimizer
@@ -251,9 +252,12 @@ class Engine:
                 # next step's batch-signature check and loss mean would queue behind all of them.
                 gather_group = self.mesh.new_group_along("dp")
             work_dtype = getattr(torch, sig.working_dtype) if sig.working_dtype else None
+            # Optimizer offload under master weights: the fp32 masters go to the file with the
+            # moments (built empty here, filled once the optimizer's file exists).
+            elsewhere = work_dtype is not None and self.config.offload == "optimizer"
             self._flat = FlatParameters(canonical, sig.buckets, rank=self.dp_rank, world=self.dp_size,
-                                        zero=self.config.zero, group=self.mesh.group("dp"), gather_group=gather_group,
-                                        work_dtype=work_dtype)
+                                        zero=self.config.zero, group=self.mesh.group("dp") if self.dp_size > 1 else None,
+                                        gather_group=gather_group, work_dtype=work_dtype, masters_elsewhere=elsewhere)
             tensors = self._flat.optimizer_tensors()
             self._counted_buckets = list(range(len(sig.buckets)))
             if self._flat.released:
@@ -267,6 +271,10 @@ class Engine:
         self._owned = [p for p in self._unique if p.requires_grad]
         self._counted = list(self._owned)
         self._build_optimizer(tensors)
+        if self._flat is not None and self._flat.masters_elsewhere:
+            self._flat.fill(self.optimizer)
+        if self._flat is not None and self._flat.released and self._device.type == "cpu":
+            release_freed_host_memory()  # the module's fp32 Parameters, now empty
 
     def _guard_released_module(self, released: list[nn.Parameter], where: str, also: str) -> None:
         """The user's module holds 0-size Parameters where this rank does not keep the weight;
@@ -354,7 +362,7 @@ class Engine:
             # under a pipeline each position's states (and budget decision) are its own
             moved = ranks[self.position]["offloaded"] if ranks else self.plan.offloaded.get("disk", 0)
         return {"swap_root": c.nvme_path, "swap_name": f"rank{self.rank}", "chunk_bytes": offload_chunk_bytes(c),
-                "offload_bytes": moved}
+                "offload_bytes": moved, "masters": self._flat is not None and self._flat.masters_elsewhere}
 
     # --- compile: pipeline ---------------------------------------------------------------------
     def _compile_pipeline(self, args: tuple, kwargs: dict) -> None:
@@ -758,10 +766,14 @@ class Engine:
         gradients are freed either way. `loss`: this rank's loss, if it has one."""
         stepped = [t for g in self.optimizer.param_groups for t in g["params"] if t.grad is not None]
         self._check_lr_untouched()
-        if not unscale_or_skip(self.scaler, stepped, self.stats) and not self._nonfinite_skip(stepped, loss):
+        # Masters in the offload file: the gradients are working-precision shards; unscaling and
+        # clipping them in place would round (fp16 would underflow), so the factors go to the
+        # optimizer, which applies them to its fp32 upcast chunk by chunk.
+        factors: list | None = [] if isinstance(self.optimizer, OffloadedAdam) and self.optimizer.masters else None
+        if not unscale_or_skip(self.scaler, stepped, self.stats, factors) and not self._nonfinite_skip(stepped, loss):
             if self.config.grad_clip is not None:
-                self._clip(stepped)
-            self.optimizer.step()
+                self._clip(stepped, factors)
+            self.optimizer.step(**({"grad_factors": factors} if factors else {}))
             if self.config.lr_schedule != "manual":
                 self.lr_scheduler.step()
                 self._lr_set = [g["lr"] for g in self.optimizer.param_groups]
@@ -819,9 +831,11 @@ class Engine:
                     step, where, self.stats["skipped_steps"])
         return True
 
-    def _clip(self, stepped: list[torch.Tensor]) -> None:
+    def _clip(self, stepped: list[torch.Tensor], factors: list | None = None) -> None:
         """Clip `stepped` by the norm of the whole model's gradient: each weight counted once,
-        wherever it lives (shards over replicas, stages over positions, slices over tp ranks)."""
+        wherever it lives (shards over replicas, stages over positions, slices over tp ranks).
+        `factors` (masters in the offload file): the gradients are still to be multiplied by these;
+        the norm counts them, and the clip coefficient is appended instead of applied."""
         if self._tp:
             if self._flat is not None and self.config.zero >= 1:
                 sq = self._tp_shard_squares()
@@ -846,11 +860,16 @@ class Engine:
         device = stepped[0].device if stepped else torch.device("cpu")
         sq = torch.zeros((), dtype=torch.float64, device=device)
         if counted:
-            sq = torch.nn.utils.get_total_norm(counted, foreach=True).double() ** 2
+            sq = _total_norm(counted).double() ** 2
         if group is not None:
             dist.all_reduce(sq, group=group)
         norm = sq.sqrt().to(torch.float32)
-        if stepped:
+        if factors is not None:
+            for f in factors:
+                norm = norm * f
+            # torch.nn.utils.clip_grads_with_norm_'s coefficient, for the optimizer to apply
+            factors.append(torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0))
+        elif stepped:
             torch.nn.utils.clip_grads_with_norm_(stepped, self.config.grad_clip, norm, foreach=True)
 
     def _tp_shard_squares(self) -> torch.Tensor:
@@ -1237,7 +1256,7 @@ class Engine:
                             out.setdefault(name, {})[key] = v.clone() if torch.is_tensor(v) else torch.tensor(v)
                         continue
                     full = torch.empty(b.padded, dtype=v.dtype, device=v.device)
-                    _all_gather(full, v.contiguous(), group=flat.group)
+                    gather_into(full, v.contiguous(), flat.group, flat.world)
                     for name, shape, off in zip(b.names, b.shapes, b.offsets):
                         t = full[off:off + _numel(shape)].view(shape).clone()
                         # a tp slice's state -> the full tensor (collective over tp)
@@ -1292,13 +1311,17 @@ class Engine:
                                     for key, v in saved[name].items()}
 
 
-def unscale_or_skip(scaler: DynamicLossScaler | None, stepped: list[torch.Tensor], stats: dict) -> bool:
-    """fp16: unscale the gradients of `stepped` in place and agree on overflow with every rank;
-    True means skip this step (parameters, optimizer states and the lr schedule stay as they
-    were). Counts skipped steps and the scale in `stats`, and says so in the log."""
+def unscale_or_skip(scaler: DynamicLossScaler | None, stepped: list[torch.Tensor], stats: dict,
+                    factors: list | None = None) -> bool:
+    """fp16: unscale the gradients of `stepped` in place (or, given `factors`, append 1/scale to
+    it and leave them as they are) and agree on overflow with every rank; True means skip this
+    step (parameters, optimizer states and the lr schedule stay as they were). Counts skipped
+    steps and the scale in `stats`, and says so in the log."""
     if scaler is None:
         return False
-    overflow = scaler.unscale_and_check([t.grad for t in stepped if t.grad is not None])
+    if factors is not None:
+        factors.append(1.0 / scaler.scale)
+    overflow = scaler.unscale_and_check([t.grad for t in stepped if t.grad is not None], unscale=factors is None)
     scaler.update(overflow)
     stats["loss_scale"] = float(scaler.scale)
     if overflow:
@@ -1306,6 +1329,15 @@ def unscale_or_skip(scaler: DynamicLossScaler | None, stepped: list[torch.Tensor
         log.warning("fxspeed: step %d overflowed in fp16; skipped (loss scale now %g, %d skipped so far)",
                     stats["steps"], float(scaler.scale), stats["skipped_steps"])
     return overflow
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """torch.nn.utils.get_total_norm, with low-precision gradients' norms taken in fp32 (a bf16
+    norm keeps 3 digits: the clip coefficient would be off by ~0.4%)."""
+    if all(g.dtype in (torch.float32, torch.float64) for g in grads):
+        return torch.nn.utils.get_total_norm(grads, foreach=True)
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
 def _in_layout_of(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -1423,6 +1455,3 @@ def _optimizer_spec(c: Config) -> OptimizerSpec:
                          momentum=c.momentum, lr_schedule=c.lr_schedule, warmup_steps=c.warmup_steps,
                          total_steps=c.total_steps)
 
-
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (same arguments).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -27,13 +27,21 @@ copied (rounded) into the working shard -> working shards gathered (half the byt
 Full fp32 weights exist nowhere between steps, so the module's Parameters are emptied (as under
 zero 3) and `gathered()` / `full_state()` gather the masters.
 why: docs/decisions/master-weights-in-the-partition.md
+
+Masters in the offload file (`masters_elsewhere`, Config.offload="optimizer": ZeRO-Offload's
+layout, also on one rank): no fp32 shard is held here. `shards[k]` *is* `work_shards[k]`, what the
+optimizer steps and keys its state by; its gradient stays in the working precision; the optimizer
+(a MasterStore: runtime/offloaded_optimizer.py) holds the fp32 master beside Adam's moments and
+rounds the new master into the working shard itself. The buckets are allocated empty (no pages
+touched) and filled by `fill(store)` once the store exists, one bucket at a time: each master goes
+to the store as soon as it is made, so building the layout never holds the fp32 masters in memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,16 +51,28 @@ from fxspeed.ir import Bucket
 from fxspeed.runtime.kernels.collectives import exchange_gather_out
 
 
+class MasterStore(Protocol):
+    """Where fp32 masters live when not here, keyed by the working shard they belong to."""
+
+    def read_master(self, work: torch.Tensor) -> torch.Tensor: ...
+
+    def write_master(self, work: torch.Tensor, value: torch.Tensor) -> None: ...
+
+
 class FlatParameters:
     def __init__(self, params: dict[str, nn.Parameter], buckets: list[Bucket], *, rank: int, world: int,
                  zero: int, group: dist.ProcessGroup | None, gather_group: dist.ProcessGroup | None = None,
-                 work_dtype: torch.dtype | None = None):
+                 work_dtype: torch.dtype | None = None, masters_elsewhere: bool = False):
         """`gather_group` (same ranks as `group`) carries deferred post-step gathers, so the next
         step's small collectives on `group` do not queue behind them; without it none are deferred.
         `work_dtype`: the program reads working copies in this dtype and the shards are fp32
-        masters (zero >= 1)."""
+        masters (zero >= 1). `masters_elsewhere`: the masters live in a MasterStore; call
+        `fill(store)` before the first step."""
         self.params = params  # canonical name -> Parameter (tied aliases resolved by the caller)
         self.buckets = buckets
+        # One rank: its shard is the whole bucket, nothing is gathered (zero 3 has no gathers in
+        # the program there, so it keeps full working buckets as zero 1/2 do).
+        zero = zero if world > 1 else min(zero, 2)
         self.rank, self.world, self.zero, self.group = rank, world, zero, group
         self.gather_group = gather_group
         # On gloo the post-step gathers are point-to-point exchanges (runtime/kernels/collectives.py),
@@ -68,20 +88,27 @@ class FlatParameters:
         self.released = zero >= 3 or self.master
         self.work_shards: list[torch.Tensor] = self.shards if not self.master else []
         self._working: dict[str, torch.Tensor] = {}  # canonical name -> view into a working bucket
+        self.store: MasterStore | None = None
+        self.masters_elsewhere = masters_elsewhere and self.master
+        if self.masters_elsewhere:
+            for b in buckets:  # empty: filled by fill(store)
+                lo, hi = self._range(b)
+                work = torch.empty(b.padded, dtype=work_dtype, device=params[b.names[0]].device) if zero < 3 else None
+                self._add_working(b, work)
+                self.work_shards.append(work[lo:hi] if work is not None else
+                                        torch.empty(hi - lo, dtype=work_dtype, device=params[b.names[0]].device))
+            self.shards = self.work_shards  # what the optimizer steps; its masters are in the store
         # One bucket at a time: each Parameter is re-pointed (or released) as soon as its bucket
         # is built, so building the layout never holds a second copy of the model.
         with torch.no_grad():
-            for b in buckets:
+            for b in buckets if not self.masters_elsewhere else ():
                 flat = self._flatten(b)
                 lo, hi = self._range(b)
                 if self.master:
                     self.shards.append(flat[lo:hi].clone())
                     work = flat.to(work_dtype) if zero < 3 else None
-                    self.full.append(work)
+                    self._add_working(b, work)
                     self.work_shards.append(work[lo:hi] if work is not None else flat[lo:hi].to(work_dtype))
-                    if work is not None:
-                        for name, shape, off in zip(b.names, b.shapes, b.offsets):
-                            self._working[name] = work[off:off + _numel(shape)].view(shape)
                     del flat
                     self._release(b)
                 elif zero >= 3:
@@ -96,6 +123,30 @@ class FlatParameters:
             # Gathers left in flight when the engine is dropped (or the process exits) are waited
             # for: the collective registry would otherwise keep the buckets alive and warn at exit.
             weakref.finalize(self, _wait_all, list(self.full))
+
+    def _add_working(self, b: Bucket, work: torch.Tensor | None) -> None:
+        self.full.append(work)
+        if work is not None:
+            for name, shape, off in zip(b.names, b.shapes, b.offsets):
+                self._working[name] = work[off:off + _numel(shape)].view(shape)
+
+    @torch.no_grad()
+    def fill(self, store: MasterStore) -> None:
+        """masters_elsewhere: the working buckets from the Parameters, the masters into `store`,
+        one bucket at a time (each bucket's Parameters are released as soon as it is done)."""
+        self.store = store
+        for k, b in enumerate(self.buckets):
+            flat = self._flatten(b)
+            lo, hi = self._range(b)
+            (self.full[k] if self.full[k] is not None else self.work_shards[k]).copy_(
+                flat if self.full[k] is not None else flat[lo:hi])
+            store.write_master(self.work_shards[k], flat[lo:hi])
+            del flat
+            self._release(b)
+
+    def master_shard(self, k: int) -> torch.Tensor:
+        """Bucket k's fp32 master shard (a copy read from the store when it lives there)."""
+        return self.shards[k] if self.store is None else self.store.read_master(self.work_shards[k])
 
     def _flatten(self, b: Bucket, grads: bool = False) -> torch.Tensor:
         """A new padded flat buffer holding the bucket's parameters' current values (or, with
@@ -161,7 +212,9 @@ class FlatParameters:
                 # keep only our shard (in the master's dtype); the full bucket dies
                 self.shards[k].grad = t[lo:hi].to(self.shards[k].dtype, copy=True)
             else:
-                self.shards[k].grad = t.to(self.shards[k].dtype)  # a working-precision shard -> fp32
+                # a working-precision shard -> fp32 (masters here), or kept as it is (masters in
+                # the store: the optimizer upcasts it one chunk at a time)
+                self.shards[k].grad = t.to(self.shards[k].dtype)
             del t
 
     def clear_grads(self) -> None:
@@ -182,10 +235,10 @@ class FlatParameters:
         `wait_tensor` on any of its Parameters finds it. Until then the full buckets hold other
         ranks' old values: call wait_gathers() before reading them.
         why: docs/decisions/defer-parameter-gathers.md"""
-        if self.master:
+        if self.master and self.store is None:
             with torch.no_grad():  # the rounded new weights: what the next step computes with
                 torch._foreach_copy_(self.work_shards, self.shards)
-        if self.zero not in (1, 2):
+        if self.zero not in (1, 2) or self.world == 1:
             return
         if defer and self.gather_group is not None:
             name = self.gather_group.group_name
@@ -245,8 +298,9 @@ class FlatParameters:
             return [f for f in self.full]  # type: ignore[misc]
         out = []
         for k, b in enumerate(self.buckets):
-            flat = torch.empty(b.padded, dtype=self.shards[k].dtype, device=self.shards[k].device)
-            _all_gather(flat, self.shards[k], group=self.group)
+            mine = self.master_shard(k)
+            flat = torch.empty(b.padded, dtype=mine.dtype, device=mine.device)
+            gather_into(flat, mine, self.group, self.world)
             out.append(flat)
         return out
 
@@ -273,26 +327,27 @@ class FlatParameters:
             for k, b in enumerate(self.buckets):
                 flat = self._flatten(b)
                 lo, hi = self._range(b)
-                self.shards[k].copy_(flat[lo:hi])
+                if self.store is not None:
+                    self.store.write_master(self.work_shards[k], flat[lo:hi])
+                else:
+                    self.shards[k].copy_(flat[lo:hi])
                 if self.full[k] is not None:
                     self.full[k].copy_(flat)
                 elif self.master:
                     self.work_shards[k].copy_(flat[lo:hi])
 
-    def shard_state(self) -> list[torch.Tensor]:
-        return [s.detach().clone() for s in self.shards]
-
-    def load_shards(self, shards: list[torch.Tensor]) -> None:
-        self.wait_gathers()  # an in-flight gather would overwrite the loaded values
-        with torch.no_grad():
-            for mine, saved in zip(self.shards, shards):
-                mine.copy_(saved)
-        self.after_step()
-
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (same arguments); 2.11 has
 # only the old name.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def gather_into(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, world: int) -> None:
+    """All-gather `shard` from every rank into `out`; on one rank, a copy (no process group needed)."""
+    if world == 1:
+        out.copy_(shard.reshape(-1))
+    else:
+        _all_gather(out, shard, group=group)
 _c10d = torch.ops._c10d_functional
 
 

@@ -20,8 +20,9 @@ class DynamicLossScaler:
         self.clean_steps = 0
         self.skipped = 0
 
-    def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
-        """Divide `grads` by the scale in place; True if any rank saw inf/NaN.
+    def unscale_and_check(self, grads: list[torch.Tensor], unscale: bool = True) -> bool:
+        """Divide `grads` by the scale in place (with `unscale=False`, only check them); True if
+        any rank saw inf/NaN.
 
         The flag and the scale live on the gradients' device (the CUDA kernel refuses CPU ones
         next to CUDA gradients, and NCCL all-reduces only CUDA tensors); gradients on several
@@ -33,12 +34,13 @@ class DynamicLossScaler:
         if self.scale.device != device:
             self.scale = self.scale.to(device)  # once: it stays there, update() keeps its device
         found = torch.zeros(1, device=device)
+        inv = (1.0 / self.scale) if unscale else torch.ones((), device=device)
         for dev, group in by_device.items():
             if dev == device:
-                torch._amp_foreach_non_finite_check_and_unscale_(group, found, (1.0 / self.scale).reshape(1))
+                torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv.reshape(1))
             else:
                 other = torch.zeros(1, device=dev)
-                torch._amp_foreach_non_finite_check_and_unscale_(group, other, (1.0 / self.scale.to(dev)).reshape(1))
+                torch._amp_foreach_non_finite_check_and_unscale_(group, other, inv.to(dev).reshape(1))
                 found = torch.maximum(found, other.to(device))
         if self.group is not None:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)

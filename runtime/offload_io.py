@@ -78,17 +78,19 @@ class SwapFile:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"fxspeed-swap-{name}")
         self._finalizer = weakref.finalize(self, _close, fd, self.dir, self._pool)
         try:
-            os.posix_fallocate(fd, 0, self.nbytes)
+            if self.nbytes:  # (posix_fallocate refuses a zero length: every state stayed in memory)
+                os.posix_fallocate(fd, 0, self.nbytes)
         except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                os.ftruncate(fd, self.nbytes)  # no fallocate on this filesystem: a sparse file
+                return
             self.close()
             if e.errno == errno.ENOSPC:
                 free = shutil.disk_usage(root_path).free
                 raise FxspeedError(f"Config.nvme_path={str(root)!r}: the offloaded states need {self.nbytes / 1e9:.2f} "
                                    f"GB and that filesystem has {free / 1e9:.2f} GB free; free space there or choose a "
                                    "path on a larger disk (nothing was written)") from e
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise FxspeedError(f"cannot reserve {self.nbytes / 1e9:.2f} GB for the swap file {self.path!r}: {e}") from e
-            os.ftruncate(fd, self.nbytes)  # no fallocate on this filesystem: a sparse file
+            raise FxspeedError(f"cannot reserve {self.nbytes / 1e9:.2f} GB for the swap file {self.path!r}: {e}") from e
 
     def read(self, offset: int, into: AlignedBuffer, nbytes: int) -> Future:
         """Fill the first `nbytes` (rounded up to the alignment) of `into` from `offset`."""

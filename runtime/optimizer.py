@@ -37,6 +37,7 @@ class OptimizerSpec:
     swap_name: str = "rank0"
     chunk_bytes: int = 64 * 2**20
     offload_bytes: int | None = None  # None: every state to the file; else at least this many bytes
+    masters: bool = False  # the tensors are working copies; their fp32 masters go to the file too
 
 
 def build_optimizer(params: Iterable[torch.Tensor], spec: OptimizerSpec) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
@@ -47,7 +48,8 @@ def build_optimizer(params: Iterable[torch.Tensor], spec: OptimizerSpec) -> tupl
         opt: torch.optim.Optimizer = OffloadedAdam(params, lr=spec.lr, betas=spec.betas, eps=spec.eps,
                                                    weight_decay=spec.weight_decay, decoupled=spec.name == "adamw",
                                                    swap_root=spec.swap_root, name=spec.swap_name,
-                                                   chunk_bytes=spec.chunk_bytes, offload_bytes=spec.offload_bytes)
+                                                   chunk_bytes=spec.chunk_bytes, offload_bytes=spec.offload_bytes,
+                                                   masters=spec.masters)
     elif spec.name in ("adamw", "adam"):
         cls = torch.optim.AdamW if spec.name == "adamw" else torch.optim.Adam
         opt = _fused(cls, params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)

@@ -14,12 +14,13 @@ block, concatenated.
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from fxspeed.runtime.host_memory import release_freed_host_memory
 
 
 TP_PLAN_NOTE = ("tensor parallel: memory and time above are tp rank 0's program (its slices of the sharded weights, "
@@ -135,26 +136,3 @@ class TensorParallelParameters:
         s = torch.stack(sliced).sum() if sliced else torch.zeros((), device=dev)
         dist.all_reduce(s, group=self.group)
         return s + (torch.stack(whole).sum() if whole else torch.zeros((), device=dev))
-
-
-def release_freed_host_memory() -> None:
-    """Give freed heap pages back to the OS (glibc's malloc_trim). The full weights a rank just
-    cut to slices were freed into the C heap, where glibc keeps them (its mmap threshold grows
-    after large frees, so weight-sized blocks come from the heap): without this a tp rank on
-    the CPU stays as large as the whole model. A no-op where there is no glibc."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.lru_cache(maxsize=1)
-def _malloc_trim() -> Any:
-    """libc's malloc_trim, looked up once (find_library runs ldconfig), or None."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    except OSError:
-        return None

@@ -161,6 +161,62 @@ def test_optimizer_offload_on_two_ranks_equals_no_offload_under_zero_1_and_3_and
     assert [p.name for p in tmp_path.iterdir()] == ["result.txt"], "swap directories left behind"
 
 
+def _masters_pair(swap: Path, **cfg: object) -> tuple[fxspeed.Engine, fxspeed.Engine, tuple]:
+    """Two one-process bf16 ZeRO-1 engines with the optimizer offloaded: every state (fp32 masters
+    included) in the file, and the same optimizer with every chunk resident (a memory budget
+    larger than the model): the file's round trip is the only difference."""
+    model, batch = _gpt()
+    base = dict(lr=1e-2, weight_decay=0.1, grad_clip=0.5, bucket_mb=0.01, zero=1, precision="bf16",
+                offload="optimizer", nvme_path=str(swap), **cfg)
+    on_disk = fxspeed.compile(model, 1, fxspeed.Config(**base), example_inputs=batch)
+    resident = fxspeed.compile(copy.deepcopy(_gpt()[0]), 1, fxspeed.Config(**base, memory_budget_gb=100.0),
+                               example_inputs=batch)
+    return on_disk, resident, batch
+
+
+def test_under_bf16_the_fp32_masters_go_to_the_file_with_the_moments_and_memory_keeps_bf16_copies(
+        tmp_path: Path) -> None:
+    on_disk, resident, (x, y) = _masters_pair(tmp_path)
+    n = sum(p.numel() for p in _gpt()[0].parameters())  # (tied: the embedding counted once)
+    assert on_disk.optimizer.stats["masters"] and on_disk.optimizer.stats["resident_chunks"] == 0
+    assert on_disk.optimizer.stats["chunks"] > 2 and resident.optimizer.stats["chunks"] == 0
+    flat = on_disk._flat
+    # in memory: bf16 working buckets only; no fp32 weight anywhere, the module's Parameters empty
+    assert {t.dtype for t in flat.work_shards} == {torch.bfloat16} and flat.shards is flat.work_shards
+    assert all(p.numel() == 0 for p in on_disk.model.parameters())
+    sizes = sorted(f.stat().st_size for f in tmp_path.glob("fxspeed-swap-*/states.bin"))
+    assert sizes[0] == 0 and sizes[1] >= 12 * n  # (the resident twin's file is empty)
+    for step in range(3):
+        xs = torch.roll(x, step, 0)
+        assert on_disk.train_step(xs, y) == resident.train_step(xs, y)
+        for g in (on_disk, resident):
+            assert all(t.grad is None for t in g._flat.work_shards)
+    _same_states(on_disk, resident)
+    # the plan: masters and moments on disk (12 bytes a parameter), three staging slots in memory
+    assert on_disk.plan.offloaded["disk"] >= 12 * n
+    assert on_disk.plan.model_states["optimizer_states"] == 3 * int(2 * 0.01 * 2**20)
+    assert on_disk.plan.model_states["parameters"] == 2 * n
+
+
+def test_a_checkpoint_with_masters_in_the_file_resumes_bit_for_bit_and_loads_into_fp32_training(
+        tmp_path: Path) -> None:
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    on_disk, _, (x, y) = _masters_pair(swap)
+    on_disk.train_step(x, y)
+    on_disk.save(tmp_path / "ck")
+    saved = {k: v.clone() for k, v in on_disk.state_dict().items()}
+    assert all(v.dtype == torch.float32 for v in saved.values())  # the fp32 masters, not bf16 copies
+    fresh, _, _ = _masters_pair(swap)
+    fresh.load(tmp_path / "ck")
+    _same_states(on_disk, fresh)
+    assert fresh.train_step(x, y) == on_disk.train_step(x, y)
+    model, batch = _gpt()
+    fp32 = fxspeed.compile(model, 1, fxspeed.Config(lr=1e-2, bucket_mb=0.01), example_inputs=batch)
+    fp32.load(tmp_path / "ck")
+    assert all(torch.equal(fp32.state_dict()[k], v) for k, v in saved.items())
+
+
 def _compile(tmp_path: Path | None, **cfg: object) -> fxspeed.Engine:
     model, batch = _gpt()
     if tmp_path is not None:

@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--zero", type=int, default=2)
+    ap.add_argument("--precision", default="fp32", help="fp32, or bf16/fp16 (with zero >= 1: fp32 masters in the file)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--nvme-path", default="/tmp")
@@ -76,8 +77,9 @@ def main() -> None:
         step_fn, engine = deepspeed_step(model, a, world)
     else:
         extra = dict(offload="optimizer", nvme_path=a.nvme_path) if a.mode == "nvme" else {}
-        engine = fxspeed.compile(model, world, fxspeed.Config(zero=a.zero, lr=1e-4, **extra), example_inputs=(x, y))
+        engine = fxspeed.compile(model, world, fxspeed.Config(zero=a.zero, lr=1e-4, precision=a.precision, **extra), example_inputs=(x, y))
         step_fn = engine.train_step
+    rss_compiled = status_kb("VmRSS")  # after the engine laid out its state (the masters in the file)
     times, losses = [], []
     for step in range(a.warmup + a.steps):
         t = time.perf_counter()
@@ -87,6 +89,7 @@ def main() -> None:
         if step >= a.warmup:
             times.append(float(dt))
     record = {"mode": a.mode, "rank": rank, "world": world, "n_params": n_params, "zero": a.zero,
+              "precision": a.precision, "rss_after_compile_kb": rss_compiled,
               "tokens_per_rank": a.batch * a.seq, "step_times_s": times, "losses": losses,
               "rss_after_model_kb": rss_model, "peak_rss_kb": status_kb("VmHWM"),
               "optimizer": getattr(engine.optimizer, "stats", {})}

@@ -188,7 +188,10 @@ def derive_options(config: Config, mesh: Any) -> PassOptions:
         **_pipeline_fields(config), positions=(coords.get("pp", 0),),
         tp_size=getattr(mesh, "tp", 1), tp_rank=coords.get("tp", 0),
         tp_group_name=mesh.group_name("tp") if getattr(mesh, "tp", 1) > 1 else "",
-        fuse_kernels=fuse_kernels_mode(), master_weights=master_weights_wanted(config) and mesh.dp > 1)
+        fuse_kernels=fuse_kernels_mode(),
+        # On one rank the layout saves nothing (the partition is the whole model) unless the fp32
+        # master goes to the offload file with the optimizer states (ZeRO-Offload's layout).
+        master_weights=master_weights_wanted(config) and (mesh.dp > 1 or config.offload == "optimizer"))
 
 
 def master_weights_wanted(config: Config) -> bool:

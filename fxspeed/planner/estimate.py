@@ -205,7 +205,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     p_bytes, t_bytes = costs.param_bytes, costs.trainable_bytes
 
     shard = lambda b, stage: b / dp if z >= stage else b  # noqa: E731
-    states = shard(state_f * costs.state_basis, 1)  # what offload may move (not the masters)
+    states, masters = partition_states(costs, config, dp)  # what offload may move; masters kept here
     peak_resident = max(sum(step_phase(costs.step, costs, config, dp, 0).values()),  # nothing offloaded
                         sum(_optimizer_phase(costs, config, devices, dp, 0).values()))
     moved, budget_note = choose_offload(config, states, peak_resident)
@@ -237,8 +237,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     timeline["resident"] = [int(step[OPTIMIZER_STATES] + comm)]
     model_states = {PARAMETERS: int(round(shard(p_bytes, 3))),
                     GRADIENTS: int(round(shard(costs.grad_bytes or t_bytes, 2))),
-                    OPTIMIZER_STATES: int(round(resident_optimizer_states(config, states, moved)
-                                                + shard(costs.master_bytes, 1)))}
+                    OPTIMIZER_STATES: int(round(resident_optimizer_states(config, states, moved) + masters))}
     return Plan(
         model=model_name, n_params=n_params, n_trainable=int(round(costs.n_trainable)),
         config=config.to_dict(), devices=[d.to_dict() for d in devices],
@@ -262,11 +261,13 @@ def _optimizer_phase(costs: GraphCosts, config: Config, devices: Sequence[Device
     z = config.zero
     shard = lambda b, stage: b / dp if z >= stage else b  # noqa: E731
     t_bytes = costs.trainable_bytes
-    states = shard(opt_factors(config)[0] * costs.state_basis, 1)
-    # Master weights: the reduced low-precision shards became fp32 gradients of the masters.
-    grads = shard(costs.master_bytes, 1) if costs.master_bytes else shard(t_bytes, 2)
+    states, masters = partition_states(costs, config, dp)
+    # Master weights: the reduced low-precision shards became fp32 gradients of the masters (in
+    # memory), or stay low-precision shards that the offloaded optimizer upcasts chunk by chunk.
+    grads = (shard(costs.master_bytes, 1) if masters else shard(costs.grad_bytes or t_bytes, 1)) \
+        if costs.master_bytes else shard(t_bytes, 2)
     return {PARAMETERS: shard(costs.param_bytes, 3), GRADIENTS: grads,
-            OPTIMIZER_STATES: resident_optimizer_states(config, states, offloaded) + shard(costs.master_bytes, 1),
+            OPTIMIZER_STATES: resident_optimizer_states(config, states, offloaded) + masters,
             TEMPORARIES: optimizer_temporaries(config, devices[0], shard(t_bytes, 1), costs.largest_trainable),
             BUFFERS: costs.step.get(BUFFERS, 0), INPUTS: costs.step.get(INPUTS, 0)}
 
@@ -332,6 +333,17 @@ def offload_chunk_bytes(config: Config) -> int:
     return max(int(2 * config.bucket_mb * 2**20), 2 * 4096)
 
 
+def partition_states(costs: GraphCosts, config: Config, dp: int) -> tuple[float, float]:
+    """(optimizer-state bytes the offloaded optimizer may move, fp32 master bytes held beside them)
+    per rank. Under Config.offload="optimizer" the masters go to the file with the moments (a
+    chunk is [master | exp_avg | exp_avg_sq]), so they are part of the first number."""
+    shard = (lambda b: b / dp) if config.zero >= 1 else (lambda b: b)  # noqa: E731
+    states, masters = shard(opt_factors(config)[0] * costs.state_basis), shard(costs.master_bytes)
+    if config.offload == "optimizer" and masters:
+        return states + masters, 0.0
+    return states, masters
+
+
 def resident_optimizer_states(config: Config, states: float, offloaded: float | None = None) -> float:
     """Optimizer-state bytes held in memory: all of them, or under Config.offload="optimizer" those
     not offloaded (`offloaded`, default all) plus the three staging slots the offloaded optimizer
@@ -376,8 +388,8 @@ def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, 
     step = dict(graph_live)
     step[PARAMETERS] = shard(costs.param_bytes, 3)
     step[GRADIENTS] = shard(step.get(GRADIENTS, 0), 2)
-    states = shard(opt_factors(config)[0] * costs.state_basis, 1)
-    step[OPTIMIZER_STATES] = resident_optimizer_states(config, states, offloaded) + shard(costs.master_bytes, 1)
+    states, masters = partition_states(costs, config, dp)
+    step[OPTIMIZER_STATES] = resident_optimizer_states(config, states, offloaded) + masters
     comm = 0.0
     if dp > 1:
         bucket = config.bucket_mb * 2**20

@@ -42,6 +42,10 @@ Needs the gradients in their own dtype and the 1/N in the backward seed; otherwi
 gets a fresh buffer. ZeRO-1/2/3 keep fresh flat buffers (reuse_buffers places them).
 why: docs/decisions/persistent-gradient-buckets-for-zero0.md
 
+On one rank (world_size 1) nothing is reduced and the pass returns the graph unchanged, except
+under master weights with optimizer offload (`master_weights` on one rank), where the runtime's
+flat layout needs the buckets: each bucket is flattened (cat + pad), no collective.
+
 Buckets hold parameters in the order their gradients are completed, up to `bucket_bytes`,
 and are padded to a multiple of the world size. The mean over ranks comes from seeding
 backward with 1/N (fxspeed.compiler.rewrite.scale_backward_seed), so no extra pass over the
@@ -73,10 +77,11 @@ REDUCE_DTYPES = {"auto": None, "fp32": None, "bf16": torch.bfloat16, "fp16": tor
 def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     opts = ctx.options
     world = opts.world_size
-    if world == 1:
+    local = world == 1
+    if local and not opts.master_weights:
         return PassResult(gm, modified=False)
     zero = opts.zero
-    group = opts.dp_group("reduce_gradients")
+    group = opts.dp_group("reduce_gradients") if not local else ""
     limit = opts.bucket_bytes
     reduce_dtype = REDUCE_DTYPES[opts.reduce_dtype]
     # ZeRO-1 keeps all-reducing: its layout holds the full reduced gradients (the ZeRO paper's
@@ -104,7 +109,7 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         groups[-1].append(i)
         size += val.numel() * val.element_size()
 
-    scale = 1.0 if scale_backward_seed(gm, sig, 1.0 / world) else 1.0 / world
+    scale = 1.0 if local or scale_backward_seed(gm, sig, 1.0 / world) else 1.0 / world
     # Persistent buffers only where nothing but the flattening writes the reduced bucket.
     reuse = opts.reuse_grad_buckets and zero == 0 and scale == 1.0
     last_input = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
@@ -141,6 +146,9 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 val = nodes[0].meta["val"]
                 pieces.append(call(g, aten.zeros.default, ([padded - total],),
                                    {"dtype": val.dtype, "device": val.device}))
+            if local:
+                waits.append(_flatten(g, pieces, reduce_dtype))
+                continue
             if buf is not None:
                 # Fills the persistent buffer; the collective reads cat's result (the buffer),
                 # so the order is a data dependency.
@@ -192,15 +200,21 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     return PassResult(gm, modified=True)
 
 
-def _flatten_and_reduce(g: fx.Graph, pieces: list[fx.Node], scale: float, reduce_dtype: torch.dtype | None,
-                        scatter: bool, world: int, group: str, exchange: bool = False) -> fx.Node:
-    """The collective over a new flat tensor of `pieces` (scaled and cast as asked); with
-    `exchange`, the point-to-point half of a reduce-scatter (the caller adds the chunks)."""
+def _flatten(g: fx.Graph, pieces: list[fx.Node], reduce_dtype: torch.dtype | None, scale: float = 1.0) -> fx.Node:
+    """A new flat tensor of `pieces`, scaled and cast as asked."""
     flat = call(g, aten.cat.default, (pieces,)) if len(pieces) > 1 else pieces[0]
     if scale != 1.0:
         flat = call(g, aten.mul.Tensor, (flat, scale))
     if reduce_dtype is not None and reduce_dtype != flat.meta["val"].dtype:
         flat = call(g, aten._to_copy.default, (flat,), {"dtype": reduce_dtype})
+    return flat
+
+
+def _flatten_and_reduce(g: fx.Graph, pieces: list[fx.Node], scale: float, reduce_dtype: torch.dtype | None,
+                        scatter: bool, world: int, group: str, exchange: bool = False) -> fx.Node:
+    """The collective over a new flat tensor of `pieces` (scaled and cast as asked); with
+    `exchange`, the point-to-point half of a reduce-scatter (the caller adds the chunks)."""
+    flat = _flatten(g, pieces, reduce_dtype, scale)
     if exchange:
         return call(g, exchange_scatter, (flat, world, group))
     if scatter:

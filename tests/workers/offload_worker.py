@@ -19,8 +19,12 @@ from fxspeed.data import local_batch
 from tests.workers.common import build_model, global_batches
 
 # ZeRO-1 and ZeRO-2 step the same flat shards (and ZeRO-0 the Parameters, as one process does):
-# one of each kind of tensor the optimizer is handed, to keep the launch short.
-CASES = [dict(zero=1), dict(zero=3), dict(pipeline=2, microbatches=2)]
+# one of each kind of tensor the optimizer is handed, to keep the launch short. Under bf16/fp16
+# the masters go to the file too (against the in-memory masters of runtime/flat_parameters.py);
+# fp16 with clipping passes 1/scale and the clip coefficient to the optimizer instead of scaling
+# the fp16 gradients in place.
+CASES = [dict(zero=1), dict(zero=3), dict(pipeline=2, microbatches=2), dict(zero=2, precision="bf16"),
+         dict(zero=3, precision="fp16", grad_clip=0.5)]
 
 
 def run(case: dict, swap: str) -> list[str]:
@@ -38,6 +42,8 @@ def run(case: dict, swap: str) -> list[str]:
     bad += [f"{case}: parameter {k} differs" for k in sa if not torch.equal(sa[k], sb[k])]
     oa, ob = a._canonical_optimizer_state(), b._canonical_optimizer_state()
     bad += [f"{case}: optimizer state {k}/{s} differs" for k in oa for s in oa[k] if not torch.equal(oa[k][s], ob[k][s])]
+    if b.optimizer.stats["masters"] != ("precision" in case):
+        bad.append(f"{case}: masters in the file: {b.optimizer.stats['masters']}")
     if b.optimizer.stats["chunks"] < 2 and "pipeline" not in case:
         bad.append(f"{case}: one chunk only ({b.optimizer.stats}); the test means to step several")
     return bad
