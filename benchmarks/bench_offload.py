@@ -133,7 +133,8 @@ def main() -> None:
                           "losses_rank0": rounds[0][0]["losses"], "optimizer": rounds[0][0]["optimizer"],
                           # VmRSS after the model is built / after compile (the state laid out)
                           "rss_after_model_GB": [rec["rss_after_model_kb"] * 1024 / 1e9 for rec in rounds[0]],
-                          "rss_after_compile_GB": [rec.get("rss_after_compile_kb", 0) * 1024 / 1e9 for rec in rounds[0]]}
+                          "rss_after_compile_GB": [rec.get("rss_after_compile_kb", 0) * 1024 / 1e9 for rec in rounds[0]],
+                          "plan_peak_GB": [(rec.get("plan_peak_bytes") or 0) / 1e9 for rec in rounds[0]]}
         n = runs[modes[0]][0][0]["n_params"]
         # Adam moments of one rank's partition (and its fp32 masters under bf16/fp16 master weights)
         per_param = 12 if a.precision != "fp32" and a.zero >= 1 else 8

@@ -107,9 +107,11 @@ class Config:
     microbatches: int = 1
     grad_accum: int = 1
     # "optimizer": Adam's moments live off the device and are stepped there (ZeRO-Offload /
-    # ZeRO-Infinity). Where: offload_device "nvme" (files under nvme_path; any device, the CPU
-    # included), "cpu" (host memory; only meaningful for a CUDA device), "auto" (files on a CPU
-    # device). "parameters", "activations", "all" are accepted names, not built yet.
+    # ZeRO-Infinity); under bf16/fp16 with zero >= 1 the fp32 master weights go with them and the
+    # device keeps the working copies and gradients. Where: offload_device "nvme" (files under
+    # nvme_path; any device, the CPU included), "cpu" (host memory; only meaningful for a CUDA
+    # device), "auto" (files on a CPU device). "parameters", "activations", "all" are accepted
+    # names, not built yet.
     offload: str = "none"
     offload_device: str = "auto"
     nvme_path: str | None = None  # a directory on a local disk for offload_device="nvme"

@@ -92,7 +92,9 @@ def main() -> None:
               "precision": a.precision, "rss_after_compile_kb": rss_compiled,
               "tokens_per_rank": a.batch * a.seq, "step_times_s": times, "losses": losses,
               "rss_after_model_kb": rss_model, "peak_rss_kb": status_kb("VmHWM"),
-              "optimizer": getattr(engine.optimizer, "stats", {})}
+              "optimizer": getattr(engine.optimizer, "stats", {}),
+              # fxspeed's own prediction of this rank's peak, to set beside the kernel's VmHWM
+              "plan_peak_bytes": engine.plan.peak_memory() if getattr(engine, "plan", None) is not None else None}
     with open(f"{a.out}/{a.mode}_rank{rank}.json", "w") as f:
         json.dump(record, f)
     dist.destroy_process_group()

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from fxspeed.config import Config
 from fxspeed.devices import DeviceSpec
-from fxspeed.planner.placement import P, R, S, CostModel
+from fxspeed.planner.placement import P, R, S, CostModel, tp_collectives
 
 # Activations of one step (one row of `token_budget` tokens) are small next to weights and cache;
 # they are kept aside as a fixed share of device memory rather than modelled.
@@ -113,14 +113,5 @@ def plan_inference(model: nn.Module, program: Any, serving: Any, device: DeviceS
 
 def _tp_collectives(gm: Any, tokens: int) -> list[tuple[bool, float]]:
     """The tp collectives of a serving program, as (is an all-reduce, bytes per token of the
-    row of `tokens`): every all-reduce / all-gather shard_tensors put in, sized by its result."""
-    import torch
-
-    c10d = torch.ops._c10d_functional
-    out = []
-    for n in gm.graph.nodes:
-        if n.target in (c10d.all_reduce.default, c10d.all_gather_into_tensor.default):
-            v = n.meta.get("val")
-            nbytes = v.numel() * v.element_size() if v is not None else 0
-            out.append((n.target == c10d.all_reduce.default, nbytes / tokens))
-    return out
+    row of `tokens`)."""
+    return [(kind == "all_reduce", nbytes / tokens) for kind, nbytes in tp_collectives(gm)]

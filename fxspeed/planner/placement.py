@@ -875,12 +875,22 @@ def describe_placements(gm: fx.GraphModule, signature: Any) -> tuple[dict[str, s
     names = [s.target for s in signature.inputs if s.kind in ("param", "param_tp")]
     placements = {n: str(R if chosen.get(n, R) == WHOLE else chosen.get(n, R)) for n in names}
     comm: dict[str, int] = {}
-    c10d = torch.ops._c10d_functional
-    for n in gm.graph.nodes:
-        if n.target in (c10d.all_reduce.default, c10d.all_gather_into_tensor.default):
-            key = "tp_all_reduce" if n.target == c10d.all_reduce.default else "tp_all_gather"
-            comm[key] = comm.get(key, 0) + _nbytes(n)
+    for kind, nbytes in tp_collectives(gm):
+        comm[f"tp_{kind}"] = comm.get(f"tp_{kind}", 0) + nbytes
     return placements, comm
+
+
+def tp_collectives(gm: fx.GraphModule) -> list[tuple[str, int]]:
+    """The tp collectives shard_tensors put in `gm`, in graph order: ("all_reduce" or
+    "all_gather", bytes of the result)."""
+    c10d = torch.ops._c10d_functional
+    kinds = {c10d.all_reduce.default: "all_reduce", c10d.all_gather_into_tensor.default: "all_gather"}
+    out = []
+    for n in gm.graph.nodes:
+        if n.target in kinds:  # (not through _nbytes' cache, which only lives for one solve)
+            v = n.meta.get("val")
+            out.append((kinds[n.target], int(v.numel()) * v.element_size() if isinstance(v, torch.Tensor) else 0))
+    return out
 
 
 def check_tensor_config(config: Any, n_devices: int) -> None:
