@@ -40,7 +40,11 @@ def check_plan(rec: dict) -> float:
 @pytest.mark.slow
 def test_each_zero_stage_cuts_peak_rss_on_two_ranks_as_the_zero_paper_says_and_bf16_master_weights_cut_more(
         tmp_path: Path) -> None:
-    recs = measure(2, "0,1,2,3,bf16:1,bf16:2", tmp_path)
+    # 105M parameters in 6 blocks 1152 wide rather than the preset's 14 of 768: tracing costs per
+    # block, and six configurations run in this launch. (Not the 4-rank test: its ZeRO-3 plan-vs-RSS
+    # error, 9-10% at the preset's shape, moves with the shape, 12% at this one and 14.9% at 10 x 896,
+    # against the 15% bound.)
+    recs = measure(2, "0,1,2,3,bf16:1,bf16:2", tmp_path, "--layers", "6", "--width", "1152")
     for rank in (0, 1):
         base = recs[(0, rank)]["growth_bytes"]
         ratio = {z: recs[(z, rank)]["growth_bytes"] / base for z in (1, 2, 3)}

@@ -12,6 +12,7 @@ MALLOC_MMAP_THRESHOLD_ should be set by the launcher so freed tensors go back to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -36,6 +37,9 @@ def main() -> None:
     # ZeRO stages to run, one after another: "2" (fp32) or "bf16:2" (that precision)
     ap.add_argument("--zero", default="0,1,2,3")
     ap.add_argument("--preset", default="100m")
+    ap.add_argument("--layers", type=int, default=None, help="blocks (default: the preset's)")
+    ap.add_argument("--width", type=int, default=None, help="n_embd (default: the preset's)")
+    ap.add_argument("--heads", type=int, default=None, help="n_head (default: the preset's)")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=2)
@@ -62,7 +66,10 @@ def main() -> None:
 
 def run(zero: int, precision: str, a: argparse.Namespace, world: int) -> None:
     torch.manual_seed(0)
-    model = GPT(GPTConfig.preset(a.preset))
+    cfg = GPTConfig.preset(a.preset)
+    cfg = dataclasses.replace(cfg, n_layer=a.layers or cfg.n_layer, n_embd=a.width or cfg.n_embd,
+                              n_head=a.heads or cfg.n_head)
+    model = GPT(cfg)
     x = torch.randint(0, model.config.vocab_size, (a.batch, a.seq))
     if dist.is_initialized():
         dist.barrier()
