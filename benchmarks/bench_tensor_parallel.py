@@ -1,15 +1,15 @@
 """Tensor parallelism on CPU (gloo): fxspeed Config(tensor=2) against torch DTensor's Megatron plan
 on the same GPT, and both against one process.
 
-    python benchmarks/bench_tensor_parallel.py --out tp.json                # ~118M GPT, global batch 8 x 64
+    python benchmarks/bench_tensor_parallel.py --out tp.json                # 109M GPT, global batch 8 x 64
     python benchmarks/bench_tensor_parallel.py --batch 2 --out tp_b2.json   # a second operating point
     python benchmarks/bench_tensor_parallel.py --tiny --out /tmp/tp.json    # seconds: smoke test
 
 Rows (benchmarks/workers/tp_worker.py): eager (plain PyTorch, one process), fx (fxspeed, one
 process), dtensor (DTensor parallelize_module: q/k/v and fc ColwiseParallel, the projections
 RowwiseParallel, on --nproc ranks), fxtp (fxspeed Config(tensor=--nproc), the solver's layout).
-The model is fxspeed's GPT (default 8 blocks, d=1024, vocab 8192, seq 64: 118M parameters with
-the tied embedding) with q, k and v as separate Linears, torch Adam, lr 1e-4.
+The model is fxspeed's GPT (default 8 blocks, d=1024, vocab 8192, seq 64: 109.2M parameters,
+the embedding tied to the head; the issue's "about 118M" counts an untied head) with q, k and v as separate Linears, torch Adam, lr 1e-4.
 
 One torch.distributed.run launch per (round, row), rounds alternating the row order so a slow
 phase of a shared machine hits all rows; step time = median over rounds and timed steps of the
