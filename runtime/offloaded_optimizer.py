@@ -45,9 +45,30 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True, eq=False)
+class _Piece:
+    """A tensor, or a run of a contiguous tensor's elements (a tensor larger than a chunk is cut
+    into chunk-sized runs, so a staging slot never has to hold more than a chunk)."""
+    p: torch.Tensor
+    off: int        # element offset within each section of its chunk
+    start: int      # first element of p (flat order)
+    count: int
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.count == self.p.numel()
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """This piece of `t`, a tensor in p's layout (p itself, its gradient)."""
+        return t if self.whole else t.view(-1)[self.start:self.start + self.count]
+
+    def of_full(self, t: torch.Tensor) -> torch.Tensor:
+        """This piece of `t`, a tensor of p's shape in any layout (a saved state), for reading."""
+        return t if self.whole else t.reshape(-1)[self.start:self.start + self.count]
+
+
+@dataclass(frozen=True, eq=False)
 class _Chunk:
-    params: tuple[torch.Tensor, ...]
-    offsets: tuple[int, ...]      # element offset of each parameter within each section
+    pieces: tuple[_Piece, ...]
     numel: int                    # elements per section
     file_offset: int              # bytes
     sections: int = 2             # [exp_avg | exp_avg_sq], or [master | exp_avg | exp_avg_sq]
@@ -56,9 +77,12 @@ class _Chunk:
     def nbytes(self) -> int:
         return self.sections * self.numel * 4
 
-    def view(self, flat: torch.Tensor, section: int, p: torch.Tensor, off: int) -> torch.Tensor:
-        # In the parameter's own strides: the fused kernel pairs elements by memory position.
-        return flat.as_strided(p.shape, p.stride(), section * self.numel + off)
+    def view(self, flat: torch.Tensor, section: int, pc: _Piece) -> torch.Tensor:
+        base = section * self.numel + pc.off
+        if pc.whole:
+            # In the parameter's own strides: the fused kernel pairs elements by memory position.
+            return flat.as_strided(pc.p.shape, pc.p.stride(), base)
+        return flat[base:base + pc.count]  # a run of a contiguous tensor: flat order
 
 
 class OffloadedAdam(torch.optim.Optimizer):
@@ -98,9 +122,16 @@ class OffloadedAdam(torch.optim.Optimizer):
         biggest = max((c.nbytes for c in self._chunks), default=0)
         self._slots = [AlignedBuffer(biggest) for _ in range(min(SLOTS, len(self._chunks)))]
         self._offloaded = set(self._chunks)
-        # tensor -> (its chunk index in _each_chunk(), its offset in the chunk's sections)
-        self._where = {id(p): (i, off) for i, (c, _) in enumerate(self._each_chunk())
-                       for p, off in zip(c.params, c.offsets)}
+        # tensor -> its pieces, each with its chunk's index in _each_chunk()
+        self._where: dict[int, list[tuple[int, _Piece]]] = {}
+        for i, (c, _) in enumerate(self._each_chunk()):
+            for pc in c.pieces:
+                self._where.setdefault(id(pc.p), []).append((i, pc))
+        # The fused kernel counts a step on every tensor it is given: each later piece of a cut
+        # tensor keeps its own counter (equal to the tensor's, which the first piece uses).
+        self._piece_steps: dict[tuple[int, int], torch.Tensor] = {
+            (id(pc.p), pc.start): torch.tensor(0.0, dtype=torch.float32)
+            for pieces in self._where.values() for _, pc in pieces if pc.start > 0}
         self._reads: dict[int, Future] = {}      # chunk -> read in flight into slot chunk % SLOTS
         self._writes: dict[int, Future] = {}     # slot -> write in flight from it
         self._on_disk: set[_Chunk] = set()       # chunks whose file region holds their states (else zeros)
@@ -137,25 +168,28 @@ class OffloadedAdam(torch.optim.Optimizer):
             self._update(group, chunk, buf, grad_factors)
 
     def _update(self, group: dict, chunk: _Chunk, flat: torch.Tensor, factors: Sequence[torch.Tensor | float]) -> None:
-        live = [(p, off) for p, off in zip(chunk.params, chunk.offsets) if p.grad is not None]
+        live = [pc for pc in chunk.pieces if pc.p.grad is not None]
         if not live:
             return
         beta1, beta2 = group["betas"]
         first = 1 if self.masters else 0  # section of exp_avg
-        m = [chunk.view(flat, first, p, off) for p, off in live]
-        v = [chunk.view(flat, first + 1, p, off) for p, off in live]
+        m = [chunk.view(flat, first, pc) for pc in live]
+        v = [chunk.view(flat, first + 1, pc) for pc in live]
         if self.masters:
-            weights = [chunk.view(flat, 0, p, off) for p, off in live]
-            grads = [chunk.view(self._scratch, 0, p, off).copy_(p.grad) for p, off in live]
+            weights = [chunk.view(flat, 0, pc) for pc in live]
+            grads = [chunk.view(self._scratch, 0, pc).copy_(pc.of(pc.p.grad)) for pc in live]
             for f in factors:  # as the in-memory path scales its fp32 gradients: one factor at a time
                 torch._foreach_mul_(grads, f)
         else:
-            weights, grads = [p for p, _ in live], [p.grad for p, _ in live]
-        adam_update(weights, grads, m, v, [], [self.state[p]["step"] for p, _ in live], fused=True,
+            weights, grads = [pc.of(pc.p) for pc in live], [pc.of(pc.p.grad) for pc in live]
+        adam_update(weights, grads, m, v, [], [self._step_of(pc) for pc in live], fused=True,
                     decoupled_weight_decay=self.decoupled, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
         if self.masters:  # the rounded new weights: what the next step computes with
-            torch._foreach_copy_([p for p, _ in live], weights)
+            torch._foreach_copy_([pc.of(pc.p) for pc in live], weights)
+
+    def _step_of(self, pc: _Piece) -> torch.Tensor:
+        return self.state[pc.p]["step"] if pc.start == 0 else self._piece_steps[(id(pc.p), pc.start)]
 
     def _start_read(self, k: int) -> None:
         if k in self._reads:
@@ -220,17 +254,20 @@ class OffloadedAdam(torch.optim.Optimizer):
     def write_master(self, work: torch.Tensor, value: torch.Tensor) -> None:
         """masters: set the fp32 master of working tensor `work` (the working copy is the caller's)."""
         self._drain()
-        i, off = self._where[id(work)]
-        chunk, flat = self._load(i)
-        chunk.view(flat, 0, work, off).copy_(value.reshape(work.shape))
-        self._store(chunk)
+        value = value.reshape(work.shape)
+        for i, pc in self._where[id(work)]:
+            chunk, flat = self._load(i)
+            chunk.view(flat, 0, pc).copy_(pc.of_full(value))
+            self._store(chunk)
 
     def read_master(self, work: torch.Tensor) -> torch.Tensor:
         """masters: a copy of the fp32 master of working tensor `work`."""
         self._drain()
-        i, off = self._where[id(work)]
-        chunk, flat = self._load(i)
-        return chunk.view(flat, 0, work, off).clone()
+        out = torch.empty(work.shape, dtype=torch.float32)
+        for i, pc in self._where[id(work)]:
+            chunk, flat = self._load(i)
+            (out if pc.whole else out.view(-1)[pc.start:pc.start + pc.count]).copy_(chunk.view(flat, 0, pc))
+        return out
 
     def full_state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         """Every tensor's state as torch.optim's AdamW holds it (step, exp_avg, exp_avg_sq): the
@@ -240,9 +277,15 @@ class OffloadedAdam(torch.optim.Optimizer):
         first = 1 if self.masters else 0
         for i in range(len(self._each_chunk())):
             chunk, flat = self._load(i)
-            for p, off in zip(chunk.params, chunk.offsets):
-                out[p] = {"step": self.state[p]["step"].clone(), "exp_avg": chunk.view(flat, first, p, off).clone(),
-                          "exp_avg_sq": chunk.view(flat, first + 1, p, off).clone()}
+            for pc in chunk.pieces:
+                if pc.whole:
+                    out[pc.p] = {key: chunk.view(flat, section, pc).clone()
+                                 for section, key in enumerate(_MOMENTS, start=first)}
+                else:  # a cut tensor: assembled piece by piece, in p's (contiguous) layout
+                    st = out.setdefault(pc.p, {key: torch.empty_like(pc.p, dtype=torch.float32) for key in _MOMENTS})
+                    for section, key in enumerate(_MOMENTS, start=first):
+                        pc.of(st[key]).copy_(chunk.view(flat, section, pc))
+                out[pc.p]["step"] = self.state[pc.p]["step"].clone()
         return out
 
     def load_full_state(self, states: dict[torch.Tensor, dict[str, torch.Tensor]]) -> None:
@@ -253,12 +296,16 @@ class OffloadedAdam(torch.optim.Optimizer):
         for i in range(len(self._each_chunk())):
             chunk, flat = self._load(i)
             flat[first * chunk.numel:chunk.sections * chunk.numel].zero_()
-            for p, off in zip(chunk.params, chunk.offsets):
-                st = states.get(p, {})
-                self.state[p]["step"] = torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).clone()
+            for pc in chunk.pieces:
+                st = states.get(pc.p, {})
+                step = torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).clone()
+                if pc.start == 0:
+                    self.state[pc.p]["step"] = step
+                else:
+                    self._piece_steps[(id(pc.p), pc.start)] = step
                 for section, key in enumerate(_MOMENTS, start=first):
                     if key in st:
-                        chunk.view(flat, section, p, off).copy_(st[key])
+                        chunk.view(flat, section, pc).copy_(pc.of_full(st[key]))
             self._store(chunk)
 
     def state_dict(self) -> dict[str, Any]:
@@ -308,18 +355,34 @@ def _place(chunks: list[_Chunk]) -> list[_Chunk]:
 
 def _chunks(tensors: list[torch.Tensor], chunk_bytes: int, sections: int = 2) -> list[_Chunk]:
     """Consecutive tensors grouped into chunks of at most `chunk_bytes` of states, `sections` fp32
-    values per element (a larger tensor is a chunk alone)."""
+    values per element. A contiguous tensor larger than a chunk is cut into chunk-sized runs (a
+    flat ZeRO shard, a large embedding); another layout larger than a chunk is a chunk alone."""
+    cap = max(chunk_bytes // (4 * sections), 1)  # elements per chunk
     chunks: list[_Chunk] = []
-    group: list[torch.Tensor] = []
-    offsets: list[int] = []
+    group: list[_Piece] = []
     total = 0
+
+    def close() -> None:
+        nonlocal group, total
+        if group:
+            chunks.append(_Chunk(tuple(group), total, 0, sections))
+        group, total = [], 0
+
     for p in tensors:
-        if group and 4 * sections * (total + p.numel()) > chunk_bytes:
-            chunks.append(_Chunk(tuple(group), tuple(offsets), total, 0, sections))
-            group, offsets, total = [], [], 0
-        group.append(p)
-        offsets.append(total)
-        total += p.numel()
-    if group:
-        chunks.append(_Chunk(tuple(group), tuple(offsets), total, 0, sections))
+        n = p.numel()
+        if group and total + n > cap:
+            close()
+        if n <= cap or not p.is_contiguous():
+            group.append(_Piece(p, total, 0, n))
+            total += n
+            continue
+        # Runs of a multiple of 64 elements: torch's fused CPU kernel works in cache-line-aligned
+        # units of vectors with a scalar tail only at the end, so a run computes bit for bit what
+        # the whole tensor would (a run of 2621 elements put 13 through the tail: 2e-9 apart).
+        run = cap - cap % 64 if cap >= 64 else cap
+        for start in range(0, n, run):  # the last run may share its chunk with the next tensors
+            close()
+            group.append(_Piece(p, 0, start, min(run, n - start)))
+            total = group[0].count
+    close()
     return chunks

@@ -208,7 +208,8 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     states, masters = partition_states(costs, config, dp)  # what offload may move; masters kept here
     peak_resident = max(sum(step_phase(costs.step, costs, config, dp, 0).values()),  # nothing offloaded
                         sum(_optimizer_phase(costs, config, devices, dp, 0).values()))
-    moved, budget_note = choose_offload(config, states, peak_resident)
+    in_file = masters_in_file(costs, config)
+    moved, budget_note = choose_offload(config, states, peak_resident, in_file)
     notes = [*(notes or []), *([budget_note] if budget_note else [])]
     offloaded = {"disk": moved} if moved else {}
     step = step_phase(costs.step, costs, config, dp, moved)
@@ -237,7 +238,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     timeline["resident"] = [int(step[OPTIMIZER_STATES] + comm)]
     model_states = {PARAMETERS: int(round(shard(p_bytes, 3))),
                     GRADIENTS: int(round(shard(costs.grad_bytes or t_bytes, 2))),
-                    OPTIMIZER_STATES: int(round(resident_optimizer_states(config, states, moved) + masters))}
+                    OPTIMIZER_STATES: int(round(resident_optimizer_states(config, states, moved, in_file) + masters))}
     return Plan(
         model=model_name, n_params=n_params, n_trainable=int(round(costs.n_trainable)),
         config=config.to_dict(), devices=[d.to_dict() for d in devices],
@@ -267,7 +268,8 @@ def _optimizer_phase(costs: GraphCosts, config: Config, devices: Sequence[Device
     grads = (shard(costs.master_bytes, 1) if masters else shard(costs.grad_bytes or t_bytes, 1)) \
         if costs.master_bytes else shard(t_bytes, 2)
     return {PARAMETERS: shard(costs.param_bytes, 3), GRADIENTS: grads,
-            OPTIMIZER_STATES: resident_optimizer_states(config, states, offloaded) + masters,
+            OPTIMIZER_STATES: resident_optimizer_states(config, states, offloaded, masters_in_file(costs, config))
+            + masters,
             TEMPORARIES: optimizer_temporaries(config, devices[0], shard(t_bytes, 1), costs.largest_trainable),
             BUFFERS: costs.step.get(BUFFERS, 0), INPUTS: costs.step.get(INPUTS, 0)}
 
@@ -333,30 +335,48 @@ def offload_chunk_bytes(config: Config) -> int:
     return max(int(2 * config.bucket_mb * 2**20), 2 * 4096)
 
 
+def masters_in_file(costs: GraphCosts, config: Config) -> bool:
+    """Optimizer offload under master weights: the fp32 masters go to the file with the moments."""
+    return config.offload == "optimizer" and costs.master_bytes > 0
+
+
 def partition_states(costs: GraphCosts, config: Config, dp: int) -> tuple[float, float]:
     """(optimizer-state bytes the offloaded optimizer may move, fp32 master bytes held beside them)
     per rank. Under Config.offload="optimizer" the masters go to the file with the moments (a
     chunk is [master | exp_avg | exp_avg_sq]), so they are part of the first number."""
     shard = (lambda b: b / dp) if config.zero >= 1 else (lambda b: b)  # noqa: E731
     states, masters = shard(opt_factors(config)[0] * costs.state_basis), shard(costs.master_bytes)
-    if config.offload == "optimizer" and masters:
+    if masters_in_file(costs, config):
         return states + masters, 0.0
     return states, masters
 
 
-def resident_optimizer_states(config: Config, states: float, offloaded: float | None = None) -> float:
+def offload_staging(config: Config, masters: bool = False) -> int:
+    """Host bytes the offloaded optimizer stages chunks through (runtime/offloaded_optimizer.py):
+    three page-aligned slots of one chunk (`offload_chunk_bytes` of states in whole elements:
+    [exp_avg | exp_avg_sq], or with the masters in the file [master | exp_avg | exp_avg_sq]; larger
+    tensors are cut into chunk-sized runs) and, with the masters, one chunk of fp32 gradients."""
+    sections = 3 if masters else 2
+    cap = max(offload_chunk_bytes(config) // (4 * sections), 1)  # elements per chunk
+    slot = -(-(4 * sections * cap) // 4096) * 4096
+    return 3 * slot + (4 * cap if masters else 0)
+
+
+def resident_optimizer_states(config: Config, states: float, offloaded: float | None = None,
+                              masters: bool = False) -> float:
     """Optimizer-state bytes held in memory: all of them, or under Config.offload="optimizer" those
-    not offloaded (`offloaded`, default all) plus the three staging slots the offloaded optimizer
-    reads, steps and writes chunks through."""
+    not offloaded (`offloaded`, default all) plus the staging the offloaded optimizer reads, steps
+    and writes chunks through (`offload_staging`; `masters`: the fp32 masters are in the file)."""
     if config.offload != "optimizer":
         return states
     moved = states if offloaded is None else offloaded
     if not moved:
         return states
-    return states - moved + min(moved, 3 * offload_chunk_bytes(config))
+    return states - moved + min(moved, offload_staging(config, masters))
 
 
-def choose_offload(config: Config, states: float, peak_resident: float) -> tuple[int, str | None]:
+def choose_offload(config: Config, states: float, peak_resident: float,
+                   masters: bool = False) -> tuple[int, str | None]:
     """Bytes of optimizer states to offload under Config.offload="optimizer": all of them, or with
     Config.memory_budget_gb just enough (in whole chunks) that the rank's peak fits the budget.
     Also a note when even offloading everything does not fit."""
@@ -366,14 +386,17 @@ def choose_offload(config: Config, states: float, peak_resident: float) -> tuple
         return int(states), None
     budget = config.memory_budget_gb * 1e9
     chunk = offload_chunk_bytes(config)
+
+    def peak(moved: float) -> float:
+        return peak_resident - states + resident_optimizer_states(config, states, moved, masters)
+
     moved = 0.0
-    while moved < states and peak_resident - states + resident_optimizer_states(config, states, moved) > budget:
+    while moved < states and peak(moved) > budget:
         moved = min(states, moved + chunk)
     note = None
-    if peak_resident - states + resident_optimizer_states(config, states, moved) > budget:
-        note = (f"Config.memory_budget_gb={config.memory_budget_gb:g}: the peak is "
-                f"{(peak_resident - states + resident_optimizer_states(config, states, moved)) / 1e9:.2f} GB even with "
-                "every optimizer state offloaded; shard more (zero=2/3, more ranks) or use a smaller batch")
+    if peak(moved) > budget:
+        note = (f"Config.memory_budget_gb={config.memory_budget_gb:g}: the peak is {peak(moved) / 1e9:.2f} GB even "
+                "with every optimizer state offloaded; shard more (zero=2/3, more ranks) or use a smaller batch")
     return int(moved), note
 
 
@@ -389,7 +412,8 @@ def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, 
     step[PARAMETERS] = shard(costs.param_bytes, 3)
     step[GRADIENTS] = shard(step.get(GRADIENTS, 0), 2)
     states, masters = partition_states(costs, config, dp)
-    step[OPTIMIZER_STATES] = resident_optimizer_states(config, states, offloaded) + masters
+    step[OPTIMIZER_STATES] = resident_optimizer_states(config, states, offloaded, masters_in_file(costs, config)) \
+        + masters
     comm = 0.0
     if dp > 1:
         bucket = config.bucket_mb * 2**20
