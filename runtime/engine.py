@@ -256,7 +256,7 @@ class Engine:
             # moments (built empty here, filled once the optimizer's file exists).
             elsewhere = work_dtype is not None and self.config.offload == "optimizer"
             self._flat = FlatParameters(canonical, sig.buckets, rank=self.dp_rank, world=self.dp_size,
-                                        zero=self.config.zero, group=self.mesh.group("dp") if self.dp_size > 1 else None,
+                                        zero=self.config.zero, group=self.mesh.group("dp"),
                                         gather_group=gather_group, work_dtype=work_dtype, masters_elsewhere=elsewhere)
             tensors = self._flat.optimizer_tensors()
             self._counted_buckets = list(range(len(sig.buckets)))

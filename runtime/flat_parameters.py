@@ -138,8 +138,10 @@ class FlatParameters:
         for k, b in enumerate(self.buckets):
             flat = self._flatten(b)
             lo, hi = self._range(b)
-            (self.full[k] if self.full[k] is not None else self.work_shards[k]).copy_(
-                flat if self.full[k] is not None else flat[lo:hi])
+            if self.full[k] is not None:  # zero 1/2: the whole working bucket
+                self.full[k].copy_(flat)
+            else:                         # zero 3: this rank's working shard
+                self.work_shards[k].copy_(flat[lo:hi])
             store.write_master(self.work_shards[k], flat[lo:hi])
             del flat
             self._release(b)
