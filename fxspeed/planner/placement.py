@@ -101,6 +101,7 @@ class NodePlacement:
     want: list[Placement]
     reduce_before_bias: bool = False
     sharded: bool = False  # runs on 1/T of the work
+    rewrite: str = ""  # VOCAB: the op is rewritten to run on this rank's rows of the vocabulary
 
 
 @dataclass
@@ -109,13 +110,30 @@ class Strategy:
     out: Any
     div: bool = False
     reduce_before_bias: bool = False
+    rewrite: str = ""
+    inner: tuple[int, ...] = ()  # bytes of the all-reduces the rewrite itself makes
 
+
+# Vocabulary-parallel rules (Megatron's VocabParallelEmbedding and parallel cross-entropy), here
+# as placements the search may choose, never as a layout chosen by name. With the vocabulary
+# dim sharded, S(0) of an embedding table / S(1) of the logits:
+#   embedding(W S(0), ids R)            -> P: each rank looks up the ids in its rows, zeros elsewhere
+#   embedding_dense_backward(g R, ids R) -> S(0): each rank accumulates its rows only
+#   _log_softmax(x S(-1), -1)           -> S(-1): all-reduce max and sum of exp per row
+#   nll_loss_forward(lp S(1), target R) -> (P, R): each rank picks the targets in its rows
+#   nll_loss_backward, _log_softmax_backward_data: the same, the latter all-reduces a row sum
+# passes/parallel/shard_tensors.py applies them (its `_vocab_*` rewrites).
+VOCAB = "vocab"
 
 # --- shapes and dims ----------------------------------------------------------------------------
 
 # Matmuls whose output is split into k equal parts downstream (a fused QKV projection): a
 # weight sliced for them is sliced in k blocks. Set by solve.
 _PREFER: dict[fx.Node, int] = {}
+# embedding_dense_backward nodes whose gradient goes to a table placed S(0) in the assignment
+# being propagated: only they run vocabulary-parallel (elsewhere their sharded output would be
+# gathered again). Set by propagate.
+_VOCAB_BACKWARD: set[fx.Node] = set()
 _SHAPES: dict[fx.Node, Any] = {}  # memo for one solve (cleared by solve): shapes are read many times
 
 
@@ -180,7 +198,7 @@ _POINTWISE = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor
               aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.cos.default, aten.sin.default, aten.mul.Scalar,
               aten.div.Scalar, aten.add.Scalar, aten.sub.Scalar, aten.exp.default, aten.sqrt.default,
               aten.relu.default, aten.threshold_backward.default, aten.where.self, aten.fill.Scalar,
-              aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, *_SAME}
+              aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.masked_fill.Scalar, *_SAME}
 # Linear in every tensor argument at once (P in, P out).
 _WALK_BACK = {*_VIEWS, aten.clone.default, aten._to_copy.default}
 _LINEAR = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.mul.Scalar, aten.div.Scalar, *_SAME}
@@ -272,6 +290,8 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int) 
                 sts.append(Strategy([P, R], P))
             elif t == aten.mul.Tensor and len(ins) == 2 and pl[1].kind == "P":
                 sts.append(Strategy([R, P], P))
+            elif t == aten.masked_fill.Scalar and pl[0].kind == "P" and a[2] == 0:  # zeroing keeps a sum
+                sts.append(Strategy([P, R], P))
         return sts
     if t == aten.mm.default or t == aten.bmm.default:
         k = 0 if t == aten.mm.default else 1
@@ -330,6 +350,13 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int) 
         for d, b in cands:
             if _valid(S(d, b), out_shape, T):
                 sts.append(Strategy([S(d, b)] * n_t, S(d, b), True))
+        if S(dim) in pl and t in (aten._log_softmax.default, aten._log_softmax_backward_data.default) and \
+                _valid(S(dim), out_shape, T):
+            # Sharded along the normalized dim (vocabulary-parallel logits): per-row statistics
+            # are all-reduced (max and sum of exp forward, the row sum of the gradient backward).
+            row = math.prod(out_shape) // out_shape[dim] * 4
+            inner = (row, row) if t == aten._log_softmax.default else (row,)
+            sts.append(Strategy([S(dim)] * n_t, S(dim), True, rewrite=VOCAB, inner=inner))
         return sts
     if t in _ATTENTION or t in _ATTENTION_BACKWARD:
         n_qkv = 3 if t in _ATTENTION else 6  # backward: grad_out, q, k, v, out, logsumexp
@@ -345,11 +372,20 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int) 
         if pl[0].kind == "S" and pl[0].dim == 1:
             q = S(len(out_shape) - 1, pl[0].blocks)
             sts.append(Strategy([pl[0], R], q, True))
+        frequency = bool(a[3]) if len(a) > 3 else bool(node.kwargs.get("scale_grad_by_freq", False))
+        if pl[0] in (R, S(0)) and len(shapes[0]) == 2 and _valid(S(0), shapes[0], T) and not frequency:
+            sts.append(Strategy([S(0), R], P, True, rewrite=VOCAB))
         return sts
     if t == aten.embedding_dense_backward.default:
         if px.kind == "S" and px.dim == len(shapes[0]) - 1:
             sts.append(Strategy([px, R], S(1, px.blocks), True))
+        if node in _VOCAB_BACKWARD and not a[4] and _valid(S(0), out_shape, T):
+            sts.append(Strategy([R, R], S(0), True, rewrite=VOCAB))
         return sts
+    if t == aten.nll_loss_forward.default and len(ins) == 2 and len(shapes[0]) == 2 and pl[0] == S(1):
+        return [Strategy([S(1), R], (P, R), True, rewrite=VOCAB)]  # class weights (a 3rd input): no rule
+    if t == aten.nll_loss_backward.default and len(ins) == 4 and len(shapes[1]) == 2 and pl[1] == S(1):
+        return [Strategy([R, S(1), R, R], S(1), True, rewrite=VOCAB)]
     if t in (aten.split.Tensor, aten.split_with_sizes.default):
         nd = len(shapes[0])
         dim = _dim(a[2] if len(a) > 2 else node.kwargs.get("dim", 0), nd)
@@ -491,6 +527,8 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
     total = 0.0
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     param_of = {ph: s.target for ph, s in zip(placeholders, signature.inputs) if s.kind == "param"}
+    _VOCAB_BACKWARD.clear()
+    _VOCAB_BACKWARD.update(_row_sharded_embedding_gradients(gm, signature, params))
 
     def of(n: fx.Node) -> Placement:
         return place.get(n, R)
@@ -549,9 +587,13 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
         options = [st for st in options if all(w.kind != "P" or len(i.users) == 1 for w, i in zip(st.want, ins))]
         best, best_cost = fallback, math.inf
         for st in [*options, fallback]:
-            c = sum(cm.move(p, w, _nbytes(i)) if p.kind != "R" or w.kind != "S" or i in derived else math.inf
-                    for p, w, i in zip(pl, st.want, ins))
-            c += cm.node(n, st.div, _whole_bytes(cm, st, ins))
+            # A pointwise op may slice a replicated broadcast (expand of size 1 along the dim) to
+            # the shard another input has (label smoothing's gradient added to vocabulary-sharded
+            # logits): it holds no per-element data there, so no activation is split anew.
+            matched = n.target in _POINTWISE and any(p.kind == "S" and p == w for p, w in zip(pl, st.want))
+            c = sum(cm.move(p, w, _nbytes(i)) if p.kind != "R" or w.kind != "S" or i in derived or
+                    (matched and _broadcast_along(i, w.dim)) else math.inf for p, w, i in zip(pl, st.want, ins))
+            c += cm.node(n, st.div, _whole_bytes(cm, st, ins)) + sum(cm.move(P, R, b) for b in st.inner)
             if st.out == P or st.reduce_before_bias:
                 c += cm.move(P, R, _nbytes(n))  # a partial sum is reduced somewhere
             if c < best_cost:
@@ -563,11 +605,45 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
         total += cm.node(n, best.div, _whole_bytes(cm, best, ins))
         if best.reduce_before_bias:
             total += charge(P, R, n)
+        for b in best.inner:
+            total += cm.move(P, R, b)
+            comm["all_reduce"] += b
         place[n] = best.out
-        nodes[n] = NodePlacement(best.out, list(best.want), best.reduce_before_bias, best.div)
+        nodes[n] = NodePlacement(best.out, list(best.want), best.reduce_before_bias, best.div, best.rewrite)
     for ph, name in param_of.items():
         total += cm.memory(_nbytes(ph) / (T if of(ph).kind == "S" else 1))
     return Result(total, nodes, wants, comm)
+
+
+def _row_sharded_embedding_gradients(gm: fx.GraphModule, signature: Any,
+                                     params: dict[str, Placement]) -> set[fx.Node]:
+    """The embedding_dense_backward nodes whose result is (part of) the gradient of a table placed
+    S(0) in `params`: followed back from the gradient output through sums (a tied embedding and
+    head add their gradients), casts and views."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    found: set[fx.Node] = set()
+    for o, spec in zip(out.args[0], signature.outputs):
+        if not isinstance(o, fx.Node) or spec.kind != "grad" or params.get(spec.target) != S(0):
+            continue
+        stack = [o]
+        while stack:
+            n = stack.pop()
+            if n.target == aten.embedding_dense_backward.default:
+                found.add(n)
+            elif n.op == "call_function" and n.target in (aten.add.Tensor, *_WALK_BACK):
+                stack.extend(a for a in n.args[:2] if isinstance(a, fx.Node))
+    return found
+
+
+def _broadcast_along(n: fx.Node, dim: int) -> bool:
+    """`n` is an expand of a tensor of size 1 along `dim`."""
+    if n.target != aten.expand.default:
+        return False
+    src, out = _shape(n.args[0]), _shape(n)
+    if src is None or out is None:
+        return False
+    k = dim - (len(out) - len(src))
+    return k < 0 or src[k] == 1
 
 
 def _whole_bytes(cm: CostModel, st: Strategy, ins: list[fx.Node]) -> int:
@@ -657,6 +733,7 @@ def solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
         _SHAPES.clear()
         _NBYTES.clear()
         _PREFER.clear()
+        _VOCAB_BACKWARD.clear()
 
 
 def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,

@@ -184,10 +184,21 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         npl = n.meta.get(TP_KEY)
         if npl is None:
             raise PassError(f"shard_tensors: node {n.name!r} has no placement; run the tp_placements analysis first")
+        if n.target is operator.getitem and isinstance(env[n.args[0]], tuple):
+            env[n], place[n] = env[n.args[0]][n.args[1]], npl.out  # a rewrite made each result apart
+            continue
         if n.target is operator.getitem:
             new = g.call_function(operator.getitem, (env[n.args[0]], n.args[1]))
             new.meta["val"] = env[n.args[0]].meta["val"][n.args[1]]
-            new.name = n.name
+            new._rename(n.name)  # its old name unless a rewrite's node took it
+        elif npl.rewrite:
+            wants = iter(npl.want)
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: convert(a, next(wants)))
+            got = _VOCAB_REWRITES[n.target](_Emit(g, group, rank, T), n, list(args), kwargs)
+            if isinstance(got, tuple):
+                env[n], place[n] = got, npl.out
+                continue
+            new = got
         else:
             wants = iter(npl.want)
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: convert(a, next(wants)))
@@ -212,6 +223,96 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     sig.inputs = new_inputs
     sig.tp_layout = layout
     return PassResult(gm, modified=True)
+
+
+class _Emit:
+    """Appends the nodes of a vocabulary-parallel rewrite to `g` (this rank: `rank` of `T`)."""
+
+    def __init__(self, g: fx.Graph, group: str, rank: int, T: int):
+        self.g, self.group, self.rank, self.T = g, group, rank, T
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        return call(self.g, op, args, kwargs)
+
+    def all_reduce(self, x: fx.Node, how: str = "sum") -> fx.Node:
+        return self(c10d.wait_tensor.default, self(c10d.all_reduce.default, x, how, self.group))
+
+    def local_ids(self, ids: fx.Node, rows: int, fill: int) -> tuple[fx.Node, fx.Node]:
+        """Ids into this rank's `rows` of the vocabulary (rank * rows onward), `fill` where an id
+        is another rank's; and the mask of those."""
+        local = self(aten.sub.Tensor, ids, self.rank * rows)
+        other = self(aten.bitwise_or.Tensor, self(aten.lt.Scalar, local, 0), self(aten.ge.Scalar, local, rows))
+        return self(aten.masked_fill.Scalar, local, other, fill), other
+
+
+def _vocab_embedding(e: _Emit, n: fx.Node, args: list[Any], kwargs: dict[str, Any]) -> fx.Node:
+    """embedding(W[V/T rows], ids) -> the rows this rank holds, zeros for the others' ids: a partial sum."""
+    w, ids = args[0], args[1]
+    local, other = e.local_ids(ids, int(w.meta["val"].shape[0]), 0)
+    return e(aten.masked_fill.Scalar, e(aten.embedding.default, w, local), e(aten.unsqueeze.default, other, -1), 0)
+
+
+def _vocab_embedding_backward(e: _Emit, n: fx.Node, args: list[Any], kwargs: dict[str, Any]) -> fx.Node:
+    """The gradient of this rank's rows: the others' ids land on row 0 with a zeroed gradient."""
+    grad, ids, num_weights, padding_idx = args[:4]
+    rows = num_weights // e.T
+    local, other = e.local_ids(ids, rows, 0)
+    grad = e(aten.masked_fill.Scalar, grad, e(aten.unsqueeze.default, other, -1), 0)
+    pad = padding_idx - e.rank * rows if padding_idx >= 0 and 0 <= padding_idx - e.rank * rows < rows else -1
+    return e(aten.embedding_dense_backward.default, grad, local, rows, pad, False)
+
+
+def _vocab_log_softmax(e: _Emit, n: fx.Node, args: list[Any], kwargs: dict[str, Any]) -> fx.Node:
+    """log_softmax over a dim split across ranks: x - max - log(sum(exp(x - max))), the row max and
+    the row sum all-reduced."""
+    x, dim, half_to_float = args[0], args[1], args[2] if len(args) > 2 else False
+    if half_to_float:
+        x = e(aten._to_copy.default, x, dtype=torch.float32)
+    top = e.all_reduce(e(aten.amax.default, x, [dim], True), "max")
+    z = e(aten.sub.Tensor, x, top)
+    total = e.all_reduce(e(aten.sum.dim_IntList, e(aten.exp.default, z), [dim], True))
+    return e(aten.sub.Tensor, z, e(aten.log.default, total))
+
+
+def _vocab_log_softmax_backward(e: _Emit, n: fx.Node, args: list[Any], kwargs: dict[str, Any]) -> fx.Node:
+    """grad - exp(out) * sum(grad) with the row sum all-reduced."""
+    grad, out, dim, dtype = args[:4]
+    total = e.all_reduce(e(aten.sum.dim_IntList, grad, [dim], True))
+    r = e(aten.sub.Tensor, grad, e(aten.mul.Tensor, e(aten.exp.default, out), total))
+    return r if r.meta["val"].dtype == dtype else e(aten._to_copy.default, r, dtype=dtype)
+
+
+def _vocab_nll_loss(e: _Emit, n: fx.Node, args: list[Any], kwargs: dict[str, Any]) -> tuple[fx.Node, fx.Node]:
+    """(loss, total weight): this rank's picked log-probabilities (a partial sum); the total weight
+    (targets not ignored) counted from the whole target, so a mean divides by the global count.
+    Another rank's targets become the ignore index shifted like the ids: ignored here."""
+    lp, target, _weight, reduction, ignore = args[:5]
+    rows = int(lp.meta["val"].shape[1])
+    shifted = ignore - e.rank * rows
+    local, _ = e.local_ids(target, rows, shifted)
+    picked = e(aten.nll_loss_forward.default, lp, local, None, 0 if reduction == 0 else 2, shifted)
+    loss = e(operator.getitem, picked, 0)
+    if reduction == 0:
+        return loss, e(operator.getitem, picked, 1)
+    count = e(aten.sum.default, e(aten.ne.Scalar, target, ignore))
+    total = e(aten._to_copy.default, count, dtype=lp.meta["val"].dtype)
+    return (e(aten.div.Tensor, loss, total) if reduction == 1 else loss), total
+
+
+def _vocab_nll_loss_backward(e: _Emit, n: fx.Node, args: list[Any], kwargs: dict[str, Any]) -> fx.Node:
+    grad, lp, target, weight, reduction, ignore, total = args[:7]
+    rows = int(lp.meta["val"].shape[1])
+    shifted = ignore - e.rank * rows
+    local, _ = e.local_ids(target, rows, shifted)
+    return e(aten.nll_loss_backward.default, grad, lp, local, weight, reduction, shifted, total)
+
+
+_VOCAB_REWRITES = {aten.embedding.default: _vocab_embedding,
+                   aten.embedding_dense_backward.default: _vocab_embedding_backward,
+                   aten._log_softmax.default: _vocab_log_softmax,
+                   aten._log_softmax_backward_data.default: _vocab_log_softmax_backward,
+                   aten.nll_loss_forward.default: _vocab_nll_loss,
+                   aten.nll_loss_backward.default: _vocab_nll_loss_backward}
 
 
 class _Replicated:
