@@ -116,6 +116,43 @@ def test_heads_not_divisible_by_tensor_name_the_tensor_sizes_that_work() -> None
         _compile(model, (), {"input_ids": ids, "labels": ids}, T=4)
 
 
+def test_a_plan_without_an_engine_lists_every_placement_and_extrapolates_the_tp_collectives_over_blocks() -> None:
+    """fxspeed.plan(Config(tensor=2)) of a 6-block GPT traced with 1, 2 and 3 blocks: the layout
+    (repeated blocks as '#') and the tp collective bytes equal those of the whole 6-block trace."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from fxspeed.models import GPT, GPTConfig
+    from fxspeed.tools import viz
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=2048, block_size=16, n_layer=6, n_head=4, n_embd=256))
+    ids = torch.randint(0, 2048, (2, 16))
+    cfg = dict(tensor=2, layer_extrapolation=True)
+    plan = fxspeed.plan(model, 2, fxspeed.Config(**cfg), example_inputs=(ids, ids))
+    whole = fxspeed.plan(model, 2, fxspeed.Config(**{**cfg, "layer_extrapolation": False}), example_inputs=(ids, ids))
+    assert plan.tp_placements["wte.weight"] == "S(0)"
+    assert plan.tp_placements["blocks.#.attn.qkv.weight"] == "S(0,blocks=3)"
+    assert plan.tp_placements["blocks.#.mlp.proj.weight"] == "S(1)"
+    assert all(whole.tp_placements[f"blocks.{b}.mlp.fc.weight"] == "S(0)" for b in range(6))
+    assert plan.tp_communication == pytest.approx(whole.tp_communication, rel=1e-9)
+    assert "tensor parallel placements" in plan.summary()
+    ax = viz.plot_placements(plan)
+    assert "tp rank 1" in [t.get_text() for t in ax.get_xticklabels()]
+
+
+def test_a_vocabulary_that_does_not_split_over_tensor_ranks_is_named_with_the_padding_that_would() -> None:
+    from fxspeed.config import ConfigWarning
+    from fxspeed.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    ids = torch.randint(0, 65, (2, 16))
+    with pytest.warns(ConfigWarning, match=r"wte.weight has 65 rows.*pad the vocabulary to a multiple of 2, e.g. 128"):
+        cs, analysis = _compile(model, (ids, ids), {}, T=2)
+    assert analysis.params.get("wte.weight", R).kind != "S" or analysis.params["wte.weight"].dim == 1
+
+
 def test_devices_must_be_a_multiple_of_pipeline_times_tensor_and_replicas_run_every_zero_stage() -> None:
     with pytest.raises(ConfigError, match="multiple of pipeline x tensor = 2"):
         check_tensor_config(Config(tensor=2), 3)

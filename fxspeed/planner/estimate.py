@@ -124,6 +124,10 @@ class GraphCosts:
     # the fp32 masters of the trainable parameters, which the optimizer steps (0 otherwise)
     master_bytes: float = 0.0
     grad_bytes: float = 0.0  # the trainable parameters' gradients, as the program leaves them
+    # Tensor parallelism: every parameter's placement and the tp collectives' bytes per step
+    # (placement.describe_placements of the tp rank's program)
+    tp_placements: dict[str, str] = field(default_factory=dict)
+    tp_communication: dict[str, float] = field(default_factory=dict)
 
     @property
     def state_basis(self) -> float:
@@ -148,7 +152,25 @@ class GraphCosts:
                           n_trainable=lin(self.n_trainable, two.n_trainable), flops=lin_d(self.flops, two.flops),
                           times=lin_d(self.times, two.times), timeline=two.timeline,
                           master_bytes=lin(self.master_bytes, two.master_bytes),
-                          grad_bytes=lin(self.grad_bytes, two.grad_bytes))
+                          grad_bytes=lin(self.grad_bytes, two.grad_bytes),
+                          tp_placements=_every_block(two.tp_placements),
+                          tp_communication=lin_d(self.tp_communication, two.tp_communication))
+
+
+def _every_block(placements: dict[str, str]) -> dict[str, str]:
+    """The 2-block trace's placements with the block index read as '#' (every block is laid out
+    alike: the solver moves a parameter of all repeated blocks at once); a parameter whose two
+    blocks differ keeps its names."""
+    from fxspeed.planner.placement import _block_key
+
+    by_key: dict[str, set[str]] = {}
+    for name, p in placements.items():
+        by_key.setdefault(_block_key(name)[0], set()).add(p)
+    out: dict[str, str] = {}
+    for name, p in placements.items():
+        key = _block_key(name)[0]
+        out[key if len(by_key[key]) == 1 else name] = p
+    return out
 
 
 def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec,
@@ -176,6 +198,11 @@ def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec
         inf = node.meta.get(META_KEY)
         if inf is not None and inf.role in flops:
             flops[inf.role] += inf.flops
+    placed: tuple[dict[str, str], dict[str, int]] = ({}, {})
+    if tp > 1:
+        from fxspeed.planner.placement import describe_placements
+
+        placed = describe_placements(gm, signature)
     return GraphCosts(
         step={c: float(v) for c, v in tl.peak.items()}, param_bytes=float(sum(params.values())),
         trainable_bytes=float(sum(params[n] for n in trainable)), largest_param=float(max(params.values(), default=0)),
@@ -185,6 +212,7 @@ def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec
         times={"forward": by_role.get("forward", 0.0), "backward": by_role.get("backward", 0.0)},
         timeline={"names": tl.names, "roles": tl.roles, "bytes": tl.totals, "gradients": tl.gradients},
         master_bytes=master, grad_bytes=float(grad_bytes),
+        tp_placements=placed[0], tp_communication={k: float(v) for k, v in placed[1].items()},
     )
 
 
@@ -252,6 +280,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
         dtypes=category_dtypes(config, master=costs.master_bytes > 0),
         communication={k: int(v) for k, v in communication.items()},
         mesh=layout_text(dp, pp, tp) if n > 1 else "", offloaded=offloaded,
+        tp_placements=dict(costs.tp_placements), tp_communication={k: int(v) for k, v in costs.tp_communication.items()},
     )
 
 

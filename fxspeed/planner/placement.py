@@ -896,6 +896,8 @@ class PlacementAnalysis:
         if T > 1:
             check_heads(gm, T)
             check_random(gm, T)
+            if self.params is None:
+                warn_vocabulary(gm, ctx.signature, T)
             params, res = solve(gm, ctx.signature, self.device, T, fixed=self.params)
             if self.params is None:
                 self.params, self.comm = params, dict(res.comm)
@@ -903,6 +905,29 @@ class PlacementAnalysis:
                 n.meta[TP_KEY] = npl
             gm.meta[PARAMS_KEY] = dict(params)
         return PassResult(gm, modified=False)
+
+
+def warn_vocabulary(gm: fx.GraphModule, signature: Any, T: int) -> None:
+    """An embedding table whose rows (the vocabulary) do not split over T ranks cannot be placed
+    by rows (vocabulary-parallel embedding, head and cross-entropy): it stays whole or is split on
+    its hidden dim, which all-gathers it for the head. Say so, and the padded size that would work."""
+    import warnings
+
+    from fxspeed.config import ConfigWarning
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = {ph: s.target for ph, s in zip(placeholders, signature.inputs) if s.kind == "param"}
+    for n in gm.graph.nodes:
+        if n.target != aten.embedding.default or n.args[0] not in names:
+            continue
+        rows = (_shape(n.args[0]) or (0,))[0]
+        if rows > 1 and rows % T:
+            padded = -(-rows // (64 * T)) * 64 * T
+            warnings.warn(f"Config.tensor={T}: the embedding {names[n.args[0]]} has {rows} rows (the vocabulary), which "
+                          f"do not split over {T} ranks, so it cannot be vocabulary-parallel and stays whole or is "
+                          f"split on its hidden dim (gathered for the head each step); pad the vocabulary to a "
+                          f"multiple of {T}, e.g. {padded} (Hugging Face: model.resize_token_embeddings({rows}, "
+                          f"pad_to_multiple_of={64 * T}))", ConfigWarning, stacklevel=2)
 
 
 def check_random(gm: fx.GraphModule, T: int) -> None:
@@ -940,7 +965,7 @@ def make_placement_analysis(devices: Sequence[DeviceSpec]) -> Any:
 
 
 __all__ = ["P", "PARAMS_KEY", "Placement", "PlacementAnalysis", "NodePlacement", "R", "S", "TP_KEY", "WHOLE",
-           "check_heads", "check_random", "check_tensor_config", "describe_placements", "make_placement_analysis",
+           "check_heads", "check_random", "check_tensor_config", "warn_vocabulary", "describe_placements", "make_placement_analysis",
            "propagate", "reshape_placement", "solve"]
 
 

@@ -4,6 +4,7 @@
     g = viz.module_graph(engine.graph(), depth=2)     # nodes collapsed to module paths
     viz.draw_graph(g, color_by="role")               # or color_by="module"
     viz.plot_timeline(plan)                          # predicted live bytes over the step
+    viz.plot_placements(plan)                        # which tensor-parallel rank holds what
 
 Nothing here is needed to train; importing fxspeed does not import matplotlib.
 """
@@ -221,4 +222,53 @@ def plot_memory_breakdown(plan: Any, rank: int = 0, ax: Any = None, unit: float 
     ax.set_xlabel(unit_name)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     ax.set_title(f"{plan.model}: rank {rank} predicted peak {mem['total'] / unit:,.2f} {unit_name}")
+    return ax
+
+
+_PLACEMENT_COLORS = {"R": "#C8C8C8", "S(0)": "#4C72B0", "S(1)": "#DD8452"}
+
+
+def plot_placements(plan: Any, ax: Any = None, collapse_blocks: bool = True, max_rows: int = 40) -> Any:
+    """Which tensor-parallel rank holds what: one row per parameter, one column per tp rank.
+    A grey cell is a whole copy (R); a coloured cell is the rank's slice, labelled with the dim
+    it is cut on and which piece it is ("dim 0, 2/4"; a fused QKV cut in blocks: "dim 0, 2/4 of
+    each of 3"). Repeated blocks are shown once ("blocks.#.mlp.fc.weight") when `collapse_blocks`."""
+    import re
+
+    import matplotlib.pyplot as plt
+
+    placed = dict(plan.tp_placements)
+    T = int(plan.strategy.get("tp", 1))
+    if not placed or T < 2:
+        raise ValueError("plot_placements: the plan has no tensor-parallel placements; plan or compile with "
+                         "Config(tensor=T), T > 1")
+    rows: dict[str, str] = {}
+    for name, p in placed.items():
+        key = re.sub(r"(^|\.)\d+\.", r"\1#.", name, count=1) if collapse_blocks else name
+        if rows.get(key, p) != p:  # blocks laid out differently: show them apart
+            key = name
+        rows.setdefault(key, p)
+    names = list(rows)[:max_rows]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(2.2 + 1.6 * T, 0.32 * len(names) + 1.0))
+    for i, name in enumerate(names):
+        p = rows[name]
+        m = re.match(r"S\((\d+)(?:,blocks=(\d+))?\)", p)
+        for r in range(T):
+            if m is None:
+                color, text = _PLACEMENT_COLORS["R"], "whole"
+            else:
+                dim, blocks = int(m.group(1)), int(m.group(2) or 1)
+                color = _PLACEMENT_COLORS.get(f"S({dim})", "#55A868")
+                text = f"dim {dim}, {r + 1}/{T}" + (f" of each of {blocks}" if blocks > 1 else "")
+            ax.add_patch(plt.Rectangle((r, i), 0.96, 0.9, color=color))
+            ax.text(r + 0.48, i + 0.45, text, ha="center", va="center", fontsize=6)
+    ax.set_xlim(0, T)
+    ax.set_ylim(len(names), 0)
+    ax.set_xticks([r + 0.48 for r in range(T)])
+    ax.set_xticklabels([f"tp rank {r}" for r in range(T)], fontsize=8)
+    ax.set_yticks([i + 0.45 for i in range(len(names))])
+    ax.set_yticklabels(names, fontsize=7)
+    more = f" (first {max_rows} of {len(rows)})" if len(rows) > max_rows else ""
+    ax.set_title(f"{plan.model}: what each tensor-parallel rank holds{more}", fontsize=9)
     return ax
