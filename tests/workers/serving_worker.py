@@ -9,7 +9,8 @@ in this process (one device, whole weights):
                             hand), every sampled row's logits within 1e-4 (relative to the
                             largest logit, when above 1) of a full forward; the
                             cache holds kv_heads / T heads per rank (the program is cut by heads,
-                            not left replicated) and the plan counts tp collectives
+                            not left replicated), the embedding/head is split by vocabulary rows,
+                            and the plan counts tp collectives
     sampling                temperature / top_k sampling with no seed (each rank would draw its own):
                             every rank returns the same tokens
     bad_request             an empty prompt and an out-of-vocabulary id fail alone; the other
@@ -31,7 +32,7 @@ import fxspeed
 from fxspeed.models import GPT, GPTConfig
 from tests.workers.common import run_cases
 
-V = 96
+V = 2048  # the solver splits the embedding/head by vocabulary rows at this size (at 96: whole)
 D = 256  # wide enough that the placement cost model splits attention and MLP (narrower: replicated)
 PROMPTS = [[5, 17, 3], list(range(10, 30)), [7], [40, 41, 42, 43, 44, 45, 46, 47, 48], list(range(60, 72))]
 NEW = [6, 5, 7, 4, 6]
@@ -103,6 +104,9 @@ def case_model(name: str) -> str:
     heads = engine._serving.cache.tensors["0.k"].shape[2]
     if heads != KV_HEADS[name] // T:
         return f"the cache holds {heads} key/value heads per rank, expected {KV_HEADS[name]} / {T}: not cut by heads"
+    by_rows = [full for p, d, b, full in engine._tp.layout.values() if d == 0 and full[0] == V]
+    if not by_rows:
+        return "the embedding/head is not split by vocabulary rows (vocabulary-parallel) on this rank"
     if engine.plan.tensor != T or engine.plan.tp_collectives_per_step < 2:
         return f"plan: tensor={engine.plan.tensor}, {engine.plan.tp_collectives_per_step} tp collectives per step"
     engine._serving.record_logits = {}
