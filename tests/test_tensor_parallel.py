@@ -261,7 +261,7 @@ def test_sharded_rank_programs_together_equal_the_single_device_step(d_heads: tu
     """Random attention + MLP models at T=2: the rank programs, run in lockstep, give the
     single-device loss and gradients, and their parameter slices concatenate (by the layout) to
     the full parameters."""
-    from fxspeed.runtime.tensor_parallel import join_slices, take_slice
+    from fxspeed.runtime.tensor_parallel import join_slices
 
     T = 2
     d, heads = d_heads
@@ -271,36 +271,15 @@ def test_sharded_rank_programs_together_equal_the_single_device_step(d_heads: tu
     full = dict(model.named_parameters())
     loss = model(x, y)
     loss.backward()
-    programs, inputs, sigs = [], [], []
-    for rank in range(T):
-        cs, _ = _compile(model, (x, y), {}, T, rank, SLOW_COMPUTE)
-        sig = cs.captured.signature
-        ins = []
-        for s in sig.inputs:
-            if s.kind == "param_tp":
-                dim, b = sig.tp_layout[s.target]
-                ins.append(take_slice(full[s.target].detach(), dim, b, rank, T))
-            elif s.kind == "param":
-                ins.append(full[s.target].detach())
-            else:
-                ins.append(x if s.target == "0" else y)
-        programs.append(cs.captured.gm)
-        inputs.append(ins)
-        sigs.append(sig)
+    programs, inputs, sigs = _rank_programs(model, (x, y), T, full, SLOW_COMPUTE)
     assert sigs[0].tp_layout, "nothing was sharded"
-    got = _lockstep(programs, inputs)
-    outs = [dict(zip([(s.kind, s.target) for s in sig.outputs], g)) for sig, g in zip(sigs, got)]
-    for (kind, target) in outs[0]:
-        if kind == "loss":
-            for o in outs:
-                torch.testing.assert_close(o[(kind, target)], loss.detach(), rtol=1e-5, atol=1e-6)
-        elif kind == "grad":
-            layout = sigs[0].tp_layout.get(target)
-            parts = [o[(kind, target)] for o in outs]
-            g = join_slices(parts, *layout) if layout else parts[0]
-            for o in parts[1:] if not layout else ():
-                torch.testing.assert_close(o, parts[0])  # replicated gradients agree on every rank
-            torch.testing.assert_close(g, full[target].grad, rtol=1e-4, atol=1e-5, msg=f"gradient of {target}")
+    losses, grads = _lockstep_outputs(programs, inputs, sigs)
+    for got in losses:
+        torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)
+    for target, (g, parts, layout) in grads.items():
+        for o in parts[1:] if not layout else ():
+            torch.testing.assert_close(o, parts[0])  # replicated gradients agree on every rank
+        torch.testing.assert_close(g, full[target].grad, rtol=1e-4, atol=1e-5, msg=f"gradient of {target}")
     for name, (dim, b) in sigs[0].tp_layout.items():
         slices = [inputs[r][[s.target for s in sigs[r].inputs].index(name)] for r in range(T)]
         assert torch.equal(join_slices(slices, dim, b), full[name].detach())
@@ -336,8 +315,6 @@ def test_vocabulary_parallel_embedding_head_and_cross_entropy_equal_the_single_d
     without gathering the logits, ignored targets anywhere, label smoothing, mean or sum. (The
     tables are placed here; that the solver chooses this layout on language models is checked
     by the two-rank GPT, GPT-2, Llama and BERT runs.)"""
-    from fxspeed.runtime.tensor_parallel import join_slices, take_slice
-
     torch.manual_seed(seed)
     model = _LM(vocab, 64, tied, reduction, smoothing)
     ids, targets = torch.randint(0, vocab, (2, 16)), torch.randint(0, vocab, (2, 16))
@@ -345,36 +322,58 @@ def test_vocabulary_parallel_embedding_head_and_cross_entropy_equal_the_single_d
     full = dict(model.named_parameters(remove_duplicate=False))
     loss = model(ids, targets)
     loss.backward()
+    vocab_rows = {**{n: WHOLE for n, p in model.named_parameters() if p.dim() >= 2},  # the block: whole
+                  "emb.weight": S(0), **({} if tied else {"head.weight": S(0)})}
+    programs, inputs, sigs = _rank_programs(model, (ids, targets), T, full, fixed=vocab_rows)
+    assert sigs[0].tp_layout.get("emb.weight") == (0, 1), sigs[0].tp_layout
+    assert tied or sigs[0].tp_layout.get("head.weight") == (0, 1), sigs[0].tp_layout
+    assert not [n for n in programs[0].graph.nodes if n.target == c10d.all_gather_into_tensor.default]
+    losses, grads = _lockstep_outputs(programs, inputs, sigs)
+    for got in losses:
+        torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)
+    for target, (g, _, _) in grads.items():
+        want = full[target].grad
+        err = float((g - want).norm() / want.norm().clamp_min(1e-12))  # sums reach ~20: relative to the norm
+        assert err <= 1e-5, f"gradient of {target}: relative error {err:.1e}"
+
+
+def _rank_programs(model: nn.Module, args: tuple, T: int, full: dict[str, torch.Tensor],
+                   device: DeviceSpec | None = None, fixed: dict | None = None) -> tuple[list, list, list]:
+    """Every tp rank's compiled program, its inputs (its slices of `full`, the batch `args`) and
+    signature."""
+    from fxspeed.runtime.tensor_parallel import take_slice
+
     programs, inputs, sigs = [], [], []
     for rank in range(T):
-        vocab_rows = {**{n: WHOLE for n, p in model.named_parameters() if p.dim() >= 2},  # the block: whole
-                      "emb.weight": S(0), **({} if tied else {"head.weight": S(0)})}
-        cs, analysis = _compile(model, (ids, targets), {}, T, rank, fixed=vocab_rows)
+        cs, _ = _compile(model, args, {}, T, rank, device, fixed=fixed)
         sig = cs.captured.signature
         ins = []
         for s in sig.inputs:
             if s.kind == "param_tp":
                 ins.append(take_slice(full[s.target].detach(), *sig.tp_layout[s.target], rank, T))
             else:
-                ins.append(full[s.target].detach() if s.kind == "param" else (ids, targets)[int(s.target)])
+                ins.append(full[s.target].detach() if s.kind == "param" else args[int(s.target)])
         programs.append(cs.captured.gm)
         inputs.append(ins)
         sigs.append(sig)
-    assert sigs[0].tp_layout.get("emb.weight") == (0, 1), sigs[0].tp_layout
-    assert tied or sigs[0].tp_layout.get("head.weight") == (0, 1), sigs[0].tp_layout
-    assert not [n for n in programs[0].graph.nodes if n.target == c10d.all_gather_into_tensor.default]
+    return programs, inputs, sigs
+
+
+def _lockstep_outputs(programs: list, inputs: list, sigs: list) -> tuple[list, dict]:
+    """Run the rank programs in lockstep: every rank's loss, and per gradient (the slices joined
+    by the layout, every rank's part, the layout)."""
+    from fxspeed.runtime.tensor_parallel import join_slices
+
     got = _lockstep(programs, inputs)
     outs = [dict(zip([(s.kind, s.target) for s in sig.outputs], g)) for sig, g in zip(sigs, got)]
-    for (kind, target) in outs[0]:
-        if kind == "loss":
-            for o in outs:
-                torch.testing.assert_close(o[(kind, target)], loss.detach(), rtol=1e-5, atol=1e-6)
-        elif kind == "grad":
+    losses = [o[k] for o in outs for k in o if k[0] == "loss"]
+    grads = {}
+    for kind, target in outs[0]:
+        if kind == "grad":
             layout = sigs[0].tp_layout.get(target)
             parts = [o[(kind, target)] for o in outs]
-            g, want = join_slices(parts, *layout) if layout else parts[0], full[target].grad
-            err = float((g - want).norm() / want.norm().clamp_min(1e-12))  # sums reach ~20: relative to the norm
-            assert err <= 1e-5, f"gradient of {target}: relative error {err:.1e}"
+            grads[target] = (join_slices(parts, *layout) if layout else parts[0], parts, layout)
+    return losses, grads
 
 
 def test_the_collectives_per_block_are_megatrons_two_forward_two_backward() -> None:
