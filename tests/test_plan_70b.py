@@ -77,3 +77,33 @@ def test_a_small_llama_extrapolated_from_three_layers_equals_the_llama_traced_wh
     assert extra.flops == whole.flops
     assert extra.phase_memory == whole.phase_memory
     assert extra.time["total"] == pytest.approx(whole.time["total"], rel=1e-9)
+
+
+def test_a_70b_llama_with_tensor_8_x_data_8_plans_megatrons_layout_and_the_closed_form_model_states():
+    """TP=8 x DP=8 (ZeRO-1) on 64 H100s from the meta device: the solver's layout is Megatron's
+    (q/k/v, gate/up by rows, o/down by columns, embedding and head by vocabulary rows), the tp
+    traffic is Megatron's 4 all-reduces of [tokens, hidden] per layer, and rank 0's model states
+    are the closed form: P/8 of fp32 weights and gradients, Adam's two fp32 moments over 8 x 8.
+    (The issue's TP=8 x PP=2 x DP=4 needs tensor parallelism under a pipeline: not built yet.)"""
+    model = _llama(**LLAMA_70B)
+    ids = torch.zeros(1, 4096, dtype=torch.long, device="meta")
+    t0 = time.perf_counter()
+    plan = fxspeed.plan(model, fxspeed.devices("H100-80GB", 64), fxspeed.Config(tensor=8, zero=1),
+                        example_inputs={"input_ids": ids, "labels": ids})
+    assert time.perf_counter() - t0 < 60
+    n = plan.n_params
+    placed = plan.tp_placements
+    for name, want in (("q_proj", "S(0)"), ("k_proj", "S(0)"), ("v_proj", "S(0)"), ("o_proj", "S(1)")):
+        assert placed[f"model.layers.#.self_attn.{name}.weight"] == want
+    for name, want in (("gate_proj", "S(0)"), ("up_proj", "S(0)"), ("down_proj", "S(1)")):
+        assert placed[f"model.layers.#.mlp.{name}.weight"] == want
+    assert placed["model.embed_tokens.weight"] == placed["lm_head.weight"] == "S(0)"
+    assert set(plan.tp_communication) == {"tp_all_reduce"}  # nothing gathered
+    megatron = 80 * 4 * 4096 * 8192 * 4
+    assert megatron <= plan.tp_communication["tp_all_reduce"] <= megatron * 1.01
+    replicated = 4 * 8192 * 80 * 2 + 4 * 8192  # the RMSNorm weights, whole on every rank
+    states = plan.model_states
+    sliced = 4 * n - replicated
+    assert states["parameters"] == pytest.approx(sliced / 8 + replicated, rel=0.05)
+    assert states["gradients"] == pytest.approx(sliced / 8 + replicated, rel=0.05)
+    assert states["optimizer_states"] == pytest.approx(2 * (sliced / 8 + replicated) / 8, rel=0.05)

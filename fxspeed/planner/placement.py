@@ -586,6 +586,11 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
         # carried into each reader (each would need its own all-reduce later).
         options = [st for st in options if all(w.kind != "P" or len(i.users) == 1 for w, i in zip(st.want, ins))]
         best, best_cost = fallback, math.inf
+        # A partial sum only ever added to others (the input gradients of q, k and v; of gate and
+        # up) is reduced once, after the sum: its reduction is charged there, not here, or each
+        # term would look as if it paid a whole all-reduce (at TP=8 with GQA the small k/v terms
+        # then gathered their operands instead).
+        summed = _only_summed(n)
         for st in [*options, fallback]:
             # A pointwise op may slice a replicated broadcast (expand of size 1 along the dim) to
             # the shard another input has (label smoothing's gradient added to vocabulary-sharded
@@ -594,7 +599,7 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
             c = sum(cm.move(p, w, _nbytes(i)) if p.kind != "R" or w.kind != "S" or i in derived or
                     (matched and _broadcast_along(i, w.dim)) else math.inf for p, w, i in zip(pl, st.want, ins))
             c += cm.node(n, st.div, _whole_bytes(cm, st, ins)) + sum(cm.move(P, R, b) for b in st.inner)
-            if st.out == P or st.reduce_before_bias:
+            if st.reduce_before_bias or st.out == P and not summed:
                 c += cm.move(P, R, _nbytes(n))  # a partial sum is reduced somewhere
             if c < best_cost:
                 best, best_cost = st, c
@@ -633,6 +638,13 @@ def _row_sharded_embedding_gradients(gm: fx.GraphModule, signature: Any,
             elif n.op == "call_function" and n.target in (aten.add.Tensor, *_WALK_BACK):
                 stack.extend(a for a in n.args[:2] if isinstance(a, fx.Node))
     return found
+
+
+def _only_summed(n: fx.Node, depth: int = 0) -> bool:
+    """Every reader of `n` (through views) adds it to something."""
+    if not n.users or depth > 4:
+        return False
+    return all(u.target == aten.add.Tensor or u.target in _VIEWS and _only_summed(u, depth + 1) for u in n.users)
 
 
 def _broadcast_along(n: fx.Node, dim: int) -> bool:
