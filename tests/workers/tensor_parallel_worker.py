@@ -19,6 +19,8 @@ eagerly on the same batches: relative error <= 1e-5.
              of the global batch, compared with one process on the whole batch
     gpt_dp_zero2, gpt_dp_zero3  the same with ZeRO-2 and ZeRO-3; ZeRO-3 then writes a checkpoint
              (gpt_dp_zero3_ckpt) and takes one more step
+    gpt_bf16 GPT under Config(precision="bf16"): losses and weights for the test to compare with one
+             bf16 process (tests/test_tensor_parallel.py)
 
 Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt and exits 0 (`--case all`:
 every case in one launch; tests/workers/common.py run_cases, shared with correctness_worker).
@@ -264,7 +266,23 @@ def gpt_dp_zero3() -> str:
                   check=lambda *a: save_and_step(*a, tag="gpt_dp_zero3"))
 
 
-CASES = {"gpt": gpt, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
+BF16 = dict(lr=1e-4, eps=EPS, precision="bf16")
+
+
+def gpt_bf16() -> str:
+    """bf16 under TP=2 (bf16 matmuls, partial sums all-reduced in bf16, fp32 weights): writes the
+    losses and the trained weights; the test compares them with one bf16 process."""
+    T = int(os.environ["WORLD_SIZE"])
+    model, bs = build("gpt"), batches("gpt")
+    engine = fxspeed.compile(model, T, fxspeed.Config(tensor=T, **BF16), example_inputs=bs[0])
+    losses = [engine.train_step(*b) for b in bs]
+    state = engine.state_dict()
+    if int(os.environ["RANK"]) == 0:
+        torch.save({"losses": losses, "state": state}, os.path.join(os.environ["WORKER_OUT"], "gpt_bf16.pt"))
+    return "ok"
+
+
+CASES = {"gpt": gpt, "gpt_bf16": gpt_bf16, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
          "gpt_dp_zero3": gpt_dp_zero3}
 
 
