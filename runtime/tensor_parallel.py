@@ -28,10 +28,13 @@ TP_PLAN_NOTE = ("tensor parallel: memory and time above are tp rank 0's program 
 
 
 def take_slice(full: torch.Tensor, dim: int, blocks: int, rank: int, T: int) -> torch.Tensor:
+    """Rank `rank`'s slice of `full`, in a storage of its own: a row slice is already contiguous,
+    and `.contiguous()` would return a view that keeps the whole tensor's storage alive (each S(0)
+    Parameter held its full weight: 134 MB per rank on the 109M benchmark GPT)."""
     n = full.shape[dim]
     m = n // (blocks * T)
     pieces = [full.narrow(dim, k * (n // blocks) + rank * m, m) for k in range(blocks)]
-    return torch.cat(pieces, dim).contiguous() if blocks > 1 else pieces[0].contiguous()
+    return torch.cat(pieces, dim) if blocks > 1 else pieces[0].clone(memory_format=torch.contiguous_format)
 
 
 def join_slices(parts: list[torch.Tensor], dim: int, blocks: int) -> torch.Tensor:
