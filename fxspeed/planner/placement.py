@@ -929,13 +929,13 @@ def warn_vocabulary(gm: fx.GraphModule, signature: Any, T: int) -> None:
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = {ph: s.target for ph, s in zip(placeholders, signature.inputs) if s.kind == "param"}
-    for n in gm.graph.nodes:
-        if n.target != aten.embedding.default or n.args[0] not in names:
-            continue
-        rows = (_shape(n.args[0]) or (0,))[0]
+    tables = {n.args[0]: (_shape(n.args[0]) or (0,))[0] for n in gm.graph.nodes
+              if n.target == aten.embedding.default and n.args[0] in names}
+    # The vocabulary is the largest table (positions and token types are small ones).
+    for table, rows in sorted(tables.items(), key=lambda kv: -kv[1])[:1]:
         if rows > 1 and rows % T:
             padded = -(-rows // (64 * T)) * 64 * T
-            warnings.warn(f"Config.tensor={T}: the embedding {names[n.args[0]]} has {rows} rows (the vocabulary), which "
+            warnings.warn(f"Config.tensor={T}: the embedding {names[table]} has {rows} rows (the vocabulary), which "
                           f"do not split over {T} ranks, so it cannot be vocabulary-parallel and stays whole or is "
                           f"split on its hidden dim (gathered for the head each step); pad the vocabulary to a "
                           f"multiple of {T}, e.g. {padded} (Hugging Face: model.resize_token_embeddings({rows}, "
