@@ -266,7 +266,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         out = torch.empty(work.shape, dtype=torch.float32)
         for i, pc in self._where[id(work)]:
             chunk, flat = self._load(i)
-            (out if pc.whole else out.view(-1)[pc.start:pc.start + pc.count]).copy_(chunk.view(flat, 0, pc))
+            pc.of(out).copy_(chunk.view(flat, 0, pc))
         return out
 
     def full_state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:

@@ -34,6 +34,7 @@ from fxspeed.devices import DeviceSpec
 from fxspeed.ir import (BUFFERS, CATEGORIES, COMM_BUFFERS, GRADIENTS, INPUTS, META_KEY, OPTIMIZER_STATES, PARAMETERS,
                  TEMPORARIES, StepSignature, tensor_bytes)
 from fxspeed.planner.memory import memory_timeline
+from fxspeed.planner.placement import collapse_blocks, describe_placements
 from fxspeed.planner.plan import Plan, layout_text
 
 # Optimizer states per (fp32) parameter: Adam keeps exp_avg and exp_avg_sq; SGD with momentum
@@ -153,24 +154,8 @@ class GraphCosts:
                           times=lin_d(self.times, two.times), timeline=two.timeline,
                           master_bytes=lin(self.master_bytes, two.master_bytes),
                           grad_bytes=lin(self.grad_bytes, two.grad_bytes),
-                          tp_placements=_every_block(two.tp_placements),
+                          tp_placements=collapse_blocks(two.tp_placements),
                           tp_communication=lin_d(self.tp_communication, two.tp_communication))
-
-
-def _every_block(placements: dict[str, str]) -> dict[str, str]:
-    """The 2-block trace's placements with the block index read as '#' (every block is laid out
-    alike: the solver moves a parameter of all repeated blocks at once); a parameter whose two
-    blocks differ keeps its names."""
-    from fxspeed.planner.placement import _block_key
-
-    by_key: dict[str, set[str]] = {}
-    for name, p in placements.items():
-        by_key.setdefault(_block_key(name)[0], set()).add(p)
-    out: dict[str, str] = {}
-    for name, p in placements.items():
-        key = _block_key(name)[0]
-        out[key if len(by_key[key]) == 1 else name] = p
-    return out
 
 
 def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec,
@@ -200,8 +185,6 @@ def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec
             flops[inf.role] += inf.flops
     placed: tuple[dict[str, str], dict[str, int]] = ({}, {})
     if tp > 1:
-        from fxspeed.planner.placement import describe_placements
-
         placed = describe_placements(gm, signature)
     return GraphCosts(
         step={c: float(v) for c, v in tl.peak.items()}, param_bytes=float(sum(params.values())),

@@ -590,7 +590,7 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
         # up) is reduced once, after the sum: its reduction is charged there, not here, or each
         # term would look as if it paid a whole all-reduce (at TP=8 with GQA the small k/v terms
         # then gathered their operands instead).
-        summed = _only_summed(n)
+        summed = any(st.out == P for st in options) and _only_summed(n)
         for st in [*options, fallback]:
             # A pointwise op may slice a replicated broadcast (expand of size 1 along the dim) to
             # the shard another input has (label smoothing's gradient added to vocabulary-sharded
@@ -676,6 +676,20 @@ def _block_key(name: str) -> tuple[str, int]:
     if not m:
         return name, -1
     return name[:m.start(2)] + "#" + name[m.end(2):], int(m.group(2))
+
+
+def collapse_blocks(placements: dict[str, str]) -> dict[str, str]:
+    """Placements by name with the repeated-block index read as '#' ("blocks.#.mlp.fc.weight"):
+    the solver moves a parameter of every repeated block at once, so one line says it for all. A
+    parameter whose blocks are laid out differently keeps its names."""
+    by_key: dict[str, set[str]] = {}
+    for name, p in placements.items():
+        by_key.setdefault(_block_key(name)[0], set()).add(p)
+    out: dict[str, str] = {}
+    for name, p in placements.items():
+        key = _block_key(name)[0]
+        out[key if len(by_key[key]) == 1 else name] = p
+    return out
 
 
 def _candidates(shape: tuple[int, ...], T: int, blocks: set[int], whole: bool = False) -> list[Placement]:
@@ -931,15 +945,17 @@ def warn_vocabulary(gm: fx.GraphModule, signature: Any, T: int) -> None:
     names = {ph: s.target for ph, s in zip(placeholders, signature.inputs) if s.kind == "param"}
     tables = {n.args[0]: (_shape(n.args[0]) or (0,))[0] for n in gm.graph.nodes
               if n.target == aten.embedding.default and n.args[0] in names}
+    if not tables:
+        return
     # The vocabulary is the largest table (positions and token types are small ones).
-    for table, rows in sorted(tables.items(), key=lambda kv: -kv[1])[:1]:
-        if rows > 1 and rows % T:
-            padded = -(-rows // (64 * T)) * 64 * T
-            warnings.warn(f"Config.tensor={T}: the embedding {names[table]} has {rows} rows (the vocabulary), which "
-                          f"do not split over {T} ranks, so it cannot be vocabulary-parallel and stays whole or is "
-                          f"split on its hidden dim (gathered for the head each step); pad the vocabulary to a "
-                          f"multiple of {T}, e.g. {padded} (Hugging Face: model.resize_token_embeddings({rows}, "
-                          f"pad_to_multiple_of={64 * T}))", ConfigWarning, stacklevel=2)
+    table, rows = max(tables.items(), key=lambda kv: kv[1])
+    if rows > 1 and rows % T:
+        padded = -(-rows // (64 * T)) * 64 * T
+        warnings.warn(f"Config.tensor={T}: the embedding {names[table]} has {rows} rows (the vocabulary), which "
+                      f"do not split over {T} ranks, so it cannot be vocabulary-parallel and stays whole or is "
+                      f"split on its hidden dim (gathered for the head each step); pad the vocabulary to a "
+                      f"multiple of {T}, e.g. {padded} (Hugging Face: model.resize_token_embeddings({rows}, "
+                      f"pad_to_multiple_of={64 * T}))", ConfigWarning, stacklevel=2)
 
 
 def check_random(gm: fx.GraphModule, T: int) -> None:
@@ -977,7 +993,7 @@ def make_placement_analysis(devices: Sequence[DeviceSpec]) -> Any:
 
 
 __all__ = ["P", "PARAMS_KEY", "Placement", "PlacementAnalysis", "NodePlacement", "R", "S", "TP_KEY", "WHOLE",
-           "check_heads", "check_random", "check_tensor_config", "warn_vocabulary", "describe_placements", "make_placement_analysis",
+           "check_heads", "check_random", "check_tensor_config", "collapse_blocks", "warn_vocabulary", "describe_placements", "make_placement_analysis",
            "propagate", "reshape_placement", "solve"]
 
 

@@ -237,17 +237,13 @@ def plot_placements(plan: Any, ax: Any = None, collapse_blocks: bool = True, max
 
     import matplotlib.pyplot as plt
 
-    placed = dict(plan.tp_placements)
+    from fxspeed.planner.placement import collapse_blocks as collapse
+
     T = int(plan.strategy.get("tp", 1))
-    if not placed or T < 2:
+    if not plan.tp_placements or T < 2:
         raise ValueError("plot_placements: the plan has no tensor-parallel placements; plan or compile with "
                          "Config(tensor=T), T > 1")
-    rows: dict[str, str] = {}
-    for name, p in placed.items():
-        key = re.sub(r"(^|\.)\d+\.", r"\1#.", name, count=1) if collapse_blocks else name
-        if rows.get(key, p) != p:  # blocks laid out differently: show them apart
-            key = name
-        rows.setdefault(key, p)
+    rows = collapse(plan.tp_placements) if collapse_blocks else dict(plan.tp_placements)
     names = list(rows)[:max_rows]
     if ax is None:
         _, ax = plt.subplots(figsize=(2.2 + 1.6 * T, 0.32 * len(names) + 1.0))

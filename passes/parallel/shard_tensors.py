@@ -191,19 +191,16 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             new = g.call_function(operator.getitem, (env[n.args[0]], n.args[1]))
             new.meta["val"] = env[n.args[0]].meta["val"][n.args[1]]
             new._rename(n.name)  # its old name unless a rewrite's node took it
-        elif npl.rewrite:
-            wants = iter(npl.want)
-            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: convert(a, next(wants)))
-            got = _VOCAB_REWRITES[n.target](_Emit(g, group, rank, T), n, list(args), kwargs)
-            if isinstance(got, tuple):
-                env[n], place[n] = got, npl.out
-                continue
-            new = got
         else:
             wants = iter(npl.want)
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: convert(a, next(wants)))
-            args = _local_args(n, list(args), npl, T)
-            if npl.reduce_before_bias:
+            args = list(args) if npl.rewrite else _local_args(n, list(args), npl, T)
+            if npl.rewrite:
+                new = _VOCAB_REWRITES[n.target](_Emit(g, group, rank, T), n, args, kwargs)
+                if isinstance(new, tuple):
+                    env[n], place[n] = new, npl.out
+                    continue
+            elif npl.reduce_before_bias:
                 prod = call(g, aten.mm.default, (args[1], args[2]))
                 new = call(g, aten.add.Tensor, (reduce(prod), args[0]))
             elif _all_global(npl):
@@ -236,6 +233,13 @@ class _Emit:
 
     def all_reduce(self, x: fx.Node, how: str = "sum") -> fx.Node:
         return self(c10d.wait_tensor.default, self(c10d.all_reduce.default, x, how, self.group))
+
+    def local_targets(self, target: fx.Node, lp: fx.Node, ignore: int) -> tuple[fx.Node, int]:
+        """Targets into this rank's columns of the log-probabilities `lp`, another rank's targets
+        turned into the ignore index shifted like them (so ignored here); and that index."""
+        rows = int(lp.meta["val"].shape[1])
+        shifted = ignore - self.rank * rows
+        return self.local_ids(target, rows, shifted)[0], shifted
 
     def local_ids(self, ids: fx.Node, rows: int, fill: int) -> tuple[fx.Node, fx.Node]:
         """Ids into this rank's `rows` of the vocabulary (rank * rows onward), `fill` where an id
@@ -287,9 +291,7 @@ def _vocab_nll_loss(e: _Emit, n: fx.Node, args: list[Any], kwargs: dict[str, Any
     (targets not ignored) counted from the whole target, so a mean divides by the global count.
     Another rank's targets become the ignore index shifted like the ids: ignored here."""
     lp, target, _weight, reduction, ignore = args[:5]
-    rows = int(lp.meta["val"].shape[1])
-    shifted = ignore - e.rank * rows
-    local, _ = e.local_ids(target, rows, shifted)
+    local, shifted = e.local_targets(target, lp, ignore)
     picked = e(aten.nll_loss_forward.default, lp, local, None, 0 if reduction == 0 else 2, shifted)
     loss = e(operator.getitem, picked, 0)
     if reduction == 0:
@@ -301,9 +303,7 @@ def _vocab_nll_loss(e: _Emit, n: fx.Node, args: list[Any], kwargs: dict[str, Any
 
 def _vocab_nll_loss_backward(e: _Emit, n: fx.Node, args: list[Any], kwargs: dict[str, Any]) -> fx.Node:
     grad, lp, target, weight, reduction, ignore, total = args[:7]
-    rows = int(lp.meta["val"].shape[1])
-    shifted = ignore - e.rank * rows
-    local, _ = e.local_ids(target, rows, shifted)
+    local, shifted = e.local_targets(target, lp, ignore)
     return e(aten.nll_loss_backward.default, grad, lp, local, weight, reduction, shifted, total)
 
 
