@@ -103,7 +103,7 @@ def plan(model: nn.Module, devices: Devices = 1, config: Config | dict | str | N
     # few blocks and extrapolated (see planner.plan_model).
     p = plan_model(model, args, kwargs, config=cfg, devices=devs, loss_fn=loss_fn)
     if cfg.tensor > 1:
-        from fxspeed.runtime.tensor_parallel import TP_PLAN_NOTE
+        from fxspeed.planner.placement import TP_PLAN_NOTE
 
         p.notes.append(TP_PLAN_NOTE)
     if dynamic:

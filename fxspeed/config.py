@@ -299,10 +299,6 @@ class Config:
             raise ConfigError(f"Config.offload={self.offload!r}: offloading parameters and activations is not "
                               "implemented in this version of fxspeed; offload='optimizer' is (Adam's states in "
                               "files under Config.nvme_path), or use offload='none'")
-        if self.tensor > 1 and self.pipeline > 1:
-            raise ConfigError(f"Config.tensor={self.tensor} with Config.pipeline={self.pipeline}: tensor parallelism "
-                              "under a pipeline is not implemented in this version of fxspeed; use pipeline=1 or "
-                              "tensor=1")
         if self.tensor > 1 and self.offload != "none":
             raise ConfigError(f"Config.tensor={self.tensor} with Config.offload={self.offload!r} is not implemented "
                               "in this version of fxspeed; use offload='none' or tensor=1")

@@ -52,7 +52,8 @@ from fxspeed.runtime.loss_scale import DynamicLossScaler
 from fxspeed.runtime.offloaded_optimizer import OffloadedAdam
 from fxspeed.runtime.optimizer import OptimizerSpec, build_optimizer
 from fxspeed.runtime.runner import PipelineRuntime
-from fxspeed.runtime.tensor_parallel import TP_PLAN_NOTE, TensorParallelParameters
+from fxspeed.planner.placement import TP_PLAN_NOTE
+from fxspeed.runtime.tensor_parallel import TensorParallelParameters
 
 log = logging.getLogger("fxspeed")
 RETRACE_WARN_AFTER = 8
@@ -71,18 +72,15 @@ class CompilerLike(Protocol):
 
 
 def check_pipeline_config(config: Config, n_devices: int) -> None:
-    P = config.pipeline
-    if n_devices % P:
-        lo = max(P, n_devices - n_devices % P)
-        raise ConfigError(f"Config.pipeline={P} with devices={n_devices}: devices must be a multiple of the "
-                          f"pipeline degree (pipeline x data-parallel replicas); use devices={lo} or "
-                          f"{lo + P}, or a pipeline degree dividing {n_devices}")
-    for key, default in (("grad_accum", 1), ("tensor", 1)):
-        value = getattr(config, key)
-        if value != default:
-            hint = " (raise Config.microbatches instead)" if key == "grad_accum" else ""
-            raise ConfigError(f"Config.{key}={value!r} with pipeline={P}: not supported with pipeline parallelism "
-                              f"yet; use {key}={default!r}{hint}")
+    P, T = config.pipeline, config.tensor
+    if n_devices % (P * T):
+        lo = max(P * T, n_devices - n_devices % (P * T))
+        raise ConfigError(f"Config.pipeline={P} x Config.tensor={T} with devices={n_devices}: devices must be a "
+                          f"multiple of pipeline x tensor (x data-parallel replicas); use devices={lo} or "
+                          f"{lo + P * T}, or degrees whose product divides {n_devices}")
+    if config.grad_accum != 1:
+        raise ConfigError(f"Config.grad_accum={config.grad_accum!r} with pipeline={P}: not supported with pipeline "
+                          "parallelism; use grad_accum=1 (raise Config.microbatches instead)")
 
 
 class Engine:
@@ -387,6 +385,8 @@ class Engine:
                                    analyze=costs_reader(micro_cfg, self.devices[:1]))
         self.programs, self.schedule, self._grad_divisor = cp.stages, cp.schedule, cp.grad_divisor
         self._traced_state = self._python_state(True)
+        if self._tp is not None:  # slice before the other stages' weights are freed (shapes stay full)
+            self._tp.apply(self._params, cp.captured.signature.tp_layout)
         mine = {s: self.programs[s] for s in self.stages}
         self._runtime = PipelineRuntime(mine, self.M, self._bind, group=self.mesh.group("pp"), peers=self.pipe_ranks,
                                device=self._device)
@@ -394,12 +394,19 @@ class Engine:
         self._key = key
         self._count_compile()
         self.plan = finish_plan(cp.costs, model_name=type(self.model).__name__, config=micro_cfg,
-                                devices=self.devices[:1], passes=[r.to_dict() for r in cp.records])
+                                devices=self.devices[:1], passes=[r.to_dict() for r in cp.records],
+                                tp=self.config.tensor)
         from fxspeed.planner.pipeline import apply_pipeline, pipeline_report
 
         apply_pipeline(self.plan, pipeline_report(self.programs, self.schedule, self.config, self.dp_size),
                        self.world_size, self.config.pipeline)
         self._note_mesh()
+        if self._tp is not None:
+            from fxspeed.planner.placement import describe_placements
+
+            self.plan.tp_placements, self.plan.tp_communication = describe_placements(cp.captured.gm,
+                                                                                      cp.captured.signature)
+            self.plan.notes.append(TP_PLAN_NOTE)
         log.info("fxspeed: pipeline %d stages x %d micro-batches (%s) x %d replicas; rank %d runs stages %s",
                  len(self.programs), self.M, self.schedule.name, self.dp_size, self.rank, self.stages)
 
@@ -424,17 +431,20 @@ class Engine:
             if len(rs) < 2:
                 continue
             for d in range(self.dp_size):
-                ranks = [self.mesh.rank_at(dp=d, pp=r) for r in rs]
-                group = self.mesh.new_group(ranks)
-                if self.rank in ranks:
-                    self._tied.append((group, by_id[pid]))
+                for t in range(self.mesh.tp):  # under tp each rank sums its slices with its tp index's
+                    ranks = [self.mesh.rank_at(dp=d, pp=r, tp=t) for r in rs]
+                    group = self.mesh.new_group(ranks)
+                    if self.rank in ranks:
+                        self._tied.append((group, by_id[pid]))
         tied = {id(p) for _, p in self._tied}
         # The global norm counts each weight once: at the lowest position holding it.
         self._counted = [p for p in self._owned if min(holders[id(p)]) == position]
         with torch.no_grad():
             for pid, p in by_id.items():
                 if pid not in mine:
-                    self._freed_shapes[pid] = tuple(p.shape)
+                    # the full shape (a tp-sliced weight of another stage leaves the tp layout: this
+                    # rank never gathers or loads it)
+                    self._freed_shapes[pid] = (self._tp.forget(p) if self._tp is not None else None) or tuple(p.shape)
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         if self._freed_shapes:
             self._guard_released_module([by_id[pid] for pid in self._freed_shapes], "on other pipeline stages' ranks", "")
@@ -836,10 +846,20 @@ class Engine:
         wherever it lives (shards over replicas, stages over positions, slices over tp ranks).
         `factors` (masters in the offload file): the gradients are still to be multiplied by these;
         the norm counts them, and the clip coefficient is appended instead of applied."""
-        if self._tp:
+        if self._tp is not None:
             if self._flat is not None and self.config.zero >= 1:
                 sq = self._tp_shard_squares()
                 dist.all_reduce(sq, group=self.dist.group)  # every element counted once over dp x tp
+            elif self.pipelined:
+                # Each weight at the lowest position holding it, a tp slice on every tp rank, a weight
+                # replicated over tp on tp rank 0; replicas hold the same gradients (divided out).
+                tp = self._tp
+                sq = torch.zeros((), dtype=torch.float64, device=self._device)
+                for p in self._counted:
+                    if p.grad is not None and (id(p) in tp.layout or tp.rank == 0):
+                        sq += p.grad.double().pow(2).sum()
+                dist.all_reduce(sq, group=self.dist.group)
+                sq /= self.dp_size
             else:
                 sq = self._tp.squared_norm([(t, t.grad) for t in stepped])
             norm = sq.sqrt().to(torch.float32)
@@ -945,7 +965,7 @@ class Engine:
         only their shapes: meta stand-ins (one per Parameter, so tied weights stay tied)."""
         margs, mkw = split_batch(args, kwargs, self.M)[0]
         # an eval trace puts the modules in eval mode, and restores each one's
-        with _meta_stand_ins(self.model, self._freed_shapes), self._gathered():
+        with _meta_stand_ins(self.model, self._freed_shapes), self._full_weights():
             cp = self.compiler.program(self.model, margs, mkw, train=False,
                                        split_points=[p.starts_at for p in self.programs[1:]])
         if not any(s.kind == "loss" for s in cp.captured.signature.outputs):

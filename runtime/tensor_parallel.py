@@ -23,9 +23,6 @@ import torch.nn as nn
 from fxspeed.runtime.host_memory import release_freed_host_memory
 
 
-TP_PLAN_NOTE = ("tensor parallel: memory and time above are tp rank 0's program (its slices of the sharded weights, "
-                "its share of the activations, the tp collectives); tp_placements is the chosen layout")
-
 
 def take_slice(full: torch.Tensor, dim: int, blocks: int, rank: int, T: int) -> torch.Tensor:
     """Rank `rank`'s slice of `full`, in a storage of its own: a row slice is already contiguous,
@@ -69,6 +66,12 @@ class TensorParallelParameters:
             cut_on_cpu |= p.device.type == "cpu"
         if cut_on_cpu:
             release_freed_host_memory()
+
+    def forget(self, p: torch.Tensor) -> tuple[int, ...] | None:
+        """Take `p` out of the layout (a pipeline stage's weight this rank does not hold); its full
+        shape, or None if it was not sliced."""
+        e = self.layout.pop(id(p), None)
+        return e[3] if e else None
 
     def slice_shape(self, p: torch.Tensor) -> tuple[int, ...] | None:
         """The shape of this rank's slice of sliced Parameter `p` (whatever `p` holds now)."""

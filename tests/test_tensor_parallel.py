@@ -37,6 +37,7 @@ from fxspeed.config import Config
 from fxspeed.devices import DeviceSpec, devices
 from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.planner.placement import (WHOLE, PlacementAnalysis, R, S, check_tensor_config, reshape_placement)
+from fxspeed.runtime.engine import check_pipeline_config
 from tests.multiprocess import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +89,7 @@ def run_cases_on(n: int, cases: tuple[str, ...], out: Path, timeout: int) -> Non
 def assert_checkpoint_resumes_on_one_device(out: Path, tag: str) -> None:
     from tests.workers.tensor_parallel_worker import CLIPPED, batches, build
 
-    bs = batches("gpt", ignored="_dp" not in tag)  # the batches the saving case took
+    bs = batches("gpt", ignored=tag == "gpt")  # the batches the saving case took
     engine = fxspeed.compile(build("gpt"), 1, fxspeed.Config(**CLIPPED), example_inputs=bs[0])
     engine.load(out / f"{tag}_ckpt")
     engine.train_step(*bs[0])
@@ -99,13 +100,17 @@ def assert_checkpoint_resumes_on_one_device(out: Path, tag: str) -> None:
 
 
 @pytest.mark.slow
-def test_four_ranks_as_tp4_and_as_tp2_x_two_replicas_match_one_process_on_the_global_batch(tmp_path: Path) -> None:
+def test_four_ranks_as_tp4_as_tp2_x_two_replicas_and_as_tp2_x_pp2_match_one_process_on_the_global_batch(
+        tmp_path: Path) -> None:
     """TP=4 on fxspeed's GPT (one head per rank; 4 processes on 2 cores), then TP=2 x DP=2 with
-    ZeRO-0, ZeRO-2 and ZeRO-3 (clipping) in the same launch; the ZeRO-3 checkpoint resumes on one
-    device. GPT-2 at TP=4 passes through the worker too (`fxspeed run -n 4
-    -m tests.workers.tensor_parallel_worker --case gpt2`), kept out of the suite for time."""
-    run_cases_on(4, ("gpt", "gpt_dp", "gpt_dp_zero2", "gpt_dp_zero3"), tmp_path, timeout=900)
+    ZeRO-0, ZeRO-2 and ZeRO-3 (clipping), then TP=2 x PP=2 with two micro-batches (the tied
+    embedding/head sliced by vocabulary rows on both ends of the pipeline, eval_step), in the
+    same launch; the ZeRO-3 and the pipeline checkpoints resume on one device. GPT-2 at TP=4
+    passes through the worker too (`fxspeed run -n 4 -m tests.workers.tensor_parallel_worker
+    --case gpt2`), kept out of the suite for time."""
+    run_cases_on(4, ("gpt", "gpt_dp", "gpt_dp_zero2", "gpt_dp_zero3", "gpt_pp"), tmp_path, timeout=900)
     assert_checkpoint_resumes_on_one_device(tmp_path, "gpt_dp_zero3")
+    assert_checkpoint_resumes_on_one_device(tmp_path, "gpt_pp")
 
 
 # --- in process ----------------------------------------------------------------------------------
@@ -179,8 +184,11 @@ def test_devices_must_be_a_multiple_of_pipeline_times_tensor_and_replicas_run_ev
         check_tensor_config(Config(tensor=2), 3)
     for zero in (0, 1, 2, 3):
         check_tensor_config(Config(tensor=2, zero=zero), 4)  # 2 replicas of a TP=2 program
-    with pytest.raises(ConfigError, match="tensor parallelism under a pipeline"):
-        Config(tensor=2, pipeline=2).check_supported()
+    Config(tensor=2, pipeline=2).check_supported()  # tensor parallelism under a pipeline is built
+    with pytest.raises(ConfigError, match="multiple of pipeline x tensor = 4"):
+        check_tensor_config(Config(tensor=2, pipeline=2), 6)
+    with pytest.raises(ConfigError, match=r"pipeline=2 x Config.tensor=2 with devices=6.*use devices=4 or 8"):
+        check_pipeline_config(Config(tensor=2, pipeline=2), 6)
     check_tensor_config(Config(tensor=2), 2)
 
 

@@ -172,7 +172,7 @@ def compile_program(model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, 
                     positions: Sequence[int] | None = None, loss_fn: LossFn | None = None, train: bool = True,
                     split_points: Sequence[str] | None = None,
                     analyze: Callable[[fx.GraphModule, StepSignature], Any] | None = None,
-                    options: PassOptions | None = None) -> CompiledProgram:
+                    options: PassOptions | None = None, analyses: Sequence[Any] = ()) -> CompiledProgram:
     """Capture one micro-batch, cut it into Config.pipeline (x pipeline_chunks) stages and schedule them.
 
         joint(*state, *batch) -> (loss, *grads)            compile_step, no data parallelism
@@ -189,6 +189,11 @@ def compile_program(model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, 
     names fixing the cuts, e.g. to reproduce the training split for the eval program).
     `replicas` is the data-parallel degree: the backward seed carries 1/(M x replicas), so the
     summed gradients are those of the global-batch mean.
+
+    Tensor parallelism (options.tp_size > 1; `analyses` holds the planner's "tp_placements"):
+    shard_tensors rewrites the joint graph for this tp rank before the cut, so each stage program
+    takes its slices of the weights and runs its tp collectives itself; the messages between
+    stages are this tp rank's share of each boundary value.
     """
     from fxspeed.passes import ALL_PASSES, PROGRAM_PASSES
     from fxspeed.passes.memory.recompute_checkpointed import recompute_checkpointed
@@ -203,7 +208,7 @@ def compile_program(model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, 
         changes["split_points"] = tuple(split_points)
     opts = dataclasses.replace(opts, **changes)
     compiled = compile_step(model, micro_args, micro_kwargs, config=micro_config(config), loss_fn=loss_fn,
-                            train=train, options=opts.local(), analyze=analyze)
+                            train=train, options=opts.local(), analyze=analyze, analyses=analyses)
     cap = compiled.captured
     divisor = 1.0
     M = opts.microbatches
@@ -268,4 +273,4 @@ class Compiler:
         defaults to this rank's pipeline position, `split_points` to Config.split_points."""
         return compile_program(model, micro_args, micro_kwargs, config=self.config, replicas=self.mesh.dp,
                                positions=positions, loss_fn=self.loss_fn, train=train, split_points=split_points,
-                               analyze=analyze, options=self.options)
+                               analyze=analyze, options=self.options, analyses=self.analyses)

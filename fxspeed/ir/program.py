@@ -68,7 +68,7 @@ class StageProgram:
         return {s.target for s in self.state} | set(self.grads) | set(self.grads_into)
 
     def describe(self) -> dict[str, Any]:
-        return {"stage": self.stage, "params": [s.target for s in self.state if s.kind == "param"],
+        return {"stage": self.stage, "params": [s.target for s in self.state if s.kind in ("param", "param_tp")],
                 "recv_f": [list(m.shape) for m in self.recv_f], "send_f": [list(m.shape) for m in self.send_f],
                 "saved": self.n_saved, "recv_b": [list(m.shape) for m in self.recv_b],
                 "send_b": [list(m.shape) for m in self.send_b], "grads": [*self.grads, *self.grads_into],

@@ -34,7 +34,7 @@ from fxspeed.devices import DeviceSpec
 from fxspeed.ir import (BUFFERS, CATEGORIES, COMM_BUFFERS, GRADIENTS, INPUTS, META_KEY, OPTIMIZER_STATES, PARAMETERS,
                  TEMPORARIES, StepSignature, tensor_bytes)
 from fxspeed.planner.memory import memory_timeline
-from fxspeed.planner.placement import collapse_blocks, describe_placements
+from fxspeed.planner.placement import PlacementAnalysis, collapse_blocks, describe_placements
 from fxspeed.planner.plan import Plan, layout_text
 
 # Optimizer states per (fp32) parameter: Adam keeps exp_avg and exp_avg_sq; SGD with momentum
@@ -550,6 +550,42 @@ def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, 
     return costs, passes, notes
 
 
+# A stack of more blocks than this is solved for tp placements on two of them (see presolve_placements).
+PRESOLVE_MIN_BLOCKS = 4
+
+
+def presolve_placements(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
+                        devices: Sequence[DeviceSpec], loss_fn: Any, options: Any) -> Any:
+    """The "tp_placements" analysis for `model`, solved ahead on two of its repeated blocks when it
+    has PRESOLVE_MIN_BLOCKS or more: the solver moves a weight of every block at once, so two
+    blocks (one with a neighbour on each side that matters) decide the layout of all, and the
+    whole program (Llama-70B's 80 layers: minutes of local search) is only propagated once with
+    those placements fixed. Block k >= 1 takes block 1's placement, block 0 its own. Without such
+    a stack the analysis is returned unsolved (it solves the first program it sees)."""
+    from fxspeed.compiler import compile_step
+    from fxspeed.compiler.pipelines import micro_config
+
+    analysis = PlacementAnalysis(devices)
+    found = repeated_blocks(model)
+    if found is None or len(found[2]) < PRESOLVE_MIN_BLOCKS:
+        return analysis
+    parent, attr, blocks = found
+    prefix = next(n for n, m in model.named_modules() if m is blocks) + "."
+    with truncated(parent, attr, 2):
+        compile_step(model, args, kwargs, config=micro_config(config), loss_fn=loss_fn, train=True,
+                     options=options.local(), analyses=[analysis.graph_pass])
+    solved, out = analysis.params or {}, {}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        key = name
+        if name.startswith(prefix):
+            k, _, rest = name[len(prefix):].partition(".")
+            key = f"{prefix}{min(int(k), 1)}.{rest}"
+        if key in solved:
+            out[name] = solved[key]
+    analysis.params = out
+    return analysis
+
+
 def _rel(pred: float, true: float) -> float:
     return abs(pred - true) / abs(true) if true else abs(pred)
 
@@ -562,5 +598,5 @@ def plan_model(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, d
                        passes=passes, notes=notes, tp=config.tensor)
 
 
-__all__ = ["GraphCosts", "costs_reader", "finish_plan", "optimizer_temporaries", "step_phase_series", "grad_scale", "graph_costs", "opt_factors", "plan_model",
+__all__ = ["GraphCosts", "PRESOLVE_MIN_BLOCKS", "costs_reader", "presolve_placements", "finish_plan", "optimizer_temporaries", "step_phase_series", "grad_scale", "graph_costs", "opt_factors", "plan_model",
            "repeated_blocks", "trace_costs", "zero_paper_bytes"]

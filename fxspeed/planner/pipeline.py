@@ -93,7 +93,7 @@ def _stage(p: StageProgram) -> _Stage:
     by_name: dict[str, int] = {}
     for spec, b in zip(p.state, state_bytes):
         by_name[spec.target] = b
-        if spec.kind in ("param", "param_shard"):
+        if spec.kind in ("param", "param_shard", "param_tp"):
             weights[p.tied.get(spec.target, spec.target)] = b
         elif spec.kind == "buffer":
             buffers += b
@@ -424,6 +424,9 @@ def apply_pipeline(plan: Plan, report: dict[str, Any], world: int, pp: int) -> N
     plan.config = config.to_dict()
     plan.mesh = layout_text(dp, pp, tp)
     plan.phase_memory = {k: dict(v) for k, v in report["ranks"][0]["phase_memory"].items()}
+    # Rank 0's resident model states (finish_plan's were the whole micro-batch program's).
+    plan.model_states = {c: int(max(v.get(c, 0) for v in plan.phase_memory.values()))
+                         for c in (PARAMETERS, GRADIENTS, OPTIMIZER_STATES)}
     moved = report["ranks"][0].get("offloaded", 0)  # rank 0's, as every plan field without a rank is
     plan.offloaded = {"disk": int(moved)} if moved else {}
     plan.notes = [n for n in plan.notes if "memory_budget_gb" not in n]  # the micro-batch plan's, not the pipeline's
@@ -477,13 +480,28 @@ def plan_pipeline(model: Any, args: tuple, kwargs: dict, *, config: Config, devi
                           f" or {(world // (P * tp) + 1) * P * tp}")
     D = world // (P * tp)
     margs, mkw = split_batch(args, kwargs, config.microbatches)[0]
+    options, analyses = None, ()
+    if tp > 1:  # tp rank 0's stages, with the layout the engine would choose
+        from fxspeed.compiler.options import PassOptions
+        from fxspeed.planner.estimate import presolve_placements
+
+        options = PassOptions.single_device(config, tp_size=tp, tp_group_name="tp (planned)")
+        analyses = (presolve_placements(model, margs, mkw, config=config, devices=devices, loss_fn=loss_fn,
+                                        options=options).graph_pass,)
     # Every position's stages as that position compiles them (gradient accumulation included).
     cp = compile_program(model, margs, mkw, config=config, replicas=D, positions=tuple(range(P)), loss_fn=loss_fn,
                          train=True, split_points=tuple(getattr(config, "split_points", ()) or ()) or None,
-                         analyze=costs_reader(micro_config(config), devices[:1]))
+                         analyze=costs_reader(micro_config(config), devices[:1]), options=options,
+                         analyses=analyses)
     plan = finish_plan(cp.costs, model_name=type(model).__name__, config=config, devices=devices,
                        passes=[r.to_dict() for r in cp.records], pp=P, tp=tp)
     apply_pipeline(plan, pipeline_report(cp.stages, cp.schedule, config, D), world, P)
+    if tp > 1:
+        from fxspeed.planner.placement import TP_PLAN_NOTE, collapse_blocks, describe_placements
+
+        placed, plan.tp_communication = describe_placements(cp.captured.gm, cp.captured.signature)
+        plan.tp_placements = collapse_blocks(placed)
+        plan.notes.append(TP_PLAN_NOTE)
     return plan
 
 

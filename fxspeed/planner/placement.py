@@ -771,8 +771,17 @@ def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
     if forward_only:
         grads = set(params)
     cm = CostModel(device, T, forward_only=forward_only)
+    # A tied weight fed under several names (a pipeline's joint graph keeps one input per name, so
+    # that stages can hold either) is one Parameter: every name takes its canonical name's placement.
+    aliases = {a: c for a, c in signature.tied.items() if a in params and c in params}
+
+    def tie(assign: dict[str, Placement]) -> dict[str, Placement]:
+        out = {n: p for n, p in assign.items() if n not in aliases}
+        out.update({a: out[c] for a, c in aliases.items() if c in out})
+        return out
+
     if fixed is not None:
-        use = {n: p for n, p in fixed.items() if n in params}
+        use = tie({n: p for n, p in fixed.items() if n in params})
         return use, propagate(gm, signature, use, cm)
     blocks = {1}
     for n in gm.graph.nodes:
@@ -780,7 +789,8 @@ def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
             vals = n.meta.get("val")
             if isinstance(vals, (list, tuple)) and len({tuple(v.shape) for v in vals}) == 1:
                 blocks.add(len(vals))
-    units = [name for name, ph in params.items() if name in grads and len(_shape(ph) or ()) >= 2]
+    units = [name for name, ph in params.items()
+             if name in grads and name not in aliases and len(_shape(ph) or ()) >= 2]
     _PREFER.clear()
     for n in gm.graph.nodes:
         if n.target in (aten.split.Tensor, aten.split_with_sizes.default):
@@ -794,6 +804,7 @@ def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
                 _PREFER[src] = len(vals)
     def evaluate(assign: dict[str, Placement]) -> tuple[dict[str, Placement], Result]:
         """Propagate; a unit left replicated (and not WHOLE) takes the shard its readers all chose."""
+        assign = tie(assign)
         res = propagate(gm, signature, assign, cm)
         up = dict(assign)
         for name in units:
@@ -802,6 +813,7 @@ def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
                 shards = {q for q in w or () if q.kind == "S" and _valid(q, _shape(params[name]), T)}
                 if len(shards) == 1:  # readers that wanted it whole then read a slice, or gather it
                     up[name] = shards.pop()
+        up = tie(up)
         if up != assign:
             res_up = propagate(gm, signature, up, cm)
             if res_up.cost <= res.cost:
@@ -854,12 +866,13 @@ def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
     # 1-D parameters follow their readers in the final layout.
     final = dict(assign)
     for name, ph in params.items():
-        if name in grads and name not in final and len(_shape(ph) or ()) < 2:
+        if name in grads and name not in final and name not in aliases and len(_shape(ph) or ()) < 2:
             w = _follow_views(ph, best, T)
             if w is not None and len(w) == 1:
                 (q,) = w
                 if q.kind == "S" and _valid(q, _shape(ph), T):
                     final[name] = q
+    final = tie(final)
     if final != assign:
         best = propagate(gm, signature, final, cm)
     return {n: p for n, p in final.items() if p.kind == "S" or p == WHOLE}, best
@@ -987,12 +1000,16 @@ def _kv_heads(k: fx.Node, heads: int) -> int:
     return heads
 
 
+TP_PLAN_NOTE = ("tensor parallel: memory and time above are tp rank 0's program (its slices of the sharded weights, "
+                "its share of the activations, the tp collectives); tp_placements is the chosen layout")
+
+
 def make_placement_analysis(devices: Sequence[DeviceSpec]) -> Any:
     """The "tp_placements" graph pass of a new PlacementAnalysis (see there)."""
     return PlacementAnalysis(devices).graph_pass
 
 
-__all__ = ["P", "PARAMS_KEY", "Placement", "PlacementAnalysis", "NodePlacement", "R", "S", "TP_KEY", "WHOLE",
+__all__ = ["P", "PARAMS_KEY", "TP_PLAN_NOTE", "Placement", "PlacementAnalysis", "NodePlacement", "R", "S", "TP_KEY", "WHOLE",
            "check_heads", "check_random", "check_tensor_config", "collapse_blocks", "warn_vocabulary", "describe_placements", "make_placement_analysis",
            "propagate", "reshape_placement", "solve"]
 

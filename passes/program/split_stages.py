@@ -162,8 +162,9 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
     batch_ph = [ph for ph, s in zip(phs, sig.inputs) if s.kind == "input"]
     # The fp16 loss scale is bound like a weight: a tensor the engine owns, read by the last
     # stage's backward seed.
-    state_ph = {ph: s for ph, s in zip(phs, sig.inputs) if s.kind in ("param", "buffer", "loss_scale")}
-    other = [s for s in sig.inputs if s.kind not in ("param", "buffer", "input", "loss_scale")]
+    # A tensor-parallel program's sliced weights ("param_tp") are weights like the others.
+    state_ph = {ph: s for ph, s in zip(phs, sig.inputs) if s.kind in ("param", "param_tp", "buffer", "loss_scale")}
+    other = [s for s in sig.inputs if s.kind not in ("param", "param_tp", "buffer", "input", "loss_scale")]
     if other:
         raise PipelineSplitError(f"graph inputs {other} are not supported by pipeline parallelism yet")
     if any(s.kind == "buffer_update" for s in sig.outputs):
@@ -402,12 +403,12 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
         i_nodes, w_nodes, _ = _split_backward(bwd_local, bmsg[s - 1] if s > 0 else [], [o for o, _ in b_grads])
         secs = lambda ns: sum(_cost(n, True) for n in ns)  # noqa: E731
         with_grad = {sig.tied.get(n, n) for _, n in b_grads}
-        frozen = [state_ph[ph].target for ph in state if state_ph[ph].kind == "param"
+        frozen = [state_ph[ph].target for ph in state if state_ph[ph].kind in ("param", "param_tp")
                   and sig.tied.get(state_ph[ph].target, state_ph[ph].target) not in with_grad]
         predicted = {"forward": secs(fwd_local), "backward_input": secs(i_nodes) if w_nodes else secs(bwd_local),
                      "backward_weight": secs(w_nodes),
-                     "params": float(sum(ph.meta["val"].numel() for ph in state if state_ph[ph].kind == "param")),
-                     "param_bytes": float(sum(_nbytes(ph) for ph in state if state_ph[ph].kind == "param")),
+                     "params": float(sum(ph.meta["val"].numel() for ph in state if state_ph[ph].kind in ("param", "param_tp"))),
+                     "param_bytes": float(sum(_nbytes(ph) for ph in state if state_ph[ph].kind in ("param", "param_tp"))),
                      "saved_bytes": float(sum(_nbytes(n) for n in saved[s] + bmsg[s])),
                      "send_bytes": float(sum(_nbytes(n) for n in fmsg[s + 1]))}
         program = StageProgram(

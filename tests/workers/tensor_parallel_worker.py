@@ -138,9 +138,12 @@ def parity(name: str, config: fxspeed.Config | None = None, check: Any = None) -
     config = config or fxspeed.Config(tensor=T, lr=1e-4, eps=EPS)
     model = build(name)
     ref = copy.deepcopy(model)
-    bs = batches(name, ignored=world == T)
-    # Replicas (world > T) each take their rows of the global batch; the eager run takes all.
-    replicas, replica = world // T, int(os.environ["RANK"]) // T
+    # Ignored targets only where one program sees the whole batch: replicas and micro-batches each
+    # average over their own rows' targets (as DDP does).
+    bs = batches(name, ignored=world == T and config.pipeline == 1)
+    # Replicas (world > T x P) each take their rows of the global batch; the eager run takes all.
+    tp_pp = T * config.pipeline
+    replicas, replica = world // tp_pp, int(os.environ["RANK"]) // tp_pp
     mine = [_rows(b, replica, replicas) for b in bs]
     engine = fxspeed.compile(model, world, config, example_inputs=mine[0])
     got = [engine.train_step(**b) if isinstance(b, dict) else engine.train_step(*b) for b in mine]
@@ -183,8 +186,9 @@ def save_and_step(engine: Any, model: torch.nn.Module, ref: torch.nn.Module, bs:
     one device, takes that step on the whole batch and compares with {tag}_after.pt."""
     out = os.environ["WORKER_OUT"]
     engine.save(os.path.join(out, f"{tag}_ckpt"))
-    replicas = int(os.environ["WORLD_SIZE"]) // engine.config.tensor
-    engine.train_step(*_rows(bs[0], int(os.environ["RANK"]) // engine.config.tensor, replicas))
+    per_replica = engine.config.tensor * engine.config.pipeline
+    replicas = int(os.environ["WORLD_SIZE"]) // per_replica
+    engine.train_step(*_rows(bs[0], int(os.environ["RANK"]) // per_replica, replicas))
     state = engine.state_dict()
     if int(os.environ["RANK"]) == 0:
         torch.save({n: t.clone() for n, t in state.items()}, os.path.join(out, f"{tag}_after.pt"))
@@ -266,6 +270,28 @@ def gpt_dp_zero3() -> str:
                   check=lambda *a: save_and_step(*a, tag="gpt_dp_zero3"))
 
 
+def gpt_pp() -> str:
+    """TP=2 x PP=2 (x DP=WORLD_SIZE/4), two micro-batches, clipping: each stage program runs its
+    own tp collectives; the tied embedding/head lives on both ends of the pipeline, sliced the
+    same way on each; then eval_step and a checkpoint the test resumes on one device."""
+    def then(engine: Any, model: torch.nn.Module, ref: torch.nn.Module, bs: list) -> str:
+        placed = engine.plan.tp_placements
+        if placed.get("wte.weight") != "S(0)" or placed.get("head.weight") != "S(0)":
+            return f"the tied embedding/head are placed {placed.get('wte.weight')} / {placed.get('head.weight')}"
+        if "pipeline" not in engine.plan.summary() or "tensor parallel placements" not in engine.plan.summary():
+            return "plan.summary() lacks the pipeline or the tp placements"
+        loss = engine.eval_step(*bs[0])
+        ref.eval()
+        with torch.no_grad():
+            want = float(ref(*bs[0]))
+        ref.train()
+        if abs(loss - want) > 1e-5 * abs(want):
+            return f"eval_step loss {loss} != eager {want}"
+        return save_and_step(engine, model, ref, bs, tag="gpt_pp")
+
+    return parity("gpt", fxspeed.Config(tensor=2, pipeline=2, microbatches=2, **CLIPPED), then)
+
+
 BF16 = dict(lr=1e-4, eps=EPS, precision="bf16")
 
 
@@ -283,7 +309,7 @@ def gpt_bf16() -> str:
 
 
 CASES = {"gpt": gpt, "gpt_bf16": gpt_bf16, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
-         "gpt_dp_zero3": gpt_dp_zero3}
+         "gpt_dp_zero3": gpt_dp_zero3, "gpt_pp": gpt_pp}
 
 
 if __name__ == "__main__":
