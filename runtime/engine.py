@@ -75,9 +75,10 @@ def check_pipeline_config(config: Config, n_devices: int) -> None:
     P, T = config.pipeline, config.tensor
     if n_devices % (P * T):
         lo = max(P * T, n_devices - n_devices % (P * T))
-        raise ConfigError(f"Config.pipeline={P} x Config.tensor={T} with devices={n_devices}: devices must be a "
-                          f"multiple of pipeline x tensor (x data-parallel replicas); use devices={lo} or "
-                          f"{lo + P * T}, or degrees whose product divides {n_devices}")
+        both = f"Config.pipeline={P}" + (f" x Config.tensor={T}" if T > 1 else "")
+        raise ConfigError(f"{both} with devices={n_devices}: devices must be a multiple of the pipeline degree"
+                          + (" x the tensor degree" if T > 1 else "") + f" (x data-parallel replicas); use "
+                          f"devices={lo} or {lo + P * T}, or degrees whose product divides {n_devices}")
     if config.grad_accum != 1:
         raise ConfigError(f"Config.grad_accum={config.grad_accum!r} with pipeline={P}: not supported with pipeline "
                           "parallelism; use grad_accum=1 (raise Config.microbatches instead)")
@@ -404,8 +405,9 @@ class Engine:
         if self._tp is not None:
             from fxspeed.planner.placement import describe_placements
 
-            self.plan.tp_placements, self.plan.tp_communication = describe_placements(cp.captured.gm,
-                                                                                      cp.captured.signature)
+            # this rank's stages' collectives per step (the joint graph's are every stage's, once)
+            self.plan.tp_placements = describe_placements(cp.captured.gm, cp.captured.signature)[0]
+            self.plan.tp_communication = dict(self.plan.pipeline["ranks"][self.position]["tp_communication"])
             self.plan.notes.append(TP_PLAN_NOTE)
         log.info("fxspeed: pipeline %d stages x %d micro-batches (%s) x %d replicas; rank %d runs stages %s",
                  len(self.programs), self.M, self.schedule.name, self.dp_size, self.rank, self.stages)

@@ -300,6 +300,19 @@ def _rank_memory(stages: dict[int, _Stage], actions: list[Any]) -> dict[str, Any
     return {"peak": int(max(w.peak, 0)), "at": w.peak_at, "by_category": by}
 
 
+def _tp_bytes(programs: list[StageProgram], microbatches: int) -> dict[str, int]:
+    """Bytes of the tp collectives (shard_tensors') one rank runs per step in these stages: each
+    forward and backward once per micro-batch (the backward's I/W split runs the same ones)."""
+    from fxspeed.planner.placement import tp_collectives
+
+    out: dict[str, int] = {}
+    for p in programs:
+        for gm in (p.forward, p.backward):
+            for kind, nbytes in tp_collectives(gm):
+                out[f"tp_{kind}"] = out.get(f"tp_{kind}", 0) + nbytes * microbatches
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # The report
 # --------------------------------------------------------------------------------------------
@@ -359,7 +372,8 @@ def pipeline_report(stages: list[StageProgram], schedule: Schedule, config: Conf
                       "busy_s": sim.busy[r] if r < len(sim.busy) else 0.0,
                       "forward_s": M * sum(st.program.predicted.get("forward", 0.0) for st in mine.values()),
                       "send_bytes": int(M * sum(_meta_bytes(st.program.send_f) + _meta_bytes(st.program.send_b)
-                                                for st in mine.values()))})
+                                                for st in mine.values())),
+                      "tp_communication": _tp_bytes([st.program for st in mine.values()], M)})
 
     out_stages = []
     for st in info:
@@ -467,11 +481,15 @@ def plan_pipeline(model: Any, args: tuple, kwargs: dict, *, config: Config, devi
                   loss_fn: Any = None) -> Plan:
     """Plan `model` under Config.pipeline > 1 without running it: one micro-batch (the batch
     split into Config.microbatches along dim 0) is traced on fake tensors (a meta model works),
-    cut into stages and scheduled as the engine would, then reported per stage and per rank."""
+    cut into stages and scheduled as the engine would, then reported per stage and per rank.
+
+    A deep stack of identical blocks (Config.layer_extrapolation, as without a pipeline) is traced
+    with 1, 2 and 3 blocks per stage instead of whole, and every per-stage and per-rank figure is
+    extrapolated linearly to the blocks each stage gets (see `_plan_extrapolated`)."""
     from fxspeed.compiler.pipelines import compile_program, micro_config
     from fxspeed.errors import ConfigError
     from fxspeed.ir.batch import split_batch
-    from fxspeed.planner.estimate import costs_reader, finish_plan
+    from fxspeed.planner.estimate import _extrapolation_wanted, costs_reader, finish_plan, repeated_blocks
 
     P, tp, world = config.pipeline, config.tensor, len(devices)
     if world % (P * tp):
@@ -488,21 +506,141 @@ def plan_pipeline(model: Any, args: tuple, kwargs: dict, *, config: Config, devi
         options = PassOptions.single_device(config, tp_size=tp, tp_group_name="tp (planned)")
         analyses = (presolve_placements(model, margs, mkw, config=config, devices=devices, loss_fn=loss_fn,
                                         options=options).graph_pass,)
-    # Every position's stages as that position compiles them (gradient accumulation included).
-    cp = compile_program(model, margs, mkw, config=config, replicas=D, positions=tuple(range(P)), loss_fn=loss_fn,
-                         train=True, split_points=tuple(getattr(config, "split_points", ()) or ()) or None,
-                         analyze=costs_reader(micro_config(config), devices[:1]), options=options,
-                         analyses=analyses)
-    plan = finish_plan(cp.costs, model_name=type(model).__name__, config=config, devices=devices,
-                       passes=[r.to_dict() for r in cp.records], pp=P, tp=tp)
-    apply_pipeline(plan, pipeline_report(cp.stages, cp.schedule, config, D), world, P)
-    if tp > 1:
-        from fxspeed.planner.placement import TP_PLAN_NOTE, collapse_blocks, describe_placements
 
-        placed, plan.tp_communication = describe_placements(cp.captured.gm, cp.captured.signature)
-        plan.tp_placements = collapse_blocks(placed)
+    def program(split_points: Sequence[str] | None) -> Any:
+        # Every position's stages as that position compiles them (gradient accumulation included).
+        return compile_program(model, margs, mkw, config=config, replicas=D, positions=tuple(range(P)),
+                               loss_fn=loss_fn, train=True, split_points=split_points,
+                               analyze=costs_reader(micro_config(config), devices[:1]), options=options,
+                               analyses=analyses)
+
+    n_stages = P * (config.pipeline_chunks if config.schedule == "interleaved" else 1)
+    found = repeated_blocks(model)
+    notes: list[str] = []
+    if (found is not None and not config.split_points and len(found[2]) >= 3 * n_stages
+            and _extrapolation_wanted(config, len(found[2]))):
+        cp, costs, report, notes = _plan_extrapolated(model, found, n_stages, program, config, D)
+    else:
+        cp = program(tuple(config.split_points) or None)
+        costs, report = cp.costs, pipeline_report(cp.stages, cp.schedule, config, D)
+    plan = finish_plan(costs, model_name=type(model).__name__, config=config, devices=devices,
+                       passes=[r.to_dict() for r in cp.records], pp=P, tp=tp)
+    apply_pipeline(plan, report, world, P)
+    plan.notes += notes
+    if tp > 1:
+        from fxspeed.planner.placement import TP_PLAN_NOTE, collapse_blocks
+
+        plan.tp_placements = collapse_blocks(costs.tp_placements)
+        plan.tp_communication = {k: int(v) for k, v in report["ranks"][0]["tp_communication"].items()}
         plan.notes.append(TP_PLAN_NOTE)
     return plan
+
+
+def _plan_extrapolated(model: Any, found: tuple, n_stages: int, program: Any, config: Config,
+                       replicas: int) -> tuple[Any, Any, dict[str, Any], list[str]]:
+    """The pipeline of a deep block stack from three small traces: the model cut to 1, 2 and 3
+    blocks per stage (split at those blocks). Each stage's forward time is a + b x blocks (the
+    first stage's a holds the embedding, the last's the head), so the whole model's cut is the
+    one a balanced split would make: blocks handed one at a time to the stage whose forward
+    stays shortest. Every per-stage and per-rank figure (memory by category and phase, bytes,
+    parameters, stage times) is then extrapolated linearly from the 1- and 2-block traces to the
+    stage's blocks, the schedule simulated with those stage times, and the extrapolation checked
+    against the 3-block trace. Returns the 2-block program (pass records), the extrapolated
+    GraphCosts, the report and the notes."""
+    import time
+
+    from fxspeed.planner.estimate import _rel, truncated
+
+    parent, attr, blocks = found
+    L = len(blocks)
+    prefix = next(n for n, m in model.named_modules() if m is blocks) + "."
+    t0 = time.perf_counter()
+    traced = []
+    for k in (1, 2, 3):
+        with truncated(parent, attr, k * n_stages):
+            traced.append(program([f"{prefix}{k * s}" for s in range(1, n_stages)]))
+    one, two, three = traced
+    fwd = [(p1.predicted.get("forward", 0.0), p2.predicted.get("forward", 0.0)) for p1, p2 in zip(one.stages, two.stages)]
+    n = [1] * n_stages  # blocks per stage: the next block to the stage whose forward stays shortest
+    for _ in range(L - n_stages):
+        s = min(range(n_stages), key=lambda i: (fwd[i][0] + (fwd[i][1] - fwd[i][0]) * n[i], i))
+        n[s] += 1
+
+    def report_for(counts: list[int]) -> dict[str, Any]:
+        return _extrapolated_report(one, two, counts, config, replicas, prefix)
+
+    check = report_for([3] * n_stages)
+    want = pipeline_report(three.stages, three.schedule, config, replicas)
+    errs = {"step time": _rel(check["step_s"], want["step_s"]),
+            "peak memory": max(_rel(sum(a["phase_memory"]["step"].values()), sum(b["phase_memory"]["step"].values()))
+                               for a, b in zip(check["ranks"], want["ranks"]))}
+    note = (f"repeated-layer extrapolation (pipeline): {type(model).__name__}.{attr} has {L} identical blocks; traced "
+            f"with 1, 2 and 3 blocks per stage in {time.perf_counter() - t0:.1f}s and extrapolated linearly to "
+            f"{'/'.join(map(str, n))} blocks per stage (check at 3 per stage: "
+            + ", ".join(f"{k} error {v:.2%}" for k, v in errs.items()) + ")")
+    notes = [note]
+    if max(errs.values()) > 0.01:
+        notes.append(f"warning: the 3-blocks-per-stage check misses by {max(errs.values()):.1%}; set "
+                     "Config(layer_extrapolation=False) to trace the whole model")
+    costs = one.costs.extrapolate(two.costs, L / n_stages)  # a trace's unit: one block per stage
+    return two, costs, report_for(n), notes
+
+
+def _extrapolated_report(one: Any, two: Any, counts: list[int], config: Config, replicas: int,
+                         prefix: str) -> dict[str, Any]:
+    """pipeline_report of the program whose stage s has counts[s] blocks, from the programs
+    `one` and `two` with 1 and 2 blocks per stage (linear in the blocks; maxima and the peak's
+    action from `two`)."""
+    from fxspeed.planner.simulator import Costs, StageCosts, simulate
+
+    r1 = pipeline_report(one.stages, one.schedule, config, replicas)
+    r2 = pipeline_report(two.stages, two.schedule, config, replicas)
+
+    def lin(a: Any, b: Any, k: float) -> Any:
+        if isinstance(a, dict):
+            return {c: lin(a.get(c, 0), b.get(c, 0), k) for c in {*a, *b}}
+        return type(b)(a + (b - a) * (k - 1)) if isinstance(b, (int, float)) and not isinstance(b, bool) else b
+
+    sched = two.schedule
+    stage_costs = []
+    for s, (p1, p2) in enumerate(zip(one.stages, two.stages)):
+        k = counts[s]
+        f = lambda key, d=0.0: lin(p1.predicted.get(key, d), p2.predicted.get(key, d), k)  # noqa: E731
+        stage_costs.append(StageCosts(f("forward", 1.0), f("backward_input", 1.0), f("backward_weight"),
+                                      activation=f("saved_bytes", 1.0), send_bytes=f("send_bytes")))
+    sim = simulate(sched, Costs(stage_costs))
+    out = dict(r2)
+    out["bubble"], out["step_s"] = sim.bubble, sim.step_time
+    out["idle_fraction"] = [i / sim.step_time if sim.step_time else 0.0 for i in sim.idle]
+    out["own_idle_fraction"] = [sim.own_idle_fraction(r) for r in range(len(sim.idle))]
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    out["stages"] = []
+    for s, (a, b) in enumerate(zip(r1["stages"], r2["stages"])):
+        st = {key: lin(a[key], b[key], counts[s]) for key in b}
+        st["modules"] = _with_blocks(a["modules"], prefix, starts[s], counts[s])
+        out["stages"].append(st)
+    out["ranks"] = []
+    for r, (a, b) in enumerate(zip(r1["ranks"], r2["ranks"])):
+        mine = [s for s, pos in enumerate(sched.placement) if pos == r]
+        k = sum(counts[s] for s in mine) / len(mine)  # a rank's stages: their mean block count
+        rk = {key: (b[key] if key in ("position", "stages", "peak_at", "offload_note", "largest_trainable")
+                    else lin(a[key], b[key], k)) for key in b}
+        rk["busy_s"] = sim.busy[r] if r < len(sim.busy) else 0.0
+        out["ranks"].append(rk)
+    return out
+
+
+def _with_blocks(modules: list[str], prefix: str, start: int, count: int) -> list[str]:
+    """A 1-block stage's modules with its block replaced by blocks start .. start + count - 1."""
+    before, after, seen = [], [], False
+    for m in modules:
+        if m.startswith(prefix):
+            seen = True
+        elif seen:
+            after.append(m)
+        else:
+            before.append(m)
+    return before + [f"{prefix}{i}" for i in range(start, start + count)] + after
 
 
 __all__ = ["apply_pipeline", "pipeline_report", "plan_pipeline"]

@@ -166,7 +166,7 @@ class Plan:
         if self.tp_placements:
             lines += ["", "tensor parallel placements (R replicated, S(d) sharded on dim d; chosen by the planner):"]
             lines += [f"  {n:<48}{p}" for n, p in self.tp_placements.items()]
-            lines.append("  tp collectives per step: " + ", ".join(f"{k} {v / 1e6:.3f} MB"
+            lines.append("  tp collectives per step (rank 0): " + ", ".join(f"{k} {v / 1e6:.3f} MB"
                                                                   for k, v in self.tp_communication.items()))
         if self.passes:
             lines += ["", f"{'pass':<24}{'ms':>9}{'nodes':>16}"]
