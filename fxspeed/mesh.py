@@ -18,7 +18,6 @@ CUDA, gloo on CPU), or uses the default group when the script already initialize
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 import time
 from dataclasses import dataclass
@@ -107,7 +106,7 @@ def check_same_model(ctx: DistContext, model: Any, config: Any) -> None:
 
 
 # Per process: how many times each (group, name) check ran, so every call has its own store key.
-_arrivals: dict[tuple[str, str], itertools.count] = {}
+_arrivals: dict[tuple[str, str], int] = {}  # (group, name) -> calls this process completed
 
 
 def expect_all_ranks(name: str, timeout_s: float = 10.0, group: Any = None, fix: str | None = None) -> None:
@@ -134,7 +133,7 @@ def expect_all_ranks(name: str, timeout_s: float = 10.0, group: Any = None, fix:
 
     store = distributed_c10d._get_default_store()
     gname = group.group_name if group is not None else "world"
-    n = next(_arrivals.setdefault((gname, name), itertools.count(1)))
+    n = _arrivals.get((gname, name), 0) + 1
     key = f"fxspeed/expect_all_ranks/{gname}/{name}/{n}"
     done = key + "/all"
     start = time.monotonic()
@@ -145,9 +144,13 @@ def expect_all_ranks(name: str, timeout_s: float = 10.0, group: Any = None, fix:
         try:
             store.wait([done], timedelta(seconds=max(timeout_s, 0.001)))
         except Exception as e:  # noqa: BLE001 - DistStoreError / RuntimeError("Wait timeout") by version
-            arrived = store.add(key, 0)
+            # Withdraw this arrival (atomically), so that a caught error leaves the ranks in step: the
+            # next call here is call n again, and a rank arriving late for call n waits for us instead
+            # of counting a stale arrival and running the collective alone. If the others all arrived
+            # before the withdrawal, they have passed: arrive again and go on with them.
+            arrived = store.add(key, -1) + 1
             if arrived >= world:  # everyone arrived just as the wait gave up
-                pass
+                store.add(key, 1)
             else:
                 waited = time.monotonic() - start
                 hint = fix or ("Call it on every rank and save on rank 0 only: `state = engine.state_dict()` "
@@ -155,6 +158,7 @@ def expect_all_ranks(name: str, timeout_s: float = 10.0, group: Any = None, fix:
                 raise FxspeedError(
                     f"{name} is collective: every rank must call it (rank {dist.get_rank()} waited {waited:.0f}s; "
                     f"{arrived} of {world} ranks arrived). {hint}") from e
+    _arrivals[(gname, name)] = n
     # Leave: the last of the 2 * world increments means every rank is past its wait; clean up.
     if store.add(key, 1) == 2 * world:
         for k in (key, done):

@@ -1118,12 +1118,12 @@ class Engine:
         state = self.model.state_dict(keep_vars=True)
         return {n: by_id.get(id(v), local.get(n, v.detach())) for n, v in state.items()}
 
-    def _expect_all_ranks(self, name: str) -> None:
+    def _expect_all_ranks(self, name: str, fix: str | None = None) -> None:
         """Fail fast when a collective method is called on some ranks only (`if rank == 0:
         engine.state_dict()`), instead of hanging until dist_timeout_s."""
         if self.dist.active:
             # Half the collective timeout: the clear error must come before the raw one would.
-            expect_all_ranks(name, timeout_s=min(30.0, self.config.dist_timeout_s / 2), group=self.dist.group)
+            expect_all_ranks(name, timeout_s=min(30.0, self.config.dist_timeout_s / 2), group=self.dist.group, fix=fix)
 
     def _full_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's and buffer's full shape by canonical name, whatever this rank holds."""
@@ -1183,7 +1183,8 @@ class Engine:
         if self.optimizer is None:
             raise FxspeedError("engine.save: nothing to save before the engine is compiled; pass example_inputs to "
                                "fxspeed.compile or run a train_step first")
-        self._expect_all_ranks("engine.save()")
+        self._expect_all_ranks("engine.save()", fix="Call engine.save(path) on every rank (each rank writes or reads its "
+                               "part; do not guard it with `if rank == 0`)")
         rng: list[Any] = [torch.get_rng_state()]
         if self.dist.active:  # the checkpoint keeps rank 0's `extra`: carry every rank's RNG in it
             rng = [None] * self.world_size
@@ -1203,7 +1204,8 @@ class Engine:
         if self.optimizer is None:
             raise FxspeedError("engine.load: compile the engine first (fxspeed.compile(..., example_inputs=...)) so "
                                "the parameter layout and optimizer exist")
-        self._expect_all_ranks("engine.load()")
+        self._expect_all_ranks("engine.load()", fix="Call engine.load(path) on every rank (each rank writes or reads its "
+                               "part; do not guard it with `if rank == 0`)")
         self.synchronize()
         held = [p for p in self._unique if id(p) not in self._freed_shapes]
         names = sorted({self._canonical[id(p)] for p in held} | {n for n, _ in self.model.named_buffers()})
@@ -1252,7 +1254,8 @@ class Engine:
         `from_pretrained` loads. Collective; rank 0 writes."""
         from fxspeed.runtime.checkpoint import export_hf, export_safetensors
 
-        self._expect_all_ranks("engine.export()")
+        self._expect_all_ranks("engine.export()", fix="Call engine.export(path) on every rank (each rank writes or reads its "
+                               "part; do not guard it with `if rank == 0`)")
         state = self.state_dict()
         if hasattr(self.model, "config") and hasattr(self.model.config, "save_pretrained"):
             export_hf(path, self.model, state)

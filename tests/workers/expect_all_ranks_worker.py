@@ -3,11 +3,13 @@ fxspeed.mesh.expect_all_ranks over 2 gloo ranks.
 
 Default: both ranks call it 50 times (passes; the store holds no more keys afterwards), then
 rank 0 alone calls it with a 2 s timeout (FxspeedError within it) while rank 1 waits at a
-barrier, then both call it under another name (the store still works). out/rank{r}.json.
+barrier, then both call it again under the same name (the caught error left the ranks in step) and under
+another name (the store still works). out/rank{r}.json.
 
 --engine: a ZeRO-3 engine; rank 0 alone calls engine.state_dict() (the user pattern
 `if rank == 0: torch.save(engine.state_dict(), ...)`), rank 1 waits at a barrier. The
-engine calls expect_all_ranks first thing in state_dict(). out/engine_rank{r}.json.
+engine calls expect_all_ranks first thing in state_dict(). Then both call state_dict() and take a
+step (the engine still works). out/engine_rank{r}.json.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ def plain(rank: int) -> dict:
             record["alone"] = f"FxspeedError: {e}"
         record["alone_s"] = time.monotonic() - t0
     dist.barrier()
+    # The caught error left the ranks in step: both calling the same method now pass together.
+    expect_all_ranks("engine.state_dict()", timeout_s=30.0)
+    record["again"] = "ok"
     expect_all_ranks("engine.save()", timeout_s=30.0)
     record["after"] = "ok"
     return record
@@ -74,6 +79,11 @@ def engine(rank: int) -> dict:
             record["alone"] = f"{type(e).__name__}: {e}"
         record["alone_s"] = time.monotonic() - t0
     dist.barrier()
+    # The user caught it and calls it on every rank: the full state, and training goes on.
+    state = eng.state_dict()
+    record["again"] = sorted(state) == sorted(build_model("gpt").state_dict())
+    eng.train_step(*local_batch(batches[0]))
+    record["after"] = "ok"
     return record
 
 

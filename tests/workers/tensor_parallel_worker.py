@@ -19,6 +19,8 @@ eagerly on the same batches: relative error <= 1e-5.
              of the global batch, compared with one process on the whole batch
     gpt_dp_zero2, gpt_dp_zero3  the same with ZeRO-2 and ZeRO-3; ZeRO-3 then writes a checkpoint
              (gpt_dp_zero3_ckpt) and takes one more step
+    gpt_pp   GPT at TP=2 x PP=2 (x DP=WORLD_SIZE/4), two micro-batches, clipping; eval_step, checkpoint
+    gpt_pp_zero1  the same with ZeRO-1 (3D with 8 ranks)
     gpt_bf16 GPT under Config(precision="bf16"): losses and weights for the test to compare with one
              bf16 process (tests/test_tensor_parallel.py)
 
@@ -292,6 +294,12 @@ def gpt_pp() -> str:
     return parity("gpt", fxspeed.Config(tensor=2, pipeline=2, microbatches=2, **CLIPPED), then)
 
 
+def gpt_pp_zero1() -> str:
+    """TP=2 x PP=2 x DP=WORLD_SIZE/4 with ZeRO-1 (3D on 8 ranks: `fxspeed run -n 8 -m
+    tests.workers.tensor_parallel_worker --case gpt_pp_zero1`; kept out of the suite for time)."""
+    return parity("gpt", fxspeed.Config(tensor=2, pipeline=2, microbatches=2, zero=1, **CLIPPED))
+
+
 BF16 = dict(lr=1e-4, eps=EPS, precision="bf16")
 
 
@@ -309,7 +317,8 @@ def gpt_bf16() -> str:
 
 
 CASES = {"gpt": gpt, "gpt_bf16": gpt_bf16, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
-         "gpt_dp_zero3": gpt_dp_zero3, "gpt_pp": gpt_pp}
+         "gpt_dp_zero3": gpt_dp_zero3, "gpt_pp": gpt_pp,
+         "gpt_pp_zero1": gpt_pp_zero1}
 
 
 if __name__ == "__main__":
