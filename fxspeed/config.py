@@ -104,6 +104,11 @@ class Config:
     pipeline: int = 1
     schedule: str = "1f1b"
     tensor: int = 1
+    # Megatron's sequence parallelism: the residual stream (norms, residual adds) is split over the
+    # tp ranks by tokens; row-parallel outputs are reduce-scattered and gathered again before the
+    # next column-parallel matmul, instead of all-reduced (same bytes, 1/T of the norm work and of
+    # the residual activations per rank). Needs tensor > 1.
+    sequence_parallel: bool = False
     microbatches: int = 1
     grad_accum: int = 1
     # "optimizer": Adam's moments live off the device and are stepped there (ZeRO-Offload /
@@ -204,6 +209,10 @@ class Config:
             _positive("grad_clip", self.grad_clip)
         for key in ("pipeline", "tensor", "microbatches", "grad_accum"):
             _positive_int(key, getattr(self, key))
+        if self.sequence_parallel and self.tensor == 1:
+            raise ConfigError("Config.sequence_parallel=True splits the residual stream over the tensor-parallel "
+                              "ranks, but Config.tensor=1; set tensor to 2 or more (e.g. Config(tensor=2, "
+                              "sequence_parallel=True)) or leave sequence_parallel off")
         if self.pipeline > 1 and self.schedule == "interleaved" and self.microbatches % self.pipeline:
             lo = (self.microbatches // self.pipeline) * self.pipeline
             hi = lo + self.pipeline

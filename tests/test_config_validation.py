@@ -346,6 +346,8 @@ def wrong_values(key: str) -> st.SearchStrategy:
         return bad | text.filter(bool) if key == "split_points" else bad
     if key == "layer_extrapolation":
         return none | ints | floats | lists
+    if core is bool:
+        return none | ints | floats | text | lists
     raise AssertionError(f"no wrong values for Config.{key}: {tp}")  # a new field: add its type above
 
 

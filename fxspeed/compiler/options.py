@@ -67,6 +67,7 @@ class PassOptions:
     tp_size: int = 1                         # tensor-parallel degree (Config.tensor)
     tp_rank: int = 0                         # this rank's index in its tensor-parallel group
     tp_group_name: str = ""                  # the tensor-parallel process group's name (collectives' target)
+    sequence_parallel: bool = False          # Config.sequence_parallel: partial sums reduce-scattered by tokens
     # fuse_kernels (passes/graph/fuse_kernels.py: norms and their backward as Triton kernels):
     # "cuda" fuses programs whose tensors are on CUDA (the target device, read off the program),
     # "always" fuses any program (FXSPEED_FUSE_ON_CPU=1: tests, where the kernels run under
@@ -110,7 +111,7 @@ class PassOptions:
         _one_of("chunk_cross_entropy", self.chunk_cross_entropy, ("auto", "always", "off"))
         _int("chunk_cross_entropy_min_bytes", self.chunk_cross_entropy_min_bytes, 0)
         for name in ("scatter_via_all_reduce", "gather_via_all_reduce", "scatter_via_exchange", "gather_via_exchange",
-                     "reuse_grad_buckets", "master_weights"):
+                     "reuse_grad_buckets", "master_weights", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"PassOptions.{name}={getattr(self, name)!r} is invalid; give True or False")
         if not isinstance(self.group_name, str):
@@ -135,7 +136,8 @@ class PassOptions:
         base = dict(precision=config.precision, fp32_modules=tuple(config.fp32_modules),
                     reduce_dtype=config.reduce_dtype, bucket_bytes=bucket_bytes(config.bucket_mb),
                     **_pipeline_fields(config), positions=tuple(range(config.pipeline)),
-                    fuse_kernels=fuse_kernels_mode(), master_weights=master_weights_wanted(config))
+                    fuse_kernels=fuse_kernels_mode(), master_weights=master_weights_wanted(config),
+                    sequence_parallel=config.sequence_parallel)
         return cls(**{**base, **overrides})
 
     @classmethod
@@ -188,6 +190,7 @@ def derive_options(config: Config, mesh: Any) -> PassOptions:
         **_pipeline_fields(config), positions=(coords.get("pp", 0),),
         tp_size=getattr(mesh, "tp", 1), tp_rank=coords.get("tp", 0),
         tp_group_name=mesh.group_name("tp") if getattr(mesh, "tp", 1) > 1 else "",
+        sequence_parallel=config.sequence_parallel,
         fuse_kernels=fuse_kernels_mode(),
         # On one rank the layout saves nothing (the partition is the whole model) unless the fp32
         # master goes to the offload file with the optimizer states (ZeRO-Offload's layout).

@@ -192,6 +192,9 @@ def reshape_placement(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, 
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _SAME = {aten.clone.default, aten._to_copy.default, aten.lift_fresh_copy.default, aten.alias.default,
          aten.detach.default}
+# views whose gathered value is the view of their input's gathered value
+_VIEW_LIKE = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
+              aten.transpose.int, aten.permute.default}
 _POINTWISE = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.gelu.default,
               aten.gelu_backward.default, aten.silu.default, aten.silu_backward.default, aten.sigmoid.default,
               aten.sigmoid_backward.default, aten.tanh.default, aten.tanh_backward.default, aten.neg.default,
@@ -218,8 +221,11 @@ def _dim(d: int, nd: int) -> int:
     return d % nd if nd else d
 
 
-def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int) -> list[Strategy]:
-    """Placements `node` can run on given its inputs' placements `pl` (besides all-replicated)."""
+def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int,
+                sequence_parallel: bool = False) -> list[Strategy]:
+    """Placements `node` can run on given its inputs' placements `pl` (besides all-replicated).
+    `sequence_parallel`: partial sums may also be reduce-scattered into a shard of any dim
+    (pointwise ops on them, a row-parallel addmm's product before its bias)."""
     t = node.target
     out_shape = _shape(node)
     shapes = [_shape(a) for a in ins]
@@ -273,6 +279,10 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int) 
             return sts
         nd = len(out_shape)
         cands = {(p.dim + nd - len(s), p.blocks) for p, s in zip(pl, shapes) if p.kind == "S" and s is not None}
+        if sequence_parallel and any(p.kind == "P" for p in pl) and nd >= 2:
+            # a partial sum joins the residual stream (embedding + positions, a block's output +
+            # the residual): reduce-scattered into a token shard, whatever dim the others are on
+            cands = {(d, 1) for d in range(nd - 1)}
         for d, b in cands:
             want = []
             for s in shapes:
@@ -320,7 +330,10 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int) 
             col_bias = (S(len(bias_s) - 1, bb) if bias_s is not None and bias_s[-1] == out_shape[-1] and bias_s[-1] > 1
                         else R)
             cands.append(Strategy([col_bias, R, S(1, bb)], S(1, bb), True))
-        cands += [Strategy([R, S(1, b), S(0, b)], R, True, reduce_before_bias=True) for b in bas | bbs]
+        # row-parallel: the product reduced, then the bias added once (sequence parallel: the
+        # product reduce-scattered by rows, a token shard)
+        cands += [Strategy([R, S(1, b), S(0, b)], S(0) if sequence_parallel else R, True, reduce_before_bias=True)
+                  for b in bas | bbs]
         for st in cands:
             if all(_valid(w, s, T) for w, s in zip(st.want, shapes)) and _valid(st.out, out_shape, T):
                 sts.append(st)
@@ -368,6 +381,8 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int) 
             res = tuple(S(1) if isinstance(v, torch.Tensor) and v.dim() >= 2 else R for v in outs)
             sts.append(Strategy(want, res if n_out > 1 else res[0], True))
         return sts
+    if t in (aten.native_layer_norm.default, aten.native_layer_norm_backward.default) and sequence_parallel:
+        return _layer_norm_strategies(node, ins, pl, shapes, out_shape, T)
     if t == aten.embedding.default:
         if pl[0].kind == "S" and pl[0].dim == 1:
             q = S(len(out_shape) - 1, pl[0].blocks)
@@ -377,6 +392,10 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int) 
             sts.append(Strategy([S(0), R], P, True, rewrite=VOCAB))
         return sts
     if t == aten.embedding_dense_backward.default:
+        if px.kind == "P" and _nbytes(node) <= _nbytes(ins[0]):
+            # linear in the gradient: partial rows in, a partial table out, reduced as the gradient
+            # (where the table is no larger than the rows: a position table, not a vocabulary)
+            sts.append(Strategy([P, R], P))
         if px.kind == "S" and px.dim == len(shapes[0]) - 1:
             sts.append(Strategy([px, R], S(1, px.blocks), True))
         if node in _VOCAB_BACKWARD and not a[4] and _valid(S(0), out_shape, T):
@@ -418,6 +437,34 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int) 
     return sts
 
 
+def _layer_norm_strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], shapes: list[Any],
+                           out_shape: Any, T: int) -> list[Strategy]:
+    """Layer norm on a shard of a dim it does not normalize (a token shard under sequence
+    parallelism): each rank normalizes its rows. Forward (x, weight, bias) -> (y, mean, rstd) on
+    the shard; backward (dy, x, mean, rstd, weight, bias) -> (dx on the shard, dweight and dbias
+    partial sums: each rank's rows' share)."""
+    backward = node.target == aten.native_layer_norm_backward.default
+    x_shape = shapes[1] if backward else shapes[0]
+    normalized = len(node.args[2] if backward else node.args[1])
+    lead = {(p.dim, p.blocks) for p, s in zip(pl[:2 if backward else 1], shapes) if p.kind == "S"}
+    vals = node.meta.get("val")
+    sts = []
+    for d, b in lead:
+        if x_shape is None or d >= len(x_shape) - normalized:
+            continue
+        q = S(d, b)
+        n_act = 4 if backward else 1  # dy, x, mean, rstd / x
+        want = [q if i < n_act else R for i in range(len(ins))]
+        if backward:
+            out = tuple(q if k == 0 else P for k in range(len(vals)))
+        else:
+            out = tuple(q for _ in vals)
+        if all(_valid(w, sh, T) for w, sh in zip(want, shapes)) and all(
+                v is None or o.kind != "S" or _valid(o, tuple(v.shape), T) for o, v in zip(out, vals)):
+            sts.append(Strategy(want, out, True))
+    return sts
+
+
 def _strategies_cat(node: fx.Node, ins: list[fx.Node], pl: list[Placement], shapes: list[Any],
                     out_shape: Any, T: int) -> list[Strategy]:
     a = node.args
@@ -449,6 +496,9 @@ class CostModel:
     T: int
     latency: float = 0.0
     forward_only: bool = False
+    # Config.sequence_parallel: a partial sum becomes a token shard by a reduce-scatter (half an
+    # all-reduce's bytes), and an activation partial sum is never all-reduced whole
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         self.latency = 3e-5 if self.device.kind == "cpu" else 1e-5
@@ -484,6 +534,8 @@ class CostModel:
         if dst.kind == "P":
             return math.inf
         f = (self.T - 1) / self.T
+        if src.kind == "P" and dst.kind == "S" and self.sequence_parallel:
+            return self.latency + f * nbytes / self.bw  # reduce-scatter
         if src.kind == "P":
             return self.latency + 2 * f * nbytes / self.bw  # all-reduce (then a local slice for S)
         return self.latency + f * nbytes / self.bw  # all-gather (then a local slice for S)
@@ -494,6 +546,9 @@ class CostModel:
         passes = 1 if self.forward_only else 8
         return passes * nbytes / self.device.mem_bandwidth if self.device.mem_bandwidth else 0.0
 
+
+# Seconds added for an activation all-reduced whole under sequence parallelism (far above any step).
+SEQUENCE_PARALLEL_PENALTY = 1e3
 
 _NBYTES: dict[fx.Node, int] = {}
 
@@ -536,9 +591,31 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
     def charge(src: Placement, dst: Placement, n: fx.Node) -> float:
         c = cm.move(src, dst, _nbytes(n))
         if c and c != math.inf:
-            kind = "all_reduce" if src.kind == "P" else "all_gather"
-            comm[kind] += _nbytes(n)
+            kind = "all_gather" if src.kind != "P" else ("reduce_scatter" if dst.kind == "S" and cm.sequence_parallel
+                                                         else "all_reduce")
+            comm[kind] = comm.get(kind, 0.0) + _nbytes(n)
         return c
+
+    gathered: set[fx.Node] = set()  # values some reader already gathered whole (shard_tensors reuses it)
+
+    def penalty(p: Placement, w: Placement, i: fx.Node) -> float:
+        """Sequence parallelism: an activation partial sum is reduce-scattered into a token shard,
+        not all-reduced whole. A penalty rather than impossible: a layout with no other way still
+        exists, and the search (which sees the whole step's cost) moves the parameters that led here."""
+        if cm.sequence_parallel and p.kind == "P" and w.kind == "R" and i not in derived and len(_shape(i) or ()) >= 2:
+            return SEQUENCE_PARALLEL_PENALTY
+        return 0.0
+
+    def reads(p: Placement, w: Placement, i: fx.Node) -> float:
+        """What it costs a reader to get input `i` (placed p) as w."""
+        if cm.sequence_parallel:
+            if penalty(p, w, i):
+                return penalty(p, w, i) + cm.move(p, w, _nbytes(i))
+            # a view of a value gathered for another reader (a gradient read by the input-gradient
+            # matmul and, transposed, by the weight-gradient one) is the view of that gathered value
+            if p.kind == "S" and w == R and _views_of(i, gathered):
+                return 0.0
+        return cm.move(p, w, _nbytes(i))
 
     # Values computed from parameters and constants alone: the only ones a reader may slice for
     # free (R -> S). Slicing an activation would shard the batch: data parallelism, not tensor
@@ -581,7 +658,7 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
         val = n.meta.get("val")
         n_out = len(val) if isinstance(val, (tuple, list)) else 0
         fallback = Strategy([R] * len(ins), tuple(R for _ in range(n_out)) if n_out else R)
-        options = [] if n.target in RANDOM_OPS else _strategies(n, ins, pl, T)
+        options = [] if n.target in RANDOM_OPS else _strategies(n, ins, pl, T, cm.sequence_parallel)
         # A partial sum read by several ops is reduced once, where it is made, rather than
         # carried into each reader (each would need its own all-reduce later).
         options = [st for st in options if all(w.kind != "P" or len(i.users) == 1 for w, i in zip(st.want, ins))]
@@ -596,20 +673,29 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
             # the shard another input has (label smoothing's gradient added to vocabulary-sharded
             # logits): it holds no per-element data there, so no activation is split anew.
             matched = n.target in _POINTWISE and any(p.kind == "S" and p == w for p, w in zip(pl, st.want))
-            c = sum(cm.move(p, w, _nbytes(i)) if p.kind != "R" or w.kind != "S" or i in derived or
+            c = sum(reads(p, w, i) if p.kind != "R" or w.kind != "S" or i in derived or
                     (matched and _broadcast_along(i, w.dim)) else math.inf for p, w, i in zip(pl, st.want, ins))
             c += cm.node(n, st.div, _whole_bytes(cm, st, ins)) + sum(cm.move(P, R, b) for b in st.inner)
-            if st.reduce_before_bias or st.out == P and not summed:
+            if st.reduce_before_bias:
+                c += cm.move(P, st.out, _nbytes(n))  # the product is reduced before the bias
+            elif st.out == P and not summed:
                 c += cm.move(P, R, _nbytes(n))  # a partial sum is reduced somewhere
             if c < best_cost:
                 best, best_cost = st, c
         for p, w, i in zip(pl, best.want, ins):
-            total += charge(p, w, i)
+            if reads(p, w, i) == 0.0 and p != w and w == R:
+                continue  # gathered once already: shard_tensors reuses it
+            total += charge(p, w, i) + penalty(p, w, i)
+            if p.kind == "S" and w == R:  # shard_tensors gathers the first sharded value of i's view chain
+                while i.op == "call_function" and i.target in _VIEW_LIKE and isinstance(i.args[0], fx.Node) \
+                        and getattr(of(i.args[0]), "kind", "R") == "S":
+                    i = i.args[0]
+                gathered.add(i)
             if i.op == "placeholder":
                 wants.setdefault(i, set()).add(w)
         total += cm.node(n, best.div, _whole_bytes(cm, best, ins))
         if best.reduce_before_bias:
-            total += charge(P, R, n)
+            total += charge(P, best.out, n)
         for b in best.inner:
             total += cm.move(P, R, b)
             comm["all_reduce"] += b
@@ -638,6 +724,13 @@ def _row_sharded_embedding_gradients(gm: fx.GraphModule, signature: Any,
             elif n.op == "call_function" and n.target in (aten.add.Tensor, *_WALK_BACK):
                 stack.extend(a for a in n.args[:2] if isinstance(a, fx.Node))
     return found
+
+
+def _views_of(n: fx.Node, values: set[fx.Node]) -> bool:
+    """`n` is one of `values` or a chain of views of one."""
+    while n not in values and n.op == "call_function" and n.target in _VIEW_LIKE and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n in values
 
 
 def _only_summed(n: fx.Node, depth: int = 0) -> bool:
@@ -747,14 +840,15 @@ def _invert(view: fx.Node, src: fx.Node, q: Placement, T: int) -> Placement | No
 
 
 def solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
-          fixed: dict[str, Placement] | None = None) -> tuple[dict[str, Placement], Result]:
+          fixed: dict[str, Placement] | None = None,
+          sequence_parallel: bool = False) -> tuple[dict[str, Placement], Result]:
     """The cheapest parameter placements found (see the module docstring) and their propagation.
     `fixed`: placements decided before (another program of the same engine): used as they are."""
     _SHAPES.clear()
     _NBYTES.clear()
     _PREFER.clear()
     try:
-        return _solve(gm, signature, device, T, fixed)
+        return _solve(gm, signature, device, T, fixed, sequence_parallel)
     finally:
         _SHAPES.clear()
         _NBYTES.clear()
@@ -763,14 +857,14 @@ def solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
 
 
 def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
-           fixed: dict[str, Placement] | None) -> tuple[dict[str, Placement], Result]:
+           fixed: dict[str, Placement] | None, sequence_parallel: bool = False) -> tuple[dict[str, Placement], Result]:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     grads = {s.target for s in signature.outputs if s.kind == "grad"}
     params = {s.target: ph for ph, s in zip(placeholders, signature.inputs) if s.kind == "param"}
     forward_only = not grads  # a serving program: every weight is laid out, not only trainable ones
     if forward_only:
         grads = set(params)
-    cm = CostModel(device, T, forward_only=forward_only)
+    cm = CostModel(device, T, forward_only=forward_only, sequence_parallel=sequence_parallel)
     # A tied weight fed under several names (a pipeline's joint graph keeps one input per name, so
     # that stages can hold either) is one Parameter: every name takes its canonical name's placement.
     aliases = {a: c for a, c in signature.tied.items() if a in params and c in params}
@@ -827,6 +921,14 @@ def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
     res = propagate(gm, signature, whole, cm)
     if res.cost < best.cost:
         assign, best = whole, res
+    if sequence_parallel:
+        # Sequence parallelism changes where activations live, not which weights are sliced: the
+        # layout found without it (Megatron's, on transformer blocks) starts the search. From the
+        # seeds above the search would have to move q/k/v and the output projection at once.
+        start, _ = _solve(gm, signature, device, T, None, False)
+        trial, res = evaluate(start)
+        if res.cost < best.cost:
+            assign, best = trial, res
     # 2. local search over units, repeated blocks moved together.
     groups: dict[str, list[str]] = {}
     for name in units:
@@ -937,7 +1039,8 @@ class PlacementAnalysis:
             check_random(gm, T)
             if self.params is None:
                 warn_vocabulary(gm, ctx.signature, T)
-            params, res = solve(gm, ctx.signature, self.device, T, fixed=self.params)
+            params, res = solve(gm, ctx.signature, self.device, T, fixed=self.params,
+                                sequence_parallel=ctx.options.sequence_parallel)
             if self.params is None:
                 self.params, self.comm = params, dict(res.comm)
             for n, npl in res.nodes.items():
@@ -1028,10 +1131,11 @@ def describe_placements(gm: fx.GraphModule, signature: Any) -> tuple[dict[str, s
 
 
 def tp_collectives(gm: fx.GraphModule) -> list[tuple[str, int]]:
-    """The tp collectives shard_tensors put in `gm`, in graph order: ("all_reduce" or
-    "all_gather", bytes of the result)."""
+    """The tp collectives shard_tensors put in `gm`, in graph order: ("all_reduce", "all_gather"
+    or "reduce_scatter", bytes of the result)."""
     c10d = torch.ops._c10d_functional
-    kinds = {c10d.all_reduce.default: "all_reduce", c10d.all_gather_into_tensor.default: "all_gather"}
+    kinds = {c10d.all_reduce.default: "all_reduce", c10d.all_gather_into_tensor.default: "all_gather",
+             c10d.reduce_scatter_tensor.default: "reduce_scatter"}
     out = []
     for n in gm.graph.nodes:
         if n.target in kinds:  # (not through _nbytes' cache, which only lives for one solve)

@@ -22,11 +22,14 @@ have. This pass applies them:
   (functional collectives over `options.tp_group_name`, each followed by wait_tensor):
   P -> R all_reduce, S -> R all_gather_into_tensor (+ reorder for dims other than 0 and
   blocked shards), R -> S a local slice (no communication); P -> S is an all-reduce then a
-  slice (gloo has no reduce-scatter worth using). Each conversion is made once per value.
-- addmm whose product is a partial sum (row-parallel with a bias) becomes mm, all-reduce, add.
+  slice (gloo has no reduce-scatter worth using), except under sequence parallelism
+  (options.sequence_parallel), where it is a reduce_scatter_tensor along the shard's dim (the
+  token shard of the residual stream). Each conversion is made once per value.
+- addmm whose product is a partial sum (row-parallel with a bias) becomes mm, all-reduce, add
+  (sequence parallel: mm, reduce-scatter by rows, add).
 - Gradients come out in their parameter's placement (the local slice's gradient).
 
-Options read: tp_size, tp_rank, tp_group_name. Does nothing when tp_size is 1.
+Options read: tp_size, tp_rank, tp_group_name, sequence_parallel. Does nothing when tp_size is 1.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ c10d = torch.ops._c10d_functional
 TP_KEY = "fxspeed_tp"          # written by the tp_placements analysis (fxspeed/planner/placement.py)
 PARAMS_KEY = "fxspeed_tp_params"
 
+_VIEW_LIKE = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
+              aten.transpose.int, aten.permute.default}
 _SIZE_ARG = {aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1, aten.expand.default: 1,
              aten.slice_backward.default: 1}
 
@@ -69,6 +74,7 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         raise ConfigError(f"pass 'shard_tensors' emits collectives over {T} tensor-parallel ranks but "
                           "PassOptions.tp_group_name is empty; derive the options from the mesh (derive_options)")
     group, rank = opts.tp_group_name, opts.tp_rank
+    sequence_parallel = opts.sequence_parallel
     sig = ctx.signature
     params = gm.meta.get(PARAMS_KEY, {})
     old = gm.graph
@@ -86,6 +92,18 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
     def reduce(x: fx.Node) -> fx.Node:
         return call(g, c10d.wait_tensor.default, (call(g, c10d.all_reduce.default, (x, "sum", group)),))
+
+    def reduce_scatter(x: fx.Node, dim: int) -> fx.Node:
+        """Sequence parallelism: this rank's piece along `dim` of the sum of partial sums `x`."""
+        nd = x.meta["val"].dim()
+        order = [dim, *[i for i in range(nd) if i != dim]]
+        y = x if dim == 0 else call(g, aten.permute.default, (x, order))
+        y = call(g, aten.clone.default, (y,), {"memory_format": torch.contiguous_format})
+        y = call(g, c10d.wait_tensor.default, (call(g, c10d.reduce_scatter_tensor.default, (y, "sum", T, group)),))
+        if dim != 0:
+            y = call(g, aten.permute.default, (y, [order.index(i) for i in range(nd)]))
+            y = call(g, aten.clone.default, (y,), {"memory_format": torch.contiguous_format})
+        return y
 
     def take(x: fx.Node, shape: tuple[int, ...], p: Any) -> fx.Node:
         """This rank's slice of a full tensor `x` (global `shape`) placed `p`."""
@@ -116,6 +134,20 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             full = call(g, aten.clone.default, (full,), {"memory_format": torch.contiguous_format})
         return full
 
+    full_of: dict[fx.Node, fx.Node] = {}  # old node -> its whole value, where one was gathered
+
+    def regathered(src: fx.Node) -> fx.Node | None:
+        """`src`'s whole value as views of a value already gathered whole (a gradient gathered for
+        the input-gradient matmul, read transposed by the weight-gradient one), else None."""
+        if src in full_of:
+            return full_of[src]
+        if src.op == "call_function" and src.target in _VIEW_LIKE and isinstance(src.args[0], fx.Node):
+            base = regathered(src.args[0])
+            if base is not None:
+                full_of[src] = call(g, src.target, (base, *src.args[1:]), dict(src.kwargs))
+                return full_of[src]
+        return None
+
     def convert(src_node: fx.Node, want: Any) -> fx.Node:
         x = env[src_node]
         have = place[src_node]
@@ -128,10 +160,22 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if want.kind == "P":
             raise PassError(f"shard_tensors: node {src_node.name!r} would have to become a partial sum; "
                             "the placements are inconsistent")
+        if have.kind == "P" and want.kind == "S" and sequence_parallel and want.blocks == 1:
+            cache[key] = y = reduce_scatter(x, want.dim)
+            return y
         if have.kind == "P":
             y = reduce(x)
         elif have.kind == "S":
-            y = gather(x, shape, have)
+            y = regathered(src_node)
+            if y is None:
+                # gather the first sharded value of its view chain: the q, k and v projections'
+                # own views of one normed activation then share one all-gather
+                base = src_node
+                while base.op == "call_function" and base.target in _VIEW_LIKE and isinstance(base.args[0], fx.Node) \
+                        and getattr(place.get(base.args[0]), "kind", "R") == "S":
+                    base = base.args[0]
+                full_of[base] = gather(env[base], tuple(int(d) for d in base.meta["val"].shape), place[base])
+                y = regathered(src_node)
         else:
             y = x
         if want.kind == "S":
@@ -202,7 +246,8 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                     continue
             elif npl.reduce_before_bias:
                 prod = call(g, aten.mm.default, (args[1], args[2]))
-                new = call(g, aten.add.Tensor, (reduce(prod), args[0]))
+                summed = reduce_scatter(prod, 0) if getattr(npl.out, "kind", "R") == "S" else reduce(prod)
+                new = call(g, aten.add.Tensor, (summed, args[0]))
             elif _all_global(npl):
                 # Same shapes as before: reuse the traced value instead of running the op on fakes.
                 new = g.call_function(n.target, tuple(args), kwargs)

@@ -15,10 +15,13 @@ eagerly on the same batches: relative error <= 1e-5.
     llama    Hugging Face LlamaForCausalLM with GQA (4 query heads, 2 key/value heads); then: the
              same collective count, and eval_step equals the eager loss of the trained model
     bert     Hugging Face BertForMaskedLM (post-norm, separate q/k/v with biases, tied decoder)
+    t5       Hugging Face T5ForConditionalGeneration (encoder-decoder, relative position bias)
     gpt_dp   GPT at TP=2 x DP=WORLD_SIZE/2 (ZeRO-0) with grad_clip: each replica trains on its rows
              of the global batch, compared with one process on the whole batch
     gpt_dp_zero2, gpt_dp_zero3  the same with ZeRO-2 and ZeRO-3; ZeRO-3 then writes a checkpoint
              (gpt_dp_zero3_ckpt) and takes one more step
+    gpt_sp, llama_sp  sequence parallelism (Config(sequence_parallel=True)) at TP=2: parity, and the
+             all-gathers / reduce-scatters counted
     gpt_pp   GPT at TP=2 x PP=2 (x DP=WORLD_SIZE/4), two micro-batches, clipping; eval_step, checkpoint
     gpt_pp_zero1  the same with ZeRO-1 (3D with 8 ranks)
     gpt_bf16 GPT under Config(precision="bf16"): losses and weights for the test to compare with one
@@ -77,6 +80,10 @@ def build(name: str) -> torch.nn.Module:
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(
             num_hidden_layers=2, hidden_size=D, num_attention_heads=4, num_key_value_heads=2, intermediate_size=2 * D,
             vocab_size=V, max_position_embeddings=16, use_cache=False))
+    if name == "t5":  # encoder-decoder: relative position bias, tied shared embedding, cross-attention
+        return transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=V, d_model=D, d_kv=64, d_ff=2 * D, num_layers=2, num_decoder_layers=2, num_heads=4,
+            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
     raise ValueError(name)
 
 
@@ -249,6 +256,13 @@ def llama() -> str:
     return parity("llama", check=evaluate)
 
 
+def t5() -> str:
+    """T5ForConditionalGeneration (encoder-decoder, relative attention bias, tied embeddings). At
+    these sizes on the cpu model the solver splits the MLPs and keeps attention whole; the split
+    by heads is checked in process (tests/test_tensor_parallel.py, slow-compute device)."""
+    return parity("t5")
+
+
 def bert() -> str:
     """BertForMaskedLM (post-norm, separate q/k/v with biases, tied decoder)."""
     return parity("bert")
@@ -294,10 +308,64 @@ def gpt_pp() -> str:
     return parity("gpt", fxspeed.Config(tensor=2, pipeline=2, microbatches=2, **CLIPPED), then)
 
 
+def _sp_collectives(engine: Any) -> dict:
+    """(kind, forward/backward, whether it moves a [tokens, hidden] activation) -> count."""
+    from fxspeed.ir import FORWARD, info
+
+    c10d = torch.ops._c10d_functional
+    kinds = {c10d.all_reduce.default: "all_reduce", c10d.all_gather_into_tensor.default: "all_gather",
+             c10d.reduce_scatter_tensor.default: "reduce_scatter"}
+    tokens, got = 2 * 16, {}
+    for n in engine.graph().graph.nodes:
+        if n.target in kinds:
+            big = n.meta["val"].numel() in (tokens * D, tokens * D // 2)
+            key = (kinds[n.target], "forward" if info(n).role == FORWARD else "backward", big)
+            got[key] = got.get(key, 0) + 1
+    return got
+
+
+def sequence_parallel(name: str, config: fxspeed.Config) -> str:
+    """Sequence parallelism at TP=2: the residual stream split by tokens; then the collectives
+    that move [tokens, hidden] activations are Megatron's sequence-parallel ones: in each block,
+    forward and backward, 2 all-gathers (before the column-parallel matmuls) and 2 reduce-scatters
+    (after the row-parallel ones), plus one of each outside the blocks (the embedding's partial sum
+    reduce-scattered, the last norm's output gathered for the vocabulary-parallel head), and no
+    activation all-reduced whole."""
+    def count(engine: Any, *_: Any) -> str:
+        got = _sp_collectives(engine)
+        want = 2 * 2 + 1  # 2 blocks
+        for role in ("forward", "backward"):
+            for kind in ("all_gather", "reduce_scatter"):
+                if got.get((kind, role, True), 0) != want:
+                    return f"{role}: {got.get((kind, role, True), 0)} {kind}s of [tokens, hidden], want {want}: {got}"
+            if got.get(("all_reduce", role, True)):
+                return f"{role}: an activation is all-reduced whole under sequence parallelism: {got}"
+        return "ok"
+
+    return parity(name, config, count)
+
+
+def gpt_sp() -> str:
+    """fxspeed's GPT (LayerNorm, fused QKV, biases) with sequence parallelism and clipping."""
+    return sequence_parallel("gpt", fxspeed.Config(tensor=2, sequence_parallel=True, **CLIPPED))
+
+
+def llama_sp() -> str:
+    """Llama (RMSNorm as pointwise ops, GQA, no biases) with sequence parallelism."""
+    return sequence_parallel("llama", fxspeed.Config(tensor=2, sequence_parallel=True, lr=1e-4, eps=EPS))
+
+
 def gpt_pp_zero1() -> str:
     """TP=2 x PP=2 x DP=WORLD_SIZE/4 with ZeRO-1 (3D on 8 ranks: `fxspeed run -n 8 -m
-    tests.workers.tensor_parallel_worker --case gpt_pp_zero1`; kept out of the suite for time)."""
+    tests.workers.tensor_parallel_worker --case gpt_pp_zero1,gpt_pp_sp_zero1`; kept out of the
+    suite for time)."""
     return parity("gpt", fxspeed.Config(tensor=2, pipeline=2, microbatches=2, zero=1, **CLIPPED))
+
+
+def gpt_pp_sp_zero1() -> str:
+    """The same with sequence parallelism: stage messages are each tp rank's token shard."""
+    return parity("gpt", fxspeed.Config(tensor=2, pipeline=2, microbatches=2, zero=1, sequence_parallel=True,
+                                        **CLIPPED))
 
 
 BF16 = dict(lr=1e-4, eps=EPS, precision="bf16")
@@ -317,8 +385,8 @@ def gpt_bf16() -> str:
 
 
 CASES = {"gpt": gpt, "gpt_bf16": gpt_bf16, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
-         "gpt_dp_zero3": gpt_dp_zero3, "gpt_pp": gpt_pp,
-         "gpt_pp_zero1": gpt_pp_zero1}
+         "gpt_dp_zero3": gpt_dp_zero3, "gpt_pp": gpt_pp, "t5": t5, "gpt_sp": gpt_sp, "llama_sp": llama_sp,
+         "gpt_pp_zero1": gpt_pp_zero1, "gpt_pp_sp_zero1": gpt_pp_sp_zero1}
 
 
 if __name__ == "__main__":
