@@ -305,7 +305,12 @@ def gpt_pp() -> str:
             return f"eval_step loss {loss} != eager {want}"
         return save_and_step(engine, model, ref, bs, tag="gpt_pp")
 
-    return parity("gpt", fxspeed.Config(tensor=2, pipeline=2, microbatches=2, **CLIPPED), then)
+    return parity("gpt", fxspeed.Config(tensor=2, pipeline=2, microbatches=_micro(), **CLIPPED), then)
+
+
+def _micro() -> int:
+    """Micro-batches for TP=2 x PP=2: the 2 rows of each replica's batch (1 with 2 replicas)."""
+    return max(1, 8 // int(os.environ["WORLD_SIZE"]))
 
 
 def _sp_collectives(engine: Any) -> dict:
@@ -359,12 +364,12 @@ def gpt_pp_zero1() -> str:
     """TP=2 x PP=2 x DP=WORLD_SIZE/4 with ZeRO-1 (3D on 8 ranks: `fxspeed run -n 8 -m
     tests.workers.tensor_parallel_worker --case gpt_pp_zero1,gpt_pp_sp_zero1`; kept out of the
     suite for time)."""
-    return parity("gpt", fxspeed.Config(tensor=2, pipeline=2, microbatches=2, zero=1, **CLIPPED))
+    return parity("gpt", fxspeed.Config(tensor=2, pipeline=2, microbatches=_micro(), zero=1, **CLIPPED))
 
 
 def gpt_pp_sp_zero1() -> str:
     """The same with sequence parallelism: stage messages are each tp rank's token shard."""
-    return parity("gpt", fxspeed.Config(tensor=2, pipeline=2, microbatches=2, zero=1, sequence_parallel=True,
+    return parity("gpt", fxspeed.Config(tensor=2, pipeline=2, microbatches=_micro(), zero=1, sequence_parallel=True,
                                         **CLIPPED))
 
 
