@@ -7,7 +7,8 @@ on the same GPT, and both against one process.
 
 Rows (benchmarks/workers/tp_worker.py): eager (plain PyTorch, one process), fx (fxspeed, one
 process), dtensor (DTensor parallelize_module: q/k/v and fc ColwiseParallel, the projections
-RowwiseParallel, on --nproc ranks), fxtp (fxspeed Config(tensor=--nproc), the solver's layout).
+RowwiseParallel, on --nproc ranks), fxtp (fxspeed Config(tensor=--nproc), the solver's layout),
+fxsp (the same with Config(sequence_parallel=True)).
 The model is fxspeed's GPT (default 8 blocks, d=1024, vocab 8192, seq 64: 109.2M parameters,
 the embedding tied to the head; the issue's "about 118M" counts an untied head) with q, k and v as separate Linears, torch Adam, lr 1e-4.
 
@@ -32,8 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "workers" / "tp_worker.py"
-ROWS = ("eager", "fx", "dtensor", "fxtp")
-PARALLEL = ("dtensor", "fxtp")
+ROWS = ("eager", "fx", "dtensor", "fxtp", "fxsp")
+PARALLEL = ("dtensor", "fxtp", "fxsp")
 
 
 def launch(mode: str, a: argparse.Namespace, out: Path) -> list[dict]:
@@ -104,6 +105,14 @@ def main() -> None:
         result["fxtp_over_dtensor_peak_rss"] = max(res["fxtp"]["peak_rss_MB"]) / max(res["dtensor"]["peak_rss_MB"])
         print(f"  fxtp / dtensor: step {result['fxtp_over_dtensor_step']:.3f}x, peak RSS "
               f"{result['fxtp_over_dtensor_peak_rss']:.3f}x")
+    if "fxsp" in res and "fxtp" in res:
+        result["fxsp_over_fxtp_step"] = res["fxsp"]["step_s"] / res["fxtp"]["step_s"]
+        result["fxsp_over_fxtp_peak_rss"] = max(res["fxsp"]["peak_rss_MB"]) / max(res["fxtp"]["peak_rss_MB"])
+        print(f"  fxsp / fxtp (sequence parallelism): step {result['fxsp_over_fxtp_step']:.3f}x, peak RSS "
+              f"{result['fxsp_over_fxtp_peak_rss']:.3f}x")
+    if "fxsp" in res and "eager" in res:
+        result["fxsp_over_one_process_peak_rss"] = max(res["fxsp"]["peak_rss_MB"]) / max(res["eager"]["peak_rss_MB"])
+        print(f"  fxsp peak RSS / one process (eager): {result['fxsp_over_one_process_peak_rss']:.3f}x")
     if "fxtp" in res and "eager" in res:
         result["fxtp_over_one_process_peak_rss"] = max(res["fxtp"]["peak_rss_MB"]) / max(res["eager"]["peak_rss_MB"])
         print(f"  fxtp peak RSS / one process (eager): {result['fxtp_over_one_process_peak_rss']:.3f}x")

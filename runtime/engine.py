@@ -1128,8 +1128,9 @@ class Engine:
     def _full_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's and buffer's full shape by canonical name, whatever this rank holds."""
         full = {n: tuple(s) for b in (self._flat.buckets if self._flat is not None else ()) for n, s in zip(b.names, b.shapes)}
-        out = {self._canonical[id(p)]: full.get(self._canonical[id(p)], self._freed_shapes.get(
-                   id(p), (self._tp.full_shape(p) if self._tp else None) or tuple(p.shape))) for p in self._unique}
+        # a tp slice's full shape first: the buckets (and the slice itself) hold the slice's
+        out = {self._canonical[id(p)]: (self._tp.full_shape(p) if self._tp is not None else None)
+               or full.get(self._canonical[id(p)], self._freed_shapes.get(id(p), tuple(p.shape))) for p in self._unique}
         out.update({n: tuple(b.shape) for n, b in self.model.named_buffers()})
         return out
 

@@ -7,6 +7,7 @@ Modes:
     dtensor   torch DTensor `parallelize_module` with the Megatron plan on every block (q/k/v and
               fc ColwiseParallel, both projections RowwiseParallel; embedding and head whole)
     fxtp      fxspeed.compile(..., Config(tensor=world)): the layout the planner's solver picks
+    fxsp      the same with Config(sequence_parallel=True): norms and residuals split by tokens
 
 The model is fxspeed's GPT with attention's fused QKV split into q, k and v Linears (same math):
 DTensor's ColwiseParallel on a fused QKV would hand each rank [all of q, half of k] and the
@@ -61,10 +62,11 @@ def build(a: argparse.Namespace) -> GPT:
 
 def setup(mode: str, model: GPT, example: tuple, world: int):  # noqa: ANN201
     """(step(x, y) -> loss, handles to keep alive)."""
-    if mode in ("fx", "fxtp"):
+    if mode in ("fx", "fxtp", "fxsp"):
         import fxspeed
 
-        cfg = fxspeed.Config(optimizer="adam", lr=LR, tensor=world if mode == "fxtp" else 1)
+        cfg = fxspeed.Config(optimizer="adam", lr=LR, tensor=1 if mode == "fx" else world,
+                             sequence_parallel=mode == "fxsp")
         engine = fxspeed.compile(model, world, cfg, example_inputs=example)
         return engine.train_step, (engine,)
     if mode == "dtensor":
@@ -97,7 +99,7 @@ def setup(mode: str, model: GPT, example: tuple, world: int):  # noqa: ANN201
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("eager", "fx", "dtensor", "fxtp"), required=True)
+    ap.add_argument("--mode", choices=("eager", "fx", "dtensor", "fxtp", "fxsp"), required=True)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=8192)

@@ -144,7 +144,11 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if src.op == "call_function" and src.target in _VIEW_LIKE and isinstance(src.args[0], fx.Node):
             base = regathered(src.args[0])
             if base is not None:
-                full_of[src] = call(g, src.target, (base, *src.args[1:]), dict(src.kwargs))
+                # reshape, not view: the gathered base is contiguous in its own shape, where the
+                # traced one may not have been (attention's output, laid out [B, S, H, hd] under
+                # its [B, H, S, hd] shape, is viewed after a transpose)
+                op = aten.reshape.default if src.target in (aten.view.default, aten._unsafe_view.default) else src.target
+                full_of[src] = call(g, op, (base, *src.args[1:]), dict(src.kwargs))
                 return full_of[src]
         return None
 
@@ -253,7 +257,7 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 new = g.call_function(n.target, tuple(args), kwargs)
                 new.meta["val"] = n.meta["val"]
             else:
-                new = call(g, n.target, tuple(args), kwargs)
+                new = call(g, _viewable(n.target, tuple(args), kwargs), tuple(args), kwargs)
         for k, v in n.meta.items():
             if k not in ("val", TP_KEY, "fxspeed"):
                 new.meta[k] = v
@@ -370,6 +374,19 @@ _R = _Replicated()
 def _all_global(npl: Any) -> bool:
     outs = npl.out if isinstance(npl.out, tuple) else (npl.out,)
     return all(getattr(p, "kind", "R") != "S" for p in (*outs, *npl.want))
+
+
+def _viewable(target: Any, args: tuple, kwargs: dict) -> Any:
+    """`target`, or reshape for a view the rewritten input's strides do not allow (the traced value
+    was laid out so that it could be viewed; a sharded or gathered one may not be, e.g. attention's
+    output transposed back to [B, S, heads, hd]). Same values: the graph is functional."""
+    if target not in (aten.view.default, aten._unsafe_view.default):
+        return target
+    try:
+        fake_value(target, args, kwargs)
+    except (RuntimeError, ValueError):
+        return aten.reshape.default
+    return target
 
 
 def _local_args(n: fx.Node, args: list[Any], npl: Any, T: int) -> list[Any]:

@@ -192,15 +192,25 @@ def _collectives(engine: Any) -> dict[str, int]:
 def save_and_step(engine: Any, model: torch.nn.Module, ref: torch.nn.Module, bs: list, tag: str) -> str:
     """A checkpoint of full tensors (optimizer states gathered over tp, and over dp from ZeRO
     shards), then one more step on bs[0] (each replica its rows): the test loads {tag}_ckpt on
-    one device, takes that step on the whole batch and compares with {tag}_after.pt."""
+    one device, takes that step on the whole batch and compares with {tag}_after.pt. Then the
+    checkpoint is loaded back into this engine and the step taken again: the same weights."""
     out = os.environ["WORKER_OUT"]
     engine.save(os.path.join(out, f"{tag}_ckpt"))
     per_replica = engine.config.tensor * engine.config.pipeline
     replicas = int(os.environ["WORLD_SIZE"]) // per_replica
-    engine.train_step(*_rows(bs[0], int(os.environ["RANK"]) // per_replica, replicas))
-    state = engine.state_dict()
+    batch = _rows(bs[0], int(os.environ["RANK"]) // per_replica, replicas)
+    engine.train_step(*batch)
+    state = {n: t.clone() for n, t in engine.state_dict().items()}
     if int(os.environ["RANK"]) == 0:
-        torch.save({n: t.clone() for n, t in state.items()}, os.path.join(out, f"{tag}_after.pt"))
+        torch.save(state, os.path.join(out, f"{tag}_after.pt"))
+    # The checkpoint loads back into this mesh too (full tensors -> this rank's slices and shards):
+    # the same step from it gives the same weights.
+    engine.load(os.path.join(out, f"{tag}_ckpt"))
+    engine.train_step(*batch)
+    for n, t in engine.state_dict().items():
+        err = float((t - state[n]).norm() / state[n].norm().clamp_min(1e-12))
+        if err > 1e-6:
+            return f"{n} after loading the {tag} checkpoint into this mesh and stepping again: relative error {err:.2e}"
     return "ok"
 
 
