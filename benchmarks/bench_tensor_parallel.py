@@ -8,7 +8,10 @@ on the same GPT, and both against one process.
 Rows (benchmarks/workers/tp_worker.py): eager (plain PyTorch, one process), fx (fxspeed, one
 process), dtensor (DTensor parallelize_module: q/k/v and fc ColwiseParallel, the projections
 RowwiseParallel, on --nproc ranks), fxtp (fxspeed Config(tensor=--nproc), the solver's layout),
-fxsp (the same with Config(sequence_parallel=True)).
+fxsp (the same with Config(sequence_parallel=True)); with --nproc 4, fxpp (TP=2 x PP=2, 4
+micro-batches) and fxppsp (the same with sequence parallelism):
+
+    python benchmarks/bench_tensor_parallel.py --nproc 4 --rows fxtp,fxpp,fxppsp --out tp_pp.json
 The model is fxspeed's GPT (default 8 blocks, d=1024, vocab 8192, seq 64: 109.2M parameters,
 the embedding tied to the head; the issue's "about 118M" counts an untied head) with q, k and v as separate Linears, torch Adam, lr 1e-4.
 
@@ -34,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "workers" / "tp_worker.py"
 ROWS = ("eager", "fx", "dtensor", "fxtp", "fxsp")
-PARALLEL = ("dtensor", "fxtp", "fxsp")
+PARALLEL = ("dtensor", "fxtp", "fxsp", "fxpp", "fxppsp")  # fxpp*: not default rows (they need --nproc 4)
 
 
 def launch(mode: str, a: argparse.Namespace, out: Path) -> list[dict]:

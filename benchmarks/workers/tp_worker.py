@@ -8,6 +8,7 @@ Modes:
               fc ColwiseParallel, both projections RowwiseParallel; embedding and head whole)
     fxtp      fxspeed.compile(..., Config(tensor=world)): the layout the planner's solver picks
     fxsp      the same with Config(sequence_parallel=True): norms and residuals split by tokens
+    fxpp      Config(tensor=2, pipeline=world/2, microbatches=4): TP x PP (fxppsp: with sequence parallelism)
 
 The model is fxspeed's GPT with attention's fused QKV split into q, k and v Linears (same math):
 DTensor's ColwiseParallel on a fused QKV would hand each rank [all of q, half of k] and the
@@ -62,11 +63,17 @@ def build(a: argparse.Namespace) -> GPT:
 
 def setup(mode: str, model: GPT, example: tuple, world: int):  # noqa: ANN201
     """(step(x, y) -> loss, handles to keep alive)."""
-    if mode in ("fx", "fxtp", "fxsp"):
+    if mode in ("fx", "fxtp", "fxsp", "fxpp", "fxppsp"):
+        import math
+
         import fxspeed
 
-        cfg = fxspeed.Config(optimizer="adam", lr=LR, tensor=1 if mode == "fx" else world,
-                             sequence_parallel=mode == "fxsp")
+        if mode.startswith("fxpp"):  # TP=2 x PP=world/2, micro-batches of the batch's rows (at most 4)
+            cfg = fxspeed.Config(optimizer="adam", lr=LR, tensor=2, pipeline=world // 2,
+                                 microbatches=math.gcd(example[0].shape[0], 4), sequence_parallel=mode == "fxppsp")
+        else:
+            cfg = fxspeed.Config(optimizer="adam", lr=LR, tensor=1 if mode == "fx" else world,
+                                 sequence_parallel=mode == "fxsp")
         engine = fxspeed.compile(model, world, cfg, example_inputs=example)
         return engine.train_step, (engine,)
     if mode == "dtensor":
@@ -99,7 +106,7 @@ def setup(mode: str, model: GPT, example: tuple, world: int):  # noqa: ANN201
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("eager", "fx", "dtensor", "fxtp", "fxsp"), required=True)
+    ap.add_argument("--mode", choices=("eager", "fx", "dtensor", "fxtp", "fxsp", "fxpp", "fxppsp"), required=True)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=8192)
