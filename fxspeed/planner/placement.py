@@ -193,8 +193,7 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _SAME = {aten.clone.default, aten._to_copy.default, aten.lift_fresh_copy.default, aten.alias.default,
          aten.detach.default}
 # views whose gathered value is the view of their input's gathered value
-_VIEW_LIKE = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
-              aten.transpose.int, aten.permute.default}
+_VIEW_LIKE = {*_VIEWS, aten.t.default, aten.transpose.int, aten.permute.default}
 _POINTWISE = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.gelu.default,
               aten.gelu_backward.default, aten.silu.default, aten.silu_backward.default, aten.sigmoid.default,
               aten.sigmoid_backward.default, aten.tanh.default, aten.tanh_backward.default, aten.neg.default,
@@ -609,8 +608,9 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
     def reads(p: Placement, w: Placement, i: fx.Node) -> float:
         """What it costs a reader to get input `i` (placed p) as w."""
         if cm.sequence_parallel:
-            if penalty(p, w, i):
-                return penalty(p, w, i) + cm.move(p, w, _nbytes(i))
+            extra = penalty(p, w, i)
+            if extra:
+                return extra + cm.move(p, w, _nbytes(i))
             # a view of a value gathered for another reader (a gradient read by the input-gradient
             # matmul and, transposed, by the weight-gradient one) is the view of that gathered value
             if p.kind == "S" and w == R and _views_of(i, gathered):
@@ -807,7 +807,7 @@ def _follow_views(ph: fx.Node, res: Result, T: int, lenient: bool = False) -> se
         ws = [w for i, w in zip(ins, np_.want) if i is ph]
         if u.op == "output":
             continue
-        if u.target in (aten.t.default, aten.transpose.int, aten.permute.default) + tuple(_VIEWS) and \
+        if u.target in _VIEW_LIKE and \
                 all(w == R for w in ws):
             # The view itself ran replicated: what did its readers want of it?
             inner = _follow_views(u, res, T, lenient)
