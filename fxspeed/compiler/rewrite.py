@@ -3,7 +3,7 @@ the verifier, the annotator and later passes see shapes and dtypes as on capture
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Container
 
 import torch
 import torch.fx as fx
@@ -84,3 +84,43 @@ def cast_only_dtype(placeholder: fx.Node) -> torch.dtype | None:
             set(users[0].kwargs) == {"dtype"} and users[0].kwargs["dtype"] != placeholder.meta["val"].dtype:
         return users[0].kwargs["dtype"]
     return None
+
+
+# --- view chains (tensor parallelism) --------------------------------------------------------
+# The planner's cost model (fxspeed/planner/placement.py) and the pass that applies its
+# placements (passes/parallel/shard_tensors.py) must agree on which value of a view chain is
+# gathered whole and which readers reuse it; both walk the chains with these.
+
+_aten = torch.ops.aten
+# views whose gathered value is the view of their input's gathered value
+VIEW_LIKE = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.t.default,
+             _aten.transpose.int, _aten.permute.default}
+
+
+def viewed(n: fx.Node) -> fx.Node | None:
+    """The value `n` is a view of (one of VIEW_LIKE), else None."""
+    if n.op == "call_function" and n.target in VIEW_LIKE and isinstance(n.args[0], fx.Node):
+        return n.args[0]
+    return None
+
+
+def gather_root(n: fx.Node, sharded: Callable[[fx.Node], bool]) -> fx.Node:
+    """The first sharded value of `n`'s view chain: `n` followed back through views as long as
+    the viewed value is `sharded`. Gathering it whole (once) serves every view of it: the q, k
+    and v projections' own views of one normed activation then share one all-gather."""
+    while (src := viewed(n)) is not None and sharded(src):
+        n = src
+    return n
+
+
+def view_path(n: fx.Node, values: Container[fx.Node]) -> list[fx.Node] | None:
+    """The view chain from one of `values` to `n`, [that value, ..., n] (just [n] when `n` is one
+    of them), or None when `n` is neither one of `values` nor a chain of views of one."""
+    path = [n]
+    while path[-1] not in values:
+        src = viewed(path[-1])
+        if src is None:
+            return None
+        path.append(src)
+    path.reverse()
+    return path

@@ -467,6 +467,12 @@ def repeated_blocks(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList] | 
     return best
 
 
+def block_prefix(model: nn.Module, blocks: nn.ModuleList) -> str:
+    """The qualified-name prefix of the block stack `blocks` in `model` ("layers."): block k's
+    parameters are named `<prefix>k.<rest>`."""
+    return next(n for n, m in model.named_modules() if m is blocks) + "."
+
+
 def _structure(block: nn.Module) -> tuple:
     return (type(block),
             tuple((n, type(m).__name__) for n, m in block.named_modules()),
@@ -570,7 +576,7 @@ def presolve_placements(model: nn.Module, args: tuple, kwargs: dict, *, config: 
     if found is None or len(found[2]) < PRESOLVE_MIN_BLOCKS:
         return analysis
     parent, attr, blocks = found
-    prefix = next(n for n, m in model.named_modules() if m is blocks) + "."
+    prefix = block_prefix(model, blocks)
     with truncated(parent, attr, 2):
         compile_step(model, args, kwargs, config=micro_config(config), loss_fn=loss_fn, train=True,
                      options=options.local(), analyses=[analysis.graph_pass])

@@ -549,11 +549,11 @@ def _plan_extrapolated(model: Any, found: tuple, n_stages: int, program: Any, co
     GraphCosts, the report and the notes."""
     import time
 
-    from fxspeed.planner.estimate import _rel, truncated
+    from fxspeed.planner.estimate import _rel, block_prefix, truncated
 
     parent, attr, blocks = found
     L = len(blocks)
-    prefix = next(n for n, m in model.named_modules() if m is blocks) + "."
+    prefix = block_prefix(model, blocks)
     t0 = time.perf_counter()
     traced = []
     for k in (1, 2, 3):

@@ -56,6 +56,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
+from fxspeed.compiler.rewrite import VIEW_LIKE, gather_root, view_path
 from fxspeed.devices import DeviceSpec
 from fxspeed.errors import ConfigError
 from fxspeed.ir import META_KEY
@@ -192,8 +193,6 @@ def reshape_placement(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, 
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _SAME = {aten.clone.default, aten._to_copy.default, aten.lift_fresh_copy.default, aten.alias.default,
          aten.detach.default}
-# views whose gathered value is the view of their input's gathered value
-_VIEW_LIKE = {*_VIEWS, aten.t.default, aten.transpose.int, aten.permute.default}
 _POINTWISE = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.gelu.default,
               aten.gelu_backward.default, aten.silu.default, aten.silu_backward.default, aten.sigmoid.default,
               aten.sigmoid_backward.default, aten.tanh.default, aten.tanh_backward.default, aten.neg.default,
@@ -613,7 +612,7 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
                 return extra + cm.move(p, w, _nbytes(i))
             # a view of a value gathered for another reader (a gradient read by the input-gradient
             # matmul and, transposed, by the weight-gradient one) is the view of that gathered value
-            if p.kind == "S" and w == R and _views_of(i, gathered):
+            if p.kind == "S" and w == R and view_path(i, gathered) is not None:
                 return 0.0
         return cm.move(p, w, _nbytes(i))
 
@@ -687,9 +686,7 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
                 continue  # gathered once already: shard_tensors reuses it
             total += charge(p, w, i) + penalty(p, w, i)
             if p.kind == "S" and w == R:  # shard_tensors gathers the first sharded value of i's view chain
-                while i.op == "call_function" and i.target in _VIEW_LIKE and isinstance(i.args[0], fx.Node) \
-                        and getattr(of(i.args[0]), "kind", "R") == "S":
-                    i = i.args[0]
+                i = gather_root(i, lambda v: getattr(of(v), "kind", "R") == "S")
                 gathered.add(i)
             if i.op == "placeholder":
                 wants.setdefault(i, set()).add(w)
@@ -724,13 +721,6 @@ def _row_sharded_embedding_gradients(gm: fx.GraphModule, signature: Any,
             elif n.op == "call_function" and n.target in (aten.add.Tensor, *_WALK_BACK):
                 stack.extend(a for a in n.args[:2] if isinstance(a, fx.Node))
     return found
-
-
-def _views_of(n: fx.Node, values: set[fx.Node]) -> bool:
-    """`n` is one of `values` or a chain of views of one."""
-    while n not in values and n.op == "call_function" and n.target in _VIEW_LIKE and isinstance(n.args[0], fx.Node):
-        n = n.args[0]
-    return n in values
 
 
 def _only_summed(n: fx.Node, depth: int = 0) -> bool:
@@ -807,7 +797,7 @@ def _follow_views(ph: fx.Node, res: Result, T: int, lenient: bool = False) -> se
         ws = [w for i, w in zip(ins, np_.want) if i is ph]
         if u.op == "output":
             continue
-        if u.target in _VIEW_LIKE and \
+        if u.target in VIEW_LIKE and \
                 all(w == R for w in ws):
             # The view itself ran replicated: what did its readers want of it?
             inner = _follow_views(u, res, T, lenient)

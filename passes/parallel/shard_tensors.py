@@ -35,13 +35,13 @@ Options read: tp_size, tp_rank, tp_group_name, sequence_parallel. Does nothing w
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
 from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
-from fxspeed.compiler.rewrite import call, fake_value
+from fxspeed.compiler.rewrite import call, fake_value, gather_root, view_path
 from fxspeed.errors import ConfigError, PassError
 from fxspeed.ir import IOSpec
 
@@ -50,8 +50,6 @@ c10d = torch.ops._c10d_functional
 TP_KEY = "fxspeed_tp"          # written by the tp_placements analysis (fxspeed/planner/placement.py)
 PARAMS_KEY = "fxspeed_tp_params"
 
-_VIEW_LIKE = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
-              aten.transpose.int, aten.permute.default}
 _SIZE_ARG = {aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1, aten.expand.default: 1,
              aten.slice_backward.default: 1}
 
@@ -93,17 +91,22 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     def reduce(x: fx.Node) -> fx.Node:
         return call(g, c10d.wait_tensor.default, (call(g, c10d.all_reduce.default, (x, "sum", group)),))
 
-    def reduce_scatter(x: fx.Node, dim: int) -> fx.Node:
-        """Sequence parallelism: this rank's piece along `dim` of the sum of partial sums `x`."""
-        nd = x.meta["val"].dim()
+    def along(x: fx.Node, dim: int, nd: int, collective: Callable[[fx.Node, list[int]], fx.Node]) -> fx.Node:
+        """`collective` (node -> node, over dim 0) applied along `dim` of `x` (`nd` dims): `dim`
+        permuted to the front and made contiguous, the collective, and permuted back."""
         order = [dim, *[i for i in range(nd) if i != dim]]
         y = x if dim == 0 else call(g, aten.permute.default, (x, order))
         y = call(g, aten.clone.default, (y,), {"memory_format": torch.contiguous_format})
-        y = call(g, c10d.wait_tensor.default, (call(g, c10d.reduce_scatter_tensor.default, (y, "sum", T, group)),))
+        y = collective(y, order)
         if dim != 0:
             y = call(g, aten.permute.default, (y, [order.index(i) for i in range(nd)]))
             y = call(g, aten.clone.default, (y,), {"memory_format": torch.contiguous_format})
         return y
+
+    def reduce_scatter(x: fx.Node, dim: int) -> fx.Node:
+        """Sequence parallelism: this rank's piece along `dim` of the sum of partial sums `x`."""
+        return along(x, dim, x.meta["val"].dim(), lambda y, order: call(
+            g, c10d.wait_tensor.default, (call(g, c10d.reduce_scatter_tensor.default, (y, "sum", T, group)),)))
 
     def take(x: fx.Node, shape: tuple[int, ...], p: Any) -> fx.Node:
         """This rank's slice of a full tensor `x` (global `shape`) placed `p`."""
@@ -116,41 +119,35 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
     def gather(x: fx.Node, shape: tuple[int, ...], p: Any) -> fx.Node:
         """The full tensor (global `shape`) from this rank's slice `x` placed `p`."""
-        nd = len(shape)
         d, b = p.dim, p.blocks
-        order = [d, *[i for i in range(nd) if i != d]]
-        y = x if d == 0 else call(g, aten.permute.default, (x, order))
-        y = call(g, aten.clone.default, (y,), {"memory_format": torch.contiguous_format})
-        full = call(g, c10d.wait_tensor.default, (call(g, c10d.all_gather_into_tensor.default, (y, T, group)),))
-        rest = [shape[i] for i in order[1:]]
-        m = shape[d] // (b * T)
-        if b > 1:  # [T, b, m, ...] -> [b, T, m, ...]: block-major, as the full dim is laid out
-            full = call(g, aten.reshape.default, (full, [T, b, m, *rest]))
-            full = call(g, aten.permute.default, (full, [1, 0, *range(2, len(rest) + 3)]))
-            full = call(g, aten.reshape.default, (full, [shape[d], *rest]))
-        if d != 0:
-            inv = [order.index(i) for i in range(nd)]
-            full = call(g, aten.permute.default, (full, inv))
-            full = call(g, aten.clone.default, (full,), {"memory_format": torch.contiguous_format})
-        return full
+
+        def all_gather(y: fx.Node, order: list[int]) -> fx.Node:
+            full = call(g, c10d.wait_tensor.default, (call(g, c10d.all_gather_into_tensor.default, (y, T, group)),))
+            rest = [shape[i] for i in order[1:]]
+            m = shape[d] // (b * T)
+            if b > 1:  # [T, b, m, ...] -> [b, T, m, ...]: block-major, as the full dim is laid out
+                full = call(g, aten.reshape.default, (full, [T, b, m, *rest]))
+                full = call(g, aten.permute.default, (full, [1, 0, *range(2, len(rest) + 3)]))
+                full = call(g, aten.reshape.default, (full, [shape[d], *rest]))
+            return full
+
+        return along(x, d, len(shape), all_gather)
 
     full_of: dict[fx.Node, fx.Node] = {}  # old node -> its whole value, where one was gathered
 
     def regathered(src: fx.Node) -> fx.Node | None:
         """`src`'s whole value as views of a value already gathered whole (a gradient gathered for
         the input-gradient matmul, read transposed by the weight-gradient one), else None."""
-        if src in full_of:
-            return full_of[src]
-        if src.op == "call_function" and src.target in _VIEW_LIKE and isinstance(src.args[0], fx.Node):
-            base = regathered(src.args[0])
-            if base is not None:
-                # reshape, not view: the gathered base is contiguous in its own shape, where the
-                # traced one may not have been (attention's output, laid out [B, S, H, hd] under
-                # its [B, H, S, hd] shape, is viewed after a transpose)
-                op = aten.reshape.default if src.target in (aten.view.default, aten._unsafe_view.default) else src.target
-                full_of[src] = call(g, op, (base, *src.args[1:]), dict(src.kwargs))
-                return full_of[src]
-        return None
+        path = view_path(src, full_of)
+        if path is None:
+            return None
+        for base, v in zip(path, path[1:]):  # each view not made yet, from the gathered value on
+            # reshape, not view: the gathered base is contiguous in its own shape, where the
+            # traced one may not have been (attention's output, laid out [B, S, H, hd] under
+            # its [B, H, S, hd] shape, is viewed after a transpose)
+            op = aten.reshape.default if v.target in (aten.view.default, aten._unsafe_view.default) else v.target
+            full_of[v] = call(g, op, (full_of[base], *v.args[1:]), dict(v.kwargs))
+        return full_of[src]
 
     def convert(src_node: fx.Node, want: Any) -> fx.Node:
         x = env[src_node]
@@ -174,10 +171,7 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             if y is None:
                 # gather the first sharded value of its view chain: the q, k and v projections'
                 # own views of one normed activation then share one all-gather
-                base = src_node
-                while base.op == "call_function" and base.target in _VIEW_LIKE and isinstance(base.args[0], fx.Node) \
-                        and getattr(place.get(base.args[0]), "kind", "R") == "S":
-                    base = base.args[0]
+                base = gather_root(src_node, lambda v: getattr(place.get(v), "kind", "R") == "S")
                 full_of[base] = gather(env[base], tuple(int(d) for d in base.meta["val"].shape), place[base])
                 y = regathered(src_node)
         else:
