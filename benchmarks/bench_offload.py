@@ -8,6 +8,9 @@ with them in memory.
     python benchmarks/bench_offload.py --nproc 1 --layers 48 --width 1600 --zero 1 --precision bf16 \
         --batch 1 --seq 64 --modes nvme --rounds 1 --warmup 1 --steps 2 --skip-bandwidth \
         --out big.json   # 1.5B, one process: bf16 working copies, fp32 masters + Adam in the file
+    python benchmarks/bench_offload.py --nproc 1 --layers 48 --width 1600 --zero 3 --precision bf16 \
+        --batch 1 --seq 64 --modes nvme,all --rounds 1 --warmup 1 --steps 2 --skip-bandwidth \
+        --out big3.json  # the same with the bf16 working shards in files too (ZeRO-Infinity)
 
 1. Bandwidth: a STREAM-like copy and triad over 256 MB arrays (torch, --threads threads) and
    torch's fused AdamW over 32M parameters (what runtime/offloaded_optimizer.py calls per chunk).
@@ -99,7 +102,9 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-bandwidth", action="store_true")
-    ap.add_argument("--modes", default="plain,nvme", help="comma-separated: plain, nvme (and ds with --deepspeed)")
+    ap.add_argument("--modes", default="plain,nvme",
+                    help="comma-separated: plain, nvme (optimizer offload), params (ZeRO-3 parameter offload), all "
+                         "(both); ds with --deepspeed")
     ap.add_argument("--deepspeed", action="store_true",
                     help="also DeepSpeed ZeRO-<zero> with offload_optimizer=cpu (needs `import deepspeed`)")
     ap.add_argument("--out", required=True)

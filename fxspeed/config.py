@@ -43,7 +43,7 @@ _EXTRA_FIELDS = ("pipeline_chunks", "split_points", "layer_extrapolation")
 # with a clear message rather than silently ignored.
 _NOT_YET: dict[str, tuple[Any, str]] = {}
 # Offload kinds accepted by Config but not built yet (refused by check_supported).
-_OFFLOAD_NOT_YET = ("parameters", "activations", "all")
+_OFFLOAD_NOT_YET = ("activations",)
 
 # The accepted values of the fields that take one of a few (named in type errors too).
 _CHOICES: dict[str, tuple[Any, ...]] = {
@@ -113,10 +113,11 @@ class Config:
     grad_accum: int = 1
     # "optimizer": Adam's moments live off the device and are stepped there (ZeRO-Offload /
     # ZeRO-Infinity); under bf16/fp16 with zero >= 1 the fp32 master weights go with them and the
-    # device keeps the working copies and gradients. Where: offload_device "nvme" (files under
+    # device keeps the working copies and gradients. "parameters" (ZeRO-Infinity, zero=3 under
+    # bf16/fp16): each rank's low-precision working shards live in files and are read back one
+    # bucket ahead of their gather; "all": both. Where: offload_device "nvme" (files under
     # nvme_path; any device, the CPU included), "cpu" (host memory; only meaningful for a CUDA
-    # device), "auto" (files on a CPU device). "parameters", "activations", "all" are accepted
-    # names, not built yet.
+    # device), "auto" (files on a CPU device). "activations" is an accepted name, not built yet.
     offload: str = "none"
     offload_device: str = "auto"
     nvme_path: str | None = None  # a directory on a local disk for offload_device="nvme"
@@ -174,9 +175,9 @@ class Config:
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("offload", self.offload, OFFLOADS)
         _choice("offload_device", self.offload_device, OFFLOAD_DEVICES)
-        if self.offload == "optimizer" and self.optimizer == "sgd":
-            raise ConfigError("Config.offload='optimizer' offloads Adam's moments; optimizer='sgd' has none to move "
-                              "(use optimizer='adamw' or 'adam', or offload='none')")
+        if self.offloads_optimizer and self.optimizer == "sgd":
+            raise ConfigError(f"Config.offload={self.offload!r} offloads Adam's moments; optimizer='sgd' has none to "
+                              "move (use optimizer='adamw' or 'adam', or offload='none' / 'parameters')")
         if self.memory_budget_gb is not None:
             _positive("memory_budget_gb", self.memory_budget_gb)
         if self.nvme_path is not None and not self.nvme_path:
@@ -305,9 +306,22 @@ class Config:
             raise ConfigError(f"Config.microbatches={self.microbatches!r} needs pipeline > 1 (micro-batches feed a "
                               "pipeline); on one stage use grad_accum to split the batch, or set pipeline")
         if self.offload in _OFFLOAD_NOT_YET:
-            raise ConfigError(f"Config.offload={self.offload!r}: offloading parameters and activations is not "
-                              "implemented in this version of fxspeed; offload='optimizer' is (Adam's states in "
-                              "files under Config.nvme_path), or use offload='none'")
+            raise ConfigError(f"Config.offload={self.offload!r}: offloading activations is not implemented in this "
+                              "version of fxspeed; offload='optimizer', 'parameters' and 'all' are (states in files "
+                              "under Config.nvme_path), or use offload='none'")
+        if self.offloads_parameters:
+            fixes = []
+            if self.zero != 3:
+                fixes.append(f"zero=3 (Config.zero={self.zero}: parameter offload moves ZeRO-3's shards)")
+            if self.precision == "fp32":
+                fixes.append("precision='bf16' or 'fp16' (under fp32 the optimizer steps the shards the program "
+                             "reads, so they would come back for every step; the low-precision working copies "
+                             "are what parameter offload moves)")
+            if self.pipeline > 1:
+                fixes.append(f"pipeline=1 (Config.pipeline={self.pipeline})")
+            if fixes:
+                raise ConfigError(f"Config.offload={self.offload!r} needs " + "; ".join(fixes)
+                                  + ", or use offload='optimizer'")
         if self.tensor > 1 and self.offload != "none":
             raise ConfigError(f"Config.tensor={self.tensor} with Config.offload={self.offload!r} is not implemented "
                               "in this version of fxspeed; use offload='none' or tensor=1")
@@ -315,6 +329,16 @@ class Config:
             value = getattr(self, key)
             if value != default:
                 raise ConfigError(f"Config.{key}={value!r}: {why} in this version of fxspeed; use {key}={default!r}")
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        """Adam's states (and under bf16/fp16 with zero >= 1 the fp32 masters) live in files."""
+        return self.offload in ("optimizer", "all")
+
+    @property
+    def offloads_parameters(self) -> bool:
+        """ZeRO-3's low-precision working shards live in files, read ahead of their gathers."""
+        return self.offload in ("parameters", "all")
 
     # --- serialization -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ compile_step runs them in:
     reduce_gradients         bucketed async all-reduce / reduce-scatter of gradients (data parallel)
     wait_parameter_gathers   ZeRO-1/2: wait for each bucket's post-step all-gather at its first use
     shard_parameters         ZeRO-3: parameter shards as inputs, gathered before use, prefetched
+    offload_parameters       ZeRO-3 with parameter offload: shards read from files ahead of their gathers
     reuse_buffers            gathered / flattened buckets written into a few reused workspaces
 
 Three graph passes join the single-device list only when they have work (so the pass records of
@@ -52,6 +53,7 @@ from .graph.insert_casts import insert_casts
 from .graph.keep_weights_low import keep_weights_low
 from .graph.normalize_graph import normalize_graph
 from .parallel.reduce_gradients import reduce_gradients
+from .memory.offload_parameters import offload_parameters
 from .memory.reuse_buffers import reuse_buffers
 from .graph.scale_loss import scale_loss
 from .parallel.shard_parameters import shard_parameters
@@ -65,7 +67,8 @@ from .program.split_stages import split_backward_pass, split_stages_pass
 SINGLE_DEVICE_PASSES = (normalize_graph, dedupe_tied_parameters, insert_casts, keep_weights_low, scale_loss,
                         eliminate_dead_code)
 # shard_tensors first: the data-parallel buckets are then laid out over tp slices.
-DISTRIBUTED_PASSES = (shard_tensors, reduce_gradients, wait_parameter_gathers, shard_parameters, reuse_buffers)
+DISTRIBUTED_PASSES = (shard_tensors, reduce_gradients, wait_parameter_gathers, shard_parameters, offload_parameters,
+                      reuse_buffers)
 ALL_PASSES: dict[str, GraphPass] = {p.name: p for p in (*SINGLE_DEVICE_PASSES, *DISTRIBUTED_PASSES)}
 # The schedule first: it is cheap, and split_backward needs it to know which stages run I and W.
 PROGRAM_PASSES: tuple[ProgramPass, ...] = (lower_schedule_pass, split_stages_pass, split_backward_pass,

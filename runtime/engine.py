@@ -50,6 +50,7 @@ from fxspeed.runtime.flat_parameters import FlatParameters, gather_into
 from fxspeed.runtime.host_memory import release_freed_host_memory
 from fxspeed.runtime.loss_scale import DynamicLossScaler
 from fxspeed.runtime.offloaded_optimizer import OffloadedAdam
+from fxspeed.runtime.offloaded_parameters import register
 from fxspeed.runtime.optimizer import OptimizerSpec, build_optimizer
 from fxspeed.runtime.runner import PipelineRuntime
 from fxspeed.planner.placement import TP_PLAN_NOTE
@@ -61,6 +62,8 @@ RETRACE_WARN_AFTER = 8
 
 class CompilerLike(Protocol):
     """What the engine needs from fxspeed.compiler.Compiler."""
+
+    options: Any  # this rank's PassOptions (the engine reads parameter_store)
 
     def step(self, model: nn.Module, args: tuple, kwargs: dict, *, train: bool, analyze: Any = None) -> Any: ...
 
@@ -130,6 +133,7 @@ class Engine:
             self.stats["loss_scale"] = float(self.scaler.scale)
         # One stage: compiled programs by batch signature.
         self._executors: dict[tuple, StepExecutor] = {}
+        self._first_fetch = -1  # parameter offload: the bucket the train program reads first
         # Pipeline: the program, this rank's runner, what it owns.
         self.schedule: Schedule | None = None
         self.programs: list = []
@@ -236,6 +240,8 @@ class Engine:
             raise FxspeedError("a new batch shape produced a different gradient bucket layout; please report this "
                                "with the model and shapes")
         working = cap.signature.working_dtype is not None
+        if train:
+            self._first_fetch = cap.signature.first_fetch
         ex = StepExecutor(Program(cap.gm, cap.signature, train=train, out_spec=cap.out_spec),
                           functools.partial(self._bind, working=working))
         self._executors[key] = ex
@@ -253,10 +259,17 @@ class Engine:
             work_dtype = getattr(torch, sig.working_dtype) if sig.working_dtype else None
             # Optimizer offload under master weights: the fp32 masters go to the file with the
             # moments (built empty here, filled once the optimizer's file exists).
-            elsewhere = work_dtype is not None and self.config.offload == "optimizer"
+            elsewhere = work_dtype is not None and self.config.offloads_optimizer
+            in_files = self.config.offloads_parameters
             self._flat = FlatParameters(canonical, sig.buckets, rank=self.dp_rank, world=self.dp_size,
                                         zero=self.config.zero, group=self.mesh.group("dp"),
-                                        gather_group=gather_group, work_dtype=work_dtype, masters_elsewhere=elsewhere)
+                                        gather_group=gather_group, work_dtype=work_dtype, masters_elsewhere=elsewhere,
+                                        working_in_files=in_files)
+            if in_files:
+                # ZeRO-Infinity's parameter tier: the working shards go to files before anything
+                # writes them (fill), and the programs read them from there by the store's name.
+                files = self._flat.offload_working(self._offload_root("parameters"), f"rank{self.rank}")
+                register(self.compiler.options.parameter_store, files)
             tensors = self._flat.optimizer_tensors()
             self._counted_buckets = list(range(len(sig.buckets)))
             if self._flat.released:
@@ -270,6 +283,8 @@ class Engine:
         self._owned = [p for p in self._unique if p.requires_grad]
         self._counted = list(self._owned)
         self._build_optimizer(tensors)
+        if self._flat is not None and self._flat.files is not None and isinstance(self.optimizer, OffloadedAdam):
+            self.optimizer.working_sink = self._flat.files.write_piece
         if self._flat is not None and self._flat.masters_elsewhere:
             self._flat.fill(self.optimizer)
         if self._flat is not None and self._flat.released and self._device.type == "cpu":
@@ -337,30 +352,38 @@ class Engine:
         self.optimizer, self.lr_scheduler = build_optimizer(tensors, spec)
         self._lr_set = [g["lr"] for g in self.optimizer.param_groups]
 
-    def _offload_spec(self) -> dict[str, Any]:
-        """Config.offload="optimizer": where the Adam moments go on this rank's device."""
+    def _offload_root(self, what: str) -> str:
+        """The directory the offloaded `what` ("optimizer" states, "parameters") go to on this
+        rank's device (Config.nvme_path), or a ConfigError saying what to set."""
         c = self.config
-        if c.offload != "optimizer":
-            return {}
+        held = "Adam's moments" if what == "optimizer" else "the working parameter shards"
         if self._device.type != "cpu":
-            raise ConfigError(f"Config.offload='optimizer' on a {self._device.type} device is not built in this "
-                              "version (the update runs in host memory on host tensors); train on the CPU with "
+            raise ConfigError(f"Config.offload={c.offload!r} on a {self._device.type} device is not built in this "
+                              "version (the files are read and written from host tensors); train on the CPU with "
                               "offload_device='nvme', or use offload='none'")
         if c.offload_device == "cpu":
             raise ConfigError("Config.offload_device='cpu' on a CPU device moves nothing: the states are in host "
                               "memory already. Use offload_device='nvme' with nvme_path=<a directory on a local disk> "
-                              "to keep Adam's moments in files, or offload='none'")
+                              f"to keep {held} in files, or offload='none'")
         if c.nvme_path is None:
-            raise ConfigError("Config.offload='optimizer' on a CPU device keeps Adam's moments in files: set "
+            raise ConfigError(f"Config.offload={c.offload!r} on a CPU device keeps {held} in files: set "
                               "Config.nvme_path to a directory on a local disk (a swap directory is created and "
                               "removed there)")
+        return c.nvme_path
+
+    def _offload_spec(self) -> dict[str, Any]:
+        """Config.offload="optimizer"/"all": where the Adam moments go on this rank's device."""
+        c = self.config
+        if not c.offloads_optimizer:
+            return {}
+        root = self._offload_root("optimizer")
         # With a memory budget the plan says how much must go (it was made before the state is built).
         moved = None
         if self.plan is not None and c.memory_budget_gb is not None:
             ranks = self.plan.pipeline.get("ranks") if self.pipelined else None
             # under a pipeline each position's states (and budget decision) are its own
             moved = ranks[self.position]["offloaded"] if ranks else self.plan.offloaded.get("disk", 0)
-        return {"swap_root": c.nvme_path, "swap_name": f"rank{self.rank}", "chunk_bytes": offload_chunk_bytes(c),
+        return {"swap_root": root, "swap_name": f"rank{self.rank}", "chunk_bytes": offload_chunk_bytes(c),
                 "offload_bytes": moved, "masters": self._flat is not None and self._flat.masters_elsewhere}
 
     # --- compile: pipeline ---------------------------------------------------------------------
@@ -651,6 +674,7 @@ class Engine:
             self._scale.copy_(self.scaler.scale)
         if isinstance(self.optimizer, OffloadedAdam):
             self.optimizer.prefetch()  # the first chunks' moments come off the disk during forward
+        self._prefetch_parameters()
         if self._requires_grad is not None:
             self._check_parameters_unchanged()
         if self.pipelined:
@@ -659,6 +683,11 @@ class Engine:
             loss = self._joint_step(args, kwargs)
         self.stats["steps"] += 1
         return loss
+
+    def _prefetch_parameters(self) -> None:
+        """Parameter offload: start reading the shard the program fetches first."""
+        if self._flat is not None and self._flat.files is not None:
+            self._flat.files.prefetch(self._first_fetch)
 
     def _joint_step(self, args: tuple, kwargs: dict) -> float:
         k = self.config.grad_accum

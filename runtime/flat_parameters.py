@@ -32,9 +32,16 @@ Masters in the offload file (`masters_elsewhere`, Config.offload="optimizer": Ze
 layout, also on one rank): no fp32 shard is held here. `shards[k]` *is* `work_shards[k]`, what the
 optimizer steps and keys its state by; its gradient stays in the working precision; the optimizer
 (a MasterStore: runtime/offloaded_optimizer.py) holds the fp32 master beside Adam's moments and
-rounds the new master into the working shard itself. The buckets are allocated empty (no pages
+rounds the new master into the working shard itself (or, with parameter offload, hands it to the
+working shard's file). The buckets are allocated empty (no pages
 touched) and filled by `fill(store)` once the store exists, one bucket at a time: each master goes
 to the store as soon as it is made, so building the layout never holds the fp32 masters in memory.
+
+Working shards in files (`offload_working`, Config.offload="parameters"/"all", zero 3): the
+working shards' tensors keep their shape but hold no memory; their values live in a
+ParameterFiles (runtime/offloaded_parameters.py) that the program reads ahead of each gather,
+and every write of a working shard (fill, after_step, capture_from_parameters, the offloaded
+optimizer's rounding) goes to the file.
 """
 
 from __future__ import annotations
@@ -47,8 +54,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fxspeed.errors import FxspeedError
 from fxspeed.ir import Bucket
 from fxspeed.runtime.kernels.collectives import exchange_gather_out
+from fxspeed.runtime.offloaded_parameters import ParameterFiles
 
 
 class MasterStore(Protocol):
@@ -62,17 +71,21 @@ class MasterStore(Protocol):
 class FlatParameters:
     def __init__(self, params: dict[str, nn.Parameter], buckets: list[Bucket], *, rank: int, world: int,
                  zero: int, group: dist.ProcessGroup | None, gather_group: dist.ProcessGroup | None = None,
-                 work_dtype: torch.dtype | None = None, masters_elsewhere: bool = False):
+                 work_dtype: torch.dtype | None = None, masters_elsewhere: bool = False,
+                 working_in_files: bool = False):
         """`gather_group` (same ranks as `group`) carries deferred post-step gathers, so the next
         step's small collectives on `group` do not queue behind them; without it none are deferred.
         `work_dtype`: the program reads working copies in this dtype and the shards are fp32
         masters (zero >= 1). `masters_elsewhere`: the masters live in a MasterStore; call
-        `fill(store)` before the first step."""
+        `fill(store)` before the first step. `working_in_files` (zero 3 with master weights,
+        parameter offload): the working shards go to files (`offload_working`), on one rank too."""
         self.params = params  # canonical name -> Parameter (tied aliases resolved by the caller)
         self.buckets = buckets
         # One rank: its shard is the whole bucket, nothing is gathered (zero 3 has no gathers in
         # the program there, so it keeps full working buckets as zero 1/2 do).
-        zero = zero if world > 1 else min(zero, 2)
+        # With parameter offload one rank keeps zero 3's layout: its shards (whole buckets) go to files.
+        zero = zero if world > 1 or working_in_files else min(zero, 2)
+        self.files: ParameterFiles | None = None
         self.rank, self.world, self.zero, self.group = rank, world, zero, group
         self.gather_group = gather_group
         # On gloo the post-step gathers are point-to-point exchanges (runtime/kernels/collectives.py),
@@ -124,6 +137,24 @@ class FlatParameters:
             # for: the collective registry would otherwise keep the buckets alive and warn at exit.
             weakref.finalize(self, _wait_all, list(self.full))
 
+    def offload_working(self, root: str, name: str) -> ParameterFiles:
+        """Parameter offload: the working shards move to files under `root` (their tensors keep
+        shape and dtype, hold no memory); every later write of a working shard goes there."""
+        if self.zero != 3 or not self.master:
+            raise FxspeedError("parameter offload moves ZeRO-3's low-precision working shards; this layout is "
+                               f"ZeRO-{self.zero}{' with master weights' if self.master else ' without master weights'}")
+        self.files = ParameterFiles(self.work_shards, root, name=name)
+        # masters elsewhere: the shards are still empty; fill() writes them
+        self.files.offload(write=not self.masters_elsewhere)
+        return self.files
+
+    def _set_working_shard(self, k: int, values: torch.Tensor) -> None:
+        """Bucket k's working shard := values (rounded to the working dtype)."""
+        if self.files is not None:
+            self.files.write(k, values)
+        else:
+            self.work_shards[k].copy_(values)
+
     def _add_working(self, b: Bucket, work: torch.Tensor | None) -> None:
         self.full.append(work)
         if work is not None:
@@ -141,7 +172,7 @@ class FlatParameters:
             if self.full[k] is not None:  # zero 1/2: the whole working bucket
                 self.full[k].copy_(flat)
             else:                         # zero 3: this rank's working shard
-                self.work_shards[k].copy_(flat[lo:hi])
+                self._set_working_shard(k, flat[lo:hi])
             store.write_master(self.work_shards[k], flat[lo:hi])
             del flat
             self._release(b)
@@ -239,7 +270,11 @@ class FlatParameters:
         why: docs/decisions/defer-parameter-gathers.md"""
         if self.master and self.store is None:
             with torch.no_grad():  # the rounded new weights: what the next step computes with
-                torch._foreach_copy_(self.work_shards, self.shards)
+                if self.files is not None:
+                    for k, master in enumerate(self.shards):
+                        self.files.write(k, master)
+                else:
+                    torch._foreach_copy_(self.work_shards, self.shards)
         if self.zero not in (1, 2) or self.world == 1:
             return
         if defer and self.gather_group is not None:
@@ -336,7 +371,7 @@ class FlatParameters:
                 if self.full[k] is not None:
                     self.full[k].copy_(flat)
                 elif self.master:
-                    self.work_shards[k].copy_(flat[lo:hi])
+                    self._set_working_shard(k, flat[lo:hi])
 
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (same arguments); 2.11 has

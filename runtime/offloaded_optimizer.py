@@ -23,7 +23,8 @@ chunk's step upcasts the working-precision gradients into an fp32 scratch (times
 path does), runs the same fused Adam on the master, and rounds the new master into the working
 shard. Host memory then holds 2 + 2 bytes per parameter (working copy, gradient) and the staging
 slots. The masters are read and written as a `MasterStore` (runtime/flat_parameters.py):
-`write_master` / `read_master`.
+`write_master` / `read_master`. With parameter offload the working shards live in files too:
+`working_sink` takes each rounded piece instead of the working tensor.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import dataclasses
 import os
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch.optim.adam import adam as adam_update
@@ -95,6 +96,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         super().__init__(list(params), dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.decoupled = decoupled
         self.masters = masters
+        # masters: where the rounded new working values go instead of the working tensor itself,
+        # as (tensor, first element, values) per piece (parameter offload: ParameterFiles.write_piece)
+        self.working_sink: Callable[[torch.Tensor, int, torch.Tensor], None] | None = None
         tensors = [p for g in self.param_groups for p in g["params"]]
         want = (torch.bfloat16, torch.float16) if masters else (torch.float32,)
         for i, p in enumerate(tensors):
@@ -185,7 +189,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         adam_update(weights, grads, m, v, [], [self._step_of(pc) for pc in live], fused=True,
                     decoupled_weight_decay=self.decoupled, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-        if self.masters:  # the rounded new weights: what the next step computes with
+        if self.masters and self.working_sink is not None:  # the working shards live in files
+            for pc, w in zip(live, weights):
+                self.working_sink(pc.p, pc.start, w)
+        elif self.masters:  # the rounded new weights: what the next step computes with
             torch._foreach_copy_([pc.of(pc.p) for pc in live], weights)
 
     def _step_of(self, pc: _Piece) -> torch.Tensor:

@@ -286,7 +286,7 @@ def valid_configs(draw: st.DrawFn) -> dict:
                                                          max_size=stages - 1))
     d["tensor"] = draw(st.integers(1, 8))
     d["grad_accum"] = draw(st.integers(1, 8))
-    kinds = ["none", "parameters", "activations", "all"] + (["optimizer"] if d["optimizer"] != "sgd" else [])
+    kinds = ["none", "parameters", "activations"] + (["optimizer", "all"] if d["optimizer"] != "sgd" else [])
     d["offload"] = draw(st.sampled_from(kinds))
     if d["offload"] != "none":
         d["offload_device"] = draw(st.sampled_from(["auto", "nvme"]))

@@ -1,5 +1,7 @@
 """Optimizer offload (Config.offload="optimizer"): Adam's moments in files under nvme_path,
 stepped chunk by chunk by torch's fused kernel (runtime/offloaded_optimizer.py, offload_io.py).
+Parameter offload (offload="parameters"/"all", ZeRO-3): the working shards in files, read ahead of
+their gathers (runtime/offloaded_parameters.py, passes/memory/offload_parameters.py).
 
 Parity is bit for bit: the update is the same elementwise kernel over the same tensors."""
 
@@ -228,6 +230,69 @@ def test_a_checkpoint_with_masters_in_the_file_resumes_bit_for_bit_and_loads_int
     assert all(torch.equal(fp32.state_dict()[k], v) for k, v in saved.items())
 
 
+def _three_tiers(swap: Path) -> tuple[dict[str, fxspeed.Engine], tuple]:
+    """One-process bf16 ZeRO-3 engines over the same model: masters + moments in the file
+    ("optimizer", the reference), the working shards in files too ("all"), and only the working
+    shards in files with the masters and torch's fused Adam in memory ("parameters")."""
+    model, batch = _gpt()
+    base = dict(lr=1e-2, weight_decay=0.1, grad_clip=0.5, bucket_mb=0.004, zero=3, precision="bf16",
+                nvme_path=str(swap))
+    return {kind: fxspeed.compile(copy.deepcopy(model), 1, fxspeed.Config(**base, offload=kind), example_inputs=batch)
+            for kind in ("optimizer", "all", "parameters")}, batch
+
+
+def test_under_zero_3_the_working_shards_live_in_files_read_ahead_of_use_and_training_is_unchanged(
+        tmp_path: Path) -> None:
+    engines, (x, y) = _three_tiers(tmp_path)
+    n = sum(p.numel() for p in _gpt()[0].parameters())
+    for step in range(3):
+        xs = torch.roll(x, step, 0)
+        losses = {kind: e.train_step(xs, y) for kind, e in engines.items()}
+        assert len(set(losses.values())) == 1, losses
+    _same_states(engines["optimizer"], engines["all"])
+    _same_states(engines["optimizer"], engines["parameters"])
+    for kind in ("all", "parameters"):
+        e = engines[kind]
+        files = e._flat.files
+        # no working shard in memory (reading one raises, or faults: never old values); the file
+        # holds 2 bytes a parameter
+        assert all(t.dtype == torch.bfloat16 and t.untyped_storage().nbytes() == 0 for t in e._flat.work_shards)
+        with pytest.raises(RuntimeError, match="not allocated"):
+            e._flat.work_shards[0].float()
+        assert files.swap.nbytes >= 2 * n
+        # the program reads every shard from the files (forward and backward: at least twice a
+        # step); only the first step's first read had nothing ahead of it
+        assert files.stats["fetches"] >= 3 * 2 * len(e._flat.buckets) and files.stats["waited_reads"] <= 1
+        assert not [s for s in e.graph().graph.nodes if s.op == "placeholder" and "shard" in s.name]
+        # the plan: working shards (2 B/param) on disk, a few buckets of them in memory
+        assert e.plan.offloaded["disk"] >= 2 * n + (12 * n if kind == "all" else 0)
+        assert e.plan.model_states["parameters"] < 2 * n
+    assert engines["optimizer"].plan.model_states["parameters"] == 2 * n
+
+
+def test_a_checkpoint_with_the_working_shards_in_files_resumes_bit_for_bit_and_loads_without_offload(
+        tmp_path: Path) -> None:
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    engines, (x, y) = _three_tiers(swap)
+    for e in engines.values():
+        e.train_step(x, y)
+    engines["all"].save(tmp_path / "ck")
+    fresh, _ = _three_tiers(swap)
+    fresh["parameters"].load(tmp_path / "ck")   # into the other tier: the working shards are rewritten
+    fresh["optimizer"].load(tmp_path / "ck")
+    _same_states(engines["all"], fresh["parameters"])
+    want = engines["all"].train_step(x, y)
+    assert fresh["parameters"].train_step(x, y) == fresh["optimizer"].train_step(x, y) == want
+
+
+def test_parameter_offload_outside_zero_3_under_mixed_precision_is_refused_with_what_works() -> None:
+    with pytest.raises(ConfigError, match="zero=3"):
+        fxspeed.Config(offload="parameters", zero=1, precision="bf16").check_supported()
+    with pytest.raises(ConfigError, match="precision='bf16'"):
+        fxspeed.Config(offload="all", zero=3).check_supported()
+
+
 def _compile(tmp_path: Path | None, **cfg: object) -> fxspeed.Engine:
     model, batch = _gpt()
     if tmp_path is not None:
@@ -251,8 +316,8 @@ def test_offload_settings_that_cannot_work_on_this_device_are_errors_that_say_wh
 def test_offload_kinds_not_built_and_sgd_are_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="sgd"):
         fxspeed.Config(offload="optimizer", optimizer="sgd")
-    with pytest.raises(ConfigError, match="offload='optimizer' is"):
-        _compile(None, offload="parameters")
+    with pytest.raises(ConfigError, match="offload='optimizer', 'parameters' and 'all' are"):
+        _compile(None, offload="activations")
     with pytest.raises(ConfigError, match="offload_device"):
         fxspeed.Config(offload="optimizer", offload_device="disk")
     with pytest.raises(ConfigError, match="memory_budget_gb"):

@@ -1,5 +1,6 @@
 """Run under torch.distributed.run (gloo, CPU): train fxspeed's GPT with Config(zero=Z) with or
-without the optimizer offloaded to files (--mode plain | nvme), record step times and peak RSS.
+without offload to files (--mode plain | nvme | params | all: none, the optimizer, the ZeRO-3
+working parameter shards, both), record step times and peak RSS.
 
 A step is engine.train_step (forward, backward, reduction, optimizer step; with --mode nvme the
 Adam moments are read from and written to --nvme-path around the update). The slowest rank's step
@@ -20,6 +21,11 @@ import torch.distributed as dist
 import fxspeed
 from benchmarks.workers.dp_worker import status_kb
 from fxspeed.models import GPT, GPTConfig
+
+
+# fxspeed's modes -> Config.offload: "nvme" the optimizer tier (Adam's moments, and under bf16/fp16
+# the fp32 masters), "params" the parameter tier (ZeRO-3 working shards), "all" both.
+MODES = {"plain": "none", "nvme": "optimizer", "params": "parameters", "all": "all"}
 
 
 def deepspeed_step(model: torch.nn.Module, a: argparse.Namespace, world: int):  # noqa: ANN201
@@ -46,7 +52,7 @@ def deepspeed_step(model: torch.nn.Module, a: argparse.Namespace, world: int):  
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("plain", "nvme", "ds"), required=True)
+    ap.add_argument("--mode", choices=tuple(MODES) + ("ds",), required=True)
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=2)
@@ -76,7 +82,7 @@ def main() -> None:
     if a.mode == "ds":
         step_fn, engine = deepspeed_step(model, a, world)
     else:
-        extra = dict(offload="optimizer", nvme_path=a.nvme_path) if a.mode == "nvme" else {}
+        extra = dict(offload=MODES[a.mode], nvme_path=a.nvme_path) if MODES[a.mode] != "none" else {}
         engine = fxspeed.compile(model, world, fxspeed.Config(zero=a.zero, lr=1e-4, precision=a.precision, **extra), example_inputs=(x, y))
         step_fn = engine.train_step
     rss_compiled = status_kb("VmRSS")  # after the engine laid out its state (the masters in the file)

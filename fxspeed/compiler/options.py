@@ -12,6 +12,7 @@ A plain dict is still accepted where options are passed (`PassContext(options={.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -53,6 +54,10 @@ class PassOptions:
     scatter_via_exchange: bool = False
     gather_via_exchange: bool = False
     reuse_grad_buckets: bool = False         # ZeRO-0: persistent reduced-gradient buckets
+    # offload_parameters (ZeRO-3, Config.offload="parameters"/"all"): the name the engine registers
+    # this rank's parameter files under (runtime/offloaded_parameters.py); the program reads each
+    # shard from them ahead of its gather instead of taking it as an input. "" = shards are inputs.
+    parameter_store: str = ""
     # reuse_buffers: smallest buffer placed in a workspace (0: small buckets gain little, but one
     # code path for every size is then tested by every run)
     reuse_min_bytes: int = 0
@@ -162,7 +167,8 @@ class PassOptions:
         micro-batch graph is compiled with before it is cut into stages."""
         return dataclasses.replace(self, world_size=1, rank=0, zero=0, group_name="", scatter_via_all_reduce=False,
                                    gather_via_all_reduce=False, scatter_via_exchange=False,
-                                   gather_via_exchange=False, reuse_grad_buckets=False, master_weights=False)
+                                   gather_via_exchange=False, reuse_grad_buckets=False, master_weights=False,
+                                   parameter_store="")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -193,8 +199,14 @@ def derive_options(config: Config, mesh: Any) -> PassOptions:
         sequence_parallel=config.sequence_parallel,
         fuse_kernels=fuse_kernels_mode(),
         # On one rank the layout saves nothing (the partition is the whole model) unless the fp32
-        # master goes to the offload file with the optimizer states (ZeRO-Offload's layout).
-        master_weights=master_weights_wanted(config) and (mesh.dp > 1 or config.offload == "optimizer"))
+        # master goes to the offload file with the optimizer states (ZeRO-Offload's layout) or the
+        # working copies go to theirs (ZeRO-Infinity's).
+        master_weights=master_weights_wanted(config) and (mesh.dp > 1 or config.offload != "none"),
+        parameter_store=f"rank{mesh.rank}-{next(_STORE_IDS)}" if config.offloads_parameters else "")
+
+
+# Each engine's parameter files are registered under their own name (two engines in one process).
+_STORE_IDS = itertools.count()
 
 
 def master_weights_wanted(config: Config) -> bool:

@@ -121,6 +121,9 @@ class StepSignature:
     # with the optimizer. None: parameters enter as they are (fp32 masters cast inside the graph).
     working_dtype: str | None = None
     grad_dtype: str | None = None
+    # Set by offload_parameters: the bucket whose shard the program reads from the parameter
+    # files first (the runtime starts that read before running it); -1: none read.
+    first_fetch: int = -1
 
     def is_alias(self, name: str) -> bool:
         return name in self.tied
@@ -136,7 +139,7 @@ class StepSignature:
                 "tied": dict(self.tied), "buckets": [b.to_dict() for b in self.buckets],
                 "waits_for_parameters": self.waits_for_parameters,
                 "tp_layout": {k: list(v) for k, v in self.tp_layout.items()},
-                "working_dtype": self.working_dtype, "grad_dtype": self.grad_dtype}
+                "working_dtype": self.working_dtype, "grad_dtype": self.grad_dtype, "first_fetch": self.first_fetch}
 
 
 def info(node: fx.Node) -> NodeInfo:

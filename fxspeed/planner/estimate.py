@@ -222,7 +222,8 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     in_file = masters_in_file(costs, config)
     moved, budget_note = choose_offload(config, states, peak_resident, in_file)
     notes = [*(notes or []), *([budget_note] if budget_note else [])]
-    offloaded = {"disk": moved} if moved else {}
+    on_disk = moved + (costs.param_bytes / dp if config.offloads_parameters else 0)
+    offloaded = {"disk": int(round(on_disk))} if on_disk else {}
     step = step_phase(costs.step, costs, config, dp, moved)
     comm = step[COMM_BUFFERS]
     opt_phase = _optimizer_phase(costs, config, devices, dp, moved)
@@ -247,7 +248,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
         formula = zero_paper_bytes(share, z, dp, k=12, bytes_per_param=2)
     timeline = dict(costs.timeline)
     timeline["resident"] = [int(step[OPTIMIZER_STATES] + comm)]
-    model_states = {PARAMETERS: int(round(shard(p_bytes, 3))),
+    model_states = {PARAMETERS: int(round(resident_parameters(costs, config, dp))),
                     GRADIENTS: int(round(shard(costs.grad_bytes or t_bytes, 2))),
                     OPTIMIZER_STATES: int(round(resident_optimizer_states(config, states, moved, in_file) + masters))}
     return Plan(
@@ -279,7 +280,7 @@ def _optimizer_phase(costs: GraphCosts, config: Config, devices: Sequence[Device
     # memory), or stay low-precision shards that the offloaded optimizer upcasts chunk by chunk.
     grads = (shard(costs.master_bytes, 1) if masters else shard(costs.grad_bytes or t_bytes, 1)) \
         if costs.master_bytes else shard(t_bytes, 2)
-    return {PARAMETERS: shard(costs.param_bytes, 3), GRADIENTS: grads,
+    return {PARAMETERS: resident_parameters(costs, config, dp), GRADIENTS: grads,
             OPTIMIZER_STATES: resident_optimizer_states(config, states, offloaded, masters_in_file(costs, config))
             + masters,
             TEMPORARIES: optimizer_temporaries(config, devices[0], shard(t_bytes, 1), costs.largest_trainable),
@@ -349,7 +350,18 @@ def offload_chunk_bytes(config: Config) -> int:
 
 def masters_in_file(costs: GraphCosts, config: Config) -> bool:
     """Optimizer offload under master weights: the fp32 masters go to the file with the moments."""
-    return config.offload == "optimizer" and costs.master_bytes > 0
+    return config.offloads_optimizer and costs.master_bytes > 0
+
+
+def resident_parameters(costs: GraphCosts, config: Config, dp: int) -> float:
+    """Parameter bytes a rank holds between uses: its ZeRO shard of every bucket, or with
+    parameter offload (runtime/offloaded_parameters.py) the shards in flight: the one being
+    gathered, the one read ahead, and two written back after the step."""
+    mine = costs.param_bytes / dp if config.zero >= 3 else costs.param_bytes
+    if not config.offloads_parameters:
+        return mine
+    bucket = max(costs.largest_param, min(config.bucket_mb * 2**20, costs.param_bytes))
+    return min(mine, 4 * bucket / dp)
 
 
 def partition_states(costs: GraphCosts, config: Config, dp: int) -> tuple[float, float]:
@@ -379,7 +391,7 @@ def resident_optimizer_states(config: Config, states: float, offloaded: float | 
     """Optimizer-state bytes held in memory: all of them, or under Config.offload="optimizer" those
     not offloaded (`offloaded`, default all) plus the staging the offloaded optimizer reads, steps
     and writes chunks through (`offload_staging`; `masters`: the fp32 masters are in the file)."""
-    if config.offload != "optimizer":
+    if not config.offloads_optimizer:
         return states
     moved = states if offloaded is None else offloaded
     if not moved:
@@ -392,7 +404,7 @@ def choose_offload(config: Config, states: float, peak_resident: float,
     """Bytes of optimizer states to offload under Config.offload="optimizer": all of them, or with
     Config.memory_budget_gb just enough (in whole chunks) that the rank's peak fits the budget.
     Also a note when even offloading everything does not fit."""
-    if config.offload != "optimizer":
+    if not config.offloads_optimizer:
         return 0, None
     if config.memory_budget_gb is None:
         return int(states), None
@@ -421,13 +433,13 @@ def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, 
     dp, z = n_devices, config.zero
     shard = lambda b, stage: b / dp if z >= stage else b  # noqa: E731
     step = dict(graph_live)
-    step[PARAMETERS] = shard(costs.param_bytes, 3)
+    step[PARAMETERS] = resident_parameters(costs, config, dp)
     step[GRADIENTS] = shard(step.get(GRADIENTS, 0), 2)
     states, masters = partition_states(costs, config, dp)
     step[OPTIMIZER_STATES] = resident_optimizer_states(config, states, offloaded, masters_in_file(costs, config)) \
         + masters
     comm = 0.0
-    if dp > 1:
+    if dp > 1 or config.offloads_parameters:  # (one rank with parameter offload "gathers" from files)
         bucket = config.bucket_mb * 2**20
         # double-buffered gradient buckets; ZeRO-3: two gathered parameter buckets in flight (a bucket
         # is bucket_mb of gradients, so as many bytes of working parameters; a larger parameter alone)

@@ -53,7 +53,7 @@ class Plan:
     # and the tp collectives' bytes per step (fxspeed/planner/placement.py)
     tp_placements: dict[str, str] = field(default_factory=dict)
     tp_communication: dict[str, int] = field(default_factory=dict)
-    # bytes per rank kept off the device, by where ("disk": Config.offload="optimizer" in files)
+    # bytes per rank kept off the device, by where ("disk": Config.offload's states in files)
     offloaded: dict[str, int] = field(default_factory=dict)
 
     # --- queries ---------------------------------------------------------------------------
@@ -121,8 +121,11 @@ class Plan:
         if self.zero_formula:
             k = "K=12, 2-byte params/grads" if self.strategy["precision"] != "fp32" else "fp32 Adam: 4+4+8 bytes"
             lines.append(f"  {'ZeRO paper model states':<26}{gb(self.zero_formula[0])}   ({k})")
+        offload = self.config.get("offload", "optimizer")
+        what = {"parameters": "working parameter shards, read ahead of each gather",
+                "all": "optimizer states and working parameter shards"}.get(offload, "optimizer states")
         for where, b in self.offloaded.items():
-            lines.append(f"  {'off the device: ' + where:<26}{gb(b)}   (optimizer states; read and written every step)")
+            lines.append(f"  {'off the device: ' + where:<26}{gb(b)}   ({what}; read and written every step)")
         if self.dtypes:
             lines.append("  dtypes: " + "; ".join(f"{c} {d}" for c, d in self.dtypes.items()))
         if self.communication:

@@ -43,7 +43,7 @@ gets a fresh buffer. ZeRO-1/2/3 keep fresh flat buffers (reuse_buffers places th
 why: docs/decisions/persistent-gradient-buckets-for-zero0.md
 
 On one rank (world_size 1) nothing is reduced and the pass returns the graph unchanged, except
-under master weights with optimizer offload (`master_weights` on one rank), where the runtime's
+under master weights with optimizer or parameter offload (`master_weights` on one rank), where the runtime's
 flat layout needs the buckets: each bucket is flattened (cat + pad), no collective.
 
 Buckets hold parameters in the order their gradients are completed, up to `bucket_bytes`,

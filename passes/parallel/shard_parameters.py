@@ -38,8 +38,11 @@ A bucket whose readers in one phase are far apart (two or more other buckets rea
 is gathered once per cluster of readers, not once per phase (see _clusters).
 why: docs/decisions/zero3-regather-distant-readers.md
 
+On one rank the pass runs only with parameter offload (`parameter_store`): the "gather" of the
+whole bucket is an alias of it, the place passes/memory/offload_parameters.py reads it from the files.
+
 Options read from ctx.options: world_size, rank, group_name, precision, gather_via_all_reduce,
-gather_via_exchange.
+gather_via_exchange, parameter_store.
 """
 
 from __future__ import annotations
@@ -73,9 +76,11 @@ def _is_view(n: fx.Node) -> bool:
 @graph_pass("shard_parameters", requires=("gradient_buckets", "annotate"), invalidates=("annotate",))
 def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     world = ctx.options.world_size
-    if world == 1 or ctx.options.zero < 3:
+    # One rank has nothing to gather, except with parameter offload: its "shard" is the whole
+    # bucket, read from the files at the place a gather would be (passes/memory/offload_parameters).
+    if ctx.options.zero < 3 or (world == 1 and not ctx.options.parameter_store):
         return PassResult(gm, modified=False)
-    group = ctx.options.dp_group("shard_parameters")
+    group = ctx.options.dp_group("shard_parameters") if world > 1 else ""
     via_exchange = ctx.options.gather_via_exchange
     via_all_reduce = ctx.options.gather_via_all_reduce and not via_exchange
     rank = ctx.options.rank
@@ -122,7 +127,9 @@ def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 src = shards[k]
                 if low is not None and src.meta["val"].dtype != low:  # not already a working copy
                     src = call(g, aten._to_copy.default, (src,), {"dtype": low})
-                if via_exchange:
+                if world == 1:  # the bucket itself (an alias marks where its fetch goes)
+                    gathered = call(g, aten.alias.default, (src,))
+                elif via_exchange:
                     gathered = call(g, exchange_gather, (src, world, group))
                 elif via_all_reduce:
                     s = b.shard_size(world)
@@ -132,7 +139,7 @@ def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                     gathered = call(g, c10d.all_gather_into_tensor.default, (src, world, group))
                 gathered.meta[GATHER_KEY] = b.index  # which bucket this collective gathers
             with g.inserting_before(anchor):
-                full = call(g, c10d.wait_tensor.default, (gathered,))
+                full = call(g, c10d.wait_tensor.default, (gathered,)) if world > 1 else gathered
                 for name, shape, off in zip(b.names, b.shapes, b.offsets):
                     if not cluster.intersection(users[k][name]):
                         continue
@@ -144,7 +151,7 @@ def shard_parameters(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                     if param.meta["val"].dtype != roots[name].meta["val"].dtype:
                         param = call(g, aten._to_copy.default, (param,), {"dtype": roots[name].meta["val"].dtype})
                     _rewire(g, roots[name], param, phase, cluster)
-            prev_wait = full
+            prev_wait = full if world > 1 else None  # one rank: nothing to issue ahead
         order = {n: i for i, n in enumerate(g.nodes)}
 
     sharded = {n for b in sig.buckets for n in b.names}
