@@ -139,6 +139,9 @@ def main() -> None:
                           # VmRSS after the model is built / after compile (the state laid out)
                           "rss_after_model_GB": [rec["rss_after_model_kb"] * 1024 / 1e9 for rec in rounds[0]],
                           "rss_after_compile_GB": [rec.get("rss_after_compile_kb", 0) * 1024 / 1e9 for rec in rounds[0]],
+                          # the peaks of building + laying out the model, and of training alone
+                          "peak_rss_build_GB": [rec.get("peak_rss_build_kb", 0) * 1024 / 1e9 for rec in rounds[0]],
+                          "peak_rss_train_GB": [rec.get("peak_rss_train_kb", 0) * 1024 / 1e9 for rec in rounds[0]],
                           "plan_peak_GB": [(rec.get("plan_peak_bytes") or 0) / 1e9 for rec in rounds[0]]}
         n = runs[modes[0]][0][0]["n_params"]
         # Adam moments of one rank's partition (and its fp32 masters under bf16/fp16 master weights)
@@ -150,7 +153,9 @@ def main() -> None:
         print(f"GPT {n / 1e6:.1f}M params, {a.nproc} ranks, ZeRO-{a.zero}, {a.batch}x{a.seq} tokens per rank")
         for mode in modes:
             print(f"  {mode:<6} step {rows[mode]['step_s']:.3f} s   peak RSS per rank "
-                  + ", ".join(f"{g:.2f} GB" for g in rows[mode]["peak_rss_GB"]))
+                  + ", ".join(f"{g:.2f} GB" for g in rows[mode]["peak_rss_GB"]) + "   (building "
+                  + ", ".join(f"{g:.2f}" for g in rows[mode]["peak_rss_build_GB"]) + "; training "
+                  + ", ".join(f"{g:.2f}" for g in rows[mode]["peak_rss_train_GB"]) + ")")
         if "plain" in rows and "nvme" in rows:
             saved = [p - q for p, q in zip(rows["plain"]["peak_rss_GB"], rows["nvme"]["peak_rss_GB"])]
             result.update(rss_saved_GB_per_rank=saved,
