@@ -122,12 +122,13 @@ def test_plan_gives_the_zero_papers_table_1_model_states_for_a_7_5b_gpt_on_64_de
     assert plan.dtypes["parameters"].startswith("float16 working copies") and plan.dtypes["gradients"] == "float16"
 
 
-def test_pipelines_tensor_parallelism_zero0_and_fp32_keep_fp32_weights() -> None:
+def test_pipelines_zero0_and_fp32_keep_fp32_weights_and_tensor_parallelism_gets_master_weights() -> None:
     from fxspeed.compiler.options import master_weights_wanted
 
     assert master_weights_wanted(fxspeed.Config(zero=1, precision="bf16"))
+    assert master_weights_wanted(fxspeed.Config(zero=1, precision="bf16", tensor=2))  # per tp slice
     for cfg in (fxspeed.Config(zero=0, precision="bf16"), fxspeed.Config(zero=3),
-                fxspeed.Config(zero=1, precision="bf16", pipeline=2), fxspeed.Config(zero=1, precision="bf16", tensor=2)):
+                fxspeed.Config(zero=1, precision="bf16", pipeline=2)):
         assert not master_weights_wanted(cfg), cfg
 
 

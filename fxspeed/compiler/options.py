@@ -212,11 +212,12 @@ _STORE_IDS = itertools.count()
 def master_weights_wanted(config: Config) -> bool:
     """The ZeRO paper's mixed-precision layout (low-precision working parameters and gradients, fp32
     master + optimizer states in the partition) where it is built: bf16/fp16 with ZeRO-1/2/3 over
-    data-parallel ranks, without a pipeline or tensor parallelism (those keep fp32 parameters and
-    cast them per step). ZeRO-0 keeps fp32 parameters too: its partition is the whole model, so the
-    fp32 weights are the master, and the bytes are the paper's 16 per parameter either way.
+    data-parallel ranks, with or without tensor parallelism (the working copies and masters are then
+    of this rank's tp slices), without a pipeline (which keeps fp32 parameters and casts them per
+    step). ZeRO-0 keeps fp32 parameters too: its partition is the whole model, so the fp32 weights
+    are the master, and the bytes are the paper's 16 per parameter either way.
     why: docs/decisions/master-weights-in-the-partition.md"""
-    return config.precision != "fp32" and config.zero >= 1 and config.pipeline == 1 and config.tensor == 1
+    return config.precision != "fp32" and config.zero >= 1 and config.pipeline == 1
 
 
 FUSE_MODES = ("cuda", "always", "off")

@@ -26,6 +26,7 @@ eagerly on the same batches: relative error <= 1e-5.
     gpt_pp_zero1  the same with ZeRO-1 (3D with 8 ranks)
     gpt_bf16 GPT under Config(precision="bf16"): losses and weights for the test to compare with one
              bf16 process (tests/test_tensor_parallel.py)
+    gpt_dp_bf16  the same at TP=2 x DP=WORLD_SIZE/2 with ZeRO-1: master weights per tp slice
 
 Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt and exits 0 (`--case all`:
 every case in one launch; tests/workers/common.py run_cases, shared with correctness_worker).
@@ -399,7 +400,29 @@ def gpt_bf16() -> str:
     return "ok"
 
 
-CASES = {"gpt": gpt, "gpt_bf16": gpt_bf16, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
+def gpt_dp_bf16() -> str:
+    """bf16 under TP=2 x DP=WORLD_SIZE/2 with ZeRO-1: the ZeRO paper's layout per tp slice (bf16
+    working copies of this rank's slices read by the program, fp32 masters of its dp partition
+    with the optimizer, bf16 gradients). Each replica trains on its rows; writes the losses and
+    the trained weights for the test to compare with one bf16 process on the whole batch."""
+    world = int(os.environ["WORLD_SIZE"])
+    model, bs = build("gpt"), batches("gpt", ignored=False)
+    replica = int(os.environ["RANK"]) // 2
+    mine = [_rows(b, replica, world // 2) for b in bs]
+    engine = fxspeed.compile(model, world, fxspeed.Config(tensor=2, zero=1, **BF16), example_inputs=mine[0])
+    losses = [engine.train_step(*b) for b in mine]
+    flat = engine._flat
+    if not flat.master or {t.dtype for t in flat.work_shards} != {torch.bfloat16}:
+        return f"no master weights under TP x DP: master={flat.master}, working {[t.dtype for t in flat.work_shards]}"
+    if any(p.numel() for p in model.parameters()):
+        return "the module still holds fp32 weights beside the masters"
+    state = engine.state_dict()
+    if int(os.environ["RANK"]) == 0:
+        torch.save({"losses": losses, "state": state}, os.path.join(os.environ["WORKER_OUT"], "gpt_dp_bf16.pt"))
+    return "ok"
+
+
+CASES = {"gpt": gpt, "gpt_bf16": gpt_bf16, "gpt_dp_bf16": gpt_dp_bf16, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
          "gpt_dp_zero3": gpt_dp_zero3, "gpt_pp": gpt_pp, "t5": t5, "gpt_sp": gpt_sp, "llama_sp": llama_sp,
          "gpt_pp_zero1": gpt_pp_zero1, "gpt_pp_sp_zero1": gpt_pp_sp_zero1}
 
