@@ -104,14 +104,16 @@ def assert_checkpoint_resumes_on_one_device(out: Path, tag: str) -> None:
 @pytest.mark.slow
 def test_four_ranks_as_tp4_as_tp2_x_two_replicas_and_as_tp2_x_pp2_match_one_process_on_the_global_batch(
         tmp_path: Path) -> None:
-    """TP=4 on fxspeed's GPT (one head per rank; 4 processes on 2 cores), then TP=2 x DP=2 with
+    """TP=4 on fxspeed's GPT (one head per rank; 4 processes on 2 cores) and on Llama with 2
+    key/value heads for 4 query heads (fewer key/value heads than ranks), then TP=2 x DP=2 with
     ZeRO-0, ZeRO-2 and ZeRO-3 (clipping), then TP=2 x PP=2 with two micro-batches (the tied
     embedding/head sliced by vocabulary rows on both ends of the pipeline, eval_step), in the
     same launch; the ZeRO-3 and the pipeline checkpoints resume on one device; bf16 TP=2 x DP=2
     with ZeRO-1 keeps bf16 working copies of the tp slices and fp32 masters in the dp partition,
     and trains like one bf16 process. GPT-2 at TP=4 passes through the worker too (`fxspeed run
     -n 4 -m tests.workers.tensor_parallel_worker --case gpt2`), kept out of the suite for time."""
-    run_cases_on(4, ("gpt", "gpt_dp", "gpt_dp_zero2", "gpt_dp_zero3", "gpt_pp", "gpt_dp_bf16"), tmp_path, timeout=900)
+    run_cases_on(4, ("gpt", "llama", "gpt_dp", "gpt_dp_zero2", "gpt_dp_zero3", "gpt_pp", "gpt_dp_bf16"), tmp_path,
+                 timeout=900)
     assert_checkpoint_resumes_on_one_device(tmp_path, "gpt_dp_zero3")
     assert_checkpoint_resumes_on_one_device(tmp_path, "gpt_pp")
     assert_bf16_trains_like_one_bf16_process(tmp_path, "gpt_dp_bf16")
@@ -143,7 +145,7 @@ def test_heads_not_divisible_by_tensor_name_the_tensor_sizes_that_work() -> None
         num_hidden_layers=1, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, intermediate_size=64,
         vocab_size=32, max_position_embeddings=8, use_cache=False))
     ids = torch.randint(0, 32, (1, 8))
-    with pytest.raises(FxspeedError, match=r"6 query heads and 2 key/value heads.*tensor=1 or 2 works"):
+    with pytest.raises(FxspeedError, match=r"6 query heads and 2 key/value heads.*tensor=1, 2 or 6 works"):
         _compile(model, (), {"input_ids": ids, "labels": ids}, T=4)
 
 

@@ -991,19 +991,26 @@ def _multiplied_activation(weight: fx.Node) -> fx.Node | None:
 
 
 def check_heads(gm: fx.GraphModule, T: int) -> None:
-    """Attention heads (query and key/value heads) must split evenly over T ranks: say which T work."""
+    """Query heads must split evenly over T ranks, and key/value heads either split evenly too or
+    be fewer than T with T a multiple of them (GQA: each key/value head then serves T / kv ranks;
+    the solver lays those out as it finds cheapest): say which T work."""
     for n in gm.graph.nodes:
         if n.target in _ATTENTION:
             q, k = _shape(n.args[0]), _shape(n.args[1])
             if q is None or k is None or len(q) != 4:
                 continue
             h, kv = q[1], _kv_heads(n.args[1], k[1])
-            if h % T or kv % T:
-                ok = [str(t) for t in range(1, math.gcd(h, kv) + 1) if math.gcd(h, kv) % t == 0]
+            if not _heads_split(h, kv, T):
+                ok = [str(t) for t in range(1, h + 1) if _heads_split(h, kv, t)]
                 works = ", ".join(ok[:-1]) + f" or {ok[-1]}" if len(ok) > 1 else ok[0]
                 raise ConfigError(f"Config.tensor={T}: the model's attention has {h} query heads and {kv} key/value "
                                   f"heads, which do not split evenly over {T} tensor-parallel ranks; tensor={works} "
-                                  "works (a divisor of both head counts)")
+                                  "works (a divisor of the query heads that divides the key/value heads or is a "
+                                  "multiple of them)")
+
+
+def _heads_split(h: int, kv: int, T: int) -> bool:
+    return h % T == 0 and (kv % T == 0 or T % kv == 0)
 
 
 class PlacementAnalysis:

@@ -164,6 +164,7 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if have.kind == "P" and want.kind == "S" and sequence_parallel and want.blocks == 1:
             cache[key] = y = reduce_scatter(x, want.dim)
             return y
+        val = src_node.meta["val"]
         if have.kind == "P":
             y = reduce(x)
         elif have.kind == "S":
@@ -176,8 +177,13 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 y = regathered(src_node)
         else:
             y = x
+        # Laid out as traced (a gathered value is contiguous in its own shape, a slice is cloned
+        # contiguous): the nodes after it kept their traced values, and an op's real output strides
+        # follow its inputs' (CPU attention's output follows the query's layout), so a view
+        # traced on them would not fit another layout.
+        y = _in_layout_of(g, y, val)
         if want.kind == "S":
-            y = take(y, shape, want)
+            y = _in_layout_of(g, take(y, shape, want), val)
         cache[key] = y
         return y
 
@@ -368,6 +374,28 @@ _R = _Replicated()
 def _all_global(npl: Any) -> bool:
     outs = npl.out if isinstance(npl.out, tuple) else (npl.out,)
     return all(getattr(p, "kind", "R") != "S" for p in (*outs, *npl.want))
+
+
+def _memory_order(v: torch.Tensor) -> list[int]:
+    """Dims from outermost to innermost in memory (ties, size-1 dims: in dim order)."""
+    return sorted(range(v.dim()), key=lambda i: -v.stride(i))
+
+
+def _in_layout_of(g: fx.Graph, y: fx.Node, like: torch.Tensor) -> fx.Node:
+    """`y` (any shape of `like`'s rank) with `like`'s memory order, copied only if it differs:
+
+        before:  y [B, H, S, hd] contiguous        like: [B, H, S, hd] laid out as [B, S, H, hd]
+        after:   permute(clone(permute(y, [0, 2, 1, 3])), [0, 2, 1, 3])"""
+    have = y.meta.get("val")
+    if not isinstance(have, torch.Tensor) or have.dim() != like.dim() or have.dim() < 2:
+        return y
+    order = _memory_order(like)
+    if _memory_order(have) == order or have.is_contiguous() and like.is_contiguous():
+        return y
+    inverse = [order.index(i) for i in range(len(order))]
+    y = call(g, aten.permute.default, (y, order))
+    y = call(g, aten.clone.default, (y,), {"memory_format": torch.contiguous_format})
+    return call(g, aten.permute.default, (y, inverse))
 
 
 def _viewable(target: Any, args: tuple, kwargs: dict) -> Any:
