@@ -271,6 +271,9 @@ class Config:
                         for k in ("offload_device", "nvme_path", "memory_budget_gb") if k in changed]
         elif self.offload_device == "cpu" and "nvme_path" in changed:
             ignored.append(("nvme_path", "offload_device='cpu' keeps the states in host memory, not in files"))
+        if self.offload == "parameters" and "memory_budget_gb" in changed:
+            ignored.append(("memory_budget_gb", "it chooses how much of the optimizer states to offload, and "
+                                                "offload='parameters' keeps them in memory (use offload='all')"))
         for key, why in ignored:
             warnings.warn(f"Config.{key}={getattr(self, key)!r} has no effect: {why}", ConfigWarning, stacklevel=4)
 

@@ -230,7 +230,8 @@ class Engine:
             if self._tp is not None:
                 from fxspeed.planner.placement import describe_placements
 
-                self.plan.tp_placements, self.plan.tp_communication = describe_placements(cap.gm, cap.signature)
+                self.plan.tp_placements, self.plan.tp_communication = describe_placements(
+                    cap.gm, cap.signature, self.mesh.group_name("tp"))
                 self.plan.notes.append(TP_PLAN_NOTE)
         if self._tp is not None:
             self._apply_tp_layout(cap.signature)
@@ -911,13 +912,11 @@ class Engine:
         device = stepped[0].device if stepped else torch.device("cpu")
         sq = torch.zeros((), dtype=torch.float64, device=device)
         if counted:
-            sq = _total_norm(counted).double() ** 2
+            sq = (_total_norm(counted) if factors is None else _norm_after(counted, factors)).double() ** 2
         if group is not None:
             dist.all_reduce(sq, group=group)
         norm = sq.sqrt().to(torch.float32)
         if factors is not None:
-            for f in factors:
-                norm = norm * f
             # torch.nn.utils.clip_grads_with_norm_'s coefficient, for the optimizer to apply
             factors.append(torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0))
         elif stepped:
@@ -1384,6 +1383,21 @@ def unscale_or_skip(scaler: DynamicLossScaler | None, stepped: list[torch.Tensor
         log.warning("fxspeed: step %d overflowed in fp16; skipped (loss scale now %g, %d skipped so far)",
                     stats["steps"], float(scaler.scale), stats["skipped_steps"])
     return overflow
+
+
+def _norm_after(grads: list[torch.Tensor], factors: list) -> torch.Tensor:
+    """The norm of `grads` upcast to fp32 and multiplied by `factors` (fp16's 1/scale), one tensor
+    at a time: what the in-memory path takes of its unscaled fp32 gradients, bit for bit (the norm
+    of the scaled ones times 1/scale differs in the last bits unless the scale is a power of 2)."""
+    norms = []
+    for g in grads:
+        t = g.float()  # a copy for low-precision gradients: they stay scaled for the optimizer
+        if t is g:
+            t = g.clone()
+        for f in factors:
+            t.mul_(f)
+        norms.append(torch._foreach_norm([t], 2.0)[0])
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -92,25 +92,17 @@ class SwapFile:
                                    "path on a larger disk (nothing was written)") from e
             raise FxspeedError(f"cannot reserve {self.nbytes / 1e9:.2f} GB for the swap file {self.path!r}: {e}") from e
 
+    # The pool's tasks hold the file's descriptor and name, never the SwapFile: the last reference
+    # to it must not be dropped on an I/O thread, whose finalizer would then try to join that
+    # very thread and leave the directory behind.
     def read(self, offset: int, into: AlignedBuffer, nbytes: int) -> Future:
         """Fill the first `nbytes` (rounded up to the alignment) of `into` from `offset`."""
-        return self._pool.submit(self._io, os.preadv, offset, into.memoryview(nbytes), "reading")
+        return self._pool.submit(_io, self.fd, self.path, self.nbytes, os.preadv, offset, into.memoryview(nbytes),
+                                 "reading")
 
     def write(self, offset: int, source: AlignedBuffer, nbytes: int) -> Future:
-        return self._pool.submit(self._io, os.pwritev, offset, source.memoryview(nbytes), "writing")
-
-    def _io(self, call, offset: int, view: memoryview, what: str) -> None:  # noqa: ANN001 - os.preadv / os.pwritev
-        done = 0
-        while done < len(view):  # both may return short counts
-            try:
-                n = call(self.fd, [view[done:]], offset + done)
-            except OSError as e:
-                raise FxspeedError(f"{what} {len(view)} bytes at offset {offset} of the swap file {self.path!r} failed: "
-                                   f"{e}") from e
-            if n == 0:
-                raise FxspeedError(f"{what} the swap file {self.path!r} stopped at offset {offset + done} "
-                                   f"(file shorter than {self.nbytes} bytes: was it truncated?)")
-            done += n
+        return self._pool.submit(_io, self.fd, self.path, self.nbytes, os.pwritev, offset,
+                                 source.memoryview(nbytes), "writing")
 
     def close(self) -> None:
         """Remove the swap directory (idempotent)."""
@@ -144,6 +136,20 @@ def remove_stale_swap_dirs(root: Path) -> list[str]:
         removed.append(str(entry))
         log.warning("fxspeed: removed %s, the swap directory of process %s, which is gone", entry, pid)
     return removed
+
+
+def _io(fd: int, path: str, size: int, call, offset: int, view: memoryview, what: str) -> None:  # noqa: ANN001
+    """One whole read or write (`call`: os.preadv / os.pwritev) of `view` at `offset`."""
+    done = 0
+    while done < len(view):  # both may return short counts
+        try:
+            n = call(fd, [view[done:]], offset + done)
+        except OSError as e:
+            raise FxspeedError(f"{what} {len(view)} bytes at offset {offset} of the swap file {path!r} failed: {e}") from e
+        if n == 0:
+            raise FxspeedError(f"{what} the swap file {path!r} stopped at offset {offset + done} "
+                               f"(file shorter than {size} bytes: was it truncated?)")
+        done += n
 
 
 def _close(fd: int, directory: str, pool: ThreadPoolExecutor) -> None:

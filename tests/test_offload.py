@@ -268,6 +268,11 @@ def test_under_zero_3_the_working_shards_live_in_files_read_ahead_of_use_and_tra
         assert e.plan.offloaded["disk"] >= 2 * n + (12 * n if kind == "all" else 0)
         assert e.plan.model_states["parameters"] < 2 * n
     assert engines["optimizer"].plan.model_states["parameters"] == 2 * n
+    # Dropped right after a step (its writes in flight): every swap directory goes with its engine
+    # (the last reference used to die on an I/O thread, whose finalizer could not join itself).
+    del engines, e, files
+    gc.collect()
+    assert not list(tmp_path.iterdir()), "swap directories outlive their engines"
 
 
 def test_a_checkpoint_with_the_working_shards_in_files_resumes_bit_for_bit_and_loads_without_offload(
@@ -291,6 +296,8 @@ def test_parameter_offload_outside_zero_3_under_mixed_precision_is_refused_with_
         fxspeed.Config(offload="parameters", zero=1, precision="bf16").check_supported()
     with pytest.raises(ConfigError, match="precision='bf16'"):
         fxspeed.Config(offload="all", zero=3).check_supported()
+    with pytest.warns(ConfigWarning, match="memory_budget_gb.*offload='all'"):
+        fxspeed.Config(offload="parameters", zero=3, precision="bf16", memory_budget_gb=4.0)
 
 
 def _compile(tmp_path: Path | None, **cfg: object) -> fxspeed.Engine:

@@ -1114,28 +1114,33 @@ __all__ = ["P", "PARAMS_KEY", "TP_PLAN_NOTE", "Placement", "PlacementAnalysis", 
            "propagate", "reshape_placement", "solve"]
 
 
-def describe_placements(gm: fx.GraphModule, signature: Any) -> tuple[dict[str, str], dict[str, int]]:
+def describe_placements(gm: fx.GraphModule, signature: Any, group: str | None = None
+                        ) -> tuple[dict[str, str], dict[str, int]]:
     """For plan.tp_placements / tp_communication: every parameter's placement (by name) in the
-    program `gm` (after the tp_placements analysis) and the tp collective bytes per step, counted
-    from the functional collectives shard_tensors put in the graph (bytes of each result)."""
+    program `gm` (after the tp_placements analysis; under ZeRO-3 the parameters are bucket shards,
+    named by the buckets) and the tp collective bytes per step, counted from the functional
+    collectives shard_tensors put in the graph (bytes of each result; `group`: only those on the
+    tp group of that name, where data-parallel collectives are functional collectives too)."""
     chosen = gm.meta.get(PARAMS_KEY, {})
     names = [s.target for s in signature.inputs if s.kind in ("param", "param_tp")]
+    names += [n for b in signature.buckets for n in b.names if n not in names]
     placements = {n: str(R if chosen.get(n, R) == WHOLE else chosen.get(n, R)) for n in names}
     comm: dict[str, int] = {}
-    for kind, nbytes in tp_collectives(gm):
+    for kind, nbytes in tp_collectives(gm, group):
         comm[f"tp_{kind}"] = comm.get(f"tp_{kind}", 0) + nbytes
     return placements, comm
 
 
-def tp_collectives(gm: fx.GraphModule) -> list[tuple[str, int]]:
+def tp_collectives(gm: fx.GraphModule, group: str | None = None) -> list[tuple[str, int]]:
     """The tp collectives shard_tensors put in `gm`, in graph order: ("all_reduce", "all_gather"
-    or "reduce_scatter", bytes of the result)."""
+    or "reduce_scatter", bytes of the result); with `group`, only those on that group (its name is
+    each collective's last argument)."""
     c10d = torch.ops._c10d_functional
     kinds = {c10d.all_reduce.default: "all_reduce", c10d.all_gather_into_tensor.default: "all_gather",
              c10d.reduce_scatter_tensor.default: "reduce_scatter"}
     out = []
     for n in gm.graph.nodes:
-        if n.target in kinds:  # (not through _nbytes' cache, which only lives for one solve)
+        if n.target in kinds and (group is None or n.args[-1] == group):  # (not via _nbytes' cache: one solve)
             v = n.meta.get("val")
             out.append((kinds[n.target], int(v.numel()) * v.element_size() if isinstance(v, torch.Tensor) else 0))
     return out
