@@ -221,11 +221,13 @@ TWO_RANK_CASES = {
 FOUR_STAGE_SCHEDULES = {"gpt": ("gpipe", "zb"), "gpt6": ("1f1b", "interleaved"), "gpt2-6": ("interleaved",)}
 
 # Every 4-rank run, in one launch: 4 stages with clipping, and 2 data-parallel replicas of
-# 2-stage pipelines under ZeRO-1, -2 and -3.
+# 2-stage pipelines under ZeRO-1, -2 and -3. The ZeRO-1 GPT run under ZB also saves a checkpoint
+# after step 2 and resumes a fresh engine from it (the only resume the tests read).
 FOUR_RANK_CASES = {
     **{m: f"--model {m} --schedules {','.join(s)} --microbatches 8 --grad-clip 0.5"
        for m, s in FOUR_STAGE_SCHEDULES.items()},
-    "zero1_gpt": "--model gpt --pipeline 2 --zero 1 --schedules 1f1b,zb --microbatches 2 --grad-clip 0.5 --checkpoint",
+    "zero1_gpt": ["--model gpt --pipeline 2 --zero 1 --schedules 1f1b --microbatches 2 --grad-clip 0.5",
+                  "--model gpt --pipeline 2 --zero 1 --schedules zb --microbatches 2 --grad-clip 0.5 --checkpoint"],
     "zero1_gpt2": "--model gpt2 --pipeline 2 --zero 1 --schedules 1f1b,zb --microbatches 2 --grad-clip 0.5",
     "zero23_gpt": "--model gpt --pipeline 2 --zero 2,3 --schedules 1f1b --microbatches 2 --grad-clip 0.5",
     "zero23_gpt2": "--model gpt2 --pipeline 2 --zero 2,3 --schedules 1f1b --microbatches 2 --grad-clip 0.5",

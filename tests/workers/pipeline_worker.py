@@ -27,6 +27,8 @@ import fxspeed
 from fxspeed.data import local_batch
 from tests.workers.common import build_model, global_batches
 
+SAVE_AT = 2  # --checkpoint: the run saves after this many steps
+
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
@@ -40,7 +42,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--grad-clip", type=float, default=None)
     ap.add_argument("--checkpoint", action="store_true",
-                    help="also: save after 2 steps, resume a fresh engine from it, record both runs' losses")
+                    help=f"also: save after {SAVE_AT} steps of the run, resume a fresh engine from it, record the "
+                         "run's later losses and the fresh engine's")
     ap.add_argument("--eval", action="store_true",
                     help="also run eval_step after training (compiles the forward-only programs) and record its loss")
     ap.add_argument("--tag", default="", help="prefix of this run's file names")
@@ -79,7 +82,13 @@ def run(a: argparse.Namespace) -> None:
         mine = [local_batch(b, rank // P, dp_size) for b in batches]
         engine = fxspeed.compile(model, world, cfg, example_inputs=mine[0])
         assert (engine.dp_rank, engine.dp_size) == (rank // P, dp_size)
-        losses = [engine.train_step(*b) if isinstance(b, tuple) else engine.train_step(**b) for b in mine]
+        tag = f"{a.tag}{sched}_m{M}"
+        ckpt = os.path.join(a.out, f"ckpt_{tag}")
+        losses = []
+        for i, b in enumerate(mine):
+            if a.checkpoint and i == SAVE_AT:
+                engine.save(ckpt)  # mid-run: the losses and weights after it are the uninterrupted run's
+            losses.append(step(engine, b))
         state = {k: v.clone() for k, v in engine.state_dict().items()}
         ev = mine[0]
         eval_loss = None
@@ -94,25 +103,23 @@ def run(a: argparse.Namespace) -> None:
                    os.path.join(a.out, f"{a.tag}{sched}_m{M}{f'_z{zero}' if len(zeros) > 1 else ''}_rank{dist.get_rank()}.pt"))
         dist.barrier()
         if a.checkpoint:
-            resume_check(a, model_name=a.model, world=world, cfg=cfg, batches=mine, tag=f"{a.tag}{sched}_m{M}")
+            resume_check(a, model_name=a.model, world=world, cfg=cfg, batches=mine, tag=tag, ckpt=ckpt,
+                         straight=losses[SAVE_AT:], straight_state=state)
+
+
+def step(engine: fxspeed.Engine, b) -> float:  # noqa: ANN001
+    return engine.train_step(*b) if isinstance(b, tuple) else engine.train_step(**b)
 
 
 def resume_check(a: argparse.Namespace, *, model_name: str, world: int, cfg: fxspeed.Config, batches: list,
-                 tag: str) -> None:
-    """Losses of steps 3.. of an uninterrupted run and of a fresh engine loaded from a step-2 checkpoint."""
-    step = lambda e, b: e.train_step(*b) if isinstance(b, tuple) else e.train_step(**b)  # noqa: E731
-    ckpt = os.path.join(a.out, f"ckpt_{tag}")
-    engine = fxspeed.compile(build_model(model_name), world, cfg, example_inputs=batches[0])
-    for b in batches[:2]:
-        step(engine, b)
-    engine.save(ckpt)
-    straight = [step(engine, b) for b in batches[2:]]
+                 tag: str, ckpt: str, straight: list[float], straight_state: dict[str, torch.Tensor]) -> None:
+    """The losses of steps SAVE_AT+1.. of the uninterrupted run (which saved `ckpt` after step SAVE_AT)
+    and of a fresh engine loaded from that checkpoint; whether their final weights are equal."""
     fresh = fxspeed.compile(build_model(model_name), world, cfg, example_inputs=batches[0])
     fresh.load(ckpt)
-    resumed = [step(fresh, b) for b in batches[2:]]
-    state = {k: v.clone() for k, v in fresh.state_dict().items()}
-    straight_state = engine.state_dict()  # a collective under a pipeline: once, not per key
-    same = all(torch.equal(v, straight_state[k]) for k, v in state.items())
+    resumed = [step(fresh, b) for b in batches[SAVE_AT:]]
+    state = {k: v.clone() for k, v in fresh.state_dict().items()}  # a collective under a pipeline: every rank
+    same = state.keys() == straight_state.keys() and all(torch.equal(v, straight_state[k]) for k, v in state.items())
     torch.save({"straight": straight, "resumed": resumed, "same_params": same},
                os.path.join(a.out, f"resume_{tag}_rank{dist.get_rank()}.pt"))
     dist.barrier()
