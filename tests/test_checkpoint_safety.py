@@ -334,7 +334,9 @@ def test_a_collective_called_on_one_rank_only_fails_fast_naming_the_method_and_b
     _run("--out", str(tmp_path))
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     for r in (r0, r1):
-        assert r["keys_added"] <= 0 and r["keys_left"] == [], "every call's store keys are deleted"
+        # Our 100 keys by name (the store's key count also moves with the launcher's own keys: it
+        # read +1 once on a loaded machine, so it is recorded but not asserted)
+        assert r["keys_left"] == [], "every call's store keys are deleted"
         assert r["both_50_calls_s"] < 5, r
         assert r["after"] == "ok" and r["again"] == "ok"
     assert r0["alone"].startswith("FxspeedError: engine.state_dict() is collective: every rank must call it "
