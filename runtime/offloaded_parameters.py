@@ -37,7 +37,7 @@ WRITES_IN_FLIGHT = 2
 class ParameterFiles:
     """The working shards `shards` (one flat tensor per bucket, all one dtype) kept in a file under
     `root`. After `offload()` their storages are empty; `write(k, values)` sets bucket k's shard,
-    `fetch(k)` reads it back (a new tensor), `read(k)` the same, synchronously."""
+    `fetch(k)` reads it back (a new tensor)."""
 
     def __init__(self, shards: Sequence[torch.Tensor], root: str, *, name: str) -> None:
         self.shards = list(shards)
@@ -133,10 +133,6 @@ class ParameterFiles:
         self.prefetch(then)
         fut.result()
         return buf.tensor[:self.shards[k].numel()]
-
-    def read(self, k: int) -> torch.Tensor:
-        """Bucket k's shard, read now (for a checkpoint or a gather outside the program)."""
-        return self.fetch(k)
 
     def _nbytes(self, k: int) -> int:
         return self.shards[k].numel() * self.dtype.itemsize
