@@ -270,11 +270,11 @@ class FlatParameters:
         why: docs/decisions/defer-parameter-gathers.md"""
         if self.master and self.store is None:
             with torch.no_grad():  # the rounded new weights: what the next step computes with
-                if self.files is not None:
-                    for k, master in enumerate(self.shards):
-                        self.files.write(k, master)
-                else:
+                if self.files is None:
                     torch._foreach_copy_(self.work_shards, self.shards)
+                else:
+                    for k, master in enumerate(self.shards):
+                        self._set_working_shard(k, master)
         if self.zero not in (1, 2) or self.world == 1:
             return
         if defer and self.gather_group is not None:

@@ -4,7 +4,8 @@ just ahead of its gather.
 
     between steps   file: [shard 0 | shard 1 | ...] (page-aligned regions, working precision)
                     memory: nothing (the FlatParameters' working-shard tensors keep their shape
-                    but their storage is resized to 0 bytes: reading one raises, never garbage)
+                    but their storage is resized to 0 bytes: reading one raises or faults,
+                    never returns stale values)
     in the program  w0 = fxspeed::fetch_shard(store, 0, then=1)   # waits for bucket 0's read,
                     a0 = exchange_gather(w0, N, g) ...             # starts bucket 1's
     after the step  the new working shards (the masters rounded) are written back, bucket by
