@@ -17,6 +17,12 @@ compile_step runs them in:
     offload_parameters       ZeRO-3 with parameter offload: shards read from files ahead of their gathers
     reuse_buffers            gathered / flattened buckets written into a few reused workspaces
 
+One more runs on one replica's training program when the engine asks for it
+(PassOptions.optimizer_store), after tensor parallelism and before the planner reads the program:
+
+    step_in_backward         the optimizer steps each bucket of parameters inside backward, and
+                             their gradients die there instead of being returned
+
 Three graph passes join the single-device list only when they have work (so the pass records of
 other programs are unchanged), and are disabled by name like the rest:
 
@@ -55,6 +61,7 @@ from .graph.normalize_graph import normalize_graph
 from .parallel.reduce_gradients import reduce_gradients
 from .memory.offload_parameters import offload_parameters
 from .memory.reuse_buffers import reuse_buffers
+from .memory.step_in_backward import step_in_backward
 from .graph.scale_loss import scale_loss
 from .parallel.shard_parameters import shard_parameters
 from .parallel.shard_tensors import shard_tensors
@@ -88,4 +95,4 @@ __all__ = ["ALL_PASSES", "DISTRIBUTED_PASSES", "PROGRAM_PASSES", "SINGLE_DEVICE_
            "accumulate_gradients_pass", "dedupe_tied_parameters", "default_pipeline", "eliminate_dead_code",
            "insert_casts", "keep_weights_low", "lower_schedule_pass", "normalize_graph", "program_pipeline", "reduce_gradients",
            "reuse_buffers", "scale_loss", "shard_parameters", "shard_tensors", "split_backward_pass", "split_stages_pass",
-           "wait_parameter_gathers"]
+           "step_in_backward", "wait_parameter_gathers"]

@@ -48,6 +48,8 @@ from fxspeed.planner.plan import Plan
 from fxspeed.runtime.executor import StepExecutor
 from fxspeed.runtime.flat_parameters import FlatParameters, gather_into
 from fxspeed.runtime.host_memory import release_freed_host_memory
+from fxspeed.runtime.step_in_backward import InBackwardSteps, in_layout_of
+from fxspeed.runtime.step_in_backward import register as register_steps
 from fxspeed.runtime.loss_scale import DynamicLossScaler
 from fxspeed.runtime.offloaded_optimizer import OffloadedAdam
 from fxspeed.runtime.offloaded_parameters import register
@@ -133,6 +135,8 @@ class Engine:
             self.stats["loss_scale"] = float(self.scaler.scale)
         # One stage: compiled programs by batch signature.
         self._executors: dict[tuple, StepExecutor] = {}
+        self._in_backward: InBackwardSteps | None = None
+        self._half_stepped = ""  # why training may not go on (a program failed mid-step); "" = it may
         self._first_fetch = -1  # parameter offload: the bucket the train program reads first
         # Pipeline: the program, this rank's runner, what it owns.
         self.schedule: Schedule | None = None
@@ -352,6 +356,14 @@ class Engine:
         spec = dataclasses.replace(_optimizer_spec(self.config), **self._offload_spec())
         self.optimizer, self.lr_scheduler = build_optimizer(tensors, spec)
         self._lr_set = [g["lr"] for g in self.optimizer.param_groups]
+        store = self.compiler.options.optimizer_store
+        if store:  # the training programs step this optimizer inside backward (passes/memory/step_in_backward)
+            if self._flat is not None:  # its tensors are flat buckets, not the Parameters the program names
+                raise FxspeedError("the optimizer steps flat parameter buckets, which a program cannot step inside "
+                                   "backward by parameter name; compile with Config(disable_passes="
+                                   "('step_in_backward',)) and report this configuration")
+            self._in_backward = InBackwardSteps(self.optimizer, self._params)
+            register_steps(store, self._in_backward)
 
     def _offload_root(self, what: str) -> str:
         """The directory the offloaded `what` ("optimizer" states, "parameters") go to on this
@@ -671,6 +683,9 @@ class Engine:
         if self._serving is not None:
             raise ConfigError("train_step: this engine was compiled for inference by fxspeed.serve (no optimizer); "
                               "use fxspeed.compile(model, ...) to train")
+        if self._half_stepped:
+            raise FxspeedError(self._half_stepped + "; load a checkpoint with engine.load (weights and optimizer states) "
+                               "to train on")
         if self.scaler is not None:
             self._scale.copy_(self.scaler.scale)
         if isinstance(self.optimizer, OffloadedAdam):
@@ -696,12 +711,16 @@ class Engine:
         grads: dict[str, torch.Tensor] = {}
         buckets: dict[int, torch.Tensor] = {}
         defer = False
+        if self._in_backward is not None:
+            # The program may step parameters while it runs: the lr rule is checked first.
+            self._check_lr_untouched()
+            self._in_backward.begin()
         for a, kw in split_batch(args, kwargs, k, key="grad_accum"):
             ex = self._executor(a, kw, train=True)
             defer = ex.program.signature.waits_for_parameters
             if not defer:
                 self.synchronize()
-            out = ex.run(tensor_leaves(a, kw))
+            out = self._run_stepping(ex, tensor_leaves(a, kw))
             total = out.loss if total is None else total + out.loss
             _accumulate(grads, out.grads)
             # Reduced buckets may be persistent buffers the next slice overwrites: copy them.
@@ -715,7 +734,11 @@ class Engine:
         for name, g in grads.items():
             # A tied weight the graph still feeds under several names gets one gradient per name.
             p = self._params[name]
-            p.grad = _in_layout_of(p, g if p.grad is None else p.grad + g)
+            if self._in_backward is not None and id(p) in self._in_backward.stepped:
+                raise FxspeedError(f"parameter {name!r} was stepped inside backward and is returned a gradient too (is "
+                                   "it tied to another name?); compile with Config(disable_passes="
+                                   "('step_in_backward',))")
+            p.grad = in_layout_of(p, g if p.grad is None else p.grad + g)
         if self._flat is not None:
             self._flat.set_grads(buckets)
         del grads, buckets  # free before the optimizer allocates its temporaries
@@ -725,6 +748,21 @@ class Engine:
             dist.all_reduce(total, group=self.dist.group)
             total /= self.dist.world
         return float(total)
+
+    def _run_stepping(self, ex: StepExecutor, batch: list[torch.Tensor]) -> Any:
+        """Run a training program. One that steps parameters inside backward and fails after
+        some of them moved leaves a half-stepped model: never trained on silently (the engine
+        refuses further steps until a checkpoint is loaded)."""
+        try:
+            return ex.run(batch)
+        except BaseException as e:
+            moved = len(self._in_backward.stepped) if self._in_backward is not None else 0
+            if not moved:
+                raise
+            self._half_stepped = (f"train_step {self.stats['steps']} failed ({type(e).__name__}: {e}) after the program "
+                                  f"had updated {moved} of {len(self._owned)} parameters inside backward, so the model "
+                                  "is partly stepped")
+            raise FxspeedError(self._half_stepped + "; load a checkpoint (engine.load) before training on") from e
 
     def _pipeline_step(self, args: tuple, kwargs: dict) -> float:
         self._compile_pipeline(args, kwargs)
@@ -774,7 +812,7 @@ class Engine:
             p = self._params[name]
             if self._grad_divisor != 1.0:
                 g = g / self._grad_divisor
-            p.grad = _in_layout_of(p, g if p.grad is None else p.grad + g)
+            p.grad = in_layout_of(p, g if p.grad is None else p.grad + g)
         for p in self._owned:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -1247,6 +1285,7 @@ class Engine:
         self._load_model_state(ck.model)
         self._load_canonical_optimizer_state(ck.optimizer)
         self._load_lr_schedule(ck.extra["lr_scheduler"])
+        self._half_stepped = ""  # weights and optimizer states are one consistent step again
         if self.scaler is not None and ck.extra.get("loss_scaler") is not None:
             self.scaler.load_state_dict(ck.extra["loss_scaler"])
             self._scale.copy_(self.scaler.scale)
@@ -1407,16 +1446,6 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         return torch.nn.utils.get_total_norm(grads, foreach=True)
     norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
     return torch.linalg.vector_norm(torch.stack(norms), 2.0)
-
-
-def _in_layout_of(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """`g` with `p`'s strides. The graph's gradient may come out in another layout (a
-    channels_last conv weight's gradient, a transposed view's); torch's fused and foreach
-    optimizers pair parameter and gradient elements by memory position, so a mismatch updates
-    the wrong elements without an error. Eager autograd keeps the same contract (AccumulateGrad)."""
-    if g.stride() == p.stride() or p.numel() <= 1:
-        return g
-    return torch.empty_like(p, dtype=g.dtype).copy_(g)
 
 
 _SCALARS = (bool, int, float, str)

@@ -136,11 +136,23 @@ def test_out_and_in_place_results_are_their_operands_storage_not_new_allocations
 
 def test_a_gradient_computed_by_a_matmul_and_returned_through_a_transpose_counts_as_a_gradient():
     model = nn.Linear(256, 128, bias=False)
-    plan = fxspeed.plan(model, 1, example_inputs=(torch.randn(4, 256),), loss_fn=lambda out, x: out.sum())
+    # (the gradient returned, not stepped inside backward: see the next test)
+    plan = fxspeed.plan(model, 1, fxspeed.Config(disable_passes=("step_in_backward",)),
+                        example_inputs=(torch.randn(4, 256),), loss_fn=lambda out, x: out.sum())
     assert plan.phase_memory["optimizer"][GRADIENTS] == 256 * 128 * F32
     # At the end of backward every gradient is alive: the liveness sees the full gradient bytes.
     tl = plan.timeline
     assert tl["bytes"][-2] >= 256 * 128 * F32 * 2  # the weight and its gradient
+
+
+def test_a_gradient_stepped_inside_backward_is_not_held_by_the_optimizer_phase_or_the_end_of_backward():
+    model = nn.Linear(256, 128, bias=False)
+    plan = fxspeed.plan(model, 1, example_inputs=(torch.randn(4, 256),), loss_fn=lambda out, x: out.sum())
+    assert [r["name"] for r in plan.passes if r["name"] == "step_in_backward" and r["modified"]]
+    assert plan.phase_memory["optimizer"][GRADIENTS] == 0
+    assert plan.phase_memory["optimizer"][OPTIMIZER_STATES] == 2 * 256 * 128 * F32  # still trainable: Adam's states
+    assert plan.timeline["bytes"][-1] < 256 * 128 * F32 * 2  # the gradient died at its step
+    assert any("inside backward" in n for n in plan.notes)
 
 
 # --------------------------------------------------------------------------------------------

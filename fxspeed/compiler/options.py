@@ -58,6 +58,10 @@ class PassOptions:
     # this rank's parameter files under (runtime/offloaded_parameters.py); the program reads each
     # shard from them ahead of its gather instead of taking it as an input. "" = shards are inputs.
     parameter_store: str = ""
+    # step_in_backward: the name the engine registers its optimizer under
+    # (runtime/step_in_backward.py); the program steps each bucket of parameters as soon as its
+    # gradients are final, instead of returning them. "" = gradients are outputs.
+    optimizer_store: str = ""
     # reuse_buffers: smallest buffer placed in a workspace (0: small buckets gain little, but one
     # code path for every size is then tested by every run)
     reuse_min_bytes: int = 0
@@ -168,7 +172,7 @@ class PassOptions:
         return dataclasses.replace(self, world_size=1, rank=0, zero=0, group_name="", scatter_via_all_reduce=False,
                                    gather_via_all_reduce=False, scatter_via_exchange=False,
                                    gather_via_exchange=False, reuse_grad_buckets=False, master_weights=False,
-                                   parameter_store="")
+                                   parameter_store="", optimizer_store="")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -202,7 +206,20 @@ def derive_options(config: Config, mesh: Any) -> PassOptions:
         # master goes to the offload file with the optimizer states (ZeRO-Offload's layout) or the
         # working copies go to theirs (ZeRO-Infinity's).
         master_weights=master_weights_wanted(config) and (mesh.dp > 1 or config.offload != "none"),
-        parameter_store=f"rank{mesh.rank}-{next(_STORE_IDS)}" if config.offloads_parameters else "")
+        parameter_store=f"rank{mesh.rank}-{next(_STORE_IDS)}" if config.offloads_parameters else "",
+        optimizer_store=f"rank{mesh.rank}-{next(_STORE_IDS)}" if steps_in_backward(config, mesh.dp) else "")
+
+
+def steps_in_backward(config: Config, replicas: int) -> bool:
+    """Whether the training program steps the optimizer inside backward (passes/memory/
+    step_in_backward.py): only where that is the same computation as one step at the end. Not
+    with gradient accumulation, clipping, fp16 loss scaling or Config.nan_check (each needs
+    every gradient before any update), an offloaded optimizer (it streams its states in its own
+    order), data parallelism (the gradients are reduced in buckets the engine owns), or a
+    pipeline (stages accumulate over micro-batches).
+    why: docs/decisions/step-in-backward.md"""
+    return (replicas == 1 and config.pipeline == 1 and config.grad_accum == 1 and config.grad_clip is None
+            and config.precision != "fp16" and config.nan_check == "off" and config.offload == "none")
 
 
 # Each engine's parameter files are registered under their own name (two engines in one process).

@@ -77,7 +77,7 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     cap = capture_step(model, args, kwargs, loss_fn=loss_fn, train=train)
     t1 = time.perf_counter()
     annotate = make_annotate_pass()
-    known = [*ALL_PASSES, recompute_checkpointed.name, fuse_kernels.name, chunk_cross_entropy.name,
+    known = [*ALL_PASSES, recompute_checkpointed.name, fuse_kernels.name, chunk_cross_entropy.name, "step_in_backward",
              *STAGE_PASS_NAMES, *(p.name for p in extra_passes)]
     ctx = PassContext(signature=cap.signature, module_of=cap.module_of, options=opts,
                       model_name=type(model).__name__)
@@ -105,6 +105,14 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
         gm = tp.ensure("annotate", tp.run(gm, ctx), ctx)
         records += tp.records
         distributed = [p for p in distributed if p is not shard_tensors]
+    if train and opts.optimizer_store:
+        # The optimizer steps inside backward (one replica only, so after tp's collectives and
+        # before the planner reads the program: gradients then die where they are stepped).
+        from fxspeed.passes import step_in_backward
+
+        steps = PassManager([step_in_backward], analyses=[annotate], disabled=config.disable_passes, known=known)
+        gm = steps.ensure("annotate", steps.run(gm, ctx), ctx)
+        records += steps.records
     costs = None
     if train and analyze is not None:
         costs = analyze(gm, cap.signature)
@@ -221,7 +229,7 @@ def compile_program(model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, 
                       model_name=type(model).__name__)
     pm = PassManager(PROGRAM_PASSES, disabled=config.disable_passes,
                      known=[*ALL_PASSES, recompute_checkpointed.name, "fuse_kernels", "chunk_cross_entropy",
-                            *(p.name for p in PROGRAM_PASSES)])
+                            "step_in_backward", *(p.name for p in PROGRAM_PASSES)])
     t0 = time.perf_counter()
     program = pm.run(DistributedProgram(cap.gm, cap.signature), ctx)
     if not program.stages or program.schedule is None:

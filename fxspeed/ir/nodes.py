@@ -124,6 +124,9 @@ class StepSignature:
     # Set by offload_parameters: the bucket whose shard the program reads from the parameter
     # files first (the runtime starts that read before running it); -1: none read.
     first_fetch: int = -1
+    # Set by step_in_backward: the parameters the program steps itself (their gradients are no
+    # longer outputs), in the order it steps them.
+    stepped_in_backward: list[str] = field(default_factory=list)
 
     def is_alias(self, name: str) -> bool:
         return name in self.tied
@@ -139,7 +142,8 @@ class StepSignature:
                 "tied": dict(self.tied), "buckets": [b.to_dict() for b in self.buckets],
                 "waits_for_parameters": self.waits_for_parameters,
                 "tp_layout": {k: list(v) for k, v in self.tp_layout.items()},
-                "working_dtype": self.working_dtype, "grad_dtype": self.grad_dtype, "first_fetch": self.first_fetch}
+                "working_dtype": self.working_dtype, "grad_dtype": self.grad_dtype, "first_fetch": self.first_fetch,
+                "stepped_in_backward": list(self.stepped_in_backward)}
 
 
 def info(node: fx.Node) -> NodeInfo:

@@ -125,6 +125,9 @@ class GraphCosts:
     # the fp32 masters of the trainable parameters, which the optimizer steps (0 otherwise)
     master_bytes: float = 0.0
     grad_bytes: float = 0.0  # the trainable parameters' gradients, as the program leaves them
+    # step_in_backward: gradients the program hands to the optimizer inside backward (freed there;
+    # not held during the optimizer phase after the program)
+    stepped_grad_bytes: float = 0.0
     # Tensor parallelism: every parameter's placement and the tp collectives' bytes per step
     # (placement.describe_placements of the tp rank's program)
     tp_placements: dict[str, str] = field(default_factory=dict)
@@ -154,6 +157,7 @@ class GraphCosts:
                           times=lin_d(self.times, two.times), timeline=two.timeline,
                           master_bytes=lin(self.master_bytes, two.master_bytes),
                           grad_bytes=lin(self.grad_bytes, two.grad_bytes),
+                          stepped_grad_bytes=lin(self.stepped_grad_bytes, two.stepped_grad_bytes),
                           tp_placements=collapse_blocks(two.tp_placements),
                           tp_communication=lin_d(self.tp_communication, two.tp_communication))
 
@@ -170,10 +174,13 @@ def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec
     params = {s.target: tensor_bytes(ph.meta.get("val")) for s, ph in owned}
     numel = {s.target: ph.meta["val"].numel() for s, ph in owned}
     full = {s.target: numel[s.target] * (tp if s.kind == "param_tp" else 1) for s, _ in owned}
-    trainable = {s.target for s in signature.outputs if s.kind == "grad" and s.target in params}
+    stepped = set(signature.stepped_in_backward) & set(params)
+    trainable = {s.target for s in signature.outputs if s.kind == "grad" and s.target in params} | stepped
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     grad_bytes = sum(tensor_bytes(o.meta.get("val")) for o, s in zip(out_node.args[0], signature.outputs)
                      if s.kind == "grad" and s.target in trainable and isinstance(o, fx.Node))
+    stepped_bytes = stepped_gradient_bytes(gm)
+    grad_bytes += stepped_bytes
     master = 4.0 * sum(numel[n] for n in trainable) if signature.working_dtype else 0.0
 
     tl = memory_timeline(gm, grad_scale)
@@ -194,7 +201,7 @@ def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec
         flops={k: float(v) for k, v in flops.items()},
         times={"forward": by_role.get("forward", 0.0), "backward": by_role.get("backward", 0.0)},
         timeline={"names": tl.names, "roles": tl.roles, "bytes": tl.totals, "gradients": tl.gradients},
-        master_bytes=master, grad_bytes=float(grad_bytes),
+        master_bytes=master, grad_bytes=float(grad_bytes), stepped_grad_bytes=float(stepped_bytes),
         tp_placements=placed[0], tp_communication={k: float(v) for k, v in placed[1].items()},
     )
 
@@ -222,6 +229,9 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     in_file = masters_in_file(costs, config)
     moved, budget_note = choose_offload(config, states, peak_resident, in_file)
     notes = [*(notes or []), *([budget_note] if budget_note else [])]
+    if costs.stepped_grad_bytes:
+        notes.append("the optimizer steps inside backward (step_in_backward): each bucket of gradients is freed "
+                     "once its parameters are updated, so the gradients are never all held at once")
     on_disk = moved + (costs.param_bytes / dp if config.offloads_parameters else 0)
     offloaded = {"disk": int(round(on_disk))} if on_disk else {}
     step = step_phase(costs.step, costs, config, dp, moved)
@@ -268,6 +278,13 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     )
 
 
+def stepped_gradient_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of the gradients the program's optimizer calls (fxspeed::step_parameters, put
+    there by step_in_backward) take."""
+    return sum(tensor_bytes(g.meta.get("val")) for n in gm.graph.nodes
+               if n.op == "call_function" and str(n.target) == "fxspeed.step_parameters.default" for g in n.args[3])
+
+
 def _optimizer_phase(costs: GraphCosts, config: Config, devices: Sequence[DeviceSpec], dp: int,
                      offloaded: float | None = None) -> dict[str, float]:
     """Rank bytes by category during the optimizer step (parameters, gradients, states, the
@@ -280,6 +297,8 @@ def _optimizer_phase(costs: GraphCosts, config: Config, devices: Sequence[Device
     # memory), or stay low-precision shards that the offloaded optimizer upcasts chunk by chunk.
     grads = (shard(costs.master_bytes, 1) if masters else shard(costs.grad_bytes or t_bytes, 1)) \
         if costs.master_bytes else shard(t_bytes, 2)
+    if costs.stepped_grad_bytes:  # stepped (and freed) inside backward; one replica, fp32 working weights
+        grads = max(0.0, grads - costs.stepped_grad_bytes)
     return {PARAMETERS: resident_parameters(costs, config, dp), GRADIENTS: grads,
             OPTIMIZER_STATES: resident_optimizer_states(config, states, offloaded, masters_in_file(costs, config))
             + masters,
@@ -529,6 +548,11 @@ def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, 
         from fxspeed.planner.placement import make_placement_analysis
 
         options = PassOptions.single_device(config, tp_size=config.tensor, tp_group_name="tp (planned)")
+    from fxspeed.compiler.options import steps_in_backward
+
+    if steps_in_backward(config, len(devices) // (config.tensor * config.pipeline)):
+        # what the engine's program does on one replica: the optimizer steps inside backward
+        options = {**(options.to_dict() if options is not None else {}), "optimizer_store": "(planned)"}
 
     def one() -> tuple[GraphCosts, list[dict]]:
         if config.tensor > 1:

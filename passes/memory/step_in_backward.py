@@ -1,0 +1,116 @@
+"""step_in_backward: the optimizer steps each bucket of parameters inside backward, as soon as
+the bucket's gradients are final and nothing later in the program reads those parameters; the
+gradients die there instead of living to the end of backward as outputs.
+
+    before:  ... gw2 = mm(gy2, x2) ... gx2 = mm(gy2, w2) ... gw1 = mm(gy1, x1) ...
+             return (loss, gw2, gw1)                          # grads held until the step
+    after:   ... gw2 = mm(gy2, x2) ... gx2 = mm(gy2, w2)
+             fxspeed.step_parameters(store, ["w2"], [w2], [gw2])   # after w2's last reader
+             ... gw1 = mm(gy1, x1)
+             fxspeed.step_parameters(store, ["w1"], [w1], [gw1])
+             return (loss,)
+
+A bucket is the gradients in the order backward produces them, up to bucket_bytes (one call of
+the optimizer per bucket, not per tensor). Its call goes after the last node that reads any of
+its parameters or a view of one (the update is in place: a later reader would see the new
+weights), and after its last gradient. Left as outputs, stepped by the engine after the program
+as before: a parameter the program returns or aliases into an output, a weight whose gradient
+comes out under two names (tied weights not merged). The engine only sets
+PassOptions.optimizer_store when one step at the end would be the same computation: one stage,
+one replica (no gradient buckets to reduce), no accumulation, clipping, loss scaling or NaN check
+(all need every gradient first), no offloaded optimizer.
+Options read: optimizer_store (empty: the pass does nothing), bucket_bytes.
+why: docs/decisions/step-in-backward.md
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
+from fxspeed.compiler.rewrite import output_node
+from fxspeed.runtime.step_in_backward import step_parameters_op
+
+
+@graph_pass("step_in_backward", invalidates=("annotate",))
+def step_in_backward(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    store = ctx.options.optimizer_store
+    sig = ctx.signature
+    g = gm.graph
+    out = output_node(gm)
+    values = list(out.args[0])
+    if not store or len(values) != len(sig.outputs):
+        return PassResult(gm, modified=False)
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    param_of = {spec.target: ph for spec, ph in zip(sig.inputs, placeholders) if spec.kind in ("param", "param_tp")}
+    order = {n: i for i, n in enumerate(g.nodes)}
+    canonical = [sig.tied.get(s.target, s.target) for s in sig.outputs]
+    grads = [(i, s.target, values[i]) for i, s in enumerate(sig.outputs)
+             if s.kind == "grad" and isinstance(values[i], fx.Node) and s.target in param_of
+             and canonical.count(canonical[i]) == 1]
+    eligible = []
+    for i, name, grad in grads:
+        last = _last_reader(param_of[name], order)
+        if last is not None:  # None: the parameter (or a view of it) is an output
+            eligible.append((i, name, grad, max(last, order[grad])))
+    if not eligible:
+        return PassResult(gm, modified=False)
+    eligible.sort(key=lambda e: order[e[2]])
+    buckets: list[list[tuple[int, str, fx.Node, int]]] = [[]]
+    size = 0
+    for e in eligible:
+        if buckets[-1] and size >= ctx.options.bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(e)
+        size += _bytes(e[2])
+    nodes = list(g.nodes)
+    stepped: list[str] = []
+    for bucket in buckets:
+        after = nodes[max(pos for *_, pos in bucket)]
+        names = [name for _, name, _, _ in bucket]
+        with g.inserting_after(after):
+            call = g.call_function(step_parameters_op, (store, names, [param_of[n] for n in names],
+                                                        [grad for _, _, grad, _ in bucket]))
+        call.meta["val"] = None
+        stepped += names
+    gone = {i for bucket in buckets for i, *_ in bucket}
+    out.args = (tuple(v for i, v in enumerate(values) if i not in gone),)
+    sig.outputs = [s for i, s in enumerate(sig.outputs) if i not in gone]
+    sig.stepped_in_backward = stepped
+    return PassResult(gm, modified=True)
+
+
+def _last_reader(param: fx.Node, order: dict[fx.Node, int]) -> int | None:
+    """Position of the last node reading `param` or any value that may share its storage (views,
+    elements of a view-returning op; an op whose schema is unknown counts as a view); None if
+    one of them is a program output."""
+    last = order[param]
+    seen, stack = {param}, [param]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u.op == "output":
+                return None
+            last = max(last, order[u])
+            if u not in seen and _may_alias(u):
+                seen.add(u)
+                stack.append(u)
+    return last
+
+
+def _may_alias(n: fx.Node) -> bool:
+    if n.target is operator.getitem:
+        return True  # an element of a value that aliases the parameter
+    schema = getattr(n.target, "_schema", None)
+    if schema is None:
+        return True
+    return any(r.alias_info is not None for r in schema.returns)
+
+
+def _bytes(n: fx.Node) -> int:
+    v = n.meta.get("val")
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0

@@ -1,0 +1,216 @@
+"""The optimizer step inside backward (passes/memory/step_in_backward.py): bit for bit the
+step at the end, never reading a parameter after updating it, and only where that holds."""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from hypothesis import given
+
+import fxspeed
+from fxspeed.compiler.options import steps_in_backward
+from fxspeed.compiler.pass_manager import PassContext
+from fxspeed.errors import FxspeedError
+from fxspeed.ir import IOSpec, StepSignature
+from fxspeed.models import GPT, GPTConfig
+from fxspeed.passes import step_in_backward
+from fxspeed.runtime.step_in_backward import step_parameters_op
+from tests.test_properties import SETTINGS, Spec, make, specs
+
+OFF = ("step_in_backward",)
+
+
+def gpt() -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, n_layer=2, n_head=2, n_embd=64, block_size=32))
+    x = torch.randint(0, 256, (4, 32))
+    return model, (x, torch.roll(x, 1, 1))
+
+
+def train(model: nn.Module, batches: list[tuple], steps: int = 3, **config) -> tuple[fxspeed.Engine, list[float]]:
+    engine = fxspeed.compile(model, 1, fxspeed.Config(**config), example_inputs=batches[0])
+    return engine, [engine.train_step(*batches[i % len(batches)]) for i in range(steps)]
+
+
+def program(engine: fxspeed.Engine):  # noqa: ANN201
+    return next(iter(engine._executors.values())).program
+
+
+def states(engine: fxspeed.Engine) -> list[torch.Tensor]:
+    return [t for s in engine.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+
+def assert_same_training(a: nn.Module, b: nn.Module, ea: fxspeed.Engine, eb: fxspeed.Engine) -> None:
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), name
+    sa, sb = states(ea), states(eb)
+    assert len(sa) == len(sb) and all(torch.equal(x, y) for x, y in zip(sa, sb))
+
+
+@pytest.mark.parametrize("config", [dict(optimizer="adamw", lr=1e-3, weight_decay=0.1),
+                                    dict(optimizer="adam", lr=1e-3, weight_decay=0.1, precision="bf16"),
+                                    dict(optimizer="sgd", lr=1e-2, momentum=0.9, lr_schedule="linear",
+                                         warmup_steps=1, total_steps=4)],
+                         ids=["adamw", "adam-bf16", "sgd-momentum-schedule"])
+def test_stepping_inside_backward_trains_bit_for_bit_like_one_step_at_the_end(config):
+    model, batch = gpt()
+    ref = copy.deepcopy(model)
+    engine, losses = train(model, [batch], **config)
+    ref_engine, ref_losses = train(ref, [batch], **config, disable_passes=OFF)
+    sig = program(engine).signature
+    assert len(sig.stepped_in_backward) == sum(1 for p in model.parameters() if p.requires_grad)
+    assert not [s for s in sig.outputs if s.kind == "grad"]  # every gradient stepped, none returned
+    assert engine._in_backward.calls >= 3 and program(ref_engine).signature.stepped_in_backward == []
+    assert losses == ref_losses
+    assert_same_training(model, ref, engine, ref_engine)
+
+
+def test_a_hugging_face_model_steps_inside_backward_bit_for_bit():
+    transformers = pytest.importorskip("transformers")  # an HF loss, GQA, RoPE, a tied-free head
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ref = copy.deepcopy(model)
+    batches = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (2, 2, 16))]
+
+    def run(m: nn.Module, off: tuple) -> tuple[fxspeed.Engine, list[float]]:
+        e = fxspeed.compile(m, 1, fxspeed.Config(lr=1e-3, disable_passes=off), example_inputs=batches[0])
+        return e, [e.train_step(**b) for b in batches]
+
+    (e1, l1), (e2, l2) = run(model, ()), run(ref, OFF)
+    assert program(e1).signature.stepped_in_backward and l1 == l2
+    assert_same_training(model, ref, e1, e2)
+
+
+@SETTINGS
+@given(specs)
+def test_no_parameter_is_read_after_the_call_that_steps_it_and_training_is_unchanged(s: Spec):
+    model, batches = make(s)
+    ref = copy.deepcopy(model)
+    engine, losses = train(model, [(b,) for b in batches], steps=2, lr=1e-2)
+    ref_engine, ref_losses = train(ref, [(b,) for b in batches], steps=2, lr=1e-2, disable_passes=OFF)
+    assert losses == ref_losses
+    assert_same_training(model, ref, engine, ref_engine)
+    prog = program(engine)
+    check_no_reader_after_its_step(prog.gm, prog.signature)
+    # every trainable Parameter stepped exactly once per step: in the graph or after it
+    returned = [s.target for s in prog.signature.outputs if s.kind == "grad"]
+    names = prog.signature.stepped_in_backward + returned
+    canon = [prog.signature.tied.get(n, n) for n in names]
+    assert len(set(canon)) == len({id(p) for p in model.parameters()})
+
+
+def check_no_reader_after_its_step(gm: fx.GraphModule, sig) -> None:  # noqa: ANN001
+    """The validator: after a step_parameters call, no node reads a parameter it stepped or a
+    value that may share that parameter's storage."""
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    for call in (n for n in nodes if n.target is step_parameters_op):
+        for p in call.args[2]:
+            aliases, stack = {p}, [p]
+            while stack:
+                for u in stack.pop().users:
+                    if u is call:
+                        continue
+                    assert order[u] < order[call], f"{u.name} reads {p.name} after {call.name} stepped it"
+                    schema = getattr(u.target, "_schema", None)
+                    if u not in aliases and (u.target is operator.getitem or schema is None
+                                             or any(r.alias_info is not None for r in schema.returns)):
+                        aliases.add(u)
+                        stack.append(u)
+
+
+@pytest.mark.parametrize("config", [dict(grad_clip=1.0), dict(grad_accum=2), dict(precision="fp16"),
+                                    dict(nan_check="skip")], ids=["clip", "accumulate", "fp16", "nan-check"])
+def test_configs_that_need_every_gradient_first_keep_the_step_at_the_end(config):
+    model, batch = gpt()
+    engine, _ = train(model, [batch], steps=1, **config)
+    assert program(engine).signature.stepped_in_backward == []
+    assert engine._in_backward is None
+
+
+def test_only_one_replica_of_one_stage_steps_inside_backward():
+    c = fxspeed.Config()
+    assert steps_in_backward(c, 1)
+    assert not steps_in_backward(c, 2)  # data parallel: the engine reduces buckets first
+    assert not steps_in_backward(fxspeed.Config(pipeline=2, microbatches=2), 1)
+
+
+def hand_graph(return_view: bool) -> tuple[fx.GraphModule, StepSignature]:
+    """w's gradient is produced first, w is read after it; with `return_view` a view of w is a
+    program output."""
+    aten = torch.ops.aten
+    g = fx.Graph()
+    w, x = g.placeholder("w"), g.placeholder("x")
+    w.meta["val"], x.meta["val"] = torch.empty(4, 4), torch.empty(2, 4)
+    gw = g.call_function(aten.mul.Tensor, (w, 2.0))
+    late = g.call_function(aten.mm.default, (x, g.call_function(aten.t.default, (w,))))
+    outs = [late, gw]
+    if return_view:
+        outs.append(g.call_function(aten.t.default, (w,)))
+    for n in g.nodes:
+        if n.op == "call_function":
+            n.meta["val"] = n.target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in n.args])
+    g.output(tuple(outs))
+    sig = StepSignature([IOSpec("param", "w"), IOSpec("input", "0")],
+                        [IOSpec("loss", "loss"), IOSpec("grad", "w"), *([IOSpec("output", "1")] if return_view else [])])
+    return fx.GraphModule(nn.Module(), g), sig
+
+
+def test_the_step_goes_after_the_last_reader_of_the_weight_or_its_views_not_after_its_gradient():
+    gm, sig = hand_graph(return_view=False)
+    res = step_in_backward(gm, PassContext(signature=sig, options={"optimizer_store": "s"}))
+    assert res.modified and sig.stepped_in_backward == ["w"] and [s.kind for s in sig.outputs] == ["loss"]
+    nodes = list(gm.graph.nodes)
+    call = next(n for n in nodes if n.target is step_parameters_op)
+    mm = next(n for n in nodes if n.target is torch.ops.aten.mm.default)
+    assert nodes.index(call) > nodes.index(mm)
+    check_no_reader_after_its_step(gm, sig)
+
+
+def test_a_weight_a_program_output_aliases_is_left_to_the_step_after_the_program():
+    gm, sig = hand_graph(return_view=True)
+    res = step_in_backward(gm, PassContext(signature=sig, options={"optimizer_store": "s"}))
+    assert not res.modified and sig.stepped_in_backward == [] and len(sig.outputs) == 3
+
+
+def test_an_lr_changed_behind_the_schedule_is_refused_before_any_parameter_moves():
+    model, batch = gpt()
+    engine, _ = train(model, [batch], steps=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.optimizer.param_groups[0]["lr"] = 0.5
+    with pytest.raises(FxspeedError, match="lr_schedule='manual'"):
+        engine.train_step(*batch)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_a_program_failing_after_some_parameters_moved_stops_training_until_a_checkpoint_is_loaded(tmp_path):
+    model, batch = gpt()
+    engine, _ = train(model, [batch], steps=1, bucket_mb=0.01)  # small buckets: several calls per step
+    engine.save(tmp_path / "ck")
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    steps = engine._in_backward
+    real, calls = steps.step, []
+
+    def fail_on_the_second_bucket(names, grads):  # noqa: ANN001
+        calls.append(names)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory (simulated)")
+        real(names, grads)
+
+    steps.step = fail_on_the_second_bucket
+    with pytest.raises(FxspeedError, match="partly stepped") as err:
+        engine.train_step(*batch)
+    assert isinstance(err.value.__cause__, RuntimeError)
+    steps.step = real
+    with pytest.raises(FxspeedError, match="engine.load"):
+        engine.train_step(*batch)  # refused: never trains on a half-stepped model
+    engine.load(tmp_path / "ck")
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    engine.train_step(*batch)
