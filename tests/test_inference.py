@@ -41,6 +41,14 @@ def _hf(name: str) -> torch.nn.Module:
         cfg = transformers.GPTNeoXConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                                          num_attention_heads=4, rotary_pct=0.5, initializer_range=0.2, **common)
         return transformers.GPTNeoXForCausalLM(cfg).eval()
+    if name == "qwen2":  # GQA with biased q/k/v projections
+        cfg = transformers.Qwen2Config(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                       num_key_value_heads=2, initializer_range=0.2, **common)
+        return transformers.Qwen2ForCausalLM(cfg).eval()
+    if name == "phi":  # partial rotary, attention and MLP in parallel from one norm
+        cfg = transformers.PhiConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                     partial_rotary_factor=0.5, initializer_range=0.2, **common)
+        return transformers.PhiForCausalLM(cfg).eval()
     if name == "opt":
         cfg = transformers.OPTConfig(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=4,
                                      word_embed_proj_dim=32, init_std=0.2, **common)
@@ -62,7 +70,7 @@ def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return (out if isinstance(out, torch.Tensor) else out.logits)[0]
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "fxspeed_gpt", "mistral", "neox", "opt"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "fxspeed_gpt", "mistral", "neox", "opt", "qwen2", "phi"])
 def test_greedy_tokens_equal_hugging_face_generate_over_a_mixed_length_batch(name):
     model = _gpt() if name == "fxspeed_gpt" else _hf(name)
     engine = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
