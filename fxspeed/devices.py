@@ -28,6 +28,9 @@ class DeviceSpec:
     mem_bandwidth: float = 0.0  # bytes/s
     link_bandwidth: float = 0.0  # bytes/s per direction between devices
     kind: str = "cuda"  # torch device type this runs on
+    # bytes/s of the local disk Config.nvme_path is on (reads and writes together); 0 = unknown,
+    # and the plan's step time then has no disk term
+    disk_bandwidth: float = 0.0
 
     def peak_flops(self, dtype: str = "fp32") -> float:
         return self.flops.get(dtype, self.flops.get("fp32", 1.0))
@@ -43,7 +46,10 @@ class DeviceSpec:
 PRESETS: dict[str, DeviceSpec] = {
     # A 2-core CPU box with ~24 GB; FLOP/s and bandwidth measured order-of-magnitude on such
     # machines (fp32 GEMM ~ 1e11, STREAM-like copy ~ 1e10 B/s, loopback gloo ~ 2e9 B/s).
-    "cpu": DeviceSpec("cpu", 24 * GB, {"fp32": 1.0e11, "bf16": 0.5e11, "fp16": 0.25e11}, 1.0e10, 2.0e9, "cpu"),
+    # disk: dd with O_DIRECT 16 MiB blocks 1.7 GB/s write, 1.9 GB/s read here; the offload files see
+    # less (64 MiB chunks beside compute): 1.0e9 reads + writes together
+    "cpu": DeviceSpec("cpu", 24 * GB, {"fp32": 1.0e11, "bf16": 0.5e11, "fp16": 0.25e11}, 1.0e10, 2.0e9, "cpu",
+                      1.0e9),
     "A100-80GB": DeviceSpec("A100-80GB", 80 * GB, {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
                             2.039e12, 300e9, "cuda"),
     "H100-80GB": DeviceSpec("H100-80GB", 80 * GB, {"fp32": 67e12, "tf32": 494e12, "bf16": 989e12, "fp16": 989e12},

@@ -356,3 +356,24 @@ def test_a_tensor_parallel_plan_is_one_tp_ranks_program_its_slices_and_its_share
         assert 1 / t <= share <= 1 / t + 0.03, (t, share)
         assert plan.memory()[OPTIMIZER_STATES] == 2 * plan.memory()[PARAMETERS]
     assert any("tp rank 0's program" in note for note in plans[2].notes)
+
+
+def test_the_offload_files_add_the_disk_time_that_does_not_fit_behind_compute_and_the_optimizer(tmp_path):
+    from fxspeed.devices import DeviceSpec
+    from fxspeed.planner.estimate import disk_time
+
+    disk = DeviceSpec("d", 1e9, {"fp32": 1e11}, 1e10, 1e9, "cpu", disk_bandwidth=1e9)
+    # states: read + written behind the optimizer's 1 s; shards: read twice behind 3 s of compute, written once
+    assert disk_time(fxspeed.Config(), disk, 2e9, 0, compute=3.0, t_opt=1.0) == pytest.approx(3.0)
+    assert disk_time(fxspeed.Config(), disk, 0, 1e9, compute=3.0, t_opt=1.0) == pytest.approx(0.0)
+    assert disk_time(fxspeed.Config(), disk, 0, 2e9, compute=3.0, t_opt=1.0) == pytest.approx(1.0 + 1.0)
+    unknown = DeviceSpec("d", 1e9, {"fp32": 1e11}, 1e10, 1e9, "cpu")
+    assert disk_time(fxspeed.Config(), unknown, 2e9, 2e9, compute=0.0, t_opt=0.0) == 0.0
+
+    model = GPT(GPTConfig.preset("small"))
+    ids = torch.zeros(2, 64, dtype=torch.long)
+    plain = fxspeed.plan(model, 1, fxspeed.Config(), example_inputs=(ids, ids))
+    off = fxspeed.plan(model, 1, fxspeed.Config(offload="optimizer", nvme_path=str(tmp_path)), example_inputs=(ids, ids))
+    assert "disk" not in plain.time and off.time["disk"] > 0
+    assert off.time["total"] == pytest.approx(plain.time["total"] + off.time["disk"])
+    assert "+ disk" in off.summary()

@@ -19,8 +19,11 @@ import torch.fx as fx
 
 META_KEY = "fxspeed"
 
-# Roles of a node in the training step.
-FORWARD, BACKWARD, IO = "forward", "backward", "io"
+# Roles of a node in the training step. STEP: the optimizer's update inside the program
+# (passes/memory/step_in_backward.py); its time is the plan's optimizer time, not backward's.
+FORWARD, BACKWARD, IO, STEP = "forward", "backward", "io", "step"
+# the op step_in_backward calls (by name: the IR does not import the runtime that defines it)
+STEP_PARAMETERS_OP = "fxspeed.step_parameters.default"
 
 # Memory categories (plan.memory breaks the peak down by these).
 PARAMETERS = "parameters"
@@ -166,4 +169,4 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-__all__ = ['META_KEY', 'FORWARD', 'BACKWARD', 'IO', 'PARAMETERS', 'GRADIENTS', 'OPTIMIZER_STATES', 'ACTIVATIONS', 'TEMPORARIES', 'BUFFERS', 'INPUTS', 'COMM_BUFFERS', 'CATEGORIES', 'NodeInfo', 'IOSpec', 'Bucket', 'StepSignature', 'info', 'tensor_bytes', 'dtype_name']
+__all__ = ['META_KEY', 'FORWARD', 'BACKWARD', 'IO', 'STEP', 'STEP_PARAMETERS_OP', 'PARAMETERS', 'GRADIENTS', 'OPTIMIZER_STATES', 'ACTIVATIONS', 'TEMPORARIES', 'BUFFERS', 'INPUTS', 'COMM_BUFFERS', 'CATEGORIES', 'NodeInfo', 'IOSpec', 'Bucket', 'StepSignature', 'info', 'tensor_bytes', 'dtype_name']

@@ -32,7 +32,7 @@ from fxspeed.config import Config
 from fxspeed.planner.cost_model import estimate_times, optimizer_time
 from fxspeed.devices import DeviceSpec
 from fxspeed.ir import (BUFFERS, CATEGORIES, COMM_BUFFERS, GRADIENTS, INPUTS, META_KEY, OPTIMIZER_STATES, PARAMETERS,
-                 TEMPORARIES, StepSignature, tensor_bytes)
+                        STEP_PARAMETERS_OP, TEMPORARIES, StepSignature, tensor_bytes)
 from fxspeed.planner.memory import memory_timeline
 from fxspeed.planner.placement import PlacementAnalysis, collapse_blocks, describe_placements
 from fxspeed.planner.plan import Plan, layout_text
@@ -247,6 +247,8 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     comm_bytes = sum(communication.values())
     t_comm = comm_bytes / dev.link_bandwidth if dp > 1 and dev.link_bandwidth else 0.0
     fwd, bwd = costs.times.get("forward", 0.0), costs.times.get("backward", 0.0)
+    t_disk = disk_time(config, dev, moved, costs.param_bytes / dp if config.offloads_parameters else 0.0,
+                       compute=fwd + bwd, t_opt=t_opt)
     flops = {"forward": int(round(costs.flops.get("forward", 0))), "backward": int(round(costs.flops.get("backward", 0)))}
     flops["total"] = flops["forward"] + flops["backward"]
 
@@ -267,7 +269,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
         strategy={"dp": dp, "zero": z, "pp": pp, "tp": tp, "precision": config.precision, "optimizer": config.optimizer},
         rank_memory=[dict(peak) for _ in range(n)], peak_phase=[phase] * n,
         time={"forward": fwd, "backward": bwd, "optimizer": t_opt, "communication": t_comm,
-              "total": fwd + bwd + t_opt + t_comm},
+              **({"disk": t_disk} if t_disk else {}), "total": fwd + bwd + t_opt + t_comm + t_disk},
         flops=flops, passes=passes, timeline=timeline,
         notes=list(notes or []), zero_formula=[int(formula)] * n,
         phase_memory={"step": step_i, "optimizer": opt_i}, model_states=model_states,
@@ -278,11 +280,26 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     )
 
 
+def disk_time(config: Config, device: DeviceSpec, states: float, shards: float, *, compute: float,
+              t_opt: float) -> float:
+    """Seconds of a step the offload files add (at device.disk_bandwidth; 0 when unknown).
+    Optimizer states (`states` bytes, masters included) are read and written once a step while
+    the optimizer steps the chunks before them; working parameter shards (`shards` bytes) are
+    read twice (forward and backward, ahead of their gathers, so behind the compute) and written
+    once (the step's new values). What does not fit behind the work it overlaps is added."""
+    bw = device.disk_bandwidth
+    if not bw or not (states or shards):
+        return 0.0
+    behind_compute = 2 * shards / bw
+    behind_step = (2 * states + shards) / bw
+    return max(0.0, behind_compute - compute) + max(0.0, behind_step - t_opt)
+
+
 def stepped_gradient_bytes(gm: fx.GraphModule) -> int:
     """Bytes of the gradients the program's optimizer calls (fxspeed::step_parameters, put
     there by step_in_backward) take."""
     return sum(tensor_bytes(g.meta.get("val")) for n in gm.graph.nodes
-               if n.op == "call_function" and str(n.target) == "fxspeed.step_parameters.default" for g in n.args[3])
+               if n.op == "call_function" and str(n.target) == STEP_PARAMETERS_OP for g in n.args[3])
 
 
 def _optimizer_phase(costs: GraphCosts, config: Config, devices: Sequence[DeviceSpec], dp: int,

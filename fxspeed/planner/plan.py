@@ -132,8 +132,9 @@ class Plan:
             lines.append("  communication per step: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in self.communication.items()))
         t = self.time
         bubble = f" + bubble {t['bubble'] * 1e3:,.2f}" if "bubble" in t else ""
+        disk = f" + disk {t['disk'] * 1e3:,.2f}" if t.get("disk") else ""
         lines += ["", f"time per step (predicted): {t['total'] * 1e3:,.2f} ms = forward {t['forward'] * 1e3:,.2f} + "
-                  f"backward {t['backward'] * 1e3:,.2f}{bubble} + optimizer {t['optimizer'] * 1e3:,.2f} + comm {t['communication'] * 1e3:,.2f}",
+                  f"backward {t['backward'] * 1e3:,.2f}{bubble} + optimizer {t['optimizer'] * 1e3:,.2f} + comm {t['communication'] * 1e3:,.2f}{disk}",
                   f"FLOPs per step: {self.flops['total'] / 1e12:,.3f} TFLOP (forward {self.flops['forward'] / 1e12:,.3f})"]
         if self.pipeline:
             pp = self.pipeline
