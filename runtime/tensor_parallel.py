@@ -8,7 +8,11 @@ engine traces another program (the tracer needs the full shapes).
 
 Slice layout (the same one passes/parallel/shard_tensors.py takes in the graph): the dim is read
 as `blocks` equal blocks, each split into T contiguous pieces; rank t holds piece t of every
-block, concatenated.
+block, concatenated. A layout `(dim, (blocks, rep))` splits each block into T / rep pieces only,
+piece k held by the `rep` ranks k*rep .. k*rep+rep-1 (rank t: piece t // rep): grouped-query
+attention's key/value weights with fewer key/value heads than ranks. Their full value is rebuilt
+from one copy of each piece; their gradients are equal on the ranks of a group (the program
+all-reduces them), so the clip norm counts them on the group's first rank only.
 """
 
 from __future__ import annotations
@@ -24,18 +28,29 @@ from fxspeed.runtime.host_memory import release_freed_host_memory
 
 
 
-def take_slice(full: torch.Tensor, dim: int, blocks: int, rank: int, T: int) -> torch.Tensor:
+def split_of(blocks: int | tuple[int, int]) -> tuple[int, int]:
+    """(blocks, rep) from a layout's second entry: `blocks`, or `(blocks, rep)` for a split over
+    groups of `rep` ranks."""
+    return (int(blocks[0]), int(blocks[1])) if isinstance(blocks, (tuple, list)) else (int(blocks), 1)
+
+
+def take_slice(full: torch.Tensor, dim: int, blocks: int | tuple[int, int], rank: int, T: int) -> torch.Tensor:
     """Rank `rank`'s slice of `full`, in a storage of its own: a row slice is already contiguous,
     and `.contiguous()` would return a view that keeps the whole tensor's storage alive (each S(0)
     Parameter held its full weight: 134 MB per rank on the 109M benchmark GPT)."""
+    blocks, rep = split_of(blocks)
+    T, rank = T // rep, rank // rep
     n = full.shape[dim]
     m = n // (blocks * T)
     pieces = [full.narrow(dim, k * (n // blocks) + rank * m, m) for k in range(blocks)]
     return torch.cat(pieces, dim) if blocks > 1 else pieces[0].clone(memory_format=torch.contiguous_format)
 
 
-def join_slices(parts: list[torch.Tensor], dim: int, blocks: int) -> torch.Tensor:
-    """The full tensor from every rank's slice (rank order)."""
+def join_slices(parts: list[torch.Tensor], dim: int, blocks: int | tuple[int, int]) -> torch.Tensor:
+    """The full tensor from every rank's slice (rank order; of a split over groups, one copy of
+    each piece is used: the first rank's of each group)."""
+    blocks, rep = split_of(blocks)
+    parts = parts[::rep]
     if blocks == 1:
         return torch.cat(parts, dim)
     per = [p.chunk(blocks, dim) for p in parts]
@@ -47,7 +62,8 @@ class TensorParallelParameters:
 
     def __init__(self, group: Any, rank: int, size: int):
         self.group, self.rank, self.size = group, rank, size
-        self.layout: dict[int, tuple[nn.Parameter, int, int, tuple[int, ...]]] = {}  # id -> (p, dim, blocks, full)
+        # id -> (p, dim, blocks, full); blocks is (blocks, rep) for a split over groups of ranks
+        self.layout: dict[int, tuple[nn.Parameter, int, Any, tuple[int, ...]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self.layout)
@@ -78,8 +94,9 @@ class TensorParallelParameters:
         e = self.layout.get(id(p))
         if e is None:
             return None
-        _, dim, _, full = e
-        return tuple(n // self.size if d == dim else n for d, n in enumerate(full))
+        _, dim, blocks, full = e
+        pieces = self.size // split_of(blocks)[1]
+        return tuple(n // pieces if d == dim else n for d, n in enumerate(full))
 
     def full_shape(self, p: torch.Tensor) -> tuple[int, ...] | None:
         e = self.layout.get(id(p))
@@ -133,10 +150,16 @@ class TensorParallelParameters:
             if any(p.device.type == "cpu" for p, *_rest in self.layout.values()):
                 release_freed_host_memory()  # the gathered copies
 
+    def counted(self, p: torch.Tensor) -> bool:
+        """Whether this rank counts sliced Parameter `p`'s gradient in a norm over the tp group: its
+        own slice, or, of a slice its group of ranks shares, on the group's first rank."""
+        e = self.layout.get(id(p))
+        return e is not None and self.rank % split_of(e[2])[1] == 0
+
     def squared_norm(self, grads: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Sum of squared gradient entries over the whole model: slices summed over the tp group,
-        replicated gradients counted once."""
-        sliced = [g.float().pow(2).sum() for p, g in grads if id(p) in self.layout]
+        """Sum of squared gradient entries over the whole model: slices summed over the tp group
+        (a slice shared by a group of ranks once), replicated gradients counted once."""
+        sliced = [g.float().pow(2).sum() for p, g in grads if self.counted(p)]
         whole = [g.float().pow(2).sum() for p, g in grads if id(p) not in self.layout]
         dev = grads[0][1].device if grads else torch.device("cpu")
         s = torch.stack(sliced).sum() if sliced else torch.zeros((), device=dev)

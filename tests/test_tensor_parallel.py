@@ -420,8 +420,8 @@ def test_vocabulary_parallel_embedding_head_and_cross_entropy_equal_the_single_d
 def _rank_programs(model: nn.Module, args: tuple, T: int, full: dict[str, torch.Tensor],
                    device: DeviceSpec | None = None, fixed: dict | None = None,
                    sequence_parallel: bool = False) -> tuple[list, list, list]:
-    """Every tp rank's compiled program, its inputs (its slices of `full`, the batch `args`) and
-    signature."""
+    """Every tp rank's compiled program, its inputs (its slices of `full`, parameters and buffers
+    by name, the batch `args`) and signature."""
     from fxspeed.runtime.tensor_parallel import take_slice
 
     programs, inputs, sigs = [], [], []
@@ -433,7 +433,7 @@ def _rank_programs(model: nn.Module, args: tuple, T: int, full: dict[str, torch.
             if s.kind == "param_tp":
                 ins.append(take_slice(full[s.target].detach(), *sig.tp_layout[s.target], rank, T))
             else:
-                ins.append(full[s.target].detach() if s.kind == "param" else args[int(s.target)])
+                ins.append(full[s.target].detach() if s.kind in ("param", "buffer") else args[int(s.target)])
         programs.append(cs.captured.gm)
         inputs.append(ins)
         sigs.append(sig)
@@ -480,6 +480,79 @@ def test_the_collectives_per_block_are_megatrons_two_forward_two_backward() -> N
     assert placed["transformer.h.0.attn.c_proj.weight"] == "S(0)"
     assert placed["transformer.h.1.mlp.c_fc.weight"] == "S(1)"
     assert placed["transformer.h.1.mlp.c_proj.weight"] == "S(0)"
+
+
+class _Llama(nn.Module):
+    """LlamaForCausalLM (4 query heads, `kv` key/value heads) called positionally."""
+
+    def __init__(self, kv: int, layers: int) -> None:
+        super().__init__()
+        import transformers
+
+        self.m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_hidden_layers=layers, hidden_size=256, num_attention_heads=4, num_key_value_heads=kv,
+            intermediate_size=512, vocab_size=2048, max_position_embeddings=16, use_cache=False))
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.m(input_ids=ids, labels=labels).loss
+
+
+@pytest.mark.parametrize("kv,T,layers", [(2, 4, 2), (1, 2, 1), (1, 4, 1)])
+def test_fewer_key_value_heads_than_ranks_replicate_each_over_its_group_with_megatrons_collectives(
+        kv: int, T: int, layers: int) -> None:
+    """Grouped-query attention with fewer key/value heads than ranks (Llama, 4 query heads): the
+    solver (cpu device model, width 256) finds Megatron's layout with each key/value head
+    replicated over the T / kv ranks whose query heads read it: q column-parallel S(0), k and v
+    split over kv groups S(0, rep=T/kv) (MQA: rep=T, every rank holds them whole, a plain
+    input), attention by heads, o row-parallel S(1). The rank programs in lockstep give the
+    single-device loss and every gradient; the ranks of a group agree on their shared k/v
+    gradient slice (each rank's query heads give a partial sum of it: summed over the group by
+    the program, else the copies would drift apart silently). kv=2 at T=4: per block exactly 2
+    all-reduces of [tokens, hidden] forward and 2 backward (Megatron's), plus one all-reduce per
+    k/v gradient (the group sum, zero-padded to the whole [kv*hd, D]), no all-gather."""
+    from fxspeed.ir import FORWARD, info
+
+    torch.manual_seed(0)
+    model = _Llama(kv, layers)
+    x, y = torch.randint(0, 2048, (2, 16)), torch.randint(0, 2048, (2, 16))
+    full = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    loss = model(x, y)
+    loss.backward()
+    _, analysis = _compile(model, (x, y), {}, T)
+    placed = {k: str(v) for k, v in analysis.params.items()}
+    rep = T // kv
+    want = {"q_proj": "S(0)", "k_proj": f"S(0,rep={rep})", "v_proj": f"S(0,rep={rep})", "o_proj": "S(1)",
+            "gate_proj": "S(0)", "up_proj": "S(0)", "down_proj": "S(1)"}
+    for b in range(layers):
+        for short, p in want.items():
+            name = f"m.model.layers.{b}.{'self_attn' if short.endswith('_proj') and short[0] in 'qkvo' else 'mlp'}.{short}.weight"
+            assert placed.get(name) == p, f"{name}: {placed.get(name)}, Megatron's is {p} ({placed})"
+    programs, inputs, sigs = _rank_programs(model, (x, y), T, full, fixed=analysis.params)  # solved once
+    layout = sigs[0].tp_layout
+    k0 = "m.model.layers.0.self_attn.k_proj.weight"
+    assert layout.get(k0) == ((0, (1, rep)) if rep < T else None), layout  # MQA: whole, not a slice
+    losses, grads = _lockstep_outputs(programs, inputs, sigs)
+    for got in losses:
+        torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)
+    for target, (g, parts, lay) in grads.items():
+        want_g = full[target].grad
+        err = float((g - want_g).norm() / want_g.norm().clamp_min(1e-12))
+        assert err <= 1e-5, f"gradient of {target}: relative error {err:.1e}"
+        group = lay[1][1] if lay and isinstance(lay[1], tuple) else (T if not lay else 1)
+        for r in range(T):  # a shared slice (or a whole weight) has the same gradient on its ranks
+            torch.testing.assert_close(parts[r], parts[r - r % group], rtol=0, atol=0, msg=f"{target} rank {r}")
+    if (kv, T) == (2, 4):
+        gm = programs[0]
+        tokens = x.numel() * 256
+        reduces = [n for n in gm.graph.nodes if n.target == c10d.all_reduce.default]
+        big = [n for n in reduces if n.meta["val"].numel() == tokens]
+        forward = [n for n in big if info(n).role == FORWARD]
+        # + 1 each way outside the blocks: the vocabulary-parallel embedding, the head's input gradient
+        assert len(forward) == 2 * layers + 1 and len(big) - len(forward) == 2 * layers + 1, \
+            [(n.meta["val"].shape, info(n).role) for n in reduces]
+        kv_grads = [n for n in reduces if tuple(n.meta["val"].shape) == (kv * 64, 256)]
+        assert len(kv_grads) == 2 * layers and all(info(n).role != FORWARD for n in kv_grads)
+        assert not [n for n in gm.graph.nodes if n.target == c10d.all_gather_into_tensor.default]
 
 
 def test_the_layout_is_a_cost_decision_slow_links_keep_weights_whole_slow_compute_shards_them() -> None:

@@ -7,7 +7,16 @@ ranks:
     S(d, b)    sharded on dim d: the dim is read as b equal blocks and each block is split into T
                contiguous pieces, rank t holding piece t of every block (b > 1 is how a fused QKV
                projection [D, 3D] is split so that q, k and v each come out sharded by heads)
+    S(d, b, r) sharded over groups (rep=r > 1): each block split into T/r pieces, piece g held by
+               the r consecutive ranks g*r .. g*r+r-1 (rank t holds piece t // r). Grouped-query
+               attention with fewer key/value heads than ranks: the k/v weights are S(0, rep=T/kv),
+               one key/value head per group of ranks, repeated for the query heads of each rank
     P          partial sum: every rank holds a full-shape tensor, the value is their sum
+    PS(d, b, r) partial sums within groups: laid out as S(d, b, r), and the value of piece g is the
+               sum over the r ranks of group g (the gradient of a k/v head from each rank's query
+               heads); made for free from S(d, b) by zero-padding each rank's piece into its
+               group's, turned into P for free by zero-padding, and into R/S by one all-reduce of
+               the padded value (passes/parallel/shard_tensors.py)
 
 Propagation is per op, from the placements of its inputs (`_strategies`): each op offers the
 placements it can run on (a matmul column-parallel, row-parallel into P, attention by heads,
@@ -68,22 +77,39 @@ PARAMS_KEY = "fxspeed_tp_params"
 
 @dataclass(frozen=True)
 class Placement:
-    kind: str  # "R" | "S" | "P"
+    kind: str  # "R" | "S" | "P" | "PS"
     dim: int = 0
     blocks: int = 1
+    rep: int = 1  # S/PS: each piece held by `rep` consecutive ranks (T / rep pieces per block)
 
     def __str__(self) -> str:
-        if self.kind == "S":
-            return f"S({self.dim})" if self.blocks == 1 else f"S({self.dim},blocks={self.blocks})"
+        if self.kind in ("S", "PS"):
+            extra = (f",blocks={self.blocks}" if self.blocks > 1 else "") + (f",rep={self.rep}" if self.rep > 1 else "")
+            return f"{self.kind}({self.dim}{extra})"
         return self.kind
+
+    def pieces(self, T: int) -> int:
+        """How many distinct pieces each block of the sharded dim is cut into over T ranks."""
+        return T // self.rep
+
+    def at(self, dim: int, blocks: int | None = None) -> "Placement":
+        """The same kind of shard (and replication) on another dim."""
+        return Placement(self.kind, dim, self.blocks if blocks is None else blocks, self.rep)
 
 
 R = Placement("R")
 P = Placement("P")
 
 
-def S(dim: int, blocks: int = 1) -> Placement:
-    return Placement("S", dim, blocks)
+def S(dim: int, blocks: int = 1, rep: int = 1) -> Placement:
+    return Placement("S", dim, blocks, rep)
+
+
+def PS(dim: int, blocks: int = 1, rep: int = 1) -> Placement:
+    return Placement("PS", dim, blocks, rep)
+
+
+_SHARDS = ("S", "PS")
 
 
 # A parameter kept whole and never sliced by its readers (a search option: e.g. an LM head
@@ -131,6 +157,10 @@ VOCAB = "vocab"
 # Matmuls whose output is split into k equal parts downstream (a fused QKV projection): a
 # weight sliced for them is sliced in k blocks. Set by solve.
 _PREFER: dict[fx.Node, int] = {}
+# Matmuls whose output is repeated for grouped-query attention with kv < T key/value heads (the
+# k and v projections): a weight sliced for them is sliced over groups of T / kv ranks, so each
+# rank holds its query heads' key/value head. Set by solve.
+_PREFER_REP: dict[fx.Node, int] = {}
 # embedding_dense_backward nodes whose gradient goes to a table placed S(0) in the assignment
 # being propagated: only they run vocabulary-parallel (elsewhere their sharded output would be
 # gathered again). Set by propagate.
@@ -149,16 +179,33 @@ def _shape(n: Any) -> tuple[int, ...] | None:
 
 
 def _valid(p: Placement, shape: tuple[int, ...] | None, T: int) -> bool:
-    if p.kind != "S":
+    if p.kind not in _SHARDS:
         return True
-    return shape is not None and 0 <= p.dim < len(shape) and shape[p.dim] % (p.blocks * T) == 0
+    return shape is not None and 0 <= p.dim < len(shape) and T % p.rep == 0 and \
+        shape[p.dim] % (p.blocks * p.pieces(T)) == 0
+
+
+def _finer(src: Placement, dst: Placement) -> bool:
+    """dst is a local slice of what src holds: the same dim and blocks, each of src's pieces cut
+    into src.rep / dst.rep (a group's key/value heads -> this rank's query heads' ones)."""
+    return src.kind == dst.kind == "S" and (src.dim, src.blocks) == (dst.dim, dst.blocks) and \
+        src.rep % dst.rep == 0 and src.rep > dst.rep
 
 
 def reshape_placement(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, T: int) -> Placement | None:
     """The placement of `reshape(x, dst)` when x (shape src) is placed `p`, or None when the shard
     does not survive the reshape as a shard of one output dim (e.g. heads not divisible by T)."""
-    if p.kind != "S":
+    if p.kind not in _SHARDS:
         return p
+    n = p.pieces(T)
+    if n == 1 and p.blocks == 1:
+        # One piece held by every rank (MQA's key/value head): the whole value, the dim only says
+        # which dim is "the heads" one. It goes to the first output dim starting at the same
+        # element offset (a size-1 kv dim included: [B, S, hd] -> [B, S, 1, hd] keeps it on kv).
+        before = math.prod(src[:p.dim])
+        for k in range(len(dst) + 1):
+            if k < len(dst) and math.prod(dst[:k]) == before:
+                return p.at(k)
     # Group dims into the smallest runs of equal element count on both sides.
     i = j = 0
     while i < len(src):
@@ -181,8 +228,8 @@ def reshape_placement(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, 
             for k in range(j0, j):
                 if outer % prefix == 0:
                     blocks = outer // prefix
-                    if dst[k] % blocks == 0 and dst[k] > blocks and (dst[k] // blocks) % T == 0:
-                        return S(k, blocks)
+                    if dst[k] % blocks == 0 and dst[k] > blocks and (dst[k] // blocks) % n == 0:
+                        return p.at(k, blocks)
                 prefix *= dst[k]
             return None
     return None
@@ -239,55 +286,70 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int,
             return sts
         if px.kind == "P":
             return [Strategy([P], P)]
-        if px.kind != "S":
+        if px.kind not in _SHARDS:
             return sts
         nd = len(shapes[0])
         q: Placement | None = None
         if t in _VIEWS:
             q = reshape_placement(shapes[0], out_shape, px, T)
         elif t == aten.t.default:
-            q = S(1 - px.dim, px.blocks) if nd == 2 else px
+            q = px.at(1 - px.dim) if nd == 2 else px
         elif t == aten.transpose.int:
             d0, d1 = _dim(a[1], nd), _dim(a[2], nd)
-            q = S({d0: d1, d1: d0}.get(px.dim, px.dim), px.blocks)
+            q = px.at({d0: d1, d1: d0}.get(px.dim, px.dim))
         elif t == aten.permute.default:
-            q = S([_dim(d, nd) for d in a[1]].index(px.dim), px.blocks)
+            q = px.at([_dim(d, nd) for d in a[1]].index(px.dim))
         elif t == aten.unsqueeze.default:
             k = _dim(a[1], nd + 1)
-            q = S(px.dim + (1 if px.dim >= k else 0), px.blocks)
+            q = px.at(px.dim + (1 if px.dim >= k else 0))
         elif t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
             if t == aten.squeeze.default:
                 gone = [i for i, s_ in enumerate(shapes[0]) if s_ == 1]
             else:
                 ds = [a[1]] if t == aten.squeeze.dim else list(a[1])
                 gone = [_dim(d, nd) for d in ds if shapes[0][_dim(d, nd)] == 1]
-            q = S(px.dim - sum(1 for d in gone if d < px.dim), px.blocks) if px.dim not in gone else None
+            q = px.at(px.dim - sum(1 for d in gone if d < px.dim)) if px.dim not in gone else None
         elif t == aten.expand.default:
             off = len(out_shape) - nd
-            q = S(px.dim + off, px.blocks) if out_shape[px.dim + off] == shapes[0][px.dim] else None
+            q = px.at(px.dim + off) if out_shape[px.dim + off] == shapes[0][px.dim] else None
         elif t == aten.slice.Tensor:
             q = px if _dim(a[1] if len(a) > 1 else 0, nd) != px.dim else None
         elif t == aten.slice_backward.default:
             q = px if _dim(a[2], len(out_shape)) != px.dim else None
         if q is not None and _valid(q, out_shape, T):
             sts.append(Strategy([px], q, div=False))
+        elif t in _VIEWS and px.kind == "S" and px.rep == 1 and _summed_after(node):
+            # Grouped-query attention backward: the key/value gradient by query heads [B, h, S, hd]
+            # (rank t: heads of its own) viewed as [B, kv, h/kv, S, hd] and summed over the
+            # repeats. With fewer kv heads than ranks the heads do not map onto a shard of the kv
+            # dim; zero-padded into its group's heads (free) each rank holds a partial sum of its
+            # group's kv head: PS, reduced only where a whole or exact value is needed.
+            for r in range(2, T + 1):
+                if T % r == 0 and _valid(PS(px.dim, px.blocks, r), shapes[0], T):
+                    q = reshape_placement(shapes[0], out_shape, PS(px.dim, px.blocks, r), T)
+                    if q is not None and _valid(q, out_shape, T):
+                        sts.append(Strategy([PS(px.dim, px.blocks, r)], q, div=False))
+                        break
         return sts
     if t in _POINTWISE:
         if out_shape is None:
             return sts
         nd = len(out_shape)
-        cands = {(p.dim + nd - len(s), p.blocks) for p, s in zip(pl, shapes) if p.kind == "S" and s is not None}
+        if any(p.kind == "PS" for p in pl):
+            return _group_partial_pointwise(node, pl, shapes, out_shape, T)
+        cands = _ordered({(p.dim + nd - len(s), p.blocks) for p, s in zip(pl, shapes) if p.kind == "S" and s is not None},
+                         {(p.dim + nd - len(s), p.blocks, p.rep) for p, s in zip(pl, shapes) if p.kind == "S" and s is not None})
         if sequence_parallel and any(p.kind == "P" for p in pl) and nd >= 2:
             # a partial sum joins the residual stream (embedding + positions, a block's output +
             # the residual): reduce-scattered into a token shard, whatever dim the others are on
-            cands = {(d, 1) for d in range(nd - 1)}
-        for d, b in cands:
+            cands = [(d, b, 1) for d, b in {(d, 1) for d in range(nd - 1)}]
+        for d, b, r in cands:
             want = []
             for s in shapes:
                 k = d - (nd - len(s)) if s is not None else -1
-                want.append(S(k, b) if s is not None and k >= 0 and s[k] == out_shape[d] else R)
-            if _valid(S(d, b), out_shape, T) and all(_valid(w, s, T) for w, s in zip(want, shapes)):
-                sts.append(Strategy(want, S(d, b), div=True))
+                want.append(S(k, b, r) if s is not None and k >= 0 and s[k] == out_shape[d] else R)
+            if _valid(S(d, b, r), out_shape, T) and all(_valid(w, s, T) for w, s in zip(want, shapes)):
+                sts.append(Strategy(want, S(d, b, r), div=True))
         if any(p.kind == "P" for p in pl):
             scalar_ok = t not in (aten.add.Scalar, aten.sub.Scalar)
             if t in _LINEAR and scalar_ok and not (t in (aten.add.Tensor, aten.sub.Tensor) and
@@ -304,34 +366,37 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int,
     if t == aten.mm.default or t == aten.bmm.default:
         k = 0 if t == aten.mm.default else 1
         pa, pb = pl
-        bas = {pa.blocks} if pa.kind == "S" else {_PREFER.get(node, 1)}
-        bbs = {pb.blocks} if pb.kind == "S" else {_PREFER.get(node, 1)}
-        cands = [Strategy([S(k, ba), R], S(k, ba), True) for ba in bas]
-        cands += [Strategy([R, S(k + 1, bb)], S(k + 1, bb), True) for bb in bbs]
-        cands += [Strategy([S(k + 1, b), S(k, b)], P, True) for b in bas | bbs]
+        bas = {(pa.blocks, pa.rep)} if pa.kind == "S" else {(_PREFER.get(node, 1), _PREFER_REP.get(node, 1))}
+        bbs = {(pb.blocks, pb.rep)} if pb.kind == "S" else {(_PREFER.get(node, 1), _PREFER_REP.get(node, 1))}
+        cands = [Strategy([S(k, ba, r), R], S(k, ba, r), True) for ba, r in bas]
+        cands += [Strategy([R, S(k + 1, bb, r)], S(k + 1, bb, r), True) for bb, r in bbs]
+        # contracting a shard gives a partial sum only where every rank holds its own piece (rep 1)
+        cands += [Strategy([S(k + 1, b), S(k, b)], P, True) for b in {ba for ba, _ in bas} | {bb for bb, _ in bbs}]
         # bmm over a batch that merged (batch, heads): a head shard is S(0, blocks=batch)
-        cands += [Strategy([S(0, b), S(0, b)], S(0, b), True) for b in {1} | {p.blocks for p in pl if p.kind == "S"}] \
-            if k else []
+        cands += [Strategy([S(0, b, r), S(0, b, r)], S(0, b, r), True)
+                  for _, b, r in _ordered({(0, 1)} | {(0, p.blocks) for p in pl if p.kind == "S"},
+                                          {(0, 1, 1)} | {(0, p.blocks, p.rep) for p in pl if p.kind == "S"})] if k else []
+        cands += _group_partial_matmul(pa, pb, k)
         for st in cands:
             if all(_valid(w, s, T) for w, s in zip(st.want, shapes)) and _valid(st.out, out_shape, T):
                 sts.append(st)
         return sts
     if t == aten.addmm.default and len(ins) == 3:
         bias_s, pa, pb = shapes[0], pl[1], pl[2]
-        bas = {pa.blocks} if pa.kind == "S" else {_PREFER.get(node, 1)}
-        bbs = {pb.blocks} if pb.kind == "S" else {_PREFER.get(node, 1)}
+        bas = {(pa.blocks, pa.rep)} if pa.kind == "S" else {(_PREFER.get(node, 1), _PREFER_REP.get(node, 1))}
+        bbs = {(pb.blocks, pb.rep)} if pb.kind == "S" else {(_PREFER.get(node, 1), _PREFER_REP.get(node, 1))}
         cands = []
-        for ba in bas:
-            row_bias = S(0, ba) if bias_s is not None and len(bias_s) == 2 and bias_s[0] == out_shape[0] > 1 else R
-            cands.append(Strategy([row_bias, S(0, ba), R], S(0, ba), True))
-        for bb in bbs:
-            col_bias = (S(len(bias_s) - 1, bb) if bias_s is not None and bias_s[-1] == out_shape[-1] and bias_s[-1] > 1
-                        else R)
-            cands.append(Strategy([col_bias, R, S(1, bb)], S(1, bb), True))
+        for ba, r in bas:
+            row_bias = S(0, ba, r) if bias_s is not None and len(bias_s) == 2 and bias_s[0] == out_shape[0] > 1 else R
+            cands.append(Strategy([row_bias, S(0, ba, r), R], S(0, ba, r), True))
+        for bb, r in bbs:
+            col_bias = (S(len(bias_s) - 1, bb, r) if bias_s is not None and bias_s[-1] == out_shape[-1] and
+                        bias_s[-1] > 1 else R)
+            cands.append(Strategy([col_bias, R, S(1, bb, r)], S(1, bb, r), True))
         # row-parallel: the product reduced, then the bias added once (sequence parallel: the
         # product reduce-scattered by rows, a token shard)
         cands += [Strategy([R, S(1, b), S(0, b)], S(0) if sequence_parallel else R, True, reduce_before_bias=True)
-                  for b in bas | bbs]
+                  for b in {ba for ba, _ in bas} | {bb for bb, _ in bbs}]
         for st in cands:
             if all(_valid(w, s, T) for w, s in zip(st.want, shapes)) and _valid(st.out, out_shape, T):
                 sts.append(st)
@@ -339,16 +404,18 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int,
     if t in (aten.sum.dim_IntList, aten.mean.dim, aten.sum.default):
         if px.kind == "P":
             return [Strategy([P], P)]
-        if px.kind != "S":
+        if px.kind not in _SHARDS:
             return sts
         nd = len(shapes[0])
         dims = [_dim(d, nd) for d in (a[1] if len(a) > 1 and a[1] is not None else range(nd))]
         keep = bool(a[2]) if len(a) > 2 else bool(node.kwargs.get("keepdim", False))
         if px.dim in dims:
-            if t != aten.mean.dim:
+            # the pieces' sums add up to the whole sum, unless ranks share a piece (an exact S
+            # with rep > 1 would count it rep times); a group's partial sums add up like P
+            if t != aten.mean.dim and (px.kind == "PS" or px.rep == 1):
                 sts.append(Strategy([px], P, True))
         else:
-            q = S(px.dim if keep else px.dim - sum(1 for d in dims if d < px.dim), px.blocks)
+            q = px.at(px.dim if keep else px.dim - sum(1 for d in dims if d < px.dim))
             if _valid(q, out_shape, T):
                 sts.append(Strategy([px], q, True))
         return sts
@@ -357,10 +424,11 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int,
         n_t = len(ins)
         nd = len(shapes[0])
         dim = _dim(a[n_t], nd)
-        cands = {(p.dim, p.blocks) for p in pl if p.kind == "S" and p.dim != dim}
-        for d, b in cands:
-            if _valid(S(d, b), out_shape, T):
-                sts.append(Strategy([S(d, b)] * n_t, S(d, b), True))
+        cands = _ordered({(p.dim, p.blocks) for p in pl if p.kind == "S" and p.dim != dim},
+                         {(p.dim, p.blocks, p.rep) for p in pl if p.kind == "S" and p.dim != dim})
+        for d, b, r in cands:
+            if _valid(S(d, b, r), out_shape, T):
+                sts.append(Strategy([S(d, b, r)] * n_t, S(d, b, r), True))
         if S(dim) in pl and t in (aten._log_softmax.default, aten._log_softmax_backward_data.default) and \
                 _valid(S(dim), out_shape, T):
             # Sharded along the normalized dim (vocabulary-parallel logits): per-row statistics
@@ -383,7 +451,7 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int,
         return _layer_norm_strategies(node, ins, pl, shapes, out_shape, T)
     if t == aten.embedding.default:
         if pl[0].kind == "S" and pl[0].dim == 1:
-            q = S(len(out_shape) - 1, pl[0].blocks)
+            q = pl[0].at(len(out_shape) - 1)
             sts.append(Strategy([pl[0], R], q, True))
         frequency = bool(a[3]) if len(a) > 3 else bool(node.kwargs.get("scale_grad_by_freq", False))
         if pl[0] in (R, S(0)) and len(shapes[0]) == 2 and _valid(S(0), shapes[0], T) and not frequency:
@@ -395,7 +463,7 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int,
             # (where the table is no larger than the rows: a position table, not a vocabulary)
             sts.append(Strategy([P, R], P))
         if px.kind == "S" and px.dim == len(shapes[0]) - 1:
-            sts.append(Strategy([px, R], S(1, px.blocks), True))
+            sts.append(Strategy([px, R], px.at(1), True))
         if node in _VOCAB_BACKWARD and not a[4] and _valid(S(0), out_shape, T):
             sts.append(Strategy([R, R], S(0), True, rewrite=VOCAB))
         return sts
@@ -413,7 +481,7 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int,
             if all(_valid(px, tuple(v.shape), T) for v in outs):
                 sts.append(Strategy([px], res, True))
         elif px.kind == "S" and px.blocks == len(sizes) and len(set(sizes)) == 1:
-            sts.append(Strategy([px], tuple(S(dim) for _ in outs), True))
+            sts.append(Strategy([px], tuple(S(dim, 1, px.rep) for _ in outs), True))
         elif px.kind == "P":
             sts.append(Strategy([P], tuple(P for _ in outs)))
         return sts
@@ -433,6 +501,77 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int,
             return out
         return _strategies_cat(node, ins, pl, shapes, out_shape, T)
     return sts
+
+
+def _ordered(keys: set[tuple[int, int]], cands: set[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """(dim, blocks, rep) candidates in the order of their (dim, blocks) `keys` as a set (the order
+    strategies were always tried in: of equal cost, the first wins), reps ascending."""
+    return [(d, b, r) for d, b in keys for r in sorted({r for d2, b2, r in cands if (d2, b2) == (d, b)})]
+
+
+def _summed_after(node: fx.Node) -> bool:
+    """Every reader of `node` sums it over some dims (the backward of an expand: repeat_kv's)."""
+    return bool(node.users) and all(u.target == aten.sum.dim_IntList for u in node.users)
+
+
+def _group_partial_pointwise(node: fx.Node, pl: list[Placement], shapes: list[Any], out_shape: tuple[int, ...],
+                             T: int) -> list[Strategy]:
+    """Pointwise ops on group partial sums (PS): those linear in them, the other operands exact
+    (sliced like the output, or broadcast): sums of PS, scaling, negation, copies, zeroing."""
+    t, a, nd = node.target, node.args, len(out_shape)
+    got = {Placement("PS", p.dim + nd - len(s), p.blocks, p.rep) for p, s in zip(pl, shapes)
+           if p.kind == "PS" and s is not None}
+    if len(got) != 1:
+        return []
+    (q,) = got
+    linear_in = []  # input positions the op is linear in (all of them must be partial sums)
+    if t in _LINEAR and t not in (aten.add.Scalar, aten.sub.Scalar) and not (
+            t in (aten.add.Tensor, aten.sub.Tensor) and any(not isinstance(v, fx.Node) for v in a[:2])):
+        linear_in = list(range(len(shapes)))
+    elif t in (aten.mul.Tensor, aten.div.Tensor) and len(shapes) == 2 and all(isinstance(v, fx.Node) for v in a[:2]):
+        linear_in = [i for i, p in enumerate(pl) if p.kind == "PS"]
+        if len(linear_in) != 1 or (t == aten.div.Tensor and linear_in != [0]):
+            return []
+    elif t == aten.masked_fill.Scalar and pl[0].kind == "PS" and a[2] == 0:
+        linear_in = [0]
+    else:
+        return []
+    want = []
+    for i, s in enumerate(shapes):
+        k = q.dim - (nd - len(s)) if s is not None else -1
+        whole = s is not None and k >= 0 and s[k] == out_shape[q.dim]
+        if i in linear_in:
+            if not whole:
+                return []
+            want.append(q.at(k))
+        else:
+            want.append(S(k, q.blocks, q.rep) if whole else R)
+    if not _valid(q, out_shape, T) or not all(_valid(w, s, T) for w, s in zip(want, shapes)):
+        return []
+    return [Strategy(want, q, div=True)]
+
+
+def _group_partial_matmul(pa: Placement, pb: Placement, k: int) -> list[Strategy]:
+    """mm/bmm (contraction over A's dim k+1, B's dim k) with a group partial sum (PS) operand:
+    linear in it, so PS on a kept dim stays PS; PS on the contracted dim times the exact pieces
+    of the same groups sums to the whole product over all ranks (each group's partial sums add
+    up to its piece, and the groups' pieces to the whole contraction): P."""
+    out = []
+    if pa.kind == "PS":
+        if pa.dim == k:
+            out.append(Strategy([pa, R], pa, True))
+        elif pa.dim == k + 1:
+            out.append(Strategy([pa, S(k, pa.blocks, pa.rep)], P, True))
+        if k and pa.dim == 0:
+            out.append(Strategy([pa, S(0, pa.blocks, pa.rep)], pa, True))
+    if pb.kind == "PS":
+        if pb.dim == k + 1:
+            out.append(Strategy([R, pb], pb, True))
+        elif pb.dim == k:
+            out.append(Strategy([S(k + 1, pb.blocks, pb.rep), pb], P, True))
+        if k and pb.dim == 0:
+            out.append(Strategy([S(0, pb.blocks, pb.rep), pb], pb, True))
+    return out
 
 
 def _layer_norm_strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], shapes: list[Any],
@@ -472,9 +611,10 @@ def _strategies_cat(node: fx.Node, ins: list[fx.Node], pl: list[Placement], shap
         dim = _dim(a[1] if len(a) > 1 else 0, nd)
         if all(p.kind == "P" for p in pl):
             return [Strategy([P] * len(ins), P)]
-        cands = {(p.dim, p.blocks) for p in pl if p.kind == "S" and p.dim != dim}
-        for d, b in cands:
-            sts.append(Strategy([S(d, b)] * len(ins), S(d, b), True))
+        cands = _ordered({(p.dim, p.blocks) for p in pl if p.kind == "S" and p.dim != dim},
+                         {(p.dim, p.blocks, p.rep) for p in pl if p.kind == "S" and p.dim != dim})
+        for d, b, r in cands:
+            sts.append(Strategy([S(d, b, r)] * len(ins), S(d, b, r), True))
         if len({s[dim] for s in shapes}) == 1 and all(_valid(S(dim), s, T) for s in shapes):
             sts.append(Strategy([S(dim)] * len(ins), S(dim, len(ins)), True))
         return [s for s in sts
@@ -503,8 +643,9 @@ class CostModel:
         self.bw = self.device.link_bandwidth or 1e9
         self._memo: dict[tuple[fx.Node, bool], float] = {}
 
-    def node(self, node: fx.Node, div: bool, whole_bytes: int = 0) -> float:
-        """Roofline seconds of `node`, on 1/T of the work when `div`. `whole_bytes`: bytes of its
+    def node(self, node: fx.Node, div: bool | int, whole_bytes: int = 0) -> float:
+        """Roofline seconds of `node`, on 1/T of the work when `div` (1/div when an int: shards
+        held by groups of ranks split the work into fewer pieces). `whole_bytes`: bytes of its
         inputs every rank still reads whole (a replicated weight beside a token-split activation);
         counted only for serving programs, where reading weights is most of the time."""
         key = (node, div, whole_bytes)
@@ -521,22 +662,30 @@ class CostModel:
         bw = self.device.mem_bandwidth
         flops_s = inf.flops / peak if peak else 0.0
         moved = inf.bytes_read + inf.bytes_written
-        if not div:
+        k = self.T if div is True else int(div)
+        if k <= 1:
             return max(flops_s, moved / bw if bw else 0.0)
         whole = min(whole_bytes, moved)
-        return max(flops_s / self.T, ((moved - whole) / self.T + whole) / bw if bw else 0.0)
+        return max(flops_s / k, ((moved - whole) / k + whole) / bw if bw else 0.0)
 
     def move(self, src: Placement, dst: Placement, nbytes: int) -> float:
+        """Seconds to turn a value of `nbytes` (its whole size) placed `src` into `dst`."""
         if src == dst or src.kind == "R" and dst.kind == "S":
             return 0.0
         if dst.kind == "P":
-            return math.inf
+            return 0.0 if src.kind == "PS" else math.inf  # group partial sums zero-padded
+        if dst.kind == "PS":  # each rank's own piece zero-padded into its group's
+            return 0.0 if src.kind == "S" and src.rep == 1 and (src.dim, src.blocks) == (dst.dim, dst.blocks) \
+                else math.inf
+        if _finer(src, dst) or src.kind == "S" and src.rep >= self.T and dst.kind == "R":
+            return 0.0  # a local slice of what the rank holds; one group holds the whole value
         f = (self.T - 1) / self.T
-        if src.kind == "P" and dst.kind == "S" and self.sequence_parallel:
+        if src.kind == "P" and dst.kind == "S" and dst.rep == 1 and self.sequence_parallel:
             return self.latency + f * nbytes / self.bw  # reduce-scatter
-        if src.kind == "P":
-            return self.latency + 2 * f * nbytes / self.bw  # all-reduce (then a local slice for S)
-        return self.latency + f * nbytes / self.bw  # all-gather (then a local slice for S)
+        if src.kind in ("P", "PS"):
+            # all-reduce (a group partial sum zero-padded to the whole shape), then a local slice for S
+            return self.latency + 2 * f * nbytes / self.bw
+        return self.latency + f * nbytes * src.rep / self.bw  # all-gather (then a local slice for S)
 
     def memory(self, nbytes: float) -> float:
         # Adam reads and writes parameter, gradient and two moments: 8 passes over the bytes. A
@@ -589,8 +738,9 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
     def charge(src: Placement, dst: Placement, n: fx.Node) -> float:
         c = cm.move(src, dst, _nbytes(n))
         if c and c != math.inf:
-            kind = "all_gather" if src.kind != "P" else ("reduce_scatter" if dst.kind == "S" and cm.sequence_parallel
-                                                         else "all_reduce")
+            kind = "all_gather" if src.kind not in ("P", "PS") else (
+                "reduce_scatter" if src.kind == "P" and dst.kind == "S" and dst.rep == 1 and cm.sequence_parallel
+                else "all_reduce")
             comm[kind] = comm.get(kind, 0.0) + _nbytes(n)
         return c
 
@@ -673,8 +823,8 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
             # logits): it holds no per-element data there, so no activation is split anew.
             matched = n.target in _POINTWISE and any(p.kind == "S" and p == w for p, w in zip(pl, st.want))
             c = sum(reads(p, w, i) if p.kind != "R" or w.kind != "S" or i in derived or
-                    (matched and _broadcast_along(i, w.dim)) else math.inf for p, w, i in zip(pl, st.want, ins))
-            c += cm.node(n, st.div, _whole_bytes(cm, st, ins)) + sum(cm.move(P, R, b) for b in st.inner)
+                    (matched and (w.rep >= T or _broadcast_along(i, w.dim))) else math.inf for p, w, i in zip(pl, st.want, ins))
+            c += cm.node(n, _div(st, T), _whole_bytes(cm, st, ins)) + sum(cm.move(P, R, b) for b in st.inner)
             if st.reduce_before_bias:
                 c += cm.move(P, st.out, _nbytes(n))  # the product is reduced before the bias
             elif st.out == P and not summed:
@@ -690,7 +840,7 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
                 gathered.add(i)
             if i.op == "placeholder":
                 wants.setdefault(i, set()).add(w)
-        total += cm.node(n, best.div, _whole_bytes(cm, best, ins))
+        total += cm.node(n, _div(best, T), _whole_bytes(cm, best, ins))
         if best.reduce_before_bias:
             total += charge(P, best.out, n)
         for b in best.inner:
@@ -699,8 +849,18 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
         place[n] = best.out
         nodes[n] = NodePlacement(best.out, list(best.want), best.reduce_before_bias, best.div, best.rewrite)
     for ph, name in param_of.items():
-        total += cm.memory(_nbytes(ph) / (T if of(ph).kind == "S" else 1))
+        total += cm.memory(_nbytes(ph) / (of(ph).pieces(T) if of(ph).kind == "S" else 1))
     return Result(total, nodes, wants, comm)
+
+
+def _div(st: Strategy, T: int) -> int:
+    """Into how many pieces a strategy splits its node's work: T, or fewer where its shards are
+    held by groups of ranks (rep > 1); 1 when it runs whole."""
+    if not st.div:
+        return 1
+    outs = st.out if isinstance(st.out, tuple) else (st.out,)
+    reps = [p.rep for p in (*outs, *st.want) if isinstance(p, Placement) and p.kind in _SHARDS]
+    return T // max(reps, default=1)
 
 
 def _row_sharded_embedding_gradients(gm: fx.GraphModule, signature: Any,
@@ -775,12 +935,16 @@ def collapse_blocks(placements: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def _candidates(shape: tuple[int, ...], T: int, blocks: set[int], whole: bool = False) -> list[Placement]:
+def _candidates(shape: tuple[int, ...], T: int, blocks: set[int], whole: bool = False,
+                reps: Sequence[int] = ()) -> list[Placement]:
+    """A parameter's placements to try: whole, and each dim split in `blocks` blocks, over all T
+    ranks or (`reps`) over groups of r ranks."""
     out = [WHOLE if whole else R]
     for d in range(len(shape)):
         for b in sorted(blocks):
-            if shape[d] % (b * T) == 0:
-                out.append(S(d, b))
+            for r in (1, *sorted(reps)):
+                if _valid(S(d, b, r), shape, T):
+                    out.append(S(d, b, r))
     return out
 
 
@@ -821,7 +985,7 @@ def _invert(view: fx.Node, src: fx.Node, q: Placement, T: int) -> Placement | No
     if q.kind != "S":
         return q
     shape = _shape(src)
-    for c in _candidates(shape, T, {q.blocks, 1}):
+    for c in _candidates(shape, T, {q.blocks, 1}, reps=(q.rep,) if q.rep > 1 else ()):
         if c.kind == "S":
             got = _strategies(view, [src], [c], T)
             if got and got[0].out == q:
@@ -831,23 +995,29 @@ def _invert(view: fx.Node, src: fx.Node, q: Placement, T: int) -> Placement | No
 
 def solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
           fixed: dict[str, Placement] | None = None,
-          sequence_parallel: bool = False) -> tuple[dict[str, Placement], Result]:
+          sequence_parallel: bool = False, groups: bool = True) -> tuple[dict[str, Placement], Result]:
     """The cheapest parameter placements found (see the module docstring) and their propagation.
-    `fixed`: placements decided before (another program of the same engine): used as they are."""
+    `fixed`: placements decided before (another program of the same engine): used as they are.
+    `groups`: parameters may be split over groups of ranks (S with 1 < rep < T; see
+    `group_sizes`); where the runtime cannot count such slices yet, only rep T (MQA's whole
+    key/value weights) is tried."""
     _SHAPES.clear()
     _NBYTES.clear()
     _PREFER.clear()
+    _PREFER_REP.clear()
     try:
-        return _solve(gm, signature, device, T, fixed, sequence_parallel)
+        return _solve(gm, signature, device, T, fixed, sequence_parallel, groups)
     finally:
         _SHAPES.clear()
         _NBYTES.clear()
         _PREFER.clear()
+        _PREFER_REP.clear()
         _VOCAB_BACKWARD.clear()
 
 
 def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
-           fixed: dict[str, Placement] | None, sequence_parallel: bool = False) -> tuple[dict[str, Placement], Result]:
+           fixed: dict[str, Placement] | None, sequence_parallel: bool = False,
+           groups: bool = True) -> tuple[dict[str, Placement], Result]:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     grads = {s.target for s in signature.outputs if s.kind == "grad"}
     params = {s.target: ph for ph, s in zip(placeholders, signature.inputs) if s.kind == "param"}
@@ -875,6 +1045,10 @@ def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
                 blocks.add(len(vals))
     units = [name for name, ph in params.items()
              if name in grads and name not in aliases and len(_shape(ph) or ()) >= 2]
+    reps = () if forward_only else tuple(r for r in group_sizes(gm, T) if groups or r == T)
+    _PREFER_REP.clear()
+    if reps:
+        _PREFER_REP.update(_repeated_projections(gm, T, reps))
     _PREFER.clear()
     for n in gm.graph.nodes:
         if n.target in (aten.split.Tensor, aten.split_with_sizes.default):
@@ -915,7 +1089,7 @@ def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
         # Sequence parallelism changes where activations live, not which weights are sliced: the
         # layout found without it (Megatron's, on transformer blocks) starts the search. From the
         # seeds above the search would have to move q/k/v and the output projection at once.
-        start, _ = _solve(gm, signature, device, T, None, False)
+        start, _ = _solve(gm, signature, device, T, None, False, groups)
         trial, res = evaluate(start)
         if res.cost < best.cost:
             assign, best = trial, res
@@ -942,7 +1116,7 @@ def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
         improved = False
         for members in moves:
             shapes = {_shape(params[m]) for m in members}
-            common = [c for c in _candidates(_shape(params[members[0]]), T, blocks, whole=True)
+            common = [c for c in _candidates(_shape(params[members[0]]), T, blocks, whole=True, reps=reps)
                       if all(_valid(c, sh, T) for sh in shapes)]
             for c in common:
                 if all(assign.get(m, R) == c for m in members):
@@ -1013,6 +1187,56 @@ def _heads_split(h: int, kv: int, T: int) -> bool:
     return h % T == 0 and (kv % T == 0 or T % kv == 0)
 
 
+_KV_PATH = {*_VIEWS, aten.clone.default, aten._to_copy.default, aten.unsqueeze.default, aten.expand.default,
+            aten.transpose.int, aten.permute.default, aten.t.default, aten.add.Tensor, aten.sub.Tensor,
+            aten.mul.Tensor, aten.neg.default, aten.cat.default, aten.slice.Tensor}
+
+
+def _repeated_projections(gm: fx.GraphModule, T: int, reps: Sequence[int]) -> dict[fx.Node, int]:
+    """The matmuls (mm/addmm) producing the key and value of a grouped-query attention with kv < T
+    key/value heads, found back from its k/v inputs through views, the repeat and pointwise ops
+    (rotary embeddings), not through splits (a fused QKV weight is not split over groups): each
+    -> T / kv."""
+    out: dict[fx.Node, int] = {}
+    for n in gm.graph.nodes:
+        if n.target not in _ATTENTION or len(n.args) < 3:
+            continue
+        k = _shape(n.args[1])
+        if k is None or len(k) != 4:
+            continue
+        kv = _kv_heads(n.args[1], k[1])
+        if kv >= T or T % kv or T // kv not in reps:
+            continue
+        for start in n.args[1:3]:
+            stack, seen = [start], set()
+            while stack:
+                x = stack.pop()
+                if not isinstance(x, fx.Node) or x in seen or len(seen) > 64:
+                    continue
+                seen.add(x)
+                if x.target in (aten.mm.default, aten.addmm.default):
+                    out[x] = T // kv
+                elif x.op == "call_function" and x.target in _KV_PATH:
+                    fx.node.map_arg((x.args, x.kwargs), lambda a: stack.append(a) or a)
+    return out
+
+
+def group_sizes(gm: fx.GraphModule, T: int) -> list[int]:
+    """Group sizes r (ranks sharing a piece) worth trying for parameters: T / kv for every
+    grouped-query attention with kv < T key/value heads (each key/value head then serves the
+    query heads of r ranks: its k/v weights are split over the kv groups, S(0, rep=r))."""
+    out = set()
+    for n in gm.graph.nodes:
+        if n.target in _ATTENTION:
+            q, k = _shape(n.args[0]), _shape(n.args[1])
+            if q is None or k is None or len(q) != 4:
+                continue
+            kv = _kv_heads(n.args[1], k[1])
+            if kv < T and T % kv == 0 and q[1] % T == 0:
+                out.add(T // kv)
+    return sorted(out)
+
+
 class PlacementAnalysis:
     """The pass-manager analysis "tp_placements" for one engine (`.graph_pass`). It solves the first
     training program it sees and keeps that parameter layout (`.params`) for every later program
@@ -1036,8 +1260,11 @@ class PlacementAnalysis:
             check_random(gm, T)
             if self.params is None:
                 warn_vocabulary(gm, ctx.signature, T)
+            # Slices shared by groups of ranks (1 < rep < T) only where the engine counts them right:
+            # its clip norm under ZeRO-1/2/3 and pipelines counts a slice once per tp rank.
+            groups = ctx.options.zero == 0 and ctx.options.pipeline == 1
             params, res = solve(gm, ctx.signature, self.device, T, fixed=self.params,
-                                sequence_parallel=ctx.options.sequence_parallel)
+                                sequence_parallel=ctx.options.sequence_parallel, groups=groups)
             if self.params is None:
                 self.params, self.comm = params, dict(res.comm)
             for n, npl in res.nodes.items():
@@ -1109,7 +1336,7 @@ def make_placement_analysis(devices: Sequence[DeviceSpec]) -> Any:
     return PlacementAnalysis(devices).graph_pass
 
 
-__all__ = ["P", "PARAMS_KEY", "TP_PLAN_NOTE", "Placement", "PlacementAnalysis", "NodePlacement", "R", "S", "TP_KEY", "WHOLE",
+__all__ = ["P", "PS", "PARAMS_KEY", "group_sizes", "TP_PLAN_NOTE", "Placement", "PlacementAnalysis", "NodePlacement", "R", "S", "TP_KEY", "WHOLE",
            "check_heads", "check_random", "check_tensor_config", "collapse_blocks", "warn_vocabulary", "describe_placements", "make_placement_analysis",
            "propagate", "reshape_placement", "solve"]
 
@@ -1124,7 +1351,12 @@ def describe_placements(gm: fx.GraphModule, signature: Any, group: str | None = 
     chosen = gm.meta.get(PARAMS_KEY, {})
     names = [s.target for s in signature.inputs if s.kind in ("param", "param_tp")]
     names += [n for b in signature.buckets for n in b.names if n not in names]
-    placements = {n: str(R if chosen.get(n, R) == WHOLE else chosen.get(n, R)) for n in names}
+    def shown(n: str) -> Placement:
+        p = chosen.get(n, R)
+        # WHOLE, and a split over one group of all ranks (MQA's k/v weights): held whole
+        return R if p == WHOLE or p.kind == "S" and p.rep > 1 and n not in signature.tp_layout else p
+
+    placements = {n: str(shown(n)) for n in names}
     comm: dict[str, int] = {}
     for kind, nbytes in tp_collectives(gm, group):
         comm[f"tp_{kind}"] = comm.get(f"tp_{kind}", 0) + nbytes

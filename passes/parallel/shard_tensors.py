@@ -25,6 +25,15 @@ have. This pass applies them:
   slice (gloo has no reduce-scatter worth using), except under sequence parallelism
   (options.sequence_parallel), where it is a reduce_scatter_tensor along the shard's dim (the
   token shard of the residual stream). Each conversion is made once per value.
+- Shards held by groups of ranks (S with rep r > 1: piece t // r on rank t; grouped-query
+  attention's k/v weights when there are fewer key/value heads than ranks): a parameter so placed
+  is a "param_tp" input with `tp_layout[name] = (dim, (blocks, r))` (a split over one group of
+  all T ranks, MQA's, is the whole tensor: a plain "param"). S(r) -> S(r') with r' dividing r is
+  a local slice; a group partial sum PS (layout of S(r), value summed over each group's ranks)
+  comes from S(1) by zero-padding each rank's piece into its group's, becomes P by zero-padding
+  to the whole shape, and R or S by one all-reduce of that padded value (T / r times the bytes
+  of a reduce over the group alone, but no process group of its own). S(r) -> R all-gathers
+  and keeps one copy of each piece.
 - addmm whose product is a partial sum (row-parallel with a bias) becomes mm, all-reduce, add
   (sequence parallel: mm, reduce-scatter by rows, add).
 - Gradients come out in their parameter's placement (the local slice's gradient).
@@ -55,11 +64,15 @@ _SIZE_ARG = {aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.de
 
 
 def local_shape(shape: tuple[int, ...], p: Any, T: int) -> tuple[int, ...]:
-    if getattr(p, "kind", "R") != "S":
+    if getattr(p, "kind", "R") not in ("S", "PS"):
         return tuple(shape)
     s = list(shape)
-    s[p.dim] //= T
+    s[p.dim] //= T // getattr(p, "rep", 1)
     return tuple(s)
+
+
+def _rep(p: Any) -> int:
+    return getattr(p, "rep", 1)
 
 
 @graph_pass("shard_tensors", requires=("annotate", "tp_placements"), invalidates=("annotate",))
@@ -109,29 +122,34 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             g, c10d.wait_tensor.default, (call(g, c10d.reduce_scatter_tensor.default, (y, "sum", T, group)),)))
 
     def take(x: fx.Node, shape: tuple[int, ...], p: Any) -> fx.Node:
-        """This rank's slice of a full tensor `x` (global `shape`) placed `p`."""
-        n = shape[p.dim]
-        m = n // (p.blocks * T)
-        pieces = [call(g, aten.slice.Tensor, (x, p.dim, k * (n // p.blocks) + rank * m,
-                                              k * (n // p.blocks) + (rank + 1) * m)) for k in range(p.blocks)]
-        y = pieces[0] if len(pieces) == 1 else call(g, aten.cat.default, (pieces, p.dim))
-        return call(g, aten.clone.default, (y,), {"memory_format": torch.contiguous_format})
+        """This rank's slice of a full tensor `x` (global `shape`) placed `p` (piece rank // rep)."""
+        return _cut(g, x, p.dim, p.blocks, shape[p.dim] // p.blocks, T // _rep(p), rank // _rep(p))
 
     def gather(x: fx.Node, shape: tuple[int, ...], p: Any) -> fx.Node:
         """The full tensor (global `shape`) from this rank's slice `x` placed `p`."""
-        d, b = p.dim, p.blocks
+        d, b, r = p.dim, p.blocks, _rep(p)
+        n = T // r  # distinct pieces; ranks k*r .. k*r+r-1 hold piece k
 
         def all_gather(y: fx.Node, order: list[int]) -> fx.Node:
             full = call(g, c10d.wait_tensor.default, (call(g, c10d.all_gather_into_tensor.default, (y, T, group)),))
             rest = [shape[i] for i in order[1:]]
-            m = shape[d] // (b * T)
-            if b > 1:  # [T, b, m, ...] -> [b, T, m, ...]: block-major, as the full dim is laid out
-                full = call(g, aten.reshape.default, (full, [T, b, m, *rest]))
+            m = shape[d] // (b * n)
+            if r > 1:  # one copy of each piece: [n, r, b * m, ...] -> [n, b * m, ...]
+                full = call(g, aten.reshape.default, (full, [n, r, b * m, *rest]))
+                full = call(g, aten.select.int, (full, 1, 0))
+            if b > 1:  # [n, b, m, ...] -> [b, n, m, ...]: block-major, as the full dim is laid out
+                full = call(g, aten.reshape.default, (full, [n, b, m, *rest]))
                 full = call(g, aten.permute.default, (full, [1, 0, *range(2, len(rest) + 3)]))
+            if r > 1 or b > 1:
                 full = call(g, aten.reshape.default, (full, [shape[d], *rest]))
             return full
 
         return along(x, d, len(shape), all_gather)
+
+    def pad(x: fx.Node, p: Any, size: int, pieces: int, index: int) -> fx.Node:
+        """`x` (dim p.dim: p.blocks blocks) zero-padded so that each block becomes `size` long,
+        x's part of it at piece `index` of `pieces`."""
+        return _pad(g, x, p.dim, p.blocks, size, pieces, index)
 
     full_of: dict[fx.Node, fx.Node] = {}  # old node -> its whole value, where one was gathered
 
@@ -154,18 +172,46 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         have = place[src_node]
         if have == want or (getattr(want, "kind", "R") == "R" and getattr(have, "kind", "R") == "R"):
             return x
+        if have.kind == "S" and _rep(have) >= T and want.kind == "R":
+            return x  # one group of all ranks: every rank holds the whole value
         key = (src_node, want)
         if key in cache:
             return cache[key]
         shape = tuple(int(s) for s in src_node.meta["val"].shape)
-        if want.kind == "P":
-            raise PassError(f"shard_tensors: node {src_node.name!r} would have to become a partial sum; "
+        val = src_node.meta["val"]
+        local = (have.kind in ("S", "PS") and want.kind in ("S", "PS") and (have.dim, have.blocks) ==
+                 (want.dim, want.blocks))
+        per_block = shape[want.dim] // want.blocks if want.kind in ("S", "PS") else 0
+        if local and have.kind == "S" and want.kind == "S" and _rep(have) % _rep(want) == 0:
+            # a finer shard: this rank's part of its group's piece (a group's key/value heads ->
+            # those of this rank's query heads)
+            k = _rep(have) // _rep(want)
+            y = _cut(g, x, want.dim, want.blocks, per_block // (T // _rep(have)), k, (rank % _rep(have)) // _rep(want))
+        elif local and have.kind == "S" and _rep(have) == 1 and want.kind == "PS":
+            # this rank's piece zero-padded into its group's: a partial sum over the group
+            r = _rep(want)
+            y = pad(x, want, per_block // (T // r), r, rank % r)
+        elif have.kind == "PS" and want.kind == "P":
+            r = _rep(have)
+            y = pad(x, have, shape[have.dim] // have.blocks, T // r, rank // r)
+        elif want.kind in ("P", "PS"):
+            raise PassError(f"shard_tensors: node {src_node.name!r} ({have}) would have to become {want}; "
                             "the placements are inconsistent")
-        if have.kind == "P" and want.kind == "S" and sequence_parallel and want.blocks == 1:
+        else:
+            y = None
+        if y is not None:
+            y = _in_layout_of(g, y, val)
+            cache[key] = y
+            return y
+        if have.kind == "P" and want.kind == "S" and sequence_parallel and want.blocks == 1 and _rep(want) == 1:
             cache[key] = y = reduce_scatter(x, want.dim)
             return y
-        val = src_node.meta["val"]
-        if have.kind == "P":
+        if have.kind == "PS":
+            # zero-padded to the whole shape, all-reduced over the tp group: every group's pieces
+            # summed over its ranks, the others' zeros; the whole value on every rank
+            r = _rep(have)
+            y = reduce(pad(x, have, shape[have.dim] // have.blocks, T // r, rank // r))
+        elif have.kind == "P":
             y = reduce(x)
         elif have.kind == "S":
             y = regathered(src_node)
@@ -197,12 +243,14 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             new.meta.update({k: v for k, v in n.meta.items() if k not in (TP_KEY, "fxspeed")})
             spec = spec_of[n]
             p = params.get(spec.target) if spec.kind == "param" else None
-            if p is not None and p.kind == "S":
+            if p is not None and p.kind == "S" and _rep(p) >= T:
+                place[n] = p  # split over one group of all ranks: the whole tensor, a plain input
+            elif p is not None and p.kind == "S":
                 v = n.meta["val"]
                 new.meta["val"] = fake_value(aten.empty.memory_format, (list(local_shape(v.shape, p, T)),),
                                              {"dtype": v.dtype, "device": v.device})
                 new_inputs[placeholders.index(n)] = IOSpec("param_tp", spec.target)
-                layout[spec.target] = (p.dim, p.blocks)
+                layout[spec.target] = (p.dim, p.blocks) if _rep(p) == 1 else (p.dim, (p.blocks, _rep(p)))
                 place[n] = p
             else:
                 place[n] = _R
@@ -373,12 +421,43 @@ _R = _Replicated()
 
 def _all_global(npl: Any) -> bool:
     outs = npl.out if isinstance(npl.out, tuple) else (npl.out,)
-    return all(getattr(p, "kind", "R") != "S" for p in (*outs, *npl.want))
+    return all(getattr(p, "kind", "R") not in ("S", "PS") for p in (*outs, *npl.want))
+
+
+def _cut(g: fx.Graph, x: fx.Node, dim: int, blocks: int, size: int, pieces: int, index: int) -> fx.Node:
+    """Piece `index` of `pieces` of each of the `blocks` blocks (each `size` long) of `x`'s dim
+    `dim`, concatenated; a contiguous copy."""
+    m = size // pieces
+    parts = [call(g, aten.slice.Tensor, (x, dim, k * size + index * m, k * size + (index + 1) * m))
+             for k in range(blocks)]
+    y = parts[0] if len(parts) == 1 else call(g, aten.cat.default, (parts, dim))
+    return call(g, aten.clone.default, (y,), {"memory_format": torch.contiguous_format})
+
+
+def _pad(g: fx.Graph, x: fx.Node, dim: int, blocks: int, size: int, pieces: int, index: int) -> fx.Node:
+    """The inverse of _cut with zeros elsewhere: `x` holds piece `index` of `pieces` of each of
+    `blocks` blocks along `dim`; the result has blocks of `size`, zero outside those pieces."""
+    if pieces == 1:
+        return x
+    nd = x.meta["val"].dim()
+    m = size // pieces
+    parts = [x] if blocks == 1 else [call(g, aten.slice.Tensor, (x, dim, k * m, (k + 1) * m)) for k in range(blocks)]
+    widths = [0, 0] * (nd - 1 - dim) + [index * m, size - (index + 1) * m]
+    parts = [call(g, aten.constant_pad_nd.default, (y, widths, 0.0)) for y in parts]
+    return parts[0] if len(parts) == 1 else call(g, aten.cat.default, (parts, dim))
 
 
 def _memory_order(v: torch.Tensor) -> list[int]:
-    """Dims from outermost to innermost in memory (ties, size-1 dims: in dim order)."""
-    return sorted(range(v.dim()), key=lambda i: -v.stride(i))
+    """Dims from outermost to innermost in memory. Dims of size 1 or stride 0 (an expand's
+    broadcast: GQA's repeated key/value heads) have no place in memory of their own: they go
+    where a contiguous tensor has them, never innermost (with an expanded head dim ordered
+    innermost, CPU flash attention read a value whose last dim had stride 4 and returned garbage)."""
+    free = [i for i in range(v.dim()) if v.shape[i] == 1 or v.stride(i) == 0]
+    order = sorted((i for i in range(v.dim()) if i not in free), key=lambda i: -v.stride(i))
+    for f in free:
+        later = [k for k, d in enumerate(order) if d > f]
+        order.insert(later[0] if later else len(order), f)
+    return order
 
 
 def _in_layout_of(g: fx.Graph, y: fx.Node, like: torch.Tensor) -> fx.Node:
@@ -390,7 +469,8 @@ def _in_layout_of(g: fx.Graph, y: fx.Node, like: torch.Tensor) -> fx.Node:
     if not isinstance(have, torch.Tensor) or have.dim() != like.dim() or have.dim() < 2:
         return y
     order = _memory_order(like)
-    if _memory_order(have) == order or have.is_contiguous() and like.is_contiguous():
+    fixed = [d for d in order if like.shape[d] != 1 and like.stride(d) != 0]
+    if [d for d in _memory_order(have) if d in fixed] == fixed or have.is_contiguous() and like.is_contiguous():
         return y
     inverse = [order.index(i) for i in range(len(order))]
     y = call(g, aten.permute.default, (y, order))
@@ -415,14 +495,15 @@ def _local_args(n: fx.Node, args: list[Any], npl: Any, T: int) -> list[Any]:
     """Size arguments rewritten to the local shape (views, expands, split sizes)."""
     t = n.target
     out = npl.out
-    if t in _SIZE_ARG and getattr(out, "kind", "R") == "S":
+    if t in _SIZE_ARG and getattr(out, "kind", "R") in ("S", "PS"):
         args[_SIZE_ARG[t]] = list(local_shape(tuple(n.meta["val"].shape), out, T))
     elif t in (aten.split.Tensor, aten.split_with_sizes.default) and isinstance(out, tuple):
         src = npl.want[0]
         nd = n.args[0].meta["val"].dim()
         dim = (n.args[2] if len(n.args) > 2 else 0) % nd
         if getattr(src, "kind", "R") == "S" and src.dim == dim:
-            args[1] = [s // T for s in args[1]] if isinstance(args[1], (list, tuple)) else args[1] // T
+            n = T // _rep(src)
+            args[1] = [s // n for s in args[1]] if isinstance(args[1], (list, tuple)) else args[1] // n
     return args
 
 

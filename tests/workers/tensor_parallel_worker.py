@@ -12,8 +12,10 @@ eagerly on the same batches: relative error <= 1e-5.
              Parameter holds 1/T of its elements, plan.summary() lists the placements
     gpt2     Hugging Face GPT2LMHeadModel (Conv1D: fused QKV stored [d, 3d]); then: the step has
              exactly Megatron's collectives, 2 all-reduces per block in forward and 2 in backward
-    llama    Hugging Face LlamaForCausalLM with GQA (4 query heads, 2 key/value heads); then: the
-             same collective count, and eval_step equals the eager loss of the trained model
+    llama    Hugging Face LlamaForCausalLM with GQA (4 query heads, 2 key/value heads) with grad_clip;
+             then: the same collective count (at TP=4, fewer key/value heads than ranks: each
+             replicated over 2 ranks, + one all-reduce per k/v gradient), the layout, and
+             eval_step equals the eager loss of the trained model
     bert     Hugging Face BertForMaskedLM (post-norm, separate q/k/v with biases, tied decoder)
     t5       Hugging Face T5ForConditionalGeneration (encoder-decoder, relative position bias)
     gpt_dp   GPT at TP=2 x DP=WORLD_SIZE/2 (ZeRO-0) with grad_clip: each replica trains on its rows
@@ -252,22 +254,34 @@ def gpt2() -> str:
 
 
 def llama() -> str:
-    """GQA (4 query heads, 2 key/value heads); then eval_step on the trained engine. At TP=2,
-    Megatron's collectives; at TP=4 (fewer key/value heads than ranks) parity only: the solver
-    then splits q/k/v by their input rows and runs attention whole, not Megatron's replicated
-    key/value heads."""
+    """GQA (4 query heads, 2 key/value heads) with clipping; then eval_step on the trained engine.
+    At TP=2 Megatron's layout and collectives. At TP=4 (fewer key/value heads than ranks) the same
+    with each key/value head replicated over the 2 ranks whose query heads read it: k and v split
+    over the kv groups (S(0,rep=2): ranks 0-1 hold head 0, ranks 2-3 head 1), Megatron's 2
+    all-reduces per block each way plus one per k/v gradient (the sum over the group, made in the
+    step); the clip norm counts a shared slice once."""
+    T = int(os.environ["WORLD_SIZE"])
+
     def evaluate(engine: Any, model: torch.nn.Module, ref: torch.nn.Module, bs: list) -> str:
         got = _collectives(engine)
-        if engine.config.tensor == 2 and got != {"all_reduce": 8 + VOCAB_PARALLEL_REDUCES, "all_gather": 0}:
-            return f"collectives in the 2-block Llama step: {got}, Megatron's are {8 + VOCAB_PARALLEL_REDUCES} all-reduces"
+        kv_grads = 2 * 2 if T == 4 else 0  # 2 blocks x (k, v)
+        want = {"all_reduce": 8 + VOCAB_PARALLEL_REDUCES + kv_grads, "all_gather": 0}
+        if T in (2, 4) and got != want:
+            return f"collectives in the 2-block Llama step at TP={T}: {got}, Megatron's are {want}"
+        placed = engine.plan.tp_placements
+        kv = "S(0,rep=2)" if T == 4 else "S(0)"
+        for suffix, p in (("q_proj", "S(0)"), ("k_proj", kv), ("v_proj", kv), ("o_proj", "S(1)")):
+            n = f"model.layers.1.self_attn.{suffix}.weight"
+            if T in (2, 4) and placed.get(n) != p:
+                return f"{n} placed {placed.get(n)}, Megatron's is {p} (placements: {placed})"
         loss = engine.eval_step(**bs[0])
         loss = float(getattr(loss, "loss", loss))
         ref.eval()
         with torch.no_grad():
-            want = float(_call(ref, bs[0]))
-        return "ok" if abs(loss - want) <= 1e-5 * abs(want) else f"eval_step loss {loss} != eager {want}"
+            want_loss = float(_call(ref, bs[0]))
+        return "ok" if abs(loss - want_loss) <= 1e-5 * abs(want_loss) else f"eval_step loss {loss} != eager {want_loss}"
 
-    return parity("llama", check=evaluate)
+    return parity("llama", fxspeed.Config(tensor=T, **CLIPPED), check=evaluate)
 
 
 def t5() -> str:
