@@ -926,7 +926,7 @@ class Engine:
                 tp = self._tp
                 sq = torch.zeros((), dtype=torch.float64, device=self._device)
                 for p in self._counted:
-                    if p.grad is not None and (id(p) in tp.layout or tp.rank == 0):
+                    if p.grad is not None and (tp.counted(p) or (id(p) not in tp.layout and tp.rank == 0)):
                         sq += p.grad.double().pow(2).sum()
                 dist.all_reduce(sq, group=self.dist.group)
                 sq /= self.dp_size
@@ -962,8 +962,9 @@ class Engine:
 
     def _tp_shard_squares(self) -> torch.Tensor:
         """Tensor x ZeRO-1/2/3: this rank's share of the squared gradient norm. A flat shard mixes
-        tp slices (every tp rank holds its own: all count) and weights replicated over tp (tp
-        rank 0 counts them), so summing over the world counts each element once."""
+        tp slices (every tp rank holds its own: all count; one a group of ranks shares: its first
+        rank) and weights replicated over tp (tp rank 0 counts them), so summing over the world
+        counts each element once."""
         flat, tp = self._flat, self._tp
         sq = torch.zeros((), dtype=torch.float64, device=self._device)
         for k in self._counted_buckets:
@@ -974,7 +975,8 @@ class Engine:
             lo, hi = flat._range(b)
             for name, shape, off in zip(b.names, b.shapes, b.offsets):
                 a, z = max(off, lo), min(off + _numel(shape), hi)
-                if a < z and (id(self._params[name]) in tp.layout or tp.rank == 0):
+                p = self._params[name]  # a slice shared by a group of tp ranks counts on the group's first
+                if a < z and (tp.counted(p) or (id(p) not in tp.layout and tp.rank == 0)):
                     sq += g[a - lo:z - lo].double().pow(2).sum()
         return sq
 

@@ -174,6 +174,17 @@ def test_a_plan_without_an_engine_lists_every_placement_and_extrapolates_the_tp_
     assert "tp rank 1" in [t.get_text() for t in ax.get_xticklabels()]
 
 
+def test_the_placement_picture_shows_a_key_value_head_shared_by_its_group_of_ranks() -> None:
+    from types import SimpleNamespace
+
+    from fxspeed.tools import viz
+
+    plan = SimpleNamespace(model="m", strategy={"tp": 4}, tp_placements={"k.weight": "S(0,rep=2)", "q.weight": "S(0)"})
+    texts = [t.get_text() for t in viz.plot_placements(plan, collapse_blocks=False).texts]
+    assert texts[:4] == ["dim 0, 1/2", "dim 0, 1/2", "dim 0, 2/2", "dim 0, 2/2"]  # ranks 0-1 hold head 0
+    assert texts[4:] == [f"dim 0, {r}/4" for r in range(1, 5)]
+
+
 def test_a_vocabulary_that_does_not_split_over_tensor_ranks_is_named_with_the_padding_that_would() -> None:
     from fxspeed.config import ConfigWarning
     from fxspeed.models import GPT, GPTConfig

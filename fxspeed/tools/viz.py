@@ -249,14 +249,15 @@ def plot_placements(plan: Any, ax: Any = None, collapse_blocks: bool = True, max
         _, ax = plt.subplots(figsize=(2.2 + 1.6 * T, 0.32 * len(names) + 1.0))
     for i, name in enumerate(names):
         p = rows[name]
-        m = re.match(r"S\((\d+)(?:,blocks=(\d+))?\)", p)
+        m = re.match(r"S\((\d+)(?:,blocks=(\d+))?(?:,rep=(\d+))?\)", p)
         for r in range(T):
             if m is None:
                 color, text = _PLACEMENT_COLORS["R"], "whole"
             else:
-                dim, blocks = int(m.group(1)), int(m.group(2) or 1)
+                dim, blocks, rep = int(m.group(1)), int(m.group(2) or 1), int(m.group(3) or 1)
                 color = _PLACEMENT_COLORS.get(f"S({dim})", "#55A868")
-                text = f"dim {dim}, {r + 1}/{T}" + (f" of each of {blocks}" if blocks > 1 else "")
+                # rep > 1: T/rep pieces, each held by rep consecutive ranks (GQA's shared key/value heads)
+                text = f"dim {dim}, {r // rep + 1}/{T // rep}" + (f" of each of {blocks}" if blocks > 1 else "")
             ax.add_patch(plt.Rectangle((r, i), 0.96, 0.9, color=color))
             ax.text(r + 0.48, i + 0.45, text, ha="center", va="center", fontsize=6)
     ax.set_xlim(0, T)
