@@ -95,6 +95,15 @@ def test_a_model_without_scaled_dot_product_attention_is_refused_with_the_fix():
         compile_inference(_Handwritten().eval(), 4, config=Config())
 
 
+def test_attention_traced_to_its_masked_math_form_is_refused_naming_the_mask():
+    # Falcon calls SDPA with its own causal mask; it traces to matmul + softmax (no attention op)
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.FalconConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                                    attn_implementation="sdpa")
+    with pytest.raises(PassError, match="explicit attn_mask.*is_causal=True"):
+        compile_inference(transformers.FalconForCausalLM(cfg).eval(), 4, config=Config())
+
+
 _ENGINE: dict = {}
 
 
