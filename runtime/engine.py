@@ -48,13 +48,13 @@ from fxspeed.planner.plan import Plan
 from fxspeed.runtime.executor import StepExecutor
 from fxspeed.runtime.flat_parameters import FlatParameters, gather_into
 from fxspeed.runtime.host_memory import release_freed_host_memory
-from fxspeed.runtime.step_in_backward import InBackwardSteps, in_layout_of
-from fxspeed.runtime.step_in_backward import register as register_steps
 from fxspeed.runtime.loss_scale import DynamicLossScaler
 from fxspeed.runtime.offloaded_optimizer import OffloadedAdam
 from fxspeed.runtime.offloaded_parameters import register
 from fxspeed.runtime.optimizer import OptimizerSpec, build_optimizer
 from fxspeed.runtime.runner import PipelineRuntime
+from fxspeed.runtime.step_in_backward import InBackwardSteps, in_layout_of
+from fxspeed.runtime.step_in_backward import register as register_steps
 from fxspeed.planner.placement import TP_PLAN_NOTE
 from fxspeed.runtime.tensor_parallel import TensorParallelParameters
 
