@@ -918,7 +918,7 @@ class Engine:
         the norm counts them, and the clip coefficient is appended instead of applied."""
         if self._tp is not None:
             if self._flat is not None and self.config.zero >= 1:
-                sq = self._tp_shard_squares()
+                sq = self._tp_shard_squares(factors or ())
                 dist.all_reduce(sq, group=self.dist.group)  # every element counted once over dp x tp
             elif self.pipelined:
                 # Each weight at the lowest position holding it, a tp slice on every tp rank, a weight
@@ -933,7 +933,9 @@ class Engine:
             else:
                 sq = self._tp.squared_norm([(t, t.grad) for t in stepped])
             norm = sq.sqrt().to(torch.float32)
-            if stepped:
+            if factors is not None:  # masters in the offload file: the optimizer applies it in fp32
+                factors.append(torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0))
+            elif stepped:
                 torch.nn.utils.clip_grads_with_norm_(stepped, self.config.grad_clip, norm, foreach=True)
             return
         if self._flat is not None and self.config.zero >= 1:
@@ -960,11 +962,12 @@ class Engine:
         elif stepped:
             torch.nn.utils.clip_grads_with_norm_(stepped, self.config.grad_clip, norm, foreach=True)
 
-    def _tp_shard_squares(self) -> torch.Tensor:
+    def _tp_shard_squares(self, factors: Sequence[Any] = ()) -> torch.Tensor:
         """Tensor x ZeRO-1/2/3: this rank's share of the squared gradient norm. A flat shard mixes
         tp slices (every tp rank holds its own: all count; one a group of ranks shares: its first
         rank) and weights replicated over tp (tp rank 0 counts them), so summing over the world
-        counts each element once."""
+        counts each element once. `factors`: what the gradients are still to be multiplied by
+        (masters in the offload file), applied to an fp32 copy as the in-memory path's gradients are."""
         flat, tp = self._flat, self._tp
         sq = torch.zeros((), dtype=torch.float64, device=self._device)
         for k in self._counted_buckets:
@@ -977,7 +980,12 @@ class Engine:
                 a, z = max(off, lo), min(off + _numel(shape), hi)
                 p = self._params[name]  # a slice shared by a group of tp ranks counts on the group's first
                 if a < z and (tp.counted(p) or (id(p) not in tp.layout and tp.rank == 0)):
-                    sq += g[a - lo:z - lo].double().pow(2).sum()
+                    piece = g[a - lo:z - lo]
+                    if factors:
+                        piece = piece.float()  # a copy: the gradients stay as they are for the optimizer
+                        for f in factors:
+                            piece = piece * f
+                    sq += piece.double().pow(2).sum()
         return sq
 
     def synchronize(self) -> None:

@@ -409,3 +409,9 @@ def test_a_swap_directory_left_by_a_killed_process_is_removed_by_the_next_one(tm
     engine = _compile(tmp_path)
     assert not stale.exists() and alive.exists() and other.exists()
     del engine
+
+
+def test_optimizer_offload_is_accepted_under_tensor_parallelism_and_parameter_offload_is_refused_with_what_works():
+    fxspeed.Config(tensor=2, offload="optimizer", nvme_path="/tmp").check_supported()
+    with pytest.raises(ConfigError, match="offload=.optimizer. works under tensor parallelism"):
+        fxspeed.Config(tensor=2, zero=3, precision="bf16", offload="all", nvme_path="/tmp").check_supported()

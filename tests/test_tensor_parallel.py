@@ -110,10 +110,11 @@ def test_four_ranks_as_tp4_as_tp2_x_two_replicas_and_as_tp2_x_pp2_match_one_proc
     embedding/head sliced by vocabulary rows on both ends of the pipeline, eval_step), in the
     same launch; the ZeRO-3 and the pipeline checkpoints resume on one device; bf16 TP=2 x DP=2
     with ZeRO-1 keeps bf16 working copies of the tp slices and fp32 masters in the dp partition,
-    and trains like one bf16 process. GPT-2, BERT and T5 at TP=4 too (issue 14's five families at
+    and trains like one bf16 process, and with its masters and moments in the offload file bit for
+    bit like in memory (clipping). GPT-2, BERT and T5 at TP=4 too (issue 14's five families at
     TP=4; ~30 s on 2 cores)."""
     run_cases_on(4, ("gpt", "llama", "gpt2", "bert", "t5", "gpt_dp", "gpt_dp_zero2", "gpt_dp_zero3", "gpt_pp",
-                     "gpt_dp_bf16"), tmp_path, timeout=900)
+                     "gpt_dp_bf16", "gpt_dp_bf16_offload"), tmp_path, timeout=900)
     assert_checkpoint_resumes_on_one_device(tmp_path, "gpt_dp_zero3")
     assert_checkpoint_resumes_on_one_device(tmp_path, "gpt_pp")
     assert_bf16_trains_like_one_bf16_process(tmp_path, "gpt_dp_bf16")

@@ -29,6 +29,8 @@ eagerly on the same batches: relative error <= 1e-5.
     gpt_bf16 GPT under Config(precision="bf16"): losses and weights for the test to compare with one
              bf16 process (tests/test_tensor_parallel.py)
     gpt_dp_bf16  the same at TP=2 x DP=WORLD_SIZE/2 with ZeRO-1: master weights per tp slice
+    gpt_dp_bf16_offload  that layout with clipping, masters + moments in the offload file vs in
+             memory: bit for bit
 
 Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt and exits 0 (`--case all`:
 every case in one launch; tests/workers/common.py run_cases, shared with correctness_worker).
@@ -444,7 +446,29 @@ def gpt_dp_bf16() -> str:
     return "ok"
 
 
-CASES = {"gpt": gpt, "gpt_bf16": gpt_bf16, "gpt_dp_bf16": gpt_dp_bf16, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
+def gpt_dp_bf16_offload() -> str:
+    """TP=2 x DP=WORLD_SIZE/2, ZeRO-1, bf16 with clipping: the fp32 masters and Adam's moments in
+    the offload file train bit for bit like them in memory (the clip coefficient goes to the
+    optimizer, which applies it to its fp32 upcast, as the in-memory path does to its fp32
+    gradients)."""
+    world = int(os.environ["WORLD_SIZE"])
+    bs = batches("gpt", ignored=False)
+    mine = [_rows(b, int(os.environ["RANK"]) // 2, world // 2) for b in bs[:3]]
+    runs = []
+    for offload in ({}, {"offload": "optimizer", "nvme_path": os.environ["WORKER_OUT"]}):
+        model = build("gpt")
+        engine = fxspeed.compile(model, world, fxspeed.Config(tensor=2, zero=1, grad_clip=0.05, **BF16, **offload),
+                                 example_inputs=mine[0])
+        runs.append(([engine.train_step(*b) for b in mine], engine.state_dict()))
+        del engine
+    (l0, s0), (l1, s1) = runs
+    if l0 != l1:
+        return f"losses with the optimizer offloaded {l1} != in memory {l0}"
+    bad = [k for k in s0 if not torch.equal(s0[k], s1[k])]
+    return "ok" if not bad else f"weights differ with the optimizer offloaded: {bad[:3]}"
+
+
+CASES = {"gpt": gpt, "gpt_bf16": gpt_bf16, "gpt_dp_bf16_offload": gpt_dp_bf16_offload, "gpt_dp_bf16": gpt_dp_bf16, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
          "gpt_dp_zero3": gpt_dp_zero3, "gpt_pp": gpt_pp, "t5": t5, "gpt_sp": gpt_sp, "llama_sp": llama_sp,
          "gpt_pp_zero1": gpt_pp_zero1, "gpt_pp_sp_zero1": gpt_pp_sp_zero1}
 
