@@ -214,3 +214,41 @@ def test_a_program_failing_after_some_parameters_moved_stops_training_until_a_ch
     engine.load(tmp_path / "ck")
     assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
     engine.train_step(*batch)
+
+
+def test_under_tensor_parallelism_the_steps_come_after_the_collectives_that_finish_the_gradients():
+    """A program compiled without a plan (a later batch shape) too: shard_tensors runs before
+    step_in_backward, so no call steps a partial (not yet all-reduced) gradient."""
+    from fxspeed.compiler import compile_step
+    from fxspeed.compiler.options import PassOptions
+    from fxspeed.devices import devices
+    from fxspeed.planner.placement import PlacementAnalysis
+
+    model, (x, y) = gpt()
+    analysis = PlacementAnalysis([devices("cpu")[0]])
+    opts = PassOptions.single_device(fxspeed.Config(), tp_size=2, tp_rank=0, tp_group_name="tp",
+                                     optimizer_store="s")
+    for analyze in (None, lambda gm, sig: None):
+        cs = compile_step(model, (x, y), {}, config=fxspeed.Config(), loss_fn=None, options=opts, train=True,
+                          analyses=[analysis.graph_pass], analyze=analyze)
+        names = [r.name for r in cs.records if not r.skipped]
+        assert names.index("shard_tensors") < names.index("step_in_backward")
+        gm = cs.captured.gm
+        nodes = list(gm.graph.nodes)
+        calls = [n for n in nodes if n.target is step_parameters_op]
+        assert calls and cs.captured.signature.stepped_in_backward
+        waits = [n for n in nodes if "wait_tensor" in str(n.target)]
+        for call in calls:  # every collective whose result a stepped gradient depends on runs before the call
+            for g in call.args[3]:
+                assert all(nodes.index(w) < nodes.index(call) for w in waits if w in _ancestors(g))
+        check_no_reader_after_its_step(gm, cs.captured.signature)
+
+
+def _ancestors(n: fx.Node) -> set:
+    seen, stack = set(), [n]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return seen

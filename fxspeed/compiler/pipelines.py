@@ -96,9 +96,11 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
         analyses = [*analyses, _no_placements()]
     distributed = [*DISTRIBUTED_PASSES, *extra_passes]
     records = list(local.records)
-    if train and analyze is not None and opts.tp_size > 1:
+    if train and opts.tp_size > 1:
         # Tensor parallelism: the planner reads this tp rank's program (its slices of the weights,
-        # its share of the activations), before data parallelism rewrites it.
+        # its share of the activations), before data parallelism rewrites it; and step_in_backward
+        # must see the tp collectives that finish each gradient (a later program, compiled
+        # without a plan, too).
         from fxspeed.passes import shard_tensors
 
         tp = PassManager([shard_tensors], analyses=[annotate, *analyses], disabled=config.disable_passes, known=known)
