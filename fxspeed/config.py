@@ -325,10 +325,6 @@ class Config:
             if fixes:
                 raise ConfigError(f"Config.offload={self.offload!r} needs " + "; ".join(fixes)
                                   + ", or use offload='optimizer'")
-        if self.tensor > 1 and self.offload not in ("none", "optimizer"):
-            raise ConfigError(f"Config.tensor={self.tensor} with Config.offload={self.offload!r} (the working "
-                              "parameters in files) is not implemented in this version of fxspeed; "
-                              "offload='optimizer' works under tensor parallelism, or use tensor=1")
         for key, (default, why) in _NOT_YET.items():
             value = getattr(self, key)
             if value != default:

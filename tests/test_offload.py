@@ -411,7 +411,9 @@ def test_a_swap_directory_left_by_a_killed_process_is_removed_by_the_next_one(tm
     del engine
 
 
-def test_optimizer_offload_is_accepted_under_tensor_parallelism_and_parameter_offload_is_refused_with_what_works():
+def test_every_offload_tier_is_accepted_under_tensor_parallelism():
+    # (their parity: the tensor-parallel launches' gpt_dp_bf16_offload and gpt_offload_tiers cases)
     fxspeed.Config(tensor=2, offload="optimizer", nvme_path="/tmp").check_supported()
-    with pytest.raises(ConfigError, match="offload=.optimizer. works under tensor parallelism"):
-        fxspeed.Config(tensor=2, zero=3, precision="bf16", offload="all", nvme_path="/tmp").check_supported()
+    fxspeed.Config(tensor=2, zero=3, precision="bf16", offload="all", nvme_path="/tmp").check_supported()
+    with pytest.raises(ConfigError, match="zero=3"):
+        fxspeed.Config(tensor=2, zero=1, precision="bf16", offload="parameters", nvme_path="/tmp").check_supported()

@@ -86,8 +86,9 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     reduce_dtype = REDUCE_DTYPES[opts.reduce_dtype]
     # ZeRO-1 keeps all-reducing: its layout holds the full reduced gradients (the ZeRO paper's
     # P_os, what the planner counts); a reduce-scatter would give it ZeRO-2's gradient memory.
-    via_exchange = zero >= 2 and opts.scatter_via_exchange
-    via_all_reduce = zero >= 2 and opts.scatter_via_all_reduce and not via_exchange
+    # (one replica has nothing to scatter: its "reduced" buckets are the flattened gradients)
+    via_exchange = not local and zero >= 2 and opts.scatter_via_exchange
+    via_all_reduce = not local and zero >= 2 and opts.scatter_via_all_reduce and not via_exchange
     rank = opts.rank
     sig = ctx.signature
     out = output_node(gm)

@@ -31,6 +31,8 @@ eagerly on the same batches: relative error <= 1e-5.
     gpt_dp_bf16  the same at TP=2 x DP=WORLD_SIZE/2 with ZeRO-1: master weights per tp slice
     gpt_dp_bf16_offload  that layout with clipping, masters + moments in the offload file vs in
              memory: bit for bit
+    gpt_offload_tiers  TP=2 x DP=WORLD_SIZE/2, ZeRO-3 bf16, clipping, save/load: offload
+             "optimizer", "parameters" and "all" bit for bit alike
 
 Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt and exits 0 (`--case all`:
 every case in one launch; tests/workers/common.py run_cases, shared with correctness_worker).
@@ -468,7 +470,37 @@ def gpt_dp_bf16_offload() -> str:
     return "ok" if not bad else f"weights differ with the optimizer offloaded: {bad[:3]}"
 
 
-CASES = {"gpt": gpt, "gpt_bf16": gpt_bf16, "gpt_dp_bf16_offload": gpt_dp_bf16_offload, "gpt_dp_bf16": gpt_dp_bf16, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
+def gpt_offload_tiers() -> str:
+    """TP=2 x DP=WORLD_SIZE/2, ZeRO-3, bf16 with clipping: the offload tiers "optimizer" (masters +
+    moments in the file), "parameters" (the bf16 working shards in files too, masters in memory)
+    and "all" train bit for bit alike, and a save/load in the middle changes nothing."""
+    world = int(os.environ["WORLD_SIZE"])
+    bs = batches("gpt", ignored=False)
+    mine = [_rows(b, int(os.environ["RANK"]) // 2, world // 2) for b in bs[:3]]
+    runs = []
+    for tier in ("optimizer", "parameters", "all"):
+        cfg = fxspeed.Config(tensor=2, zero=3, grad_clip=0.05, offload=tier, nvme_path=os.environ["WORKER_OUT"],
+                             **BF16)
+        engine = fxspeed.compile(build("gpt"), world, cfg, example_inputs=mine[0])
+        losses = [engine.train_step(*b) for b in mine[:2]]
+        ck = os.path.join(os.environ["WORKER_OUT"], f"tiers_{tier}")
+        engine.save(ck)
+        engine.load(ck)
+        losses.append(engine.train_step(*mine[2]))
+        runs.append((tier, losses, engine.state_dict()))
+        del engine
+    _, l0, s0 = runs[0]
+    for tier, losses, state in runs[1:]:
+        if losses != l0:
+            return f"offload={tier!r} losses {losses} != offload='optimizer' {l0}"
+        bad = [k for k in s0 if not torch.equal(s0[k], state[k])]
+        if bad:
+            return f"offload={tier!r} weights differ from offload='optimizer': {bad[:3]}"
+    return "ok"
+
+
+CASES = {"gpt": gpt, "gpt_bf16": gpt_bf16, "gpt_dp_bf16_offload": gpt_dp_bf16_offload,
+         "gpt_offload_tiers": gpt_offload_tiers, "gpt_dp_bf16": gpt_dp_bf16, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
          "gpt_dp_zero3": gpt_dp_zero3, "gpt_pp": gpt_pp, "t5": t5, "gpt_sp": gpt_sp, "llama_sp": llama_sp,
          "gpt_pp_zero1": gpt_pp_zero1, "gpt_pp_sp_zero1": gpt_pp_sp_zero1}
 
