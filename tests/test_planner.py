@@ -364,11 +364,11 @@ def test_the_offload_files_add_the_disk_time_that_does_not_fit_behind_compute_an
 
     disk = DeviceSpec("d", 1e9, {"fp32": 1e11}, 1e10, 1e9, "cpu", disk_bandwidth=1e9)
     # states: read + written behind the optimizer's 1 s; shards: read twice behind 3 s of compute, written once
-    assert disk_time(fxspeed.Config(), disk, 2e9, 0, compute=3.0, t_opt=1.0) == pytest.approx(3.0)
-    assert disk_time(fxspeed.Config(), disk, 0, 1e9, compute=3.0, t_opt=1.0) == pytest.approx(0.0)
-    assert disk_time(fxspeed.Config(), disk, 0, 2e9, compute=3.0, t_opt=1.0) == pytest.approx(1.0 + 1.0)
+    assert disk_time(disk, 2e9, 0, compute=3.0, t_opt=1.0) == pytest.approx(3.0)
+    assert disk_time(disk, 0, 1e9, compute=3.0, t_opt=1.0) == pytest.approx(0.0)
+    assert disk_time(disk, 0, 2e9, compute=3.0, t_opt=1.0) == pytest.approx(1.0 + 1.0)
     unknown = DeviceSpec("d", 1e9, {"fp32": 1e11}, 1e10, 1e9, "cpu")
-    assert disk_time(fxspeed.Config(), unknown, 2e9, 2e9, compute=0.0, t_opt=0.0) == 0.0
+    assert disk_time(unknown, 2e9, 2e9, compute=0.0, t_opt=0.0) == 0.0
 
     model = GPT(GPTConfig.preset("small"))
     ids = torch.zeros(2, 64, dtype=torch.long)

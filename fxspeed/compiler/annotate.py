@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from fxspeed.ir import (ACTIVATIONS, BACKWARD, BUFFERS, FORWARD, GRADIENTS, INPUTS, IO, META_KEY, PARAMETERS, STEP,
-                        STEP_PARAMETERS_OP, TEMPORARIES, NodeInfo, StepSignature, dtype_name, tensor_bytes)
+                        TEMPORARIES, NodeInfo, StepSignature, dtype_name, step_calls, tensor_bytes)
 
 _INPUT_CATEGORY = {"param": PARAMETERS, "param_shard": PARAMETERS, "param_tp": PARAMETERS, "buffer": BUFFERS,
                    "input": INPUTS,
@@ -34,7 +34,7 @@ def annotate(gm: fx.GraphModule, signature: StepSignature, module_of: dict[str, 
 
     forward = _forward_nodes(outs, signature)
     grad_outputs = {o for o, s in zip(outs, signature.outputs) if s.kind in ("grad", "grad_bucket") and isinstance(o, fx.Node)}
-    steps = [n for n in nodes if n.op == "call_function" and str(n.target) == STEP_PARAMETERS_OP]
+    steps = step_calls(gm.graph)
     grad_outputs |= {g for n in steps for g in n.args[3]}  # gradients the program steps itself
     param_module = {ph: signature.inputs[i].target.rpartition(".")[0] for i, ph in enumerate(placeholders)
                     if signature.inputs[i].kind in ("param", "param_tp")}

@@ -157,6 +157,12 @@ def info(node: fx.Node) -> NodeInfo:
         raise KeyError(f"node {node.name!r} has no fxspeed annotation; run the 'annotate' analysis first") from None
 
 
+def step_calls(graph: fx.Graph) -> list[fx.Node]:
+    """The optimizer calls step_in_backward put in a program (found by name: the IR does not import
+    the runtime that defines the op)."""
+    return [n for n in graph.nodes if n.op == "call_function" and str(n.target) == STEP_PARAMETERS_OP]
+
+
 def tensor_bytes(t: Any) -> int:
     if isinstance(t, torch.Tensor):
         return int(t.numel()) * t.element_size()
@@ -169,4 +175,4 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-__all__ = ['META_KEY', 'FORWARD', 'BACKWARD', 'IO', 'STEP', 'STEP_PARAMETERS_OP', 'PARAMETERS', 'GRADIENTS', 'OPTIMIZER_STATES', 'ACTIVATIONS', 'TEMPORARIES', 'BUFFERS', 'INPUTS', 'COMM_BUFFERS', 'CATEGORIES', 'NodeInfo', 'IOSpec', 'Bucket', 'StepSignature', 'info', 'tensor_bytes', 'dtype_name']
+__all__ = ['META_KEY', 'FORWARD', 'BACKWARD', 'IO', 'STEP', 'STEP_PARAMETERS_OP', 'step_calls', 'PARAMETERS', 'GRADIENTS', 'OPTIMIZER_STATES', 'ACTIVATIONS', 'TEMPORARIES', 'BUFFERS', 'INPUTS', 'COMM_BUFFERS', 'CATEGORIES', 'NodeInfo', 'IOSpec', 'Bucket', 'StepSignature', 'info', 'tensor_bytes', 'dtype_name']

@@ -32,7 +32,7 @@ from fxspeed.config import Config
 from fxspeed.planner.cost_model import estimate_times, optimizer_time
 from fxspeed.devices import DeviceSpec
 from fxspeed.ir import (BUFFERS, CATEGORIES, COMM_BUFFERS, GRADIENTS, INPUTS, META_KEY, OPTIMIZER_STATES, PARAMETERS,
-                        STEP_PARAMETERS_OP, TEMPORARIES, StepSignature, tensor_bytes)
+                        TEMPORARIES, StepSignature, step_calls, tensor_bytes)
 from fxspeed.planner.memory import memory_timeline
 from fxspeed.planner.placement import PlacementAnalysis, collapse_blocks, describe_placements
 from fxspeed.planner.plan import Plan, layout_text
@@ -247,7 +247,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     comm_bytes = sum(communication.values())
     t_comm = comm_bytes / dev.link_bandwidth if dp > 1 and dev.link_bandwidth else 0.0
     fwd, bwd = costs.times.get("forward", 0.0), costs.times.get("backward", 0.0)
-    t_disk = disk_time(config, dev, moved, costs.param_bytes / dp if config.offloads_parameters else 0.0,
+    t_disk = disk_time(dev, moved, costs.param_bytes / dp if config.offloads_parameters else 0.0,
                        compute=fwd + bwd, t_opt=t_opt)
     flops = {"forward": int(round(costs.flops.get("forward", 0))), "backward": int(round(costs.flops.get("backward", 0)))}
     flops["total"] = flops["forward"] + flops["backward"]
@@ -280,8 +280,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     )
 
 
-def disk_time(config: Config, device: DeviceSpec, states: float, shards: float, *, compute: float,
-              t_opt: float) -> float:
+def disk_time(device: DeviceSpec, states: float, shards: float, *, compute: float, t_opt: float) -> float:
     """Seconds of a step the offload files add (at device.disk_bandwidth; 0 when unknown).
     Optimizer states (`states` bytes, masters included) are read and written once a step while
     the optimizer steps the chunks before them; working parameter shards (`shards` bytes) are
@@ -298,8 +297,7 @@ def disk_time(config: Config, device: DeviceSpec, states: float, shards: float, 
 def stepped_gradient_bytes(gm: fx.GraphModule) -> int:
     """Bytes of the gradients the program's optimizer calls (fxspeed::step_parameters, put
     there by step_in_backward) take."""
-    return sum(tensor_bytes(g.meta.get("val")) for n in gm.graph.nodes
-               if n.op == "call_function" and str(n.target) == STEP_PARAMETERS_OP for g in n.args[3])
+    return sum(tensor_bytes(g.meta.get("val")) for n in step_calls(gm.graph) for g in n.args[3])
 
 
 def _optimizer_phase(costs: GraphCosts, config: Config, devices: Sequence[DeviceSpec], dp: int,

@@ -68,7 +68,7 @@ def reuse_buffers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     spans = []
     for n in g.nodes:
         if _candidate(n, min_bytes):
-            end = _last_use(n, order)
+            end = last_use(n, order)
             if end is not None:
                 spans.append((order[n], end, n))
     workspaces: list[_Workspace] = []
@@ -102,9 +102,11 @@ def _candidate(n: fx.Node, min_bytes: int) -> bool:
     return True
 
 
-def _last_use(n: fx.Node, order: dict[fx.Node, int]) -> int | None:
-    """Graph position after which nothing reads or writes `n`'s memory; None if it escapes
-    (reaches the output, or a user we cannot see through)."""
+def last_use(n: fx.Node, order: dict[fx.Node, int]) -> int | None:
+    """Graph position after which nothing reads or writes `n`'s memory (views and elements that
+    may share it included; an asynchronous collective reads it until its wait); None if it
+    escapes (reaches the output, or a user we cannot see through). Also step_in_backward's: the
+    last reader of a parameter it updates in place."""
     end = order[n]
     stack, seen = [n], {n}
     while stack:

@@ -12,8 +12,9 @@ gradients die there instead of living to the end of backward as outputs.
 
 A bucket is the gradients in the order backward produces them, up to bucket_bytes (one call of
 the optimizer per bucket, not per tensor). Its call goes after the last node that reads any of
-its parameters or a view of one (the update is in place: a later reader would see the new
-weights), and after its last gradient. Left as outputs, stepped by the engine after the program
+its parameters or a view of one, or the wait of a collective reading one (the update is in
+place: a later reader would see the new weights; reuse_buffers' `last_use`), and after its last
+gradient. Left as outputs, stepped by the engine after the program
 as before: a parameter the program returns or aliases into an output, a weight whose gradient
 comes out under two names (tied weights not merged). The engine only sets
 PassOptions.optimizer_store when one step at the end would be the same computation: one stage,
@@ -25,13 +26,14 @@ why: docs/decisions/step-in-backward.md
 
 from __future__ import annotations
 
-import operator
+from collections import Counter
 
-import torch
 import torch.fx as fx
 
 from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
 from fxspeed.compiler.rewrite import output_node
+from fxspeed.ir import tensor_bytes
+from fxspeed.passes.memory.reuse_buffers import last_use
 from fxspeed.runtime.step_in_backward import step_parameters_op
 
 
@@ -48,12 +50,13 @@ def step_in_backward(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     param_of = {spec.target: ph for spec, ph in zip(sig.inputs, placeholders) if spec.kind in ("param", "param_tp")}
     order = {n: i for i, n in enumerate(g.nodes)}
     canonical = [sig.tied.get(s.target, s.target) for s in sig.outputs]
+    names_of = Counter(canonical)
     grads = [(i, s.target, values[i]) for i, s in enumerate(sig.outputs)
              if s.kind == "grad" and isinstance(values[i], fx.Node) and s.target in param_of
-             and canonical.count(canonical[i]) == 1]
+             and names_of[canonical[i]] == 1]
     eligible = []
     for i, name, grad in grads:
-        last = _last_reader(param_of[name], order)
+        last = last_use(param_of[name], order)  # its last reader, views and collectives included
         if last is not None:  # None: the parameter (or a view of it) is an output
             eligible.append((i, name, grad, max(last, order[grad])))
     if not eligible:
@@ -66,7 +69,7 @@ def step_in_backward(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             buckets.append([])
             size = 0
         buckets[-1].append(e)
-        size += _bytes(e[2])
+        size += tensor_bytes(e[2].meta.get("val"))
     nodes = list(g.nodes)
     stepped: list[str] = []
     for bucket in buckets:
@@ -83,34 +86,3 @@ def step_in_backward(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     sig.stepped_in_backward = stepped
     return PassResult(gm, modified=True)
 
-
-def _last_reader(param: fx.Node, order: dict[fx.Node, int]) -> int | None:
-    """Position of the last node reading `param` or any value that may share its storage (views,
-    elements of a view-returning op; an op whose schema is unknown counts as a view); None if
-    one of them is a program output."""
-    last = order[param]
-    seen, stack = {param}, [param]
-    while stack:
-        n = stack.pop()
-        for u in n.users:
-            if u.op == "output":
-                return None
-            last = max(last, order[u])
-            if u not in seen and _may_alias(u):
-                seen.add(u)
-                stack.append(u)
-    return last
-
-
-def _may_alias(n: fx.Node) -> bool:
-    if n.target is operator.getitem:
-        return True  # an element of a value that aliases the parameter
-    schema = getattr(n.target, "_schema", None)
-    if schema is None:
-        return True
-    return any(r.alias_info is not None for r in schema.returns)
-
-
-def _bytes(n: fx.Node) -> int:
-    v = n.meta.get("val")
-    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0

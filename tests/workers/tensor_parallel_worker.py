@@ -448,55 +448,51 @@ def gpt_dp_bf16() -> str:
     return "ok"
 
 
-def gpt_dp_bf16_offload() -> str:
-    """TP=2 x DP=WORLD_SIZE/2, ZeRO-1, bf16 with clipping: the fp32 masters and Adam's moments in
-    the offload file train bit for bit like them in memory (the clip coefficient goes to the
-    optimizer, which applies it to its fp32 upcast, as the in-memory path does to its fp32
-    gradients)."""
+def _trains_alike(configs: dict[str, dict], resume: bool) -> str:
+    """Train build("gpt") 3 steps at TP=2 x DP=WORLD_SIZE/2, bf16 with clipping, once per entry of
+    `configs` (Config fields beyond those), with a save/load before the third step if `resume`:
+    "ok" if every run's losses and weights equal the first's bit for bit."""
     world = int(os.environ["WORLD_SIZE"])
     bs = batches("gpt", ignored=False)
     mine = [_rows(b, int(os.environ["RANK"]) // 2, world // 2) for b in bs[:3]]
     runs = []
-    for offload in ({}, {"offload": "optimizer", "nvme_path": os.environ["WORKER_OUT"]}):
-        model = build("gpt")
-        engine = fxspeed.compile(model, world, fxspeed.Config(tensor=2, zero=1, grad_clip=0.05, **BF16, **offload),
-                                 example_inputs=mine[0])
-        runs.append(([engine.train_step(*b) for b in mine], engine.state_dict()))
+    for i, (label, fields) in enumerate(configs.items()):
+        cfg = fxspeed.Config(tensor=2, grad_clip=0.05, **BF16, **fields)
+        engine = fxspeed.compile(build("gpt"), world, cfg, example_inputs=mine[0])
+        losses = [engine.train_step(*b) for b in mine[:2]]
+        if resume:
+            ck = os.path.join(os.environ["WORKER_OUT"], f"alike_{i}")
+            engine.save(ck)
+            engine.load(ck)
+        losses.append(engine.train_step(*mine[2]))
+        runs.append((label, losses, engine.state_dict()))
         del engine
-    (l0, s0), (l1, s1) = runs
-    if l0 != l1:
-        return f"losses with the optimizer offloaded {l1} != in memory {l0}"
-    bad = [k for k in s0 if not torch.equal(s0[k], s1[k])]
-    return "ok" if not bad else f"weights differ with the optimizer offloaded: {bad[:3]}"
+    first, l0, s0 = runs[0]
+    for label, losses, state in runs[1:]:
+        if losses != l0:
+            return f"{label}: losses {losses} != {first}'s {l0}"
+        bad = [k for k in s0 if not torch.equal(s0[k], state[k])]
+        if bad:
+            return f"{label}: weights differ from {first}'s: {bad[:3]}"
+    return "ok"
+
+
+def gpt_dp_bf16_offload() -> str:
+    """ZeRO-1: the fp32 masters and Adam's moments in the offload file train bit for bit like them
+    in memory (the clip coefficient goes to the optimizer, which applies it to its fp32 upcast, as
+    the in-memory path does to its fp32 gradients)."""
+    swap = os.environ["WORKER_OUT"]
+    return _trains_alike({"in memory": dict(zero=1), "offloaded": dict(zero=1, offload="optimizer", nvme_path=swap)},
+                         resume=False)
 
 
 def gpt_offload_tiers() -> str:
-    """TP=2 x DP=WORLD_SIZE/2, ZeRO-3, bf16 with clipping: the offload tiers "optimizer" (masters +
-    moments in the file), "parameters" (the bf16 working shards in files too, masters in memory)
-    and "all" train bit for bit alike, and a save/load in the middle changes nothing."""
-    world = int(os.environ["WORLD_SIZE"])
-    bs = batches("gpt", ignored=False)
-    mine = [_rows(b, int(os.environ["RANK"]) // 2, world // 2) for b in bs[:3]]
-    runs = []
-    for tier in ("optimizer", "parameters", "all"):
-        cfg = fxspeed.Config(tensor=2, zero=3, grad_clip=0.05, offload=tier, nvme_path=os.environ["WORKER_OUT"],
-                             **BF16)
-        engine = fxspeed.compile(build("gpt"), world, cfg, example_inputs=mine[0])
-        losses = [engine.train_step(*b) for b in mine[:2]]
-        ck = os.path.join(os.environ["WORKER_OUT"], f"tiers_{tier}")
-        engine.save(ck)
-        engine.load(ck)
-        losses.append(engine.train_step(*mine[2]))
-        runs.append((tier, losses, engine.state_dict()))
-        del engine
-    _, l0, s0 = runs[0]
-    for tier, losses, state in runs[1:]:
-        if losses != l0:
-            return f"offload={tier!r} losses {losses} != offload='optimizer' {l0}"
-        bad = [k for k in s0 if not torch.equal(s0[k], state[k])]
-        if bad:
-            return f"offload={tier!r} weights differ from offload='optimizer': {bad[:3]}"
-    return "ok"
+    """ZeRO-3: the offload tiers "optimizer" (masters + moments in the file), "parameters" (the bf16
+    working shards in files too, masters in memory) and "all" train bit for bit alike, and a
+    save/load in the middle changes nothing."""
+    swap = os.environ["WORKER_OUT"]
+    return _trains_alike({f"offload={t!r}": dict(zero=3, offload=t, nvme_path=swap)
+                          for t in ("optimizer", "parameters", "all")}, resume=True)
 
 
 CASES = {"gpt": gpt, "gpt_bf16": gpt_bf16, "gpt_dp_bf16_offload": gpt_dp_bf16_offload,
