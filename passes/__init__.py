@@ -15,10 +15,13 @@ compile_step runs them in:
     wait_parameter_gathers   ZeRO-1/2: wait for each bucket's post-step all-gather at its first use
     shard_parameters         ZeRO-3: parameter shards as inputs, gathered before use, prefetched
     offload_parameters       ZeRO-3 with parameter offload: shards read from files ahead of their gathers
+    step_buckets_in_backward the optimizer steps each reduced gradient bucket inside backward, while
+                             the next bucket's collective runs (PassOptions.optimizer_store)
     reuse_buffers            gathered / flattened buckets written into a few reused workspaces
 
-One more runs on one replica's training program when the engine asks for it
-(PassOptions.optimizer_store), after tensor parallelism and before the planner reads the program:
+One more runs on one replica's training program without gradient buckets when the engine asks
+for it (PassOptions.optimizer_store), after tensor parallelism and before the planner reads the
+program:
 
     step_in_backward         the optimizer steps each bucket of parameters inside backward, and
                              their gradients die there instead of being returned
@@ -61,6 +64,7 @@ from .graph.normalize_graph import normalize_graph
 from .parallel.reduce_gradients import reduce_gradients
 from .memory.offload_parameters import offload_parameters
 from .memory.reuse_buffers import reuse_buffers
+from .memory.step_buckets_in_backward import step_buckets_in_backward
 from .memory.step_in_backward import step_in_backward
 from .graph.scale_loss import scale_loss
 from .parallel.shard_parameters import shard_parameters
@@ -75,7 +79,7 @@ SINGLE_DEVICE_PASSES = (normalize_graph, dedupe_tied_parameters, insert_casts, k
                         eliminate_dead_code)
 # shard_tensors first: the data-parallel buckets are then laid out over tp slices.
 DISTRIBUTED_PASSES = (shard_tensors, reduce_gradients, wait_parameter_gathers, shard_parameters, offload_parameters,
-                      reuse_buffers)
+                      step_buckets_in_backward, reuse_buffers)
 ALL_PASSES: dict[str, GraphPass] = {p.name: p for p in (*SINGLE_DEVICE_PASSES, *DISTRIBUTED_PASSES)}
 # The schedule first: it is cheap, and split_backward needs it to know which stages run I and W.
 PROGRAM_PASSES: tuple[ProgramPass, ...] = (lower_schedule_pass, split_stages_pass, split_backward_pass,
@@ -95,4 +99,4 @@ __all__ = ["ALL_PASSES", "DISTRIBUTED_PASSES", "PROGRAM_PASSES", "SINGLE_DEVICE_
            "accumulate_gradients_pass", "dedupe_tied_parameters", "default_pipeline", "eliminate_dead_code",
            "insert_casts", "keep_weights_low", "lower_schedule_pass", "normalize_graph", "program_pipeline", "reduce_gradients",
            "reuse_buffers", "scale_loss", "shard_parameters", "shard_tensors", "split_backward_pass", "split_stages_pass",
-           "step_in_backward", "wait_parameter_gathers"]
+           "step_buckets_in_backward", "step_in_backward", "wait_parameter_gathers"]

@@ -357,12 +357,9 @@ class Engine:
         self.optimizer, self.lr_scheduler = build_optimizer(tensors, spec)
         self._lr_set = [g["lr"] for g in self.optimizer.param_groups]
         store = self.compiler.options.optimizer_store
-        if store:  # the training programs step this optimizer inside backward (passes/memory/step_in_backward)
-            if self._flat is not None:  # its tensors are flat buckets, not the Parameters the program names
-                raise FxspeedError("the optimizer steps flat parameter buckets, which a program cannot step inside "
-                                   "backward by parameter name; compile with Config(disable_passes="
-                                   "('step_in_backward',)) and report this configuration")
-            self._in_backward = InBackwardSteps(self.optimizer, self._params)
+        if store:  # the training programs step this optimizer inside backward (passes/memory/step_in_backward,
+            # by parameter; step_buckets_in_backward, by reduced bucket of the flat layout)
+            self._in_backward = InBackwardSteps(self.optimizer, self._params, flat=self._flat)
             register_steps(store, self._in_backward)
 
     def _offload_root(self, what: str) -> str:
@@ -760,9 +757,13 @@ class Engine:
             if not moved:
                 raise
             self._half_stepped = (f"train_step {self.stats['steps']} failed ({type(e).__name__}: {e}) after the program "
-                                  f"had updated {moved} of {len(self._owned)} parameters inside backward, so the model "
+                                  f"had updated {moved} of {self._in_backward_units()} inside backward, so the model "
                                   "is partly stepped")
             raise FxspeedError(self._half_stepped + "; load a checkpoint (engine.load) before training on") from e
+
+    def _in_backward_units(self) -> str:
+        """What the program steps inside backward: parameters, or the flat layout's buckets."""
+        return f"{len(self._flat.buckets)} gradient buckets" if self._flat is not None else f"{len(self._owned)} parameters"
 
     def _pipeline_step(self, args: tuple, kwargs: dict) -> float:
         self._compile_pipeline(args, kwargs)
@@ -846,6 +847,9 @@ class Engine:
         gradients are freed either way. `loss`: this rank's loss, if it has one."""
         stepped = [t for g in self.optimizer.param_groups for t in g["params"] if t.grad is not None]
         self._check_lr_untouched()
+        # Everything stepped inside backward: no second pass over the optimizer (an offloaded one
+        # would read and write its files for nothing); the schedule and the gathers still run.
+        done = not stepped and self._in_backward is not None and bool(self._in_backward.stepped)
         # Masters in the offload file: the gradients are working-precision shards; unscaling and
         # clipping them in place would round (fp16 would underflow), so the factors go to the
         # optimizer, which applies them to its fp32 upcast chunk by chunk.
@@ -853,7 +857,8 @@ class Engine:
         if not unscale_or_skip(self.scaler, stepped, self.stats, factors) and not self._nonfinite_skip(stepped, loss):
             if self.config.grad_clip is not None:
                 self._clip(stepped, factors)
-            self.optimizer.step(**({"grad_factors": factors} if factors else {}))
+            if not done:
+                self.optimizer.step(**({"grad_factors": factors} if factors else {}))
             if self.config.lr_schedule != "manual":
                 self.lr_scheduler.step()
                 self._lr_set = [g["lr"] for g in self.optimizer.param_groups]

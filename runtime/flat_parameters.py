@@ -217,6 +217,13 @@ class FlatParameters:
             return [self.params[n] for b in self.buckets for n in b.names]
         return list(self.shards)
 
+    def bucket_tensors(self, k: int) -> list[torch.Tensor]:
+        """The optimizer tensors bucket k's gradients go to (set_grads): its Parameters (ZeRO-0)
+        or this rank's shard of it."""
+        if self.zero == 0:
+            return [self.params[n] for n in self.buckets[k].names]
+        return [self.shards[k]]
+
     def grad_buffer(self, k: int) -> torch.Tensor:
         """Bucket k's persistent gradient buffer (ZeRO-0), which the program flattens into and
         reduces in place every step, as DDP reuses its buckets (why:

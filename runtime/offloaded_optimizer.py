@@ -151,24 +151,42 @@ class OffloadedAdam(torch.optim.Optimizer):
             self._start_read(k)
 
     @torch.no_grad()
-    def step(self, closure: Any = None, *, grad_factors: Sequence[torch.Tensor | float] = ()) -> None:
+    def step(self, closure: Any = None, *, grad_factors: Sequence[torch.Tensor | float] = (),
+             only: Sequence[torch.Tensor] | None = None) -> None:
         """One Adam step over every chunk. `grad_factors` (masters only): multipliers of the upcast
-        gradients, in order (the caller did not scale the working-precision gradients in place)."""
+        gradients, in order (the caller did not scale the working-precision gradients in place).
+
+        `only`: step just these tensors (those with a gradient among them): the chunks holding
+        their pieces, in file order, the read of the chunk after the last one left in flight.
+        Called per gradient bucket inside backward (runtime/step_in_backward.py), buckets in the
+        order of the tensors: the disk then reads bucket k+1's states while backward computes and
+        writes bucket k's while the next bucket steps. A chunk shared by two buckets is read and
+        written once for each (its pieces without a gradient are left as they are)."""
         if closure is not None:
             raise FxspeedError("the offloaded optimizer takes no closure")
         if grad_factors and not self.masters:
             raise FxspeedError("grad_factors apply to working-precision gradients (masters=True); scale fp32 "
                                "gradients in place")
+        n = len(self._chunks)
+        if only is None:
+            self._step_chunks(range(n), self._resident, grad_factors)
+            return
+        wanted = sorted({i for t in only for i, _ in self._where.get(id(t), ())})
+        self._step_chunks([i for i in wanted if i < n], [self._resident[i - n] for i in wanted if i >= n], grad_factors)
+
+    def _step_chunks(self, offloaded: Iterable[int], resident: Iterable[tuple[_Chunk, torch.Tensor]],
+                     grad_factors: Sequence[torch.Tensor | float]) -> None:
         group = self.param_groups[0]
         n = len(self._chunks)
-        for k, chunk in enumerate(self._chunks):
+        for k in offloaded:
+            chunk = self._chunks[k]
             if k + 1 < n:
                 self._start_read(k + 1)
             slot = self._wait_read(k)
             self._update(group, chunk, slot.tensor, grad_factors)
             self._writes[k % SLOTS] = self.swap.write(chunk.file_offset, slot, chunk.nbytes)
             self._on_disk.add(chunk)
-        for chunk, buf in self._resident:
+        for chunk, buf in resident:
             self._update(group, chunk, buf, grad_factors)
 
     def _update(self, group: dict, chunk: _Chunk, flat: torch.Tensor, factors: Sequence[torch.Tensor | float]) -> None:
@@ -203,6 +221,10 @@ class OffloadedAdam(torch.optim.Optimizer):
             return
         s = k % SLOTS
         self._finish_write(s)  # the slot's previous chunk must be on disk before it is overwritten
+        for j in [j for j in self._reads if j % SLOTS == s]:
+            # A read ahead into the same slot that this order did not use (chunks stepped out of
+            # file order): finished and dropped, never overwritten while in flight.
+            self._reads.pop(j).result()
         chunk = self._chunks[k]
         if chunk in self._on_disk:
             self._reads[k] = self.swap.read(chunk.file_offset, self._slots[s], chunk.nbytes)

@@ -19,6 +19,8 @@ from fxspeed.models.gpt import GPT, GPTConfig
 from fxspeed.planner import opt_factors, optimizer_temporaries, repeated_blocks, zero_paper_bytes
 from fxspeed.planner.symbolic import fit_polynomial, is_batch_like, sample_values
 
+OFF = ("step_in_backward", "step_buckets_in_backward")  # the step after the program, as the ZeRO paper counts it
+
 aten = torch.ops.aten
 F32 = 4
 
@@ -218,12 +220,17 @@ def test_zero_paper_formula_for_fp32_adam_uses_k_8_and_4_byte_params_and_grads(s
 def test_planned_model_states_per_rank_equal_the_fp32_zero_formula_at_every_stage(zero):
     model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 64))
     n = sum(p.numel() for p in model.parameters())
-    plan = fxspeed.plan(model, fxspeed.devices("H100-80GB", 8), fxspeed.Config(zero=zero),
+    # the formula's layout: every gradient held until a step after backward
+    plan = fxspeed.plan(model, fxspeed.devices("H100-80GB", 8), fxspeed.Config(zero=zero, disable_passes=OFF),
                         example_inputs=(torch.randn(4, 128),), loss_fn=lambda out, x: out.sum())
     opt = plan.phase_memory["optimizer"]
     states = opt[PARAMETERS] + opt[GRADIENTS] + opt[OPTIMIZER_STATES]
     assert states == pytest.approx(zero_paper_bytes(n, zero, 8, k=8, bytes_per_param=4), abs=3)
     assert plan.zero_formula[0] == pytest.approx(states, abs=3)
+    # stepped inside backward: ZeRO-1/2/3 hold no gradient at the step; ZeRO-0's reduced buckets persist
+    inside = fxspeed.plan(model, fxspeed.devices("H100-80GB", 8), fxspeed.Config(zero=zero),
+                          example_inputs=(torch.randn(4, 128),), loss_fn=lambda out, x: out.sum())
+    assert inside.phase_memory["optimizer"][GRADIENTS] == (opt[GRADIENTS] if zero == 0 else 0)
 
 
 def test_adam_states_are_two_per_parameter_and_sgd_with_momentum_keeps_one():

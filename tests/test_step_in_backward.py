@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from hypothesis import given
+from hypothesis import strategies as st
 
 import fxspeed
 from fxspeed.compiler.options import steps_in_backward
@@ -19,7 +20,8 @@ from fxspeed.errors import FxspeedError
 from fxspeed.ir import IOSpec, StepSignature
 from fxspeed.models import GPT, GPTConfig
 from fxspeed.passes import step_in_backward
-from fxspeed.runtime.step_in_backward import step_parameters_op
+from fxspeed.passes.memory.reuse_buffers import is_collective
+from fxspeed.runtime.step_in_backward import step_buckets_op, step_parameters_op
 from tests.test_properties import SETTINGS, Spec, make, specs
 
 OFF = ("step_in_backward",)
@@ -107,11 +109,11 @@ def test_no_parameter_is_read_after_the_call_that_steps_it_and_training_is_uncha
 
 
 def check_no_reader_after_its_step(gm: fx.GraphModule, sig) -> None:  # noqa: ANN001
-    """The validator: after a step_parameters call, no node reads a parameter it stepped or a
-    value that may share that parameter's storage."""
+    """The validator: after a step_parameters (step_buckets) call, no node reads a parameter (a
+    bucket's parameter or shard) it stepped or a value that may share that input's storage."""
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
-    for call in (n for n in nodes if n.target is step_parameters_op):
+    for call in (n for n in nodes if n.target in (step_parameters_op, step_buckets_op)):
         for p in call.args[2]:
             aliases, stack = {p}, [p]
             while stack:
@@ -135,11 +137,17 @@ def test_configs_that_need_every_gradient_first_keep_the_step_at_the_end(config)
     assert engine._in_backward is None
 
 
-def test_only_one_replica_of_one_stage_steps_inside_backward():
+def test_one_stage_steps_inside_backward_on_any_number_of_replicas_but_not_a_pipeline():
     c = fxspeed.Config()
-    assert steps_in_backward(c, 1)
-    assert not steps_in_backward(c, 2)  # data parallel: the engine reduces buckets first
+    assert steps_in_backward(c, 1) and steps_in_backward(c, 2)  # by parameter; by reduced bucket
     assert not steps_in_backward(fxspeed.Config(pipeline=2, microbatches=2), 1)
+    # the offloaded optimizer reads its files in bucket order: only where there are buckets
+    offload = dict(offload="optimizer", offload_device="nvme", nvme_path="/tmp")
+    assert steps_in_backward(fxspeed.Config(**offload), 2)
+    assert steps_in_backward(fxspeed.Config(**offload, zero=1, precision="bf16"), 1)
+    assert not steps_in_backward(fxspeed.Config(**offload), 1)
+    assert not steps_in_backward(fxspeed.Config(zero=3, precision="bf16", offload="parameters",
+                                                offload_device="nvme", nvme_path="/tmp"), 2)
 
 
 def hand_graph(return_view: bool) -> tuple[fx.GraphModule, StepSignature]:
@@ -252,3 +260,72 @@ def _ancestors(n: fx.Node) -> set:
                 seen.add(a)
                 stack.append(a)
     return seen
+
+
+@SETTINGS
+@given(specs, st.sampled_from([0, 1, 2, 3]), st.sampled_from([2, 4]))
+def test_each_reduced_bucket_is_stepped_once_after_the_last_reader_of_its_weights(s: Spec, zero: int, world: int):
+    """Data-parallel programs (rank 0 of `world`, compiled without processes: the validator reads
+    the graph): every bucket is stepped inside backward once or returned, never both; no node
+    reads a bucket's parameters (or ZeRO-3 shard) after the call that steps them; and a call
+    waits for nothing the next bucket's collective needs (it comes after that issue)."""
+    from fxspeed.compiler import compile_step
+    from fxspeed.compiler.options import PassOptions
+
+    model, batches = make(s)
+    opts = PassOptions.single_device(fxspeed.Config(), world_size=world, rank=0, zero=zero, group_name="dp",
+                                     bucket_bytes=2048, optimizer_store="s")
+    cs = compile_step(model, (batches[0],), {}, config=fxspeed.Config(zero=zero), loss_fn=None, options=opts,
+                      train=True)
+    gm, sig = cs.captured.gm, cs.captured.signature
+    check_no_reader_after_its_step(gm, sig)
+    calls = [n for n in gm.graph.nodes if n.target is step_buckets_op]
+    stepped = [k for c in calls for k in c.args[1]]
+    returned = [int(o.target) for o in sig.outputs if o.kind == "grad_bucket"]
+    assert sorted(stepped + returned) == list(range(len(sig.buckets)))
+    assert sig.stepped_in_backward == [n for k in stepped for n in sig.buckets[k].names]
+    assert stepped or not sig.buckets or returned
+    nodes = list(gm.graph.nodes)
+    for c in calls:  # a step never holds back a collective that is ready to be issued
+        for n in nodes[nodes.index(c) + 1:]:
+            if "wait_tensor" in str(n.target) or n.op == "output":
+                break
+            assert not is_collective(n), f"{c.name} delays {n.name}"
+
+
+def test_every_bucket_of_a_gpt_is_stepped_right_after_the_next_buckets_collective_is_issued():
+    from fxspeed.compiler import compile_step
+    from fxspeed.compiler.options import PassOptions
+
+    model, batch = gpt()
+    for zero in range(4):
+        opts = PassOptions.single_device(fxspeed.Config(), world_size=2, rank=0, zero=zero, group_name="dp",
+                                         bucket_bytes=40000, optimizer_store="s")
+        cs = compile_step(model, batch, {}, config=fxspeed.Config(zero=zero), loss_fn=None, options=opts, train=True)
+        nodes = list(cs.captured.gm.graph.nodes)
+        calls = [n for n in nodes if n.target is step_buckets_op]
+        assert len(calls) == len(cs.captured.signature.buckets) >= 3, zero
+        assert not [o for o in cs.captured.signature.outputs if o.kind == "grad_bucket"]
+        # all but the last run while the next bucket's reduction is in flight
+        assert all(is_collective(nodes[nodes.index(c) - 1]) for c in calls[:-1]), zero
+
+
+def test_on_two_ranks_stepping_each_reduced_bucket_inside_backward_trains_bit_for_bit_like_the_step_at_the_end(
+        tmp_path):
+    """ZeRO-0/1/2/3, bf16 master weights, and the offloaded optimizer (masters and moments in the
+    file): tests/workers/step_in_backward_worker.py."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from tests.multiprocess import run_ranks
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "result.txt"
+    cmd = [sys.executable, "-m", "fxspeed", "run", "-n", "2", "-m", "tests.workers.step_in_backward_worker",
+           "--swap", str(tmp_path), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    proc = run_ranks(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert out.read_text() == "ok"
+    assert [p.name for p in tmp_path.iterdir()] == ["result.txt"], "swap directories left behind"

@@ -26,6 +26,10 @@ from fxspeed.models import GPT, GPTConfig
 # fxspeed's modes -> Config.offload: "nvme" the optimizer tier (Adam's moments, and under bf16/fp16
 # the fp32 masters), "params" the parameter tier (ZeRO-3 working shards), "all" both.
 MODES = {"plain": "none", "nvme": "optimizer", "params": "parameters", "all": "all"}
+# "<mode>_end": the same with the optimizer stepped after the program instead of per gradient
+# bucket inside backward (passes/memory/step_buckets_in_backward.py, step_in_backward.py)
+MODES.update({f"{m}_end": v for m, v in list(MODES.items())})
+AT_THE_END = ("step_in_backward", "step_buckets_in_backward")
 
 
 def deepspeed_step(model: torch.nn.Module, a: argparse.Namespace, world: int):  # noqa: ANN201
@@ -83,7 +87,10 @@ def main() -> None:
         step_fn, engine = deepspeed_step(model, a, world)
     else:
         extra = dict(offload=MODES[a.mode], nvme_path=a.nvme_path) if MODES[a.mode] != "none" else {}
-        engine = fxspeed.compile(model, world, fxspeed.Config(zero=a.zero, lr=1e-4, precision=a.precision, **extra), example_inputs=(x, y))
+        if a.mode.endswith("_end"):
+            extra["disable_passes"] = AT_THE_END
+        engine = fxspeed.compile(model, world, fxspeed.Config(zero=a.zero, lr=1e-4, precision=a.precision, **extra),
+                                 example_inputs=(x, y))
         step_fn = engine.train_step
     rss_compiled = status_kb("VmRSS")  # after the engine laid out its state (the masters in the file)
     # The peak so far is building the user's fp32 model and laying it out; from here on, training's.

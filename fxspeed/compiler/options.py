@@ -212,14 +212,20 @@ def derive_options(config: Config, mesh: Any) -> PassOptions:
 
 def steps_in_backward(config: Config, replicas: int) -> bool:
     """Whether the training program steps the optimizer inside backward (passes/memory/
-    step_in_backward.py): only where that is the same computation as one step at the end. Not
-    with gradient accumulation, clipping, fp16 loss scaling or Config.nan_check (each needs
-    every gradient before any update), an offloaded optimizer (it streams its states in its own
-    order), data parallelism (the gradients are reduced in buckets the engine owns), or a
-    pipeline (stages accumulate over micro-batches).
+    step_in_backward.py by parameter on one replica; step_buckets_in_backward.py by reduced
+    gradient bucket where there are buckets): only where that is the same computation as one
+    step at the end. Not with gradient accumulation, clipping, fp16 loss scaling or
+    Config.nan_check (each needs every gradient before any update), parameter offload (its
+    working shards are written through their files after the step), an offloaded optimizer
+    without buckets, or a pipeline (stages accumulate over micro-batches). `replicas`: the
+    data-parallel degree.
     why: docs/decisions/step-in-backward.md"""
-    return (replicas == 1 and config.pipeline == 1 and config.grad_accum == 1 and config.grad_clip is None
-            and config.precision != "fp16" and config.nan_check == "off" and config.offload == "none")
+    # An offloaded optimizer reads its files in the order of its tensors, which is backward's for
+    # the flat buckets but the reverse for one replica's Parameters (no buckets there).
+    buckets = replicas > 1 or master_weights_wanted(config)
+    return (config.pipeline == 1 and config.grad_accum == 1 and config.grad_clip is None
+            and config.precision != "fp16" and config.nan_check == "off"
+            and (config.offload == "none" or config.offload == "optimizer" and buckets))
 
 
 # Each engine's parameter files are registered under their own name (two engines in one process).

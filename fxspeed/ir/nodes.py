@@ -24,6 +24,7 @@ META_KEY = "fxspeed"
 FORWARD, BACKWARD, IO, STEP = "forward", "backward", "io", "step"
 # the op step_in_backward calls (by name: the IR does not import the runtime that defines it)
 STEP_PARAMETERS_OP = "fxspeed.step_parameters.default"
+STEP_BUCKETS_OP = "fxspeed.step_buckets.default"
 
 # Memory categories (plan.memory breaks the peak down by these).
 PARAMETERS = "parameters"
@@ -158,9 +159,10 @@ def info(node: fx.Node) -> NodeInfo:
 
 
 def step_calls(graph: fx.Graph) -> list[fx.Node]:
-    """The optimizer calls step_in_backward put in a program (found by name: the IR does not import
-    the runtime that defines the op)."""
-    return [n for n in graph.nodes if n.op == "call_function" and str(n.target) == STEP_PARAMETERS_OP]
+    """The optimizer calls step_in_backward / step_buckets_in_backward put in a program (found by
+    name: the IR does not import the runtime that defines the ops). Both take the gradients they
+    step as their fourth argument."""
+    return [n for n in graph.nodes if n.op == "call_function" and str(n.target) in (STEP_PARAMETERS_OP, STEP_BUCKETS_OP)]
 
 
 def tensor_bytes(t: Any) -> int:
@@ -175,4 +177,4 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-__all__ = ['META_KEY', 'FORWARD', 'BACKWARD', 'IO', 'STEP', 'STEP_PARAMETERS_OP', 'step_calls', 'PARAMETERS', 'GRADIENTS', 'OPTIMIZER_STATES', 'ACTIVATIONS', 'TEMPORARIES', 'BUFFERS', 'INPUTS', 'COMM_BUFFERS', 'CATEGORIES', 'NodeInfo', 'IOSpec', 'Bucket', 'StepSignature', 'info', 'tensor_bytes', 'dtype_name']
+__all__ = ['META_KEY', 'FORWARD', 'BACKWARD', 'IO', 'STEP', 'STEP_PARAMETERS_OP', 'STEP_BUCKETS_OP', 'step_calls', 'PARAMETERS', 'GRADIENTS', 'OPTIMIZER_STATES', 'ACTIVATIONS', 'TEMPORARIES', 'BUFFERS', 'INPUTS', 'COMM_BUFFERS', 'CATEGORIES', 'NodeInfo', 'IOSpec', 'Bucket', 'StepSignature', 'info', 'tensor_bytes', 'dtype_name']

@@ -565,8 +565,12 @@ def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, 
         options = PassOptions.single_device(config, tp_size=config.tensor, tp_group_name="tp (planned)")
     from fxspeed.compiler.options import steps_in_backward
 
-    if steps_in_backward(config, len(devices) // (config.tensor * config.pipeline)):
-        # what the engine's program does on one replica: the optimizer steps inside backward
+    replicas = len(devices) // (config.tensor * config.pipeline)
+    if steps_in_backward(config, replicas) and not (replicas > 1 and config.zero == 0):
+        # What the engine's program does: the optimizer steps inside backward, by parameter on
+        # one replica, by reduced bucket on several (read here as by parameter: the program is
+        # planned before the distributed passes). ZeRO-0's reduced buckets are persistent
+        # buffers, so there the gradients' memory does not shrink: planned as stepped after.
         options = {**(options.to_dict() if options is not None else {}), "optimizer_store": "(planned)"}
 
     def one() -> tuple[GraphCosts, list[dict]]:

@@ -117,7 +117,7 @@ def last_use(n: fx.Node, order: dict[fx.Node, int]) -> int | None:
             end = max(end, order[u])
             if u.op != "call_function":
                 return None
-            if _is_collective(u):
+            if is_collective(u):
                 # Runs asynchronously: the memory is in use until the collective is waited for.
                 waits = [w for w in u.users if w.target is _WAIT]
                 if not waits:
@@ -129,7 +129,7 @@ def last_use(n: fx.Node, order: dict[fx.Node, int]) -> int | None:
     return end
 
 
-def _is_collective(u: fx.Node) -> bool:
+def is_collective(u: fx.Node) -> bool:
     """An asynchronous collective: functional ones and runtime/kernels/collectives' exchanges."""
     return (getattr(u.target, "namespace", None) == "_c10d_functional" and u.target is not _WAIT) or u.target in EXCHANGE_OPS
 

@@ -18,8 +18,9 @@ gradient. Left as outputs, stepped by the engine after the program
 as before: a parameter the program returns or aliases into an output, a weight whose gradient
 comes out under two names (tied weights not merged). The engine only sets
 PassOptions.optimizer_store when one step at the end would be the same computation: one stage,
-one replica (no gradient buckets to reduce), no accumulation, clipping, loss scaling or NaN check
-(all need every gradient first), no offloaded optimizer.
+no accumulation, clipping, loss scaling or NaN check (all need every gradient first). A program
+whose gradients are reduced in buckets (data-parallel replicas, master weights) is left to
+step_buckets_in_backward, which steps the reduced buckets.
 Options read: optimizer_store (empty: the pass does nothing), bucket_bytes.
 why: docs/decisions/step-in-backward.md
 """
@@ -40,6 +41,9 @@ from fxspeed.runtime.step_in_backward import step_parameters_op
 @graph_pass("step_in_backward", invalidates=("annotate",))
 def step_in_backward(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     store = ctx.options.optimizer_store
+    if ctx.options.world_size > 1 or ctx.options.master_weights:
+        # The gradients will be reduced into buckets first: step_buckets_in_backward steps those.
+        return PassResult(gm, modified=False)
     sig = ctx.signature
     g = gm.graph
     out = output_node(gm)
