@@ -42,6 +42,7 @@ DistributedProgram: the joint graph of one micro-batch, then its stage programs 
 a new one. compile_program runs PROGRAM_PASSES in this order after the single-device graph passes:
 
     lower_schedule           the schedule of actions per pipeline position (gpipe, 1f1b, interleaved, zb)
+    gather_stage_weights     ZeRO-3: GATHER(s) / RELEASE(s) actions around each stage's actions
     split_stages             cut the joint graph into per-stage forward and backward programs
     split_backward           zero bubble: backward -> I (input gradients) + W (weight gradients)
                              for the stages the schedule runs I/W actions for
@@ -71,6 +72,7 @@ from .parallel.shard_parameters import shard_parameters
 from .parallel.shard_tensors import shard_tensors
 from .parallel.wait_parameter_gathers import wait_parameter_gathers
 from .program.accumulate_gradients import accumulate_gradients_pass
+from .program.gather_stage_weights import gather_stage_weights
 from .program.lower_schedule import lower_schedule_pass
 from .program.split_stages import split_backward_pass, split_stages_pass
 
@@ -82,8 +84,8 @@ DISTRIBUTED_PASSES = (shard_tensors, reduce_gradients, wait_parameter_gathers, s
                       step_buckets_in_backward, reuse_buffers)
 ALL_PASSES: dict[str, GraphPass] = {p.name: p for p in (*SINGLE_DEVICE_PASSES, *DISTRIBUTED_PASSES)}
 # The schedule first: it is cheap, and split_backward needs it to know which stages run I and W.
-PROGRAM_PASSES: tuple[ProgramPass, ...] = (lower_schedule_pass, split_stages_pass, split_backward_pass,
-                                           accumulate_gradients_pass)
+PROGRAM_PASSES: tuple[ProgramPass, ...] = (lower_schedule_pass, gather_stage_weights, split_stages_pass,
+                                           split_backward_pass, accumulate_gradients_pass)
 STAGE_PASS_NAMES = tuple(p.name for p in PROGRAM_PASSES)
 
 
@@ -97,6 +99,6 @@ def program_pipeline() -> list[ProgramPass]:
 
 __all__ = ["ALL_PASSES", "DISTRIBUTED_PASSES", "PROGRAM_PASSES", "SINGLE_DEVICE_PASSES", "STAGE_PASS_NAMES",
            "accumulate_gradients_pass", "dedupe_tied_parameters", "default_pipeline", "eliminate_dead_code",
-           "insert_casts", "keep_weights_low", "lower_schedule_pass", "normalize_graph", "program_pipeline", "reduce_gradients",
+           "gather_stage_weights", "insert_casts", "keep_weights_low", "lower_schedule_pass", "normalize_graph", "program_pipeline", "reduce_gradients",
            "reuse_buffers", "scale_loss", "shard_parameters", "shard_tensors", "split_backward_pass", "split_stages_pass",
            "step_buckets_in_backward", "step_in_backward", "wait_parameter_gathers"]

@@ -27,7 +27,7 @@ import functools
 import logging
 import os
 import time
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,7 @@ from fxspeed.devices import DeviceSpec
 from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.ir import Bucket, IOSpec, Program, StepSignature
 from fxspeed.ir.batch import input_key, split_batch, tensor_leaves
-from fxspeed.ir.schedule import B, F, I, RECV_B, RECV_F, SEND_F, STEP, W, Action, Schedule
+from fxspeed.ir.schedule import GATHER, B, F, I, RECV_B, RECV_F, SEND_F, STEP, W, Action, Schedule
 from fxspeed.mesh import (Mesh, check_agreement, check_same_everywhere, check_same_model, comm_device, expect_all_ranks,
                           fingerprint)
 from fxspeed.planner import costs_reader, finish_plan
@@ -48,6 +48,7 @@ from fxspeed.planner.plan import Plan
 from fxspeed.runtime.executor import StepExecutor
 from fxspeed.runtime.flat_parameters import FlatParameters, gather_into
 from fxspeed.runtime.host_memory import release_freed_host_memory
+from fxspeed.runtime.kernels.collectives import exchange_scatter
 from fxspeed.runtime.loss_scale import DynamicLossScaler
 from fxspeed.runtime.offloaded_optimizer import OffloadedAdam
 from fxspeed.runtime.offloaded_parameters import register
@@ -60,6 +61,7 @@ from fxspeed.runtime.tensor_parallel import TensorParallelParameters
 
 log = logging.getLogger("fxspeed")
 RETRACE_WARN_AFTER = 8
+_c10d = torch.ops._c10d_functional
 
 
 class CompilerLike(Protocol):
@@ -153,8 +155,10 @@ class Engine:
         self._counted: list[nn.Parameter] = []
         self._counted_buckets: list[int] = []
         self._stage_buckets: dict[int, list[int]] = {}
+        self._weight_users: dict[int, set[int]] | None = None  # ZeRO-3 pipeline: bucket -> stages reading it
+        self._whole: dict[int, set[int]] = {}  # buckets GATHER made whole -> stages still to RELEASE them
         self._late_buckets: list[int] = []
-        self._pending: list[tuple[int, Any, torch.Tensor]] = []
+        self._pending: list[tuple[int, Any, Callable[[], torch.Tensor]]] = []
         self._grad_divisor = 1.0
         self._p2p_latency = 0.0
         self._serving: Any = None  # fxspeed.serve: the ServingLoop generate/stream delegate to
@@ -770,14 +774,53 @@ class Engine:
         micro = [tensor_leaves(a, kw) for a, kw in split_batch(args, kwargs, self.M)]
         actions = self.schedule.actions[self.position]
         t0 = time.perf_counter()
-        with self._gathered():  # ZeRO-3: this rank's stage weights, for the whole schedule
-            loss, grads = self._runtime.run(actions, micro, on_reduce=self._reduce_stage if self._flat else None)
-            self._record_timing(time.perf_counter() - t0)
-            with torch.no_grad():
-                self._finish_pipeline_grads(grads)
-            del grads
+        # ZeRO-3: the schedule's GATHER/RELEASE actions make each stage's weights whole only while
+        # it computes (passes/program/gather_stage_weights.py); without them, for the whole schedule.
+        per_stage = any(a.kind == GATHER for a in actions)
+        with self._gathered() if not per_stage else self._stage_weights_released():
+            loss, grads = self._runtime.run(actions, micro, on_reduce=self._reduce_stage if self._flat else None,
+                                            on_weights=self._stage_weights if per_stage else None)
+        self._record_timing(time.perf_counter() - t0)
+        with torch.no_grad():
+            self._finish_pipeline_grads(grads)  # reads no weights: runs with every stage's released
+        del grads
         self._optimizer_step(loss=loss)
         return self._global_mean(loss)
+
+    def _stage_weights(self, kind: str, stage: int) -> None:
+        """GATHER(stage): every bucket holding a weight the stage reads is made whole (once);
+        RELEASE(stage): each such bucket no stage still to run on this rank reads is dropped."""
+        flat = self._flat
+        if self._weight_users is None:  # bucket -> this rank's stages reading it
+            where = {n: b.index for b in flat.buckets for n in b.names}
+            self._weight_users = {}
+            for s in self.stages:
+                for n in self.programs[s].names() & set(self._params):
+                    k = where.get(self._canonical[id(self._params[n])])
+                    if k is not None:
+                        self._weight_users.setdefault(k, set()).add(s)
+        users = self._weight_users
+        if kind == GATHER:
+            for k in sorted(users):
+                if stage in users[k] and k not in self._whole:
+                    flat.gather_bucket(k)
+                    self._whole[k] = set(users[k])
+            return
+        for k in [k for k, left in self._whole.items() if stage in left]:
+            self._whole[k].discard(stage)
+            if not self._whole[k]:
+                flat.release_bucket(k)
+                del self._whole[k]
+
+    @contextlib.contextmanager
+    def _stage_weights_released(self) -> Iterator[None]:
+        """Every bucket a schedule left whole (one that failed midway) is released again."""
+        try:
+            yield
+        finally:
+            for k in list(self._whole):
+                self._flat.release_bucket(k)
+            self._whole.clear()
 
     def _reduce_stage(self, stage: int, grads: dict[str, torch.Tensor]) -> None:
         """At REDUCE(stage): start reducing the stage's buckets over the replicas (async); they
@@ -800,8 +843,7 @@ class Engine:
                 seg.copy_(parts[0])
                 for g in parts[1:]:
                     seg.add_(g)
-        work = dist.all_reduce(buf, group=flat.group, async_op=True)
-        self._pending.append((k, work, buf))
+        self._pending.append((k, *_reduce_bucket(flat, k, buf, scatter=self.config.zero >= 2)))
 
     def _finish_pipeline_grads(self, grads: dict[str, torch.Tensor]) -> None:
         """Per-micro-batch sums -> the gradient of the global-batch mean on every tensor the
@@ -809,25 +851,36 @@ class Engine:
         yet reduced over the replicas reduced, and the reduced buckets attached."""
         for p in self._owned:
             p.grad = None
+        # By Parameter, not in .grad: under ZeRO-3 the Parameters hold nothing here (their stages'
+        # RELEASE ran), and the flat layout takes the gradients by name anyway.
+        total: dict[int, torch.Tensor] = {}
         for name, g in grads.items():
             p = self._params[name]
             if self._grad_divisor != 1.0:
                 g = g / self._grad_divisor
-            p.grad = in_layout_of(p, g if p.grad is None else p.grad + g)
+            total[id(p)] = g if id(p) not in total else total[id(p)] + g
+        shapes = {n: s for b in self._flat.buckets for n, s in zip(b.names, b.shapes)} if self._flat else {}
         for p in self._owned:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        works = [dist.all_reduce(p.grad, group=group, async_op=True) for group, p in self._tied]
+            if id(p) not in total:
+                shape = shapes.get(self._canonical[id(p)], tuple(p.shape))
+                total[id(p)] = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        for _, p in self._tied:  # summed over the positions holding it: the same memory order on each
+            total[id(p)] = total[id(p)].contiguous()
+        works = [dist.all_reduce(total[id(p)], group=group, async_op=True) for group, p in self._tied]
         for w in works:
             w.wait()
         if self._flat is None:
+            for p in self._owned:
+                p.grad = in_layout_of(p, total[id(p)])
             return
-        named = {self._canonical[id(p)]: p.grad for p in self._owned}
+        named = {self._canonical[id(p)]: total[id(p)] for p in self._owned}
+        del total
         for k in self._late_buckets:
             self._start_reduce(k, named)
         reduced = {}
-        for k, work, buf in self._pending:
+        for k, work, finish in self._pending:
             work.wait()
+            buf = finish()  # the whole reduced bucket, or (ZeRO-2/3) this rank's reduced shard of it
             if self._grad_divisor != 1.0 and k not in self._late_buckets:
                 buf /= self._grad_divisor
             reduced[k] = buf
@@ -1485,6 +1538,36 @@ class _StateSnapshot:
 
     def unchanged(self) -> bool:
         return [m.training for m in self.modules] == self.modes and [d.get(k) for d, k in self.slots] == self.values
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+def _reduce_bucket(flat: FlatParameters, k: int, buf: torch.Tensor, *, scatter: bool
+                   ) -> tuple[Any, Callable[[], torch.Tensor]]:
+    """Start summing bucket k's flat gradient `buf` over the replicas (asynchronous): (work,
+    finish), where finish() after work.wait() gives the reduced bucket, or with `scatter`
+    (ZeRO-2/3, which keep only their shard) this rank's reduced shard: a reduce-scatter, half an
+    all-reduce's bytes (point-to-point exchanges on gloo, as the one-stage programs'; why:
+    docs/decisions/zero-scatter-via-all-reduce-on-gloo.md)."""
+    if not scatter:
+        return dist.all_reduce(buf, group=flat.group, async_op=True), lambda: buf
+    world, rank = flat.world, flat.rank
+    s = flat.buckets[k].shard_size(world)
+    mine = buf[rank * s:(rank + 1) * s]
+    if flat.exchange:
+        received = exchange_scatter(buf, world, flat.group.group_name)
+
+        def finish() -> torch.Tensor:
+            _c10d.wait_tensor(received)
+            if world == 2:  # one add: a + b == b + a, the collective's sum bit for bit
+                return received.add_(mine)
+            return mine + received.view(world - 1, s).sum(0)
+        return _Done(), finish
+    shard = torch.empty(s, dtype=buf.dtype, device=buf.device)
+    return dist.reduce_scatter_tensor(shard, buf, group=flat.group, async_op=True), lambda: shard
 
 
 @contextlib.contextmanager

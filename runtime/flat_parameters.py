@@ -336,6 +336,19 @@ class FlatParameters:
             for b in self.buckets:
                 self._release(b)
 
+    def gather_bucket(self, k: int) -> None:
+        """ZeRO-3 (no master weights): bucket k's Parameters point at its whole gathered weights
+        (collective over the group) until release_bucket(k)."""
+        if self.zero != 3 or self.master:
+            raise FxspeedError(f"gather_bucket is ZeRO-3's without master weights; this layout is ZeRO-{self.zero}")
+        flat = torch.empty(self.buckets[k].padded, dtype=self.shards[k].dtype, device=self.shards[k].device)
+        gather_into(flat, self.shards[k], self.group, self.world)
+        self._point_into(self.buckets[k], flat)
+
+    def release_bucket(self, k: int) -> None:
+        """Bucket k's Parameters hold nothing again (its shard stays)."""
+        self._release(self.buckets[k])
+
     def gather_full(self) -> list[torch.Tensor]:
         """Every bucket's full fp32 weights (gathered masters or zero-3 shards: collective)."""
         if not self.released:

@@ -37,6 +37,10 @@ F, B and W run in torch.fx's boxed calling convention (one input list the progra
 each input is freed at its last use inside the program; I keeps the plain call, since W reads
 the same inputs. why: docs/decisions/boxed-calling-convention.md
 
+At GATHER(s) / RELEASE(s) (ZeRO-3, passes/program/gather_stage_weights.py) the caller's
+`on_weights` makes stage s's weights whole / drops them; the programs' state inputs are the
+Parameters themselves, so they read whatever the engine points them at.
+
 At REDUCE(s) the stage's finished gradients (returned sums and accumulation buffers) go to the
 caller's `on_reduce`, which starts the data-parallel reduction while the rest of the action
 list runs (runtime/engine.py). why: docs/decisions/zero-under-a-pipeline.md
@@ -67,7 +71,7 @@ except ImportError:  # pragma: no cover - older/newer torch: programs keep holdi
 from fxspeed.ir import IOSpec
 from fxspeed.ir.program import StageProgram
 
-from fxspeed.ir.schedule import B, F, I, RECV_B, RECV_F, REDUCE, SEND_B, SEND_F, STEP, W, Action
+from fxspeed.ir.schedule import B, F, I, PARAMETER_KINDS, RECV_B, RECV_F, REDUCE, SEND_B, SEND_F, STEP, W, Action
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -142,10 +146,12 @@ class PipelineRuntime:
     # --- one step --------------------------------------------------------------------------
     def run(self, actions: list[Action], microbatches: list[list[torch.Tensor]],
             on_reduce: Callable[[int, dict[str, torch.Tensor]], None] | None = None, on_step: Callable[[], None] | None = None,
-            forward_only: bool = False) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+            forward_only: bool = False, on_weights: Callable[[str, int], None] | None = None,
+            ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """Execute `actions`; returns (sum of micro-batch losses or None, summed gradients by name).
 
         `on_reduce(stage, grads)` runs at REDUCE with the stage's finished gradients by name, `on_step()` at STEP after every send completed.
+        `on_weights(kind, stage)` runs at GATHER and RELEASE (a schedule with them needs it).
         `forward_only`: the actions are F / SEND_F / RECV_F (+ STEP) and nothing is kept for a backward.
         """
         recv_f: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -282,6 +288,11 @@ class PipelineRuntime:
                     if s in written:
                         mine.update(zip(p.grads_into, self._grad_bufs[s]))
                     on_reduce(s, mine)
+            elif a.kind in PARAMETER_KINDS:
+                if on_weights is None:
+                    raise RuntimeError(f"the schedule has {a} but the caller gave no on_weights to make the stage's "
+                                       "weights whole")
+                on_weights(a.kind, s)
             elif a.kind == STEP:
                 for work, _ in pending:
                     work.wait()

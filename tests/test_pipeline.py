@@ -231,6 +231,8 @@ FOUR_RANK_CASES = {
     "zero1_gpt2": "--model gpt2 --pipeline 2 --zero 1 --schedules 1f1b,zb --microbatches 2 --grad-clip 0.5",
     "zero23_gpt": "--model gpt --pipeline 2 --zero 2,3 --schedules 1f1b --microbatches 2 --grad-clip 0.5",
     "zero23_gpt2": "--model gpt2 --pipeline 2 --zero 2,3 --schedules 1f1b --microbatches 2 --grad-clip 0.5",
+    # two stages per rank: each one's weights gathered and released on their own
+    "zero3_gpt": "--model gpt --pipeline 2 --zero 3 --schedules interleaved --microbatches 2 --grad-clip 0.5",
 }
 
 
@@ -376,6 +378,16 @@ def test_two_pipelines_of_two_stages_with_zero2_and_zero3_match_eager_on_the_glo
     ref = eager_reference(model, clip=0.5)
     for zero in (2, 3):
         assert_parity(four_ranks, f"zero23_{model}_1f1b_m2_z{zero}", 4, ref)
+    runs = [f"zero23_{model}_1f1b_m2_z3"] + ([f"zero3_{model}_interleaved_m2"] if model == "gpt" else [])
+    if model == "gpt":  # two stages per rank, each gathered and released on its own
+        assert_parity(four_ranks, runs[1], 4, ref)
+    for run in runs:  # ZeRO-3's schedules make each stage's weights whole only around its actions
+        for r in range(4):
+            acts = torch.load(four_ranks / f"{run}_rank{r}.pt")["actions"]
+            stages = {int(a[a.index("(") + 1:-1]) for a in acts if a.startswith("GATHER(")}
+            assert stages and stages == {int(a[a.index("(") + 1:-1]) for a in acts if a.startswith("RELEASE(")}, acts
+    zero2 = torch.load(four_ranks / f"zero23_{model}_1f1b_m2_z2_rank0.pt")["actions"]
+    assert not [a for a in zero2 if a.startswith(("GATHER", "RELEASE"))]
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from fxspeed.errors import ConfigError
 from fxspeed.ir.schedule import (Action, Schedule, ScheduleError, parse_action, validate)
+from fxspeed.passes.program.gather_stage_weights import bracket
 from fxspeed.passes.program.lower_schedule import SCHEDULES, gpipe, interleaved_1f1b, make, one_f_one_b, zero_bubble_h1
 from fxspeed.planner.simulator import Costs, StageCosts, analytic_bubble, simulate
 
@@ -162,7 +163,7 @@ def test_unparseable_action_text_is_rejected_naming_the_token(token):
 
 def test_actions_round_trip_through_their_text():
     for a in [Action("F", 0, 1), Action("W", 12, 30), Action("SEND_B", 3, 2, 2), Action("RECV_F", 1, 0, 0),
-              Action("REDUCE", 2), Action("STEP")]:
+              Action("REDUCE", 2), Action("GATHER", 1), Action("RELEASE", 3), Action("STEP")]:
         assert parse_action(str(a)) == a
 
 
@@ -247,3 +248,44 @@ def test_a_ranks_own_idle_fraction_counts_waiting_until_its_last_action_not_the_
     assert r.finish == [9.0, 7.0] and r.busy == [6.0, 6.0]
     assert r.own_idle_fraction(0) == 3 / 9 and r.own_idle_fraction(1) == 1 / 7
     assert r.idle == [3.0, 3.0]  # the pipeline view: both wait until the step's end
+
+
+# --- ZeRO-3's GATHER / RELEASE (passes/program/gather_stage_weights.py) ---------------------
+
+@settings(max_examples=80, deadline=None)
+@given(schedule_args())
+def test_gathered_weights_bracket_every_action_of_their_stage_and_nothing_else_changes(args):
+    name, P, v, M = args
+    sch = make(name, P, M, v)
+    got = bracket(sch)
+    validate(got)
+    assert Schedule.parse(got.format()) == got
+    for r, acts in enumerate(got.actions):
+        assert [a for a in acts if a.kind not in ("GATHER", "RELEASE")] == sch.actions[r]
+        for s in sch.stages_of(r):
+            staged = [i for i, a in enumerate(acts) if a.stage == s and a.kind not in ("GATHER", "RELEASE")]
+            compute = [i for i, a in enumerate(acts) if a.stage == s and a.kind in ("F", "B", "I", "W")]
+            gather = acts.index(Action("GATHER", s))
+            release = acts.index(Action("RELEASE", s))
+            assert gather == staged[0] - 1  # right before the stage's first action (a receive, often)
+            assert release == compute[-1] + 1  # right after its last compute action
+    # the simulator charges a GATHER its cost and a RELEASE nothing
+    plain = simulate(sch, per_rank_costs(sch, v))
+    timed = simulate(got, per_rank_costs(sch, v, gather=0.25))
+    assert timed.step_time >= plain.step_time
+    assert all(abs(b - (p + 0.25 * len(sch.stages_of(r)))) < 1e-9
+               for r, (b, p) in enumerate(zip(timed.busy, plain.busy)))
+
+
+def test_validator_reports_compute_outside_its_stages_gathered_weights_and_a_missing_release():
+    sch = bracket(one_f_one_b(2, 2))
+    # rank 0: GATHER(0) 0F0 ... : a forward moved above the gather
+    e = _raises(_edit(sch, 0, lambda a: [a[1], a[0], *a[2:]]), "weights", 0)
+    assert "before GATHER(0)" in str(e)
+    # the release moved above the last backward
+    def early_release(acts):
+        i = acts.index(Action("RELEASE", 0))
+        return acts[:i - 1] + [acts[i], acts[i - 1]] + acts[i + 1:]
+    assert "after RELEASE(0)" in str(_raises(_edit(sch, 0, early_release), "weights", 0))
+    e = _raises(_edit(sch, 1, lambda a: [x for x in a if x.kind != "RELEASE"]), "weights", 1)
+    assert "RELEASE(1) is missing" in str(e)

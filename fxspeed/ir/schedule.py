@@ -15,6 +15,10 @@ Action kinds (`stage` is always the stage local to the rank executing the action
     SEND_B  send the input gradient of (stage, mb) to `peer`, the rank of stage - 1
     RECV_B  receive the output gradient of (stage, mb) from `peer`, the rank of stage + 1
     REDUCE  reduce the stage's gradients over its data-parallel/shared-parameter group
+    GATHER  make the stage's weights whole (ZeRO-3: all-gather this rank's shards over the
+            data-parallel group); every compute action of the stage comes after it
+    RELEASE drop the stage's gathered weights (only the shards stay); no compute action of the
+            stage comes after it. A rank has both for each of its stages or neither.
     STEP    optimizer step of everything the rank owns (no stage)
 
 Text form, one line per rank after a header (compute actions use torch's compact "0F1"):
@@ -43,11 +47,13 @@ from fxspeed.errors import FxspeedError
 F, B, I, W = "F", "B", "I", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 REDUCE, STEP = "REDUCE", "STEP"
+GATHER, RELEASE = "GATHER", "RELEASE"
+PARAMETER_KINDS = (GATHER, RELEASE)
 COMPUTE_KINDS = (F, B, I, W)
 SEND_KINDS = (SEND_F, SEND_B)
 RECV_KINDS = (RECV_F, RECV_B)
 COMM_KINDS = SEND_KINDS + RECV_KINDS
-KINDS = COMPUTE_KINDS + COMM_KINDS + (REDUCE, STEP)
+KINDS = COMPUTE_KINDS + COMM_KINDS + (REDUCE, STEP) + PARAMETER_KINDS
 
 
 class ScheduleError(FxspeedError, ValueError):
@@ -91,14 +97,14 @@ class Action:
             return f"{self.kind}({self.stage},{self.microbatch}->r{self.peer})"
         if self.kind in RECV_KINDS:
             return f"{self.kind}({self.stage},{self.microbatch}<-r{self.peer})"
-        if self.kind == REDUCE:
-            return f"REDUCE({self.stage})"
+        if self.kind in (REDUCE, *PARAMETER_KINDS):
+            return f"{self.kind}({self.stage})"
         return "STEP"
 
 
 _COMPUTE_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
 _COMM_RE = re.compile(r"^(SEND_F|SEND_B|RECV_F|RECV_B)\((\d+),(\d+)(->|<-)r(\d+)\)$")
-_REDUCE_RE = re.compile(r"^REDUCE\((\d+)\)$")
+_STAGE_RE = re.compile(r"^(REDUCE|GATHER|RELEASE)\((\d+)\)$")
 
 
 def parse_action(token: str) -> Action:
@@ -110,12 +116,12 @@ def parse_action(token: str) -> Action:
         if m[4] != arrow:
             raise ScheduleError(f"action {token!r}: {m[1]} is written with '{arrow}', e.g. {m[1]}(0,1{arrow}r1)")
         return Action(m[1], int(m[2]), int(m[3]), int(m[5]))
-    if m := _REDUCE_RE.match(token):
-        return Action(REDUCE, int(m[1]))
+    if m := _STAGE_RE.match(token):
+        return Action(m[1], int(m[2]))
     if token == STEP:
         return Action(STEP)
     raise ScheduleError(f"cannot parse action {token!r}; expected e.g. 0F1, 1I0, 2W3, SEND_F(0,1->r1), "
-                        f"RECV_B(0,1<-r1), REDUCE(0) or STEP")
+                        f"RECV_B(0,1<-r1), REDUCE(0), GATHER(0), RELEASE(0) or STEP")
 
 
 @dataclass
@@ -193,6 +199,8 @@ def validate(schedule: Schedule, *, send_buffer: int | None = None) -> None:
                   and after the output gradient (I/B(s+1,m) locally or RECV_B(s,m)); W after I;
                   a send after what it sends is computed; REDUCE(s) after all of s's backward;
                   one STEP, last, after every REDUCE of the rank
+      weights     GATHER(s)/RELEASE(s): on every stage of the rank or none, once each; every
+                  compute action of s after GATHER(s) and before RELEASE(s)
       match       the k-th send a->b carries what the k-th recv on b from a expects
       deadlock    running all ranks with blocking recvs (and sends blocking once `send_buffer`
                   messages to a peer are unreceived; None = unbounded, 0 = rendezvous) finishes
@@ -213,6 +221,13 @@ def validate(schedule: Schedule, *, send_buffer: int | None = None) -> None:
     seen: dict[tuple[str, int, int], tuple[int, int]] = {}
     for rank, acts in enumerate(sch.actions):
         done: set[tuple[str, int | None, int | None]] = set()
+        gathers = any(a.kind in PARAMETER_KINDS for a in acts)
+        if gathers:
+            for st in sch.stages_of(rank):
+                for kind in PARAMETER_KINDS:
+                    if not any(a.kind == kind and a.stage == st for a in acts):
+                        raise _err(rank, len(acts), None, "weights", f"{kind}({st}) is missing (a rank gathers and "
+                                   "releases the weights of every stage it runs, or of none)")
         for i, a in enumerate(acts):
             if a.kind != STEP:
                 if not 0 <= a.stage < S:
@@ -231,7 +246,7 @@ def validate(schedule: Schedule, *, send_buffer: int | None = None) -> None:
                                f"stage {nb}" + (" (same rank: no send/recv needed)"
                                                 if sch.placement[nb] == rank else ""))
             key = (a.kind, a.stage, a.microbatch)
-            if a.kind in COMPUTE_KINDS + COMM_KINDS + (REDUCE,):
+            if a.kind in COMPUTE_KINDS + COMM_KINDS + (REDUCE,) + PARAMETER_KINDS:
                 if key in seen:
                     r0, i0 = seen[key]
                     raise _err(rank, i, a, "once", f"already done at rank {r0}, action {i0}")
@@ -266,6 +281,13 @@ def validate(schedule: Schedule, *, send_buffer: int | None = None) -> None:
                 if missing:
                     raise _err(rank, i, a, "order", f"reduces stage {s}'s gradients before the backward of "
                                f"micro-batch {missing[0]} (B or W) has run")
+            if a.kind in COMPUTE_KINDS and gathers:
+                if (GATHER, s, None) not in done:
+                    raise _err(rank, i, a, "weights", f"runs stage {s} before GATHER({s}) made its weights whole")
+                if (RELEASE, s, None) in done:
+                    raise _err(rank, i, a, "weights", f"runs stage {s} after RELEASE({s}) dropped its weights")
+            if a.kind == RELEASE and (GATHER, s, None) not in done:
+                raise _err(rank, i, a, "weights", f"releases stage {s}'s weights before GATHER({s})")
             if a.kind == STEP:
                 if i != len(acts) - 1:
                     raise _err(rank, i, a, "order", "STEP must be the rank's last action")

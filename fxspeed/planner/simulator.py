@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from fxspeed.ir.schedule import (B, COMPUTE_KINDS, F, I, RECV_KINDS, REDUCE, SEND_KINDS, STEP, W, Schedule,
+from fxspeed.ir.schedule import (GATHER, PARAMETER_KINDS, B, COMPUTE_KINDS, F, I, RECV_KINDS, REDUCE, SEND_KINDS, STEP, W, Schedule,
                               ScheduleError)
 
 from fxspeed.errors import ConfigError
@@ -49,6 +49,7 @@ class Costs:
     p2p_bandwidth: float = float("inf")  # bytes per second
     reduce: float = 0.0
     step: float = 0.0
+    gather: float = 0.0  # GATHER(s): making one stage's weights whole (ZeRO-3); RELEASE takes no time
     weight_grad_fraction: float = 0.5  # share of an activation still held between I and W (a guess)
 
     @classmethod
@@ -106,6 +107,8 @@ def simulate(schedule: Schedule, costs: Costs | Sequence[StageCosts]) -> SimResu
             return costs.reduce
         if a.kind == STEP:
             return costs.step
+        if a.kind in PARAMETER_KINDS:
+            return costs.gather if a.kind == GATHER else 0.0
         c = costs.stages[a.stage]
         return {F: c.forward, I: c.backward_input, W: c.backward_weight,
                 B: c.backward_input + c.backward_weight}[a.kind]

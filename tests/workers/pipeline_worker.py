@@ -99,7 +99,8 @@ def run(a: argparse.Namespace) -> None:
         torch.save({"losses": losses, "state": state, "stages": engine.stages, "stats": dict(engine.stats),
                     "matmul_dtypes": sorted(str(d) for d in low), "plan": engine.plan.pipeline,
                     "summary": engine.plan.summary(), "eval_loss": eval_loss, "rank_memory": engine.plan.memory(dist.get_rank()),
-                    "describe": engine.describe() if dist.get_rank() == 0 else None},
+                    "describe": engine.describe() if dist.get_rank() == 0 else None,
+                    "actions": [str(x) for x in engine.schedule.actions[engine.position]]},
                    os.path.join(a.out, f"{a.tag}{sched}_m{M}{f'_z{zero}' if len(zeros) > 1 else ''}_rank{dist.get_rank()}.pt"))
         dist.barrier()
         if a.checkpoint:
