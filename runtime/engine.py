@@ -397,8 +397,16 @@ class Engine:
             ranks = self.plan.pipeline.get("ranks") if self.pipelined else None
             # under a pipeline each position's states (and budget decision) are its own
             moved = ranks[self.position]["offloaded"] if ranks else self.plan.offloaded.get("disk", 0)
+        starts: list[int] = []
+        if self.compiler.options.optimizer_store and self._flat is not None:
+            # the program steps each gradient bucket on its own: no chunk of the file spans two
+            at = 0
+            for k in range(len(self._flat.buckets)):
+                starts.append(at)
+                at += len(self._flat.bucket_tensors(k))
         return {"swap_root": root, "swap_name": f"rank{self.rank}", "chunk_bytes": offload_chunk_bytes(c),
-                "offload_bytes": moved, "masters": self._flat is not None and self._flat.masters_elsewhere}
+                "offload_bytes": moved, "masters": self._flat is not None and self._flat.masters_elsewhere,
+                "chunk_starts": tuple(starts)}
 
     # --- compile: pipeline ---------------------------------------------------------------------
     def _compile_pipeline(self, args: tuple, kwargs: dict) -> None:

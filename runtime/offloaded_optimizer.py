@@ -92,7 +92,11 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[torch.Tensor], *, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, decoupled: bool, swap_root: str | os.PathLike, name: str,
-                 chunk_bytes: int = 64 * 2**20, offload_bytes: int | None = None, masters: bool = False) -> None:
+                 chunk_bytes: int = 64 * 2**20, offload_bytes: int | None = None, masters: bool = False,
+                 chunk_starts: Sequence[int] = ()) -> None:
+        """`chunk_starts`: indices of tensors that begin a new chunk (the first of each gradient
+        bucket the program steps on its own: a chunk shared by two buckets would be read and
+        written once for each)."""
         super().__init__(list(params), dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.decoupled = decoupled
         self.masters = masters
@@ -111,7 +115,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                                    f"strides {p.stride()} with gaps")
             # torch's fused Adam reads a float32 step tensor; kept in memory (4 bytes a tensor)
             self.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32)}
-        chunks = _chunks(tensors, chunk_bytes, sections=3 if masters else 2)
+        chunks = _chunks(tensors, chunk_bytes, sections=3 if masters else 2, starts=set(chunk_starts))
         # The first chunks go to the file until `offload_bytes` are there (the plan's choice under
         # Config.memory_budget_gb); the rest stay in memory. Offloaded first: their reads are the
         # ones prefetched during forward, and their writes overlap the resident chunks' updates.
@@ -382,10 +386,12 @@ def _place(chunks: list[_Chunk]) -> list[_Chunk]:
     return out
 
 
-def _chunks(tensors: list[torch.Tensor], chunk_bytes: int, sections: int = 2) -> list[_Chunk]:
+def _chunks(tensors: list[torch.Tensor], chunk_bytes: int, sections: int = 2, starts: set[int] = frozenset()
+            ) -> list[_Chunk]:
     """Consecutive tensors grouped into chunks of at most `chunk_bytes` of states, `sections` fp32
     values per element. A contiguous tensor larger than a chunk is cut into chunk-sized runs (a
-    flat ZeRO shard, a large embedding); another layout larger than a chunk is a chunk alone."""
+    flat ZeRO shard, a large embedding); another layout larger than a chunk is a chunk alone.
+    Tensor i begins a new chunk when i is in `starts`."""
     cap = max(chunk_bytes // (4 * sections), 1)  # elements per chunk
     chunks: list[_Chunk] = []
     group: list[_Piece] = []
@@ -397,9 +403,9 @@ def _chunks(tensors: list[torch.Tensor], chunk_bytes: int, sections: int = 2) ->
             chunks.append(_Chunk(tuple(group), total, 0, sections))
         group, total = [], 0
 
-    for p in tensors:
+    for i, p in enumerate(tensors):
         n = p.numel()
-        if group and total + n > cap:
+        if group and (total + n > cap or i in starts):
             close()
         if n <= cap or not p.is_contiguous():
             group.append(_Piece(p, total, 0, n))

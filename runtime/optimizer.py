@@ -38,6 +38,9 @@ class OptimizerSpec:
     chunk_bytes: int = 64 * 2**20
     offload_bytes: int | None = None  # None: every state to the file; else at least this many bytes
     masters: bool = False  # the tensors are working copies; their fp32 masters go to the file too
+    # positions in the tensor list where a new chunk of the file begins (the first tensor of each
+    # gradient bucket, when the program steps buckets inside backward: no chunk spans two)
+    chunk_starts: tuple[int, ...] = ()
 
 
 def build_optimizer(params: Iterable[torch.Tensor], spec: OptimizerSpec) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
@@ -49,7 +52,7 @@ def build_optimizer(params: Iterable[torch.Tensor], spec: OptimizerSpec) -> tupl
                                                    weight_decay=spec.weight_decay, decoupled=spec.name == "adamw",
                                                    swap_root=spec.swap_root, name=spec.swap_name,
                                                    chunk_bytes=spec.chunk_bytes, offload_bytes=spec.offload_bytes,
-                                                   masters=spec.masters)
+                                                   masters=spec.masters, chunk_starts=spec.chunk_starts)
     elif spec.name in ("adamw", "adam"):
         cls = torch.optim.AdamW if spec.name == "adamw" else torch.optim.Adam
         opt = _fused(cls, params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
