@@ -358,7 +358,9 @@ def pipeline_report(stages: list[StageProgram], schedule: Schedule, config: Conf
         moved, note = choose_offload(config, states, sum(step.values()))
         states_held = resident_optimizer_states(config, states, moved)
         step[OPTIMIZER_STATES] = resident[OPTIMIZER_STATES] = states_held
-        opt = {PARAMETERS: w_bytes, BUFFERS: resident[BUFFERS], INPUTS: resident[INPUTS],
+        # ZeRO-3: every stage's RELEASE ran before the step, so only the trainable weights' shards stay
+        held = w_bytes - t_bytes + t_bytes / D if z >= 3 and D > 1 else w_bytes
+        opt = {PARAMETERS: held, BUFFERS: resident[BUFFERS], INPUTS: resident[INPUTS],
                GRADIENTS: t_bytes / (D if z >= 2 else 1), OPTIMIZER_STATES: states_held,
                COMM_BUFFERS: resident[COMM_BUFFERS]}
         as_int = lambda d: {c: int(round(d.get(c, 0))) for c in CATEGORIES}  # noqa: E731
