@@ -269,14 +269,15 @@ def test_the_default_pipeline_runs_every_pass_in_order_and_records_each():
     assert [p.name for p in default_pipeline()] == [
         "normalize_graph", "dedupe_tied_parameters", "insert_casts", "keep_weights_low", "scale_loss",
         "eliminate_dead_code", "shard_tensors", "reduce_gradients", "wait_parameter_gathers", "shard_parameters",
-        "offload_parameters", "reuse_buffers"]
+        "offload_parameters", "step_buckets_in_backward", "reuse_buffers"]
     # annotate runs on demand before insert_casts (which reads module paths); in fp32 nothing
     # after it changes the graph, so it stays valid to the end (the planner reads it there).
     # tp_placements (what shard_tensors requires) runs on demand too; on one tp rank it places nothing.
     assert names == ["normalize_graph", "dedupe_tied_parameters", "annotate", "insert_casts", "keep_weights_low",
                      "scale_loss",
                      "eliminate_dead_code", "tp_placements", "shard_tensors", "reduce_gradients",
-                     "wait_parameter_gathers", "shard_parameters", "offload_parameters", "reuse_buffers"]
+                     "wait_parameter_gathers", "shard_parameters", "offload_parameters", "step_buckets_in_backward",
+                     "reuse_buffers"]
 
 
 def test_a_pass_disabled_in_config_is_skipped_and_recorded_as_skipped():
@@ -306,7 +307,7 @@ def test_disabling_an_unknown_pass_fails_with_a_config_error_listing_the_known_p
 # program passes: stage splitting, the schedule, the I/W split, gradient accumulation
 # ------------------------------------------------------------------------------------------
 
-PROGRAM_PASS_ORDER = ["lower_schedule", "split_stages", "split_backward", "accumulate_gradients"]
+PROGRAM_PASS_ORDER = ["lower_schedule", "gather_stage_weights", "split_stages", "split_backward", "accumulate_gradients"]
 
 
 def tiny_gpt_batch() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
@@ -331,9 +332,11 @@ def test_program_passes_are_the_stage_pass_names_in_order():
 def test_compile_program_records_the_graph_passes_then_every_program_pass_with_node_counts():
     cp, _ = pipeline_program(schedule="zb")
     names = [r.name for r in cp.records]
-    assert names[-4:] == PROGRAM_PASS_ORDER and "normalize_graph" in names[:-4]
-    rec = {r.name: r for r in cp.records[-4:]}
+    n = len(PROGRAM_PASS_ORDER)
+    assert names[-n:] == PROGRAM_PASS_ORDER and "normalize_graph" in names[:-n]
+    rec = {r.name: r for r in cp.records[-n:]}
     assert not any(r.skipped for r in rec.values()) and all(r.seconds >= 0 for r in rec.values())
+    assert not rec["gather_stage_weights"].modified  # one replica: nothing to gather
     joint = len(cp.captured.gm.graph.nodes)
     stage_nodes = DistributedProgram(cp.captured.gm, cp.captured.signature, cp.stages, cp.schedule).node_count()
     # the schedule adds no nodes; the split turns the joint graph into stage programs
@@ -378,7 +381,7 @@ def test_a_disabled_program_pass_is_skipped_and_recorded_as_skipped(disabled: st
 
 
 def test_disabling_the_schedule_fails_in_the_pass_that_needs_it_naming_the_disabled_producer():
-    with pytest.raises(PassError, match=r"'split_backward' requires 'schedule'.*disabled pass\(es\) \['lower_schedule'\]"):
+    with pytest.raises(PassError, match=r"'gather_stage_weights' requires 'schedule'.*disabled pass\(es\) \['lower_schedule'\]"):
         pipeline_program(disable_passes=("lower_schedule",))
 
 

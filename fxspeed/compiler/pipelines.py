@@ -17,6 +17,7 @@ Config and the mesh by `derive_options`; the Compiler object holds them for the 
 
 from __future__ import annotations
 
+import copy as copy_module
 import dataclasses
 import logging
 import time
@@ -117,7 +118,10 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
         records += steps.records
     costs = None
     if train and analyze is not None:
-        costs = analyze(gm, cap.signature)
+        planned, planned_sig = gm, cap.signature
+        if _plans_bucket_steps(opts, config):
+            planned, planned_sig = _stepped_by_parameter(gm, ctx, known, config)
+        costs = analyze(planned, planned_sig)
     dist = PassManager(distributed, analyses=[annotate, *analyses], disabled=config.disable_passes, known=known)
     gm = dist.ensure("annotate", dist.run(gm, ctx), ctx)
     records += dist.records
@@ -126,6 +130,32 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     log.info("fxspeed: captured %s %s step: %d nodes in %.2fs, passes %.2fs", type(model).__name__,
              "training" if train else "eval", len(gm.graph.nodes), t1 - t0, t2 - t1)
     return CompiledStep(cap, records, t1 - t0, t2 - t1, costs)
+
+
+def _plans_bucket_steps(opts: PassOptions, config: Config) -> bool:
+    """The program will step its reduced buckets inside backward (step_buckets_in_backward) in a
+    layout whose gradients then die: data parallelism or master weights under ZeRO-1/2/3 (ZeRO-0's
+    reduced buckets are persistent buffers)."""
+    return (bool(opts.optimizer_store) and (opts.world_size > 1 or opts.master_weights) and config.zero >= 1
+            and "step_buckets_in_backward" not in config.disable_passes)
+
+
+def _stepped_by_parameter(gm: fx.GraphModule, ctx: PassContext, known: Sequence[str],
+                          config: Config) -> tuple[fx.GraphModule, StepSignature]:
+    """What the planner reads for a program that will step its reduced buckets inside backward: a
+    copy of the one-replica program with step_in_backward's calls (each gradient dies at its
+    parameter's step, as each bucket's does at its call). The program itself is not changed."""
+    from fxspeed.passes import step_in_backward
+
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))  # nodes' meta shallow-copied: annotations stay apart
+    copy = fx.GraphModule(gm, graph)
+    sig = copy_module.deepcopy(ctx.signature)
+    local = dataclasses.replace(ctx.options.local(), optimizer_store=ctx.options.optimizer_store)
+    pctx = PassContext(signature=sig, options=local, module_of=ctx.module_of, model_name=ctx.model_name)
+    pm = PassManager([step_in_backward], analyses=[make_annotate_pass()], disabled=config.disable_passes,
+                     known=known)
+    return pm.ensure("annotate", pm.run(copy, pctx), pctx), sig
 
 
 def _no_placements() -> Any:

@@ -35,7 +35,8 @@ def status_kb(field: str) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser()
     # ZeRO stages to run, one after another: "2" (fp32), "bf16:2" (that precision), "tp2:0" (that
-    # tensor-parallel degree; "tp2:bf16:0" both)
+    # tensor-parallel degree; "tp2:bf16:0" both), "end:2" (the optimizer steps after the program,
+    # not per gradient bucket inside backward: every gradient held to the end, as the ZeRO paper counts)
     ap.add_argument("--zero", default="0,1,2,3")
     ap.add_argument("--preset", default="100m")
     ap.add_argument("--layers", type=int, default=None, help="blocks (default: the preset's)")
@@ -52,33 +53,35 @@ def main() -> None:
     items = [parse(item, a.tensor) for item in a.zero.split(",")]
     # Warm up once per tensor-parallel degree so that code loaded on first use (tracing
     # machinery, collectives) is not charged to whichever stage happens to run first.
-    for tensor in sorted({t for _, _, t in items}):
+    for tensor in sorted({t for _, _, t, _ in items}):
         tiny = GPT(GPTConfig.preset("tiny"))
         x = torch.randint(0, 256, (a.batch, 16))
         warm = fxspeed.Config(zero=3 if tensor == 1 else 0, optimizer="adam", tensor=tensor)
         fxspeed.compile(tiny, world, warm, example_inputs=(x, x)).train_step(x, x)
         del tiny
         gc.collect()
-    for zero, precision, tensor in items:
-        run(zero, precision, tensor, a, world)
+    for zero, precision, tensor, end in items:
+        run(zero, precision, tensor, a, world, end)
         gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def parse(item: str, tensor: int) -> tuple[int, str, int]:
-    """'bf16:2' -> (2, 'bf16', tensor); 'tp2:0' -> (0, 'fp32', 2)."""
+def parse(item: str, tensor: int) -> tuple[int, str, int, bool]:
+    """'bf16:2' -> (2, 'bf16', tensor, False); 'tp2:0' -> (0, 'fp32', 2, False); 'end:1' -> (1, 'fp32', tensor, True)."""
     *prefix, zero = item.split(":")
-    precision = "fp32"
+    precision, end = "fp32", False
     for p in prefix:
         if p.startswith("tp"):
             tensor = int(p[2:])
+        elif p == "end":
+            end = True
         else:
             precision = p
-    return int(zero), precision, tensor
+    return int(zero), precision, tensor, end
 
 
-def run(zero: int, precision: str, tensor: int, a: argparse.Namespace, world: int) -> None:
+def run(zero: int, precision: str, tensor: int, a: argparse.Namespace, world: int, end: bool = False) -> None:
     torch.manual_seed(0)
     cfg = GPTConfig.preset(a.preset)
     cfg = dataclasses.replace(cfg, n_layer=a.layers or cfg.n_layer, n_embd=a.width or cfg.n_embd,
@@ -90,17 +93,19 @@ def run(zero: int, precision: str, tensor: int, a: argparse.Namespace, world: in
     base = status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
-    engine = fxspeed.compile(model, world, fxspeed.Config(zero=zero, optimizer="adam", precision=precision, tensor=tensor),
-                             example_inputs=(x, x))
+    off = ("step_in_backward", "step_buckets_in_backward") if end else ()
+    engine = fxspeed.compile(model, world, fxspeed.Config(zero=zero, optimizer="adam", precision=precision, tensor=tensor,
+                                                          disable_passes=off), example_inputs=(x, x))
     for _ in range(a.steps):
         engine.train_step(x, x)
     peak = status_kb("VmHWM")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    rec = {"rank": rank, "world": world, "zero": zero, "precision": precision, "tensor": tensor,
+    rec = {"rank": rank, "world": world, "zero": zero, "precision": precision, "tensor": tensor, "end": end,
            "baseline_bytes": base * 1024,
            "growth_bytes": (peak - base) * 1024, "plan_peak_bytes": engine.plan.peak_memory(rank),
            "param_bytes": 4 * engine.plan.n_params}
-    with open(os.path.join(a.out, f"mem_w{world}_tp{tensor}_{precision}_zero{zero}_rank{rank}.json"), "w") as f:
+    with open(os.path.join(a.out, f"mem_w{world}_tp{tensor}_{precision}_zero{zero}{'_end' if end else ''}_rank{rank}.json"),
+              "w") as f:
         json.dump(rec, f)
     del engine, model
 
