@@ -39,3 +39,21 @@ def launch_worker(module: str, n: int, out: Any, *args: str, timeout: int = 900,
     proc = run_ranks(cmd, cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return proc
+
+
+def check_swap_worker(module: str, tmp_path: Any, timeout: int = 300) -> None:
+    """Run a 2-rank worker that compares engines with and without files under `tmp_path`
+    (`--swap DIR --out FILE`; rank 0 writes "ok" or the mismatches) and require "ok" and no swap
+    directory left behind."""
+    import os
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = Path(tmp_path) / "result.txt"
+    cmd = [sys.executable, "-m", "fxspeed", "run", "-n", "2", "-m", module, "--swap", str(tmp_path), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    proc = run_ranks(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert out.read_text() == "ok"
+    assert [p.name for p in Path(tmp_path).iterdir()] == ["result.txt"], "swap directories left behind"

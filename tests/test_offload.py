@@ -24,9 +24,8 @@ from fxspeed.config import ConfigWarning
 from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.models import GPT, GPTConfig
 from fxspeed.runtime.offloaded_optimizer import OffloadedAdam
-from tests.multiprocess import run_ranks
+from tests.multiprocess import check_swap_worker
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _odd_tensors() -> list[nn.Parameter]:
@@ -191,14 +190,7 @@ def test_a_checkpoint_written_with_offload_loads_without_it_and_back(tmp_path: P
 
 
 def test_optimizer_offload_on_two_ranks_equals_no_offload_under_zero_1_and_3_and_a_pipeline(tmp_path: Path) -> None:
-    out = tmp_path / "result.txt"
-    cmd = [sys.executable, "-m", "fxspeed", "run", "-n", "2", "-m", "tests.workers.offload_worker",
-           "--swap", str(tmp_path), "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert out.read_text() == "ok"
-    assert [p.name for p in tmp_path.iterdir()] == ["result.txt"], "swap directories left behind"
+    check_swap_worker("tests.workers.offload_worker", tmp_path)
 
 
 def _masters_pair(swap: Path, **cfg: object) -> tuple[fxspeed.Engine, fxspeed.Engine, tuple]:

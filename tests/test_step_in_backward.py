@@ -314,18 +314,6 @@ def test_on_two_ranks_stepping_each_reduced_bucket_inside_backward_trains_bit_fo
         tmp_path):
     """ZeRO-0/1/2/3, bf16 master weights, and the offloaded optimizer (masters and moments in the
     file): tests/workers/step_in_backward_worker.py."""
-    import os
-    import sys
-    from pathlib import Path
+    from tests.multiprocess import check_swap_worker
 
-    from tests.multiprocess import run_ranks
-
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "result.txt"
-    cmd = [sys.executable, "-m", "fxspeed", "run", "-n", "2", "-m", "tests.workers.step_in_backward_worker",
-           "--swap", str(tmp_path), "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    proc = run_ranks(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert out.read_text() == "ok"
-    assert [p.name for p in tmp_path.iterdir()] == ["result.txt"], "swap directories left behind"
+    check_swap_worker("tests.workers.step_in_backward_worker", tmp_path)

@@ -99,3 +99,22 @@ def run_cases(cases: dict[str, Callable[[], str]], argv: list[str] | None = None
             f.write(msg)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def write_mismatches(run_case: "Callable[[Any, str], list[str]]", cases: "list[Any]") -> None:
+    """The main of a worker comparing engines case by case (`--swap DIR --out FILE`): rank 0
+    writes every mismatch `run_case(case, swap_dir)` reports, or "ok"."""
+    import argparse
+
+    import torch.distributed as dist
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--swap", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    bad: list[str] = []
+    for case in cases:
+        bad += run_case(case, args.swap)
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            f.write("\n".join(bad) or "ok")

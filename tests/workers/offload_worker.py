@@ -10,15 +10,13 @@ mismatches to FILE.
 
 from __future__ import annotations
 
-import argparse
 import copy
 
 import torch
-import torch.distributed as dist
 
 import fxspeed
 from fxspeed.data import local_batch
-from tests.workers.common import build_model, global_batches
+from tests.workers.common import build_model, global_batches, write_mismatches
 
 # ZeRO-1 and ZeRO-2 step the same flat shards (and ZeRO-0 the Parameters, as one process does):
 # one of each kind of tensor the optimizer is handed, to keep the launch short. Under fp16 the
@@ -68,16 +66,7 @@ def run(case: dict, swap: str) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--swap", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    bad: list[str] = []
-    for case in CASES:
-        bad += run(case, args.swap)
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            f.write("\n".join(bad) or "ok")
+    write_mismatches(run, CASES)
 
 
 if __name__ == "__main__":

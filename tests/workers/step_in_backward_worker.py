@@ -8,15 +8,13 @@ the stepper was called once per bucket per step. Rank 0 writes "ok" or the misma
 
 from __future__ import annotations
 
-import argparse
 import copy
 
 import torch
-import torch.distributed as dist
 
 import fxspeed
 from fxspeed.data import local_batch
-from tests.workers.common import build_model, global_batches
+from tests.workers.common import build_model, global_batches, write_mismatches
 
 OFF = ("step_buckets_in_backward",)
 # Each kind of tensor the optimizer is handed per bucket: ZeRO-0's Parameters (views of the
@@ -60,16 +58,7 @@ def run(name: str, case: dict, swap: str) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--swap", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    bad: list[str] = []
-    for name, case in CASES:
-        bad += run(name, case, args.swap)
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            f.write("\n".join(bad) or "ok")
+    write_mismatches(lambda case, swap: run(*case, swap), CASES)
 
 
 if __name__ == "__main__":
