@@ -298,10 +298,13 @@ def test_every_bucket_of_a_gpt_is_stepped_right_after_the_next_buckets_collectiv
     from fxspeed.compiler.options import PassOptions
 
     model, batch = gpt()
-    for zero in range(4):
-        opts = PassOptions.single_device(fxspeed.Config(), world_size=2, rank=0, zero=zero, group_name="dp",
+    # reduce_dtype: the bucket is reduced in bf16 and cast back to fp32, a cast reduce_gradients
+    # puts before the output; the pass moves it up so the step need not wait for the end
+    for zero, reduce_dtype in [(0, "auto"), (1, "auto"), (2, "auto"), (3, "auto"), (2, "bf16")]:
+        config = fxspeed.Config(zero=zero, reduce_dtype=reduce_dtype)
+        opts = PassOptions.single_device(config, world_size=2, rank=0, zero=zero, group_name="dp",
                                          bucket_bytes=40000, optimizer_store="s")
-        cs = compile_step(model, batch, {}, config=fxspeed.Config(zero=zero), loss_fn=None, options=opts, train=True)
+        cs = compile_step(model, batch, {}, config=config, loss_fn=None, options=opts, train=True)
         nodes = list(cs.captured.gm.graph.nodes)
         calls = [n for n in nodes if n.target is step_buckets_op]
         assert len(calls) == len(cs.captured.signature.buckets) >= 3, zero

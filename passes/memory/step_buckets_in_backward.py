@@ -26,6 +26,7 @@ why: docs/decisions/step-in-backward.md
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
@@ -34,6 +35,7 @@ from fxspeed.passes.memory.reuse_buffers import is_collective, last_use
 from fxspeed.runtime.step_in_backward import step_buckets_op
 
 _WAIT = "_c10d_functional.wait_tensor.default"
+aten = torch.ops.aten
 
 
 @graph_pass("step_buckets_in_backward", requires=("gradient_buckets",), invalidates=("annotate",))
@@ -57,9 +59,9 @@ def step_buckets_in_backward(gm: fx.GraphModule, ctx: PassContext) -> PassResult
             continue
         if k is not None:
             holders.setdefault(k, []).append(ph)
-    nodes = list(g.nodes)
-    order = {n: i for i, n in enumerate(nodes)}
-    calls: list[tuple[int, int, fx.Node]] = []  # (position, bucket, value)
+    before = list(g.nodes)
+    order = {n: i for i, n in enumerate(before)}
+    steppable: list[tuple[int, fx.Node, list[fx.Node]]] = []  # (bucket, value, last readers of its weights)
     for i, spec in enumerate(sig.outputs):
         if spec.kind != "grad_bucket" or not isinstance(values[i], fx.Node):
             continue
@@ -67,18 +69,28 @@ def step_buckets_in_backward(gm: fx.GraphModule, ctx: PassContext) -> PassResult
         ends = [last_use(ph, order) for ph in holders.get(k, [])]
         if any(e is None for e in ends):  # a weight of the bucket is (a view of) an output
             continue
-        calls.append((_after_next_issue(nodes, max([order[values[i]], *ends])), k, values[i]))
-    if not calls:
+        steppable.append((k, values[i], [before[e] for e in ends]))
+    if not steppable:
         return PassResult(gm, modified=False)
-    for pos, k, value in sorted(calls, key=lambda c: c[0]):
-        with g.inserting_after(nodes[pos]):
+    for _, value, _ in steppable:
+        # reduce_gradients casts a bucket reduced in Config.reduce_dtype back just before the
+        # output: moved right after what it casts, so its step need not wait for the end.
+        if value.target is aten._to_copy.default and len(value.args) == 1 and isinstance(value.args[0], fx.Node):
+            value.args[0].append(value)
+    nodes = list(g.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    calls = [(_after_next_issue(nodes, max(at[n] for n in [value, *ends])), k, value) for k, value, ends in steppable]
+    last: dict[int, fx.Node] = {}  # position -> the call put there last (ties keep bucket order)
+    for pos, k, value in sorted(calls, key=lambda c: (c[0], c[1])):
+        with g.inserting_after(last.get(pos, nodes[pos])):
             call = g.call_function(step_buckets_op, (store, [k], holders.get(k, []), [value]))
         call.meta["val"] = None
+        last[pos] = call
     gone = {str(k) for _, k, _ in calls}
     keep = [i for i, s in enumerate(sig.outputs) if not (s.kind == "grad_bucket" and s.target in gone)]
     out.args = (tuple(values[i] for i in keep),)
     sig.outputs = [sig.outputs[i] for i in keep]
-    sig.stepped_in_backward = [name for _, k, _ in sorted(calls, key=lambda c: c[0])
+    sig.stepped_in_backward = [name for _, k, _ in sorted(calls, key=lambda c: (c[0], c[1]))
                                for name in sig.buckets[k].names]
     return PassResult(gm, modified=True)
 

@@ -8,9 +8,9 @@ right after the stage's last compute action:
 
 The runtime (runtime/runner.py) hands both to the engine, which all-gathers the stage's flat
 buckets over the data-parallel group and drops them again; with several stages per rank
-(interleaved), a stage's weights are whole only from its first to its last action. Weights two
-stages of a rank read, or that other positions share (tied), stay whole from the first GATHER to
-the end of the step. Options read: zero, world_size (nothing to do below ZeRO-3 or on one replica).
+(interleaved), a stage's weights are whole only from its first to its last action; a bucket
+two stages of a rank read stays whole until both released it. Nothing after the schedule reads
+the weights (the gradients are summed and bucketed by name), tied ones included. Options read: zero, world_size (nothing to do below ZeRO-3 or on one replica).
 why: docs/decisions/zero-under-a-pipeline.md
 """
 

@@ -20,10 +20,11 @@ OFF = ("step_buckets_in_backward",)
 # Each kind of tensor the optimizer is handed per bucket: ZeRO-0's Parameters (views of the
 # persistent reduced buckets), ZeRO-1's shard of a full reduced bucket, ZeRO-2's reduce-scattered
 # shard, ZeRO-3's shard (an input the program gathers), fp32 masters of bf16 working copies, and
-# the offloaded optimizer's chunks (masters and moments in the file, several chunks per rank).
+# the offloaded optimizer's chunks (masters and moments in the file, several chunks per rank), and
+# buckets reduced in bf16 and cast back.
 CASES = [("gpt", dict(zero=0)), ("gpt2", dict(zero=1, optimizer="sgd", momentum=0.9)), ("gpt", dict(zero=2)),
          ("gpt", dict(zero=3)), ("gpt", dict(zero=1, precision="bf16")),
-         ("gpt", dict(zero=2, precision="bf16", offload="optimizer"))]
+         ("gpt", dict(zero=2, precision="bf16", offload="optimizer")), ("gpt", dict(zero=2, reduce_dtype="bf16"))]
 
 
 def run(name: str, case: dict, swap: str) -> list[str]:
