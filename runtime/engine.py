@@ -158,7 +158,7 @@ class Engine:
         self._weight_users: dict[int, set[int]] | None = None  # ZeRO-3 pipeline: bucket -> stages reading it
         self._whole: dict[int, set[int]] = {}  # buckets GATHER made whole -> stages still to RELEASE them
         self._late_buckets: list[int] = []
-        self._pending: list[tuple[int, Any, Callable[[], torch.Tensor]]] = []
+        self._pending: list[tuple[int, Callable[[], torch.Tensor]]] = []  # bucket, wait-and-return its reduction
         self._grad_divisor = 1.0
         self._p2p_latency = 0.0
         self._serving: Any = None  # fxspeed.serve: the ServingLoop generate/stream delegate to
@@ -851,7 +851,7 @@ class Engine:
                 seg.copy_(parts[0])
                 for g in parts[1:]:
                     seg.add_(g)
-        self._pending.append((k, *_reduce_bucket(flat, k, buf, scatter=self.config.zero >= 2)))
+        self._pending.append((k, _reduce_bucket(flat, k, buf, scatter=self.config.zero >= 2)))
 
     def _finish_pipeline_grads(self, grads: dict[str, torch.Tensor]) -> None:
         """Per-micro-batch sums -> the gradient of the global-batch mean on every tensor the
@@ -886,8 +886,7 @@ class Engine:
         for k in self._late_buckets:
             self._start_reduce(k, named)
         reduced = {}
-        for k, work, finish in self._pending:
-            work.wait()
+        for k, finish in self._pending:
             buf = finish()  # the whole reduced bucket, or (ZeRO-2/3) this rank's reduced shard of it
             if self._grad_divisor != 1.0 and k not in self._late_buckets:
                 buf /= self._grad_divisor
@@ -1548,20 +1547,15 @@ class _StateSnapshot:
         return [m.training for m in self.modules] == self.modes and [d.get(k) for d, k in self.slots] == self.values
 
 
-class _Done:
-    def wait(self) -> None:
-        pass
-
-
-def _reduce_bucket(flat: FlatParameters, k: int, buf: torch.Tensor, *, scatter: bool
-                   ) -> tuple[Any, Callable[[], torch.Tensor]]:
-    """Start summing bucket k's flat gradient `buf` over the replicas (asynchronous): (work,
-    finish), where finish() after work.wait() gives the reduced bucket, or with `scatter`
-    (ZeRO-2/3, which keep only their shard) this rank's reduced shard: a reduce-scatter, half an
-    all-reduce's bytes (point-to-point exchanges on gloo, as the one-stage programs'; why:
+def _reduce_bucket(flat: FlatParameters, k: int, buf: torch.Tensor, *, scatter: bool) -> Callable[[], torch.Tensor]:
+    """Start summing bucket k's flat gradient `buf` over the replicas (asynchronous); the returned
+    finish() waits and gives the reduced bucket, or with `scatter` (ZeRO-2/3, which keep only
+    their shard) this rank's reduced shard: a reduce-scatter, half an all-reduce's bytes
+    (point-to-point exchanges on gloo, as the one-stage programs'; why:
     docs/decisions/zero-scatter-via-all-reduce-on-gloo.md)."""
     if not scatter:
-        return dist.all_reduce(buf, group=flat.group, async_op=True), lambda: buf
+        work = dist.all_reduce(buf, group=flat.group, async_op=True)
+        return lambda: (work.wait(), buf)[1]
     world, rank = flat.world, flat.rank
     s = flat.buckets[k].shard_size(world)
     mine = buf[rank * s:(rank + 1) * s]
@@ -1573,9 +1567,10 @@ def _reduce_bucket(flat: FlatParameters, k: int, buf: torch.Tensor, *, scatter: 
             if world == 2:  # one add: a + b == b + a, the collective's sum bit for bit
                 return received.add_(mine)
             return mine + received.view(world - 1, s).sum(0)
-        return _Done(), finish
+        return finish
     shard = torch.empty(s, dtype=buf.dtype, device=buf.device)
-    return dist.reduce_scatter_tensor(shard, buf, group=flat.group, async_op=True), lambda: shard
+    work = dist.reduce_scatter_tensor(shard, buf, group=flat.group, async_op=True)
+    return lambda: (work.wait(), shard)[1]
 
 
 @contextlib.contextmanager

@@ -210,16 +210,14 @@ class FlatParameters:
 
     # --- what the optimizer steps -----------------------------------------------------------
     def optimizer_tensors(self) -> list[torch.Tensor]:
-        if self.zero == 0:
-            # The Parameters themselves (views into the full buckets), with gradients that are
-            # views into the reduced buckets: the optimizer sees what it sees under DDP.
-            # why: docs/decisions/zero0-optimizer-over-parameter-views.md
-            return [self.params[n] for b in self.buckets for n in b.names]
-        return list(self.shards)
+        """Every bucket's optimizer tensors, in bucket order."""
+        return [t for k in range(len(self.buckets)) for t in self.bucket_tensors(k)]
 
     def bucket_tensors(self, k: int) -> list[torch.Tensor]:
-        """The optimizer tensors bucket k's gradients go to (set_grads): its Parameters (ZeRO-0)
-        or this rank's shard of it."""
+        """The optimizer tensors bucket k's gradients go to (set_grads): this rank's shard of it,
+        or under ZeRO-0 its Parameters themselves (views into the full buckets), with gradients
+        that are views into the reduced buckets: the optimizer sees what it sees under DDP.
+        why: docs/decisions/zero0-optimizer-over-parameter-views.md"""
         if self.zero == 0:
             return [self.params[n] for n in self.buckets[k].names]
         return [self.shards[k]]

@@ -228,6 +228,13 @@ def steps_in_backward(config: Config, replicas: int) -> bool:
             and (config.offload == "none" or config.offload == "optimizer" and buckets))
 
 
+def frees_gradients_in_backward(config: Config, replicas: int) -> bool:
+    """Whether the optimizer steps inside backward (steps_in_backward) and so the gradients die
+    there, as the planner counts them: not under ZeRO-0 over replicas, whose reduced buckets are
+    persistent buffers (docs/decisions/persistent-gradient-buckets-for-zero0.md)."""
+    return steps_in_backward(config, replicas) and not (replicas > 1 and config.zero == 0)
+
+
 # Each engine's parameter files are registered under their own name (two engines in one process).
 _STORE_IDS = itertools.count()
 

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from fxspeed.compiler.annotate import make_annotate_pass
 from fxspeed.compiler.capture import CapturedStep, LossFn, capture_step
-from fxspeed.compiler.options import PassOptions, derive_options
+from fxspeed.compiler.options import PassOptions, derive_options, frees_gradients_in_backward
 from fxspeed.compiler.pass_manager import DistributedProgram, PassContext, PassManager, PassRecord
 from fxspeed.compiler.rewrite import scale_backward_seed
 from fxspeed.config import Config
@@ -133,10 +133,10 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
 
 
 def _plans_bucket_steps(opts: PassOptions, config: Config) -> bool:
-    """The program will step its reduced buckets inside backward (step_buckets_in_backward) in a
-    layout whose gradients then die: data parallelism or master weights under ZeRO-1/2/3 (ZeRO-0's
-    reduced buckets are persistent buffers)."""
-    return (bool(opts.optimizer_store) and (opts.world_size > 1 or opts.master_weights) and config.zero >= 1
+    """The program will step its reduced buckets inside backward (step_buckets_in_backward: data
+    parallelism or master weights) in a layout whose gradients then die there."""
+    return (bool(opts.optimizer_store) and (opts.world_size > 1 or opts.master_weights)
+            and frees_gradients_in_backward(config, opts.world_size)
             and "step_buckets_in_backward" not in config.disable_passes)
 
 

@@ -563,14 +563,12 @@ def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, 
         from fxspeed.planner.placement import make_placement_analysis
 
         options = PassOptions.single_device(config, tp_size=config.tensor, tp_group_name="tp (planned)")
-    from fxspeed.compiler.options import steps_in_backward
+    from fxspeed.compiler.options import frees_gradients_in_backward
 
-    replicas = len(devices) // (config.tensor * config.pipeline)
-    if steps_in_backward(config, replicas) and not (replicas > 1 and config.zero == 0):
+    if frees_gradients_in_backward(config, len(devices) // (config.tensor * config.pipeline)):
         # What the engine's program does: the optimizer steps inside backward, by parameter on
         # one replica, by reduced bucket on several (read here as by parameter: the program is
-        # planned before the distributed passes). ZeRO-0's reduced buckets are persistent
-        # buffers, so there the gradients' memory does not shrink: planned as stepped after.
+        # planned before the distributed passes).
         options = {**(options.to_dict() if options is not None else {}), "optimizer_store": "(planned)"}
 
     def one() -> tuple[GraphCosts, list[dict]]:

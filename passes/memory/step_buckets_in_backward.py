@@ -34,7 +34,7 @@ from fxspeed.compiler.rewrite import output_node
 from fxspeed.passes.memory.reuse_buffers import is_collective, last_use
 from fxspeed.runtime.step_in_backward import step_buckets_op
 
-_WAIT = "_c10d_functional.wait_tensor.default"
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 aten = torch.ops.aten
 
 
@@ -79,9 +79,11 @@ def step_buckets_in_backward(gm: fx.GraphModule, ctx: PassContext) -> PassResult
             value.args[0].append(value)
     nodes = list(g.nodes)
     at = {n: i for i, n in enumerate(nodes)}
-    calls = [(_after_next_issue(nodes, max(at[n] for n in [value, *ends])), k, value) for k, value, ends in steppable]
-    last: dict[int, fx.Node] = {}  # position -> the call put there last (ties keep bucket order)
-    for pos, k, value in sorted(calls, key=lambda c: (c[0], c[1])):
+    # (position, bucket, value) in graph order; at one position, in bucket order
+    calls = sorted((_after_next_issue(nodes, max(at[n] for n in [value, *ends])), k, value)
+                   for k, value, ends in steppable)
+    last: dict[int, fx.Node] = {}  # position -> the call put there last
+    for pos, k, value in calls:
         with g.inserting_after(last.get(pos, nodes[pos])):
             call = g.call_function(step_buckets_op, (store, [k], holders.get(k, []), [value]))
         call.meta["val"] = None
@@ -90,8 +92,7 @@ def step_buckets_in_backward(gm: fx.GraphModule, ctx: PassContext) -> PassResult
     keep = [i for i, s in enumerate(sig.outputs) if not (s.kind == "grad_bucket" and s.target in gone)]
     out.args = (tuple(values[i] for i in keep),)
     sig.outputs = [sig.outputs[i] for i in keep]
-    sig.stepped_in_backward = [name for _, k, _ in sorted(calls, key=lambda c: (c[0], c[1]))
-                               for name in sig.buckets[k].names]
+    sig.stepped_in_backward = [name for _, k, _ in calls for name in sig.buckets[k].names]
     return PassResult(gm, modified=True)
 
 
@@ -100,7 +101,7 @@ def _after_next_issue(nodes: list[fx.Node], pos: int) -> int:
     while that collective (the next bucket's reduction) is in flight instead of delaying it."""
     for j in range(pos + 1, len(nodes)):
         n = nodes[j]
-        if n.op != "call_function" or str(n.target) == _WAIT:
+        if n.op != "call_function" or n.target is _WAIT:
             return pos
         if is_collective(n):
             return j
