@@ -64,7 +64,8 @@ def compile(model: nn.Module, devices: Devices = 1, config: Config | dict | str 
         check_tensor_config(cfg, len(devs))
         analyses.append(make_placement_analysis(devs))  # the parameter layout, chosen once per engine
     mesh = Mesh.join(len(devs), cfg.dist_timeout_s, pp=cfg.pipeline, tp=cfg.tensor)
-    engine = Engine(model, devs, cfg, loss_fn, compiler=Compiler(cfg, mesh, loss_fn, analyses=analyses), mesh=mesh)
+    engine = Engine(model, devs, cfg, loss_fn, compiler=Compiler(cfg, mesh, loss_fn, analyses=analyses,
+                                                                 device=devs[mesh.rank % len(devs)]), mesh=mesh)
     engine.compile(args, kwargs)
     return engine
 

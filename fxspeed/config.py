@@ -42,8 +42,6 @@ _EXTRA_FIELDS = ("pipeline_chunks", "split_points", "layer_extrapolation")
 # Fields whose meaning later capabilities provide. Until then a non-default value is refused
 # with a clear message rather than silently ignored.
 _NOT_YET: dict[str, tuple[Any, str]] = {}
-# Offload kinds accepted by Config but not built yet (refused by check_supported).
-_OFFLOAD_NOT_YET = ("activations",)
 
 # The accepted values of the fields that take one of a few (named in type errors too).
 _CHOICES: dict[str, tuple[Any, ...]] = {
@@ -115,9 +113,12 @@ class Config:
     # ZeRO-Infinity); under bf16/fp16 with zero >= 1 the fp32 master weights go with them and the
     # device keeps the working copies and gradients. "parameters" (ZeRO-Infinity, zero=3 under
     # bf16/fp16): each rank's low-precision working shards live in files and are read back one
-    # bucket ahead of their gather; "all": both. Where: offload_device "nvme" (files under
-    # nvme_path; any device, the CPU included), "cpu" (host memory; only meaningful for a CUDA
-    # device), "auto" (files on a CPU device). "activations" is an accepted name, not built yet.
+    # bucket ahead of their gather; "activations": the activations forward saves for backward
+    # leave the device after forward makes them and come back ahead of backward's readers
+    # (pinned host memory on a CUDA device, files on a CPU one); "all": the three. Where:
+    # offload_device "nvme" (files under nvme_path; any device, the CPU included), "cpu" (host
+    # memory; only meaningful for a CUDA device), "auto" (files on a CPU device, host memory for
+    # activations on a CUDA one).
     offload: str = "none"
     offload_device: str = "auto"
     nvme_path: str | None = None  # a directory on a local disk for offload_device="nvme"
@@ -271,9 +272,9 @@ class Config:
                         for k in ("offload_device", "nvme_path", "memory_budget_gb") if k in changed]
         elif self.offload_device == "cpu" and "nvme_path" in changed:
             ignored.append(("nvme_path", "offload_device='cpu' keeps the states in host memory, not in files"))
-        if self.offload == "parameters" and "memory_budget_gb" in changed:
+        if self.offload in ("parameters", "activations") and "memory_budget_gb" in changed:
             ignored.append(("memory_budget_gb", "it chooses how much of the optimizer states to offload, and "
-                                                "offload='parameters' keeps them in memory (use offload='all')"))
+                                                f"offload={self.offload!r} keeps them in memory (use offload='all')"))
         for key, why in ignored:
             warnings.warn(f"Config.{key}={getattr(self, key)!r} has no effect: {why}", ConfigWarning, stacklevel=4)
 
@@ -308,10 +309,10 @@ class Config:
         if self.microbatches != 1 and self.pipeline == 1:
             raise ConfigError(f"Config.microbatches={self.microbatches!r} needs pipeline > 1 (micro-batches feed a "
                               "pipeline); on one stage use grad_accum to split the batch, or set pipeline")
-        if self.offload in _OFFLOAD_NOT_YET:
-            raise ConfigError(f"Config.offload={self.offload!r}: offloading activations is not implemented in this "
-                              "version of fxspeed; offload='optimizer', 'parameters' and 'all' are (states in files "
-                              "under Config.nvme_path), or use offload='none'")
+        if self.offloads_activations and self.pipeline > 1:
+            raise ConfigError(f"Config.offload={self.offload!r} with pipeline={self.pipeline}: activation offload is "
+                              "built for one-stage programs in this version (a pipeline's saved activations wait "
+                              "between its F and B actions); use pipeline=1, or offload='optimizer' / 'parameters'")
         if self.offloads_parameters:
             fixes = []
             if self.zero != 3:
@@ -334,6 +335,11 @@ class Config:
     def offloads_optimizer(self) -> bool:
         """Adam's states (and under bf16/fp16 with zero >= 1 the fp32 masters) live in files."""
         return self.offload in ("optimizer", "all")
+
+    @property
+    def offloads_activations(self) -> bool:
+        """Forward's saved activations leave the device until backward reads them."""
+        return self.offload in ("activations", "all")
 
     @property
     def offloads_parameters(self) -> bool:

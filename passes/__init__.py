@@ -26,6 +26,12 @@ program:
     step_in_backward         the optimizer steps each bucket of parameters inside backward, and
                              their gradients die there instead of being returned
 
+and one on every training program whose Config offloads activations (PassOptions.activation_store),
+at the same point:
+
+    offload_activations      saved activations leave the device after forward makes them and come
+                             back ahead of backward's first reader
+
 Three graph passes join the single-device list only when they have work (so the pass records of
 other programs are unchanged), and are disabled by name like the rest:
 
@@ -63,6 +69,7 @@ from .graph.insert_casts import insert_casts
 from .graph.keep_weights_low import keep_weights_low
 from .graph.normalize_graph import normalize_graph
 from .parallel.reduce_gradients import reduce_gradients
+from .memory.offload_activations import offload_activations
 from .memory.offload_parameters import offload_parameters
 from .memory.reuse_buffers import reuse_buffers
 from .memory.step_buckets_in_backward import step_buckets_in_backward
@@ -99,6 +106,6 @@ def program_pipeline() -> list[ProgramPass]:
 
 __all__ = ["ALL_PASSES", "DISTRIBUTED_PASSES", "PROGRAM_PASSES", "SINGLE_DEVICE_PASSES", "STAGE_PASS_NAMES",
            "accumulate_gradients_pass", "dedupe_tied_parameters", "default_pipeline", "eliminate_dead_code",
-           "gather_stage_weights", "insert_casts", "keep_weights_low", "lower_schedule_pass", "normalize_graph", "program_pipeline", "reduce_gradients",
+           "gather_stage_weights", "insert_casts", "keep_weights_low", "lower_schedule_pass", "normalize_graph", "offload_activations", "program_pipeline", "reduce_gradients",
            "reuse_buffers", "scale_loss", "shard_parameters", "shard_tensors", "split_backward_pass", "split_stages_pass",
            "step_buckets_in_backward", "step_in_backward", "wait_parameter_gathers"]

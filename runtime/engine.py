@@ -51,6 +51,8 @@ from fxspeed.runtime.host_memory import release_freed_host_memory
 from fxspeed.runtime.kernels.collectives import exchange_scatter
 from fxspeed.runtime.loss_scale import DynamicLossScaler
 from fxspeed.runtime.offloaded_optimizer import OffloadedAdam
+from fxspeed.runtime.offloaded_activations import ActivationOffload
+from fxspeed.runtime.offloaded_activations import register as register_activations
 from fxspeed.runtime.offloaded_parameters import register
 from fxspeed.runtime.optimizer import OptimizerSpec, build_optimizer
 from fxspeed.runtime.runner import PipelineRuntime
@@ -128,6 +130,7 @@ class Engine:
         self.plan: Plan | None = None
         self.stats: dict[str, Any] = {"steps": 0, "compiles": 0, "skipped_steps": 0}
         self.scaler: DynamicLossScaler | None = None
+        self._activations: ActivationOffload | None = None  # Config.offload="activations"/"all"
         self._device = next((p.device for p in self._unique), torch.device("cpu"))
         self._scale = torch.ones((), dtype=torch.float32, device=self._device)  # the graph's loss_scale input
         if config.precision == "fp16":
@@ -251,6 +254,8 @@ class Engine:
         working = cap.signature.working_dtype is not None
         if train:
             self._first_fetch = cap.signature.first_fetch
+            if self.config.offloads_activations:
+                self._activation_store().reserve(cap.signature.offloaded_activations)
         ex = StepExecutor(Program(cap.gm, cap.signature, train=train, out_spec=cap.out_spec),
                           functools.partial(self._bind, working=working))
         self._executors[key] = ex
@@ -366,11 +371,28 @@ class Engine:
             self._in_backward = InBackwardSteps(self.optimizer, self._params, flat=self._flat)
             register_steps(store, self._in_backward)
 
+    def _activation_store(self) -> ActivationOffload:
+        """Where this engine's programs put the activations they offload (made on first use):
+        pinned host memory on a CUDA device, a swap file under Config.nvme_path on a CPU one."""
+        if self._activations is None:
+            c = self.config
+            if self._device.type == "cuda":
+                if c.offload_device == "nvme":
+                    raise ConfigError("Config.offload_device='nvme' for activations on a CUDA device is not built in "
+                                      "this version; use offload_device='cpu' (pinned host memory) or 'auto'")
+                root = None
+            else:
+                root = self._offload_root("activations")
+            self._activations = ActivationOffload(self._device, root, name=f"rank{self.rank}")
+            register_activations(self.compiler.options.activation_store, self._activations)
+        return self._activations
+
     def _offload_root(self, what: str) -> str:
         """The directory the offloaded `what` ("optimizer" states, "parameters") go to on this
         rank's device (Config.nvme_path), or a ConfigError saying what to set."""
         c = self.config
-        held = "Adam's moments" if what == "optimizer" else "the working parameter shards"
+        held = {"optimizer": "Adam's moments", "parameters": "the working parameter shards",
+                "activations": "the saved activations"}[what]
         if self._device.type != "cpu":
             raise ConfigError(f"Config.offload={c.offload!r} on a {self._device.type} device is not built in this "
                               "version (the files are read and written from host tensors); train on the CPU with "

@@ -49,6 +49,20 @@ class AlignedBuffer:
         return memoryview(self._map)[:round_up(nbytes)]
 
 
+def aligned_tensor(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of `nbytes` rounded up to the alignment, starting on a page boundary, from
+    torch's allocator: unlike an `AlignedBuffer` (a fresh mapping, zero-filled page by page on
+    first touch) its memory comes from, and goes back to, the heap that freed activations left."""
+    n = round_up(max(nbytes, 1))
+    raw = torch.empty(n + ALIGN, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % ALIGN
+    return raw[off:off + n]
+
+
+def _view(t: torch.Tensor, nbytes: int) -> memoryview:
+    return memoryview(t.numpy())[:round_up(nbytes)]
+
+
 class SwapFile:
     """One preallocated file of `nbytes` under `root` (Config.nvme_path); async aligned I/O."""
 
@@ -104,6 +118,15 @@ class SwapFile:
         return self._pool.submit(_io, self.fd, self.path, self.nbytes, os.pwritev, offset,
                                  source.memoryview(nbytes), "writing")
 
+    def write_copy(self, offset: int, src: torch.Tensor, nbytes: int) -> Future:
+        """Copy `src` (flat bytes) into an aligned buffer and write it at `offset`, both on an I/O
+        thread: the caller only submits, and `src` is released once copied."""
+        return self._pool.submit(_copy_and_write, self.fd, self.path, self.nbytes, offset, [src], nbytes)
+
+    def read_after(self, first: Future, offset: int, into: torch.Tensor, nbytes: int) -> Future:
+        """Like `read` into an `aligned_tensor`, once `first` (the write of that region) has finished."""
+        return self._pool.submit(_wait_and_read, first, self.fd, self.path, self.nbytes, offset, _view(into, nbytes))
+
     def close(self) -> None:
         """Remove the swap directory (idempotent)."""
         self._finalizer()
@@ -150,6 +173,20 @@ def _io(fd: int, path: str, size: int, call, offset: int, view: memoryview, what
             raise FxspeedError(f"{what} the swap file {path!r} stopped at offset {offset + done} "
                                f"(file shorter than {size} bytes: was it truncated?)")
         done += n
+
+
+def _copy_and_write(fd: int, path: str, size: int, offset: int, holder: list[torch.Tensor], nbytes: int) -> None:
+    buf = aligned_tensor(nbytes)
+    buf[:nbytes].copy_(holder.pop())  # the pool's task keeps its arguments to the end: the source
+    # (an activation) is released here, once copied, not when the disk is done
+    _io(fd, path, size, os.pwritev, offset, _view(buf, nbytes), "writing")
+
+
+def _wait_and_read(first: Future, fd: int, path: str, size: int, offset: int, view: memoryview) -> None:
+    # The pool runs tasks in submission order: `first`, submitted earlier, has started on another
+    # thread or finished, so waiting here cannot deadlock the pool.
+    first.result()
+    _io(fd, path, size, os.preadv, offset, view, "reading")
 
 
 def _close(fd: int, directory: str, pool: ThreadPoolExecutor) -> None:

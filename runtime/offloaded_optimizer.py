@@ -39,6 +39,7 @@ import torch
 from torch.optim.adam import adam as adam_update
 
 from fxspeed.errors import FxspeedError
+from fxspeed.ir import is_dense
 from fxspeed.runtime.offload_io import AlignedBuffer, SwapFile, round_up
 
 SLOTS = 3  # read k+1, step k, write k-1
@@ -110,7 +111,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                 raise FxspeedError(f"optimizer offload steps {'bf16/fp16 working' if masters else 'fp32'} tensors in "
                                    f"host memory; tensor {i} is {p.dtype} on {p.device} (Config.offload='optimizer' "
                                    "needs parameters on the CPU in this version)")
-            if not _dense(p):
+            if not is_dense(p):
                 raise FxspeedError(f"optimizer offload needs dense tensors; tensor {i} of shape {tuple(p.shape)} has "
                                    f"strides {p.stride()} with gaps")
             # torch's fused Adam reads a float32 step tensor; kept in memory (4 bytes a tensor)
@@ -362,19 +363,6 @@ class OffloadedAdam(torch.optim.Optimizer):
         """Finish I/O and remove the swap directory."""
         self._drain()
         self.swap.close()
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Its elements fill exactly numel() consecutive slots in some dimension order (a permuted
-    contiguous tensor: transposed, channels_last), so a same-strided view of a flat slot fits it."""
-    expected = 1
-    for d in sorted(range(t.dim()), key=t.stride):
-        if t.size(d) == 1:
-            continue
-        if t.stride(d) != expected:
-            return False
-        expected *= t.size(d)
-    return True
 
 
 def _place(chunks: list[_Chunk]) -> list[_Chunk]:

@@ -62,6 +62,14 @@ class PassOptions:
     # (runtime/step_in_backward.py); the program steps each bucket of parameters as soon as its
     # gradients are final, instead of returning them. "" = gradients are outputs.
     optimizer_store: str = ""
+    # offload_activations (Config.offload="activations"/"all"): the name the engine registers its
+    # activation store under (runtime/offloaded_activations.py); forward's saved activations go
+    # there and come back ahead of backward's readers. "" = activations stay.
+    activation_store: str = ""
+    activation_offload_min_bytes: int = MIB  # smaller activations stay (a transfer each costs more than it frees)
+    # the device's FLOP/s over the offload link's bytes/s: an activation moves only when the
+    # compute between its last forward and first backward reader covers moving it out and back
+    activation_offload_flops_per_byte: float = 100.0
     # reuse_buffers: smallest buffer placed in a workspace (0: small buckets gain little, but one
     # code path for every size is then tested by every run)
     reuse_min_bytes: int = 0
@@ -100,7 +108,7 @@ class PassOptions:
         _one_of("schedule", self.schedule, SCHEDULES)
         for name in ("world_size", "pipeline", "microbatches", "pipeline_chunks", "bucket_bytes"):
             _int(name, getattr(self, name), 1)
-        for name in ("rank", "reuse_min_bytes", "tp_rank"):
+        for name in ("rank", "reuse_min_bytes", "tp_rank", "activation_offload_min_bytes"):
             _int(name, getattr(self, name), 0)
         _int("tp_size", self.tp_size, 1)
         if self.tp_rank >= self.tp_size:
@@ -116,6 +124,10 @@ class PassOptions:
             if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < self.pipeline:
                 raise ConfigError(f"PassOptions.positions={list(self.positions)} is invalid; each must be a "
                                   f"pipeline position in [0, {self.pipeline})")
+        if not isinstance(self.activation_offload_flops_per_byte, (int, float)) or \
+                isinstance(self.activation_offload_flops_per_byte, bool) or self.activation_offload_flops_per_byte < 0:
+            raise ConfigError(f"PassOptions.activation_offload_flops_per_byte={self.activation_offload_flops_per_byte!r} "
+                              "is invalid; give a number >= 0")
         _one_of("fuse_kernels", self.fuse_kernels, FUSE_MODES)
         _one_of("chunk_cross_entropy", self.chunk_cross_entropy, ("auto", "always", "off"))
         _int("chunk_cross_entropy_min_bytes", self.chunk_cross_entropy_min_bytes, 0)
@@ -172,15 +184,16 @@ class PassOptions:
         return dataclasses.replace(self, world_size=1, rank=0, zero=0, group_name="", scatter_via_all_reduce=False,
                                    gather_via_all_reduce=False, scatter_via_exchange=False,
                                    gather_via_exchange=False, reuse_grad_buckets=False, master_weights=False,
-                                   parameter_store="", optimizer_store="")
+                                   parameter_store="", optimizer_store="", activation_store="")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-def derive_options(config: Config, mesh: Any) -> PassOptions:
+def derive_options(config: Config, mesh: Any, device: Any = None) -> PassOptions:
     """Pass options for this rank from the Config and the mesh (fxspeed.mesh.Mesh): the one
-    place Config and mesh become pass options."""
+    place Config and mesh become pass options. `device`: this rank's DeviceSpec (fxspeed.devices),
+    for the cost of moving activations; None: a CPU's."""
     import torch.distributed as dist
 
     gloo = bool(mesh.active) and dist.get_backend(mesh.group("world")) == "gloo"
@@ -207,7 +220,23 @@ def derive_options(config: Config, mesh: Any) -> PassOptions:
         # working copies go to theirs (ZeRO-Infinity's).
         master_weights=master_weights_wanted(config) and (mesh.dp > 1 or config.offload != "none"),
         parameter_store=f"rank{mesh.rank}-{next(_STORE_IDS)}" if config.offloads_parameters else "",
-        optimizer_store=f"rank{mesh.rank}-{next(_STORE_IDS)}" if steps_in_backward(config, mesh.dp) else "")
+        optimizer_store=f"rank{mesh.rank}-{next(_STORE_IDS)}" if steps_in_backward(config, mesh.dp) else "",
+        activation_store=f"rank{mesh.rank}-{next(_STORE_IDS)}" if config.offloads_activations else "",
+        activation_offload_flops_per_byte=offload_flops_per_byte(config, device))
+
+
+# Host <-> device copies of pinned memory over PCIe 4/5 x16 (bytes/s, one direction), the link
+# activation offload uses on a CUDA device; a CPU device's is its disk (DeviceSpec.disk_bandwidth).
+HOST_LINK_BANDWIDTH = 25e9
+
+
+def offload_flops_per_byte(config: Config, device: Any = None) -> float:
+    """FLOPs the device computes in the time the activation-offload link moves one byte."""
+    from fxspeed.devices import PRESETS
+
+    spec = device if device is not None else PRESETS["cpu"]
+    link = HOST_LINK_BANDWIDTH if spec.kind == "cuda" else (spec.disk_bandwidth or PRESETS["cpu"].disk_bandwidth)
+    return spec.peak_flops(config.precision) / link
 
 
 def steps_in_backward(config: Config, replicas: int) -> bool:

@@ -79,7 +79,7 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     t1 = time.perf_counter()
     annotate = make_annotate_pass()
     known = [*ALL_PASSES, recompute_checkpointed.name, fuse_kernels.name, chunk_cross_entropy.name, "step_in_backward",
-             *STAGE_PASS_NAMES, *(p.name for p in extra_passes)]
+             "offload_activations", *STAGE_PASS_NAMES, *(p.name for p in extra_passes)]
     ctx = PassContext(signature=cap.signature, module_of=cap.module_of, options=opts,
                       model_name=type(model).__name__)
     # torch.utils.checkpoint regions (tagged at capture) are recomputed in backward: after the
@@ -116,6 +116,14 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
         steps = PassManager([step_in_backward], analyses=[annotate], disabled=config.disable_passes, known=known)
         gm = steps.ensure("annotate", steps.run(gm, ctx), ctx)
         records += steps.records
+    if train and opts.activation_store:
+        # Saved activations leave the device until backward (after tp: their shapes are this
+        # rank's; before the planner reads the program, which then counts them gone).
+        from fxspeed.passes import offload_activations
+
+        moves = PassManager([offload_activations], analyses=[annotate], disabled=config.disable_passes, known=known)
+        gm = moves.ensure("annotate", moves.run(gm, ctx), ctx)
+        records += moves.records
     costs = None
     if train and analyze is not None:
         planned, planned_sig = gm, cap.signature
@@ -261,7 +269,7 @@ def compile_program(model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, 
                       model_name=type(model).__name__)
     pm = PassManager(PROGRAM_PASSES, disabled=config.disable_passes,
                      known=[*ALL_PASSES, recompute_checkpointed.name, "fuse_kernels", "chunk_cross_entropy",
-                            "step_in_backward", *(p.name for p in PROGRAM_PASSES)])
+                            "step_in_backward", "offload_activations", *(p.name for p in PROGRAM_PASSES)])
     t0 = time.perf_counter()
     program = pm.run(DistributedProgram(cap.gm, cap.signature), ctx)
     if not program.stages or program.schedule is None:
@@ -282,13 +290,15 @@ class Compiler:
     Pass options are derived here, once, from the Config and the mesh (`self.options`).
     """
 
-    def __init__(self, config: Config, mesh: Any, loss_fn: LossFn | None = None, analyses: Sequence[Any] = ()):
-        """`analyses`: planner-made analyses the distributed passes require (tp placements)."""
+    def __init__(self, config: Config, mesh: Any, loss_fn: LossFn | None = None, analyses: Sequence[Any] = (),
+                 device: Any = None):
+        """`analyses`: planner-made analyses the distributed passes require (tp placements).
+        `device`: this rank's DeviceSpec (the cost of moving activations off it)."""
         self.analyses = tuple(analyses)
         self.config = config
         self.mesh = mesh
         self.loss_fn = loss_fn
-        self.options = derive_options(config, mesh)
+        self.options = derive_options(config, mesh, device)
 
     def step(self, model: nn.Module, args: tuple, kwargs: dict, *, train: bool,
              analyze: Callable[[fx.GraphModule, StepSignature], Any] | None = None) -> CompiledStep:

@@ -131,6 +131,9 @@ class StepSignature:
     # Set by step_in_backward: the parameters the program steps itself (their gradients are no
     # longer outputs), in the order it steps them.
     stepped_in_backward: list[str] = field(default_factory=list)
+    # Set by offload_activations: key -> bytes of each activation the program moves off the
+    # device in forward and reads back in backward (the runtime reserves room for them).
+    offloaded_activations: dict[int, int] = field(default_factory=dict)
 
     def is_alias(self, name: str) -> bool:
         return name in self.tied
@@ -147,7 +150,8 @@ class StepSignature:
                 "waits_for_parameters": self.waits_for_parameters,
                 "tp_layout": {k: list(v) for k, v in self.tp_layout.items()},
                 "working_dtype": self.working_dtype, "grad_dtype": self.grad_dtype, "first_fetch": self.first_fetch,
-                "stepped_in_backward": list(self.stepped_in_backward)}
+                "stepped_in_backward": list(self.stepped_in_backward),
+                "offloaded_activations": dict(self.offloaded_activations)}
 
 
 def info(node: fx.Node) -> NodeInfo:
@@ -173,8 +177,22 @@ def tensor_bytes(t: Any) -> int:
     return 0
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """Its elements fill exactly numel() consecutive slots in some dimension order (a permuted
+    contiguous tensor: transposed, channels_last), so its bytes move as one run and a
+    same-strided view of a flat slot holds it again."""
+    expected = 1
+    for d in sorted(range(t.dim()), key=t.stride):
+        if t.size(d) == 1:
+            continue
+        if t.stride(d) != expected:
+            return False
+        expected *= t.size(d)
+    return True
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-__all__ = ['META_KEY', 'FORWARD', 'BACKWARD', 'IO', 'STEP', 'STEP_PARAMETERS_OP', 'STEP_BUCKETS_OP', 'step_calls', 'PARAMETERS', 'GRADIENTS', 'OPTIMIZER_STATES', 'ACTIVATIONS', 'TEMPORARIES', 'BUFFERS', 'INPUTS', 'COMM_BUFFERS', 'CATEGORIES', 'NodeInfo', 'IOSpec', 'Bucket', 'StepSignature', 'info', 'tensor_bytes', 'dtype_name']
+__all__ = ['META_KEY', 'FORWARD', 'BACKWARD', 'IO', 'STEP', 'STEP_PARAMETERS_OP', 'STEP_BUCKETS_OP', 'step_calls', 'PARAMETERS', 'GRADIENTS', 'OPTIMIZER_STATES', 'ACTIVATIONS', 'TEMPORARIES', 'BUFFERS', 'INPUTS', 'COMM_BUFFERS', 'CATEGORIES', 'NodeInfo', 'IOSpec', 'Bucket', 'StepSignature', 'info', 'tensor_bytes', 'is_dense', 'dtype_name']

@@ -132,6 +132,9 @@ class GraphCosts:
     # (placement.describe_placements of the tp rank's program)
     tp_placements: dict[str, str] = field(default_factory=dict)
     tp_communication: dict[str, float] = field(default_factory=dict)
+    # offload_activations: bytes of the saved activations the program moves off the device in
+    # forward (the timeline already counts them gone between their offload and their reload)
+    offloaded_activation_bytes: float = 0.0
 
     @property
     def state_basis(self) -> float:
@@ -159,7 +162,9 @@ class GraphCosts:
                           grad_bytes=lin(self.grad_bytes, two.grad_bytes),
                           stepped_grad_bytes=lin(self.stepped_grad_bytes, two.stepped_grad_bytes),
                           tp_placements=collapse_blocks(two.tp_placements),
-                          tp_communication=lin_d(self.tp_communication, two.tp_communication))
+                          tp_communication=lin_d(self.tp_communication, two.tp_communication),
+                          offloaded_activation_bytes=lin(self.offloaded_activation_bytes,
+                                                         two.offloaded_activation_bytes))
 
 
 def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec,
@@ -203,6 +208,7 @@ def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec
         timeline={"names": tl.names, "roles": tl.roles, "bytes": tl.totals, "gradients": tl.gradients},
         master_bytes=master, grad_bytes=float(grad_bytes), stepped_grad_bytes=float(stepped_bytes),
         tp_placements=placed[0], tp_communication={k: float(v) for k, v in placed[1].items()},
+        offloaded_activation_bytes=float(sum(signature.offloaded_activations.values())),
     )
 
 
@@ -234,6 +240,11 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
                      "once its parameters are updated, so the gradients are never all held at once")
     on_disk = moved + (costs.param_bytes / dp if config.offloads_parameters else 0)
     offloaded = {"disk": int(round(on_disk))} if on_disk else {}
+    if costs.offloaded_activation_bytes:
+        where = "host" if devices[0].kind == "cuda" else "disk"
+        offloaded[f"activations ({where})"] = int(round(costs.offloaded_activation_bytes))
+        notes.append("saved activations leave the device in forward and come back ahead of backward "
+                     "(offload_activations): the memory above counts them gone in between")
     step = step_phase(costs.step, costs, config, dp, moved)
     comm = step[COMM_BUFFERS]
     opt_phase = _optimizer_phase(costs, config, devices, dp, moved)
@@ -570,6 +581,12 @@ def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, 
         # one replica, by reduced bucket on several (read here as by parameter: the program is
         # planned before the distributed passes).
         options = {**(options.to_dict() if options is not None else {}), "optimizer_store": "(planned)"}
+    if config.offloads_activations and config.pipeline == 1:
+        from fxspeed.compiler.options import offload_flops_per_byte
+
+        options = {**(options.to_dict() if hasattr(options, "to_dict") else options or {}),
+                   "activation_store": "(planned)",
+                   "activation_offload_flops_per_byte": offload_flops_per_byte(config, devices[0])}
 
     def one() -> tuple[GraphCosts, list[dict]]:
         if config.tensor > 1:

@@ -125,7 +125,8 @@ class Plan:
         what = {"parameters": "working parameter shards, read ahead of each gather",
                 "all": "optimizer states and working parameter shards"}.get(offload, "optimizer states")
         for where, b in self.offloaded.items():
-            lines.append(f"  {'off the device: ' + where:<26}{gb(b)}   ({what}; read and written every step)")
+            held = "saved activations" if where.startswith("activations") else what
+            lines.append(f"  {'off the device: ' + where:<26}{gb(b)}   ({held}; read and written every step)")
         if self.dtypes:
             lines.append("  dtypes: " + "; ".join(f"{c} {d}" for c, d in self.dtypes.items()))
         if self.communication:
