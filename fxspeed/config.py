@@ -309,10 +309,6 @@ class Config:
         if self.microbatches != 1 and self.pipeline == 1:
             raise ConfigError(f"Config.microbatches={self.microbatches!r} needs pipeline > 1 (micro-batches feed a "
                               "pipeline); on one stage use grad_accum to split the batch, or set pipeline")
-        if self.offloads_activations and self.pipeline > 1:
-            raise ConfigError(f"Config.offload={self.offload!r} with pipeline={self.pipeline}: activation offload is "
-                              "built for one-stage programs in this version (a pipeline's saved activations wait "
-                              "between its F and B actions); use pipeline=1, or offload='optimizer' / 'parameters'")
         if self.offloads_parameters:
             fixes = []
             if self.zero != 3:

@@ -54,6 +54,8 @@ a new one. compile_program runs PROGRAM_PASSES in this order after the single-de
                              for the stages the schedule runs I/W actions for
     accumulate_gradients     weight-gradient matmuls and embedding rows of this rank's stages
                              accumulate into persistent buffers
+    offload_stage_activations  activation offload: OFFLOAD(s,m) after F(s,m), RELOAD(s,m) ahead of
+                             its backward, where other compute actions run in between
 
 They are verified, recorded and disabled by name (`Config.disable_passes`) like graph passes;
 their names are in STAGE_PASS_NAMES.
@@ -80,6 +82,7 @@ from .parallel.shard_tensors import shard_tensors
 from .parallel.wait_parameter_gathers import wait_parameter_gathers
 from .program.accumulate_gradients import accumulate_gradients_pass
 from .program.gather_stage_weights import gather_stage_weights
+from .program.offload_stage_activations import offload_stage_activations
 from .program.lower_schedule import lower_schedule_pass
 from .program.split_stages import split_backward_pass, split_stages_pass
 
@@ -92,7 +95,7 @@ DISTRIBUTED_PASSES = (shard_tensors, reduce_gradients, wait_parameter_gathers, s
 ALL_PASSES: dict[str, GraphPass] = {p.name: p for p in (*SINGLE_DEVICE_PASSES, *DISTRIBUTED_PASSES)}
 # The schedule first: it is cheap, and split_backward needs it to know which stages run I and W.
 PROGRAM_PASSES: tuple[ProgramPass, ...] = (lower_schedule_pass, gather_stage_weights, split_stages_pass,
-                                           split_backward_pass, accumulate_gradients_pass)
+                                           split_backward_pass, accumulate_gradients_pass, offload_stage_activations)
 STAGE_PASS_NAMES = tuple(p.name for p in PROGRAM_PASSES)
 
 
@@ -106,6 +109,6 @@ def program_pipeline() -> list[ProgramPass]:
 
 __all__ = ["ALL_PASSES", "DISTRIBUTED_PASSES", "PROGRAM_PASSES", "SINGLE_DEVICE_PASSES", "STAGE_PASS_NAMES",
            "accumulate_gradients_pass", "dedupe_tied_parameters", "default_pipeline", "eliminate_dead_code",
-           "gather_stage_weights", "insert_casts", "keep_weights_low", "lower_schedule_pass", "normalize_graph", "offload_activations", "program_pipeline", "reduce_gradients",
+           "gather_stage_weights", "insert_casts", "keep_weights_low", "lower_schedule_pass", "normalize_graph", "offload_activations", "offload_stage_activations", "program_pipeline", "reduce_gradients",
            "reuse_buffers", "scale_loss", "shard_parameters", "shard_tensors", "split_backward_pass", "split_stages_pass",
            "step_buckets_in_backward", "step_in_backward", "wait_parameter_gathers"]

@@ -456,8 +456,11 @@ class Engine:
         if self._tp is not None:  # slice before the other stages' weights are freed (shapes stay full)
             self._tp.apply(self._params, cp.captured.signature.tp_layout)
         mine = {s: self.programs[s] for s in self.stages}
+        moves = self.config.offloads_activations and any(p.offload_saved for p in mine.values())
         self._runtime = PipelineRuntime(mine, self.M, self._bind, group=self.mesh.group("pp"), peers=self.pipe_ranks,
-                               device=self._device)
+                                        device=self._device, activations=self._activation_store() if moves else None)
+        if moves:
+            self._activations.reserve(self._runtime.activation_sizes())
         self._setup_pipeline_state()
         self._key = key
         self._count_compile()

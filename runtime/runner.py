@@ -41,6 +41,11 @@ At GATHER(s) / RELEASE(s) (ZeRO-3, passes/program/gather_stage_weights.py) the c
 `on_weights` makes stage s's weights whole / drops them; the programs' state inputs are the
 Parameters themselves, so they read whatever the engine points them at.
 
+At OFFLOAD(s,m) the activations F(s,m) saved that the stage lists in `offload_saved` go to the
+`activations` store (runtime/offloaded_activations.py; passes/program/offload_stage_activations.py)
+and the runtime drops its references; RELOAD(s,m) starts their copies back; the backward of
+(s,m) waits for them.
+
 At REDUCE(s) the stage's finished gradients (returned sums and accumulation buffers) go to the
 caller's `on_reduce`, which starts the data-parallel reduction while the rest of the action
 list runs (runtime/engine.py). why: docs/decisions/zero-under-a-pipeline.md
@@ -71,7 +76,20 @@ except ImportError:  # pragma: no cover - older/newer torch: programs keep holdi
 from fxspeed.ir import IOSpec
 from fxspeed.ir.program import StageProgram
 
-from fxspeed.ir.schedule import B, F, I, PARAMETER_KINDS, RECV_B, RECV_F, REDUCE, SEND_B, SEND_F, STEP, W, Action
+from fxspeed.ir import is_dense
+from fxspeed.ir.schedule import (OFFLOAD, RELOAD, B, F, I, PARAMETER_KINDS, RECV_B, RECV_F, REDUCE, SEND_B, SEND_F,
+                                 STEP, W, Action)
+
+MAX_SAVED = 4096  # saved outputs per stage program (activation keys are (stage, mb, index))
+
+
+@dataclass(frozen=True)
+class _Away:
+    """A saved activation the store holds between OFFLOAD and the backward that reads it."""
+    key: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -114,10 +132,13 @@ class PipelineRuntime:
 
     def __init__(self, programs: dict[int, StageProgram], n_microbatches: int,
                  bind: Callable[[IOSpec], torch.Tensor], group: Any = None, peers: list[int] | None = None,
-                 recv_prefetch: int = 2, device: torch.device | str = "cpu"):
+                 recv_prefetch: int = 2, device: torch.device | str = "cpu", activations: Any = None):
+        """`activations`: the store OFFLOAD/RELOAD actions move saved activations through (an
+        ActivationOffload, reserved for `activation_sizes()`); None when the schedule has none."""
         if recv_prefetch < 1:
             raise ValueError(f"recv_prefetch={recv_prefetch!r}: at least the receive being waited for is posted; use >= 1")
         self.programs = programs
+        self.activations = activations
         self.M = n_microbatches
         self.device = torch.device(device)  # where received messages and gradient buffers live
         self.recv_prefetch = recv_prefetch  # receives posted ahead per (kind, stage) stream, the awaited one included
@@ -138,6 +159,26 @@ class PipelineRuntime:
         for p in programs.values():
             if len(p.send_f) > 256 or len(p.send_b) > 256:
                 raise ValueError(f"stage {p.stage} sends more than 256 tensors per message; not supported")
+
+    def activation_sizes(self) -> dict[int, int]:
+        """Bytes of every activation OFFLOAD may move, by the key the store files it under."""
+        return {self._key(s, m, i): int(p.saved_meta()[i].numel() * p.saved_meta()[i].element_size())
+                for s, p in self.programs.items() for i in p.offload_saved for m in range(self.M)}
+
+    def _key(self, s: int, m: int, i: int) -> int:
+        return (s * self.M + m) * MAX_SAVED + i
+
+    def _offload(self, s: int, m: int, ts: list[Any]) -> None:
+        for i in self.programs[s].offload_saved:
+            t = ts[i]
+            if isinstance(t, torch.Tensor) and t.numel() and is_dense(t):  # else it stays (the plan said dense)
+                key = self._key(s, m, i)
+                self.activations.offload(key, t)
+                ts[i] = _Away(key, tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    def _reloaded(self, ts: list[Any]) -> list[Any]:
+        return [self.activations.reload(t.key, -1, t.shape, t.stride, t.dtype) if isinstance(t, _Away) else t
+                for t in ts]
 
     def release_gradient_buffers(self) -> None:
         """Drop the stages' accumulation buffers (allocated again at the next step's first backward)."""
@@ -238,7 +279,7 @@ class PipelineRuntime:
                 del outs, ins
             elif a.kind in (B, I):
                 p = self.programs[s]
-                ins = [*self._state[s], *microbatches[m], *saved.pop((s, m)),
+                ins = [*self._state[s], *microbatches[m], *self._reloaded(saved.pop((s, m))),
                        *(recv_b.pop((s, m)) if s < p.n_stages - 1 else [])]
                 split = a.kind == I and p.backward_input is not None
                 # Storages of the inputs, taken before B frees them, for add_grads' aliasing check.
@@ -288,6 +329,12 @@ class PipelineRuntime:
                     if s in written:
                         mine.update(zip(p.grads_into, self._grad_bufs[s]))
                     on_reduce(s, mine)
+            elif a.kind == OFFLOAD:
+                self._offload(s, m, saved[(s, m)])
+            elif a.kind == RELOAD:
+                for t in saved[(s, m)]:
+                    if isinstance(t, _Away):
+                        self.activations.prefetch(t.key)
             elif a.kind in PARAMETER_KINDS:
                 if on_weights is None:
                     raise RuntimeError(f"the schedule has {a} but the caller gave no on_weights to make the stage's "

@@ -307,7 +307,8 @@ def test_disabling_an_unknown_pass_fails_with_a_config_error_listing_the_known_p
 # program passes: stage splitting, the schedule, the I/W split, gradient accumulation
 # ------------------------------------------------------------------------------------------
 
-PROGRAM_PASS_ORDER = ["lower_schedule", "gather_stage_weights", "split_stages", "split_backward", "accumulate_gradients"]
+PROGRAM_PASS_ORDER = ["lower_schedule", "gather_stage_weights", "split_stages", "split_backward", "accumulate_gradients",
+                      "offload_stage_activations"]
 
 
 def tiny_gpt_batch() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from fxspeed.errors import ConfigError
 from fxspeed.ir.schedule import (Action, Schedule, ScheduleError, parse_action, validate)
 from fxspeed.passes.program.gather_stage_weights import bracket
+from fxspeed.passes.program.offload_stage_activations import MIN_ACTIONS_BETWEEN, bracket_activations
 from fxspeed.passes.program.lower_schedule import SCHEDULES, gpipe, interleaved_1f1b, make, one_f_one_b, zero_bubble_h1
 from fxspeed.planner.simulator import Costs, StageCosts, analytic_bubble, simulate
 
@@ -163,7 +164,8 @@ def test_unparseable_action_text_is_rejected_naming_the_token(token):
 
 def test_actions_round_trip_through_their_text():
     for a in [Action("F", 0, 1), Action("W", 12, 30), Action("SEND_B", 3, 2, 2), Action("RECV_F", 1, 0, 0),
-              Action("REDUCE", 2), Action("GATHER", 1), Action("RELEASE", 3), Action("STEP")]:
+              Action("REDUCE", 2), Action("GATHER", 1), Action("RELEASE", 3), Action("OFFLOAD", 1, 2),
+              Action("RELOAD", 0, 7), Action("STEP")]:
         assert parse_action(str(a)) == a
 
 
@@ -289,3 +291,61 @@ def test_validator_reports_compute_outside_its_stages_gathered_weights_and_a_mis
     assert "after RELEASE(0)" in str(_raises(_edit(sch, 0, early_release), "weights", 0))
     e = _raises(_edit(sch, 1, lambda a: [x for x in a if x.kind != "RELEASE"]), "weights", 1)
     assert "RELEASE(1) is missing" in str(e)
+
+
+# --- activation offload's OFFLOAD / RELOAD (passes/program/offload_stage_activations.py) ------
+
+@settings(max_examples=80, deadline=None)
+@given(schedule_args(), st.booleans())
+def test_offloaded_activations_leave_after_their_forward_and_return_one_compute_action_before_their_backward(
+        args, with_gathers):
+    name, P, v, M = args
+    sch = make(name, P, M, v)
+    if with_gathers:  # both passes' actions together (ZeRO-3 with activation offload)
+        sch = bracket(sch)
+    got = bracket_activations(sch, set(range(sch.n_stages)))
+    validate(got)
+    validate(got, send_buffer=2)
+    assert Schedule.parse(got.format()) == got
+    moved = 0
+    for r, acts in enumerate(got.actions):
+        assert [a for a in acts if a.kind not in ("OFFLOAD", "RELOAD")] == sch.actions[r]
+        compute = [(i, a) for i, a in enumerate(acts) if a.kind in ("F", "B", "I", "W")]
+        for i, a in compute:
+            if a.kind != "F":
+                continue
+            s, m = a.stage, a.microbatch
+            back = next(j for j, b in compute if b.stage == s and b.microbatch == m and b.kind in ("B", "I"))
+            between = [j for j, _ in compute if i < j < back]
+            if len(between) >= MIN_ACTIONS_BETWEEN:
+                moved += 1
+                assert acts[i + 1] == Action("OFFLOAD", s, m)  # right after the forward
+                reload = acts.index(Action("RELOAD", s, m))
+                assert reload < between[-1] and all(acts[k].kind == "RELOAD" for k in range(reload, between[-1]))
+            else:
+                assert Action("OFFLOAD", s, m) not in acts and Action("RELOAD", s, m) not in acts
+    # the simulator: no time, and a rank holds fewer micro-batches' activations at once
+    plain, less = simulate(sch, per_rank_costs(sch, v)), simulate(got, per_rank_costs(sch, v))
+    assert less.busy == plain.busy and less.step_time == plain.step_time
+    assert all(a <= b for a, b in zip(less.peak_activations, plain.peak_activations))
+    if moved and name == "gpipe" and M >= 4:  # gpipe holds all M: offload must lower the peak
+        assert less.peak_activations[0] < plain.peak_activations[0]
+
+
+def test_validator_reports_a_backward_reading_offloaded_activations_and_a_reload_without_offload():
+    sch = bracket_activations(gpipe(2, 4), {0, 1})
+    assert "OFFLOAD(0,0)" in sch.format()
+
+    def drop(kind):
+        return lambda acts: [a for a in acts if not (a.kind == kind and a.microbatch == 0)]
+
+    e = _raises(_edit(sch, 0, drop("RELOAD")), "activations", 0)
+    assert "RELOAD(0,0) must come before it" in str(e)
+    e = _raises(_edit(sch, 0, drop("OFFLOAD")), "activations", 0)
+    assert "not offloaded" in str(e)
+
+    def offload_first(acts):  # OFFLOAD(0,0) moved above 0F0
+        i = acts.index(Action("OFFLOAD", 0, 0))
+        return [acts[i]] + acts[:i] + acts[i + 1:]
+
+    assert "before 0F0 ran" in str(_raises(_edit(sch, 0, offload_first), "activations", 0))

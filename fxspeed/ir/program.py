@@ -62,6 +62,15 @@ class StageProgram:
     # those programs then take `beta, *buffers` after their other inputs; `grads` excludes these.
     grads_into: list[str] = field(default_factory=list)
     grads_into_meta: list[TensorMeta] = field(default_factory=list)
+    # Saved activations (indices into F's saved outputs) that OFFLOAD moves off the device and
+    # RELOAD brings back (passes/program/offload_stage_activations.py)
+    offload_saved: list[int] = field(default_factory=list)
+
+    def saved_meta(self) -> list[Any]:
+        """The fake values of F's saved outputs (shapes, strides, dtypes), in order."""
+        out = next(n for n in reversed(self.forward.graph.nodes) if n.op == "output")
+        k = len(self.send_f)
+        return [v.meta.get("val") if isinstance(v, fx.Node) else None for v in out.args[0][k:k + self.n_saved]]
 
     def names(self) -> set[str]:
         """Every parameter/buffer name this stage reads or returns a gradient for."""
@@ -74,6 +83,7 @@ class StageProgram:
                 "send_b": [list(m.shape) for m in self.send_b], "grads": [*self.grads, *self.grads_into],
                 "grads_accumulated_in_place": list(self.grads_into),
                 "split_backward": self.backward_input is not None, "carry": self.n_carry,
+                "offloaded_saved": list(self.offload_saved),
                 "predicted_s": dict(self.predicted), **self.nodes}
 
 

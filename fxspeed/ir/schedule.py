@@ -19,6 +19,10 @@ Action kinds (`stage` is always the stage local to the rank executing the action
             data-parallel group); every compute action of the stage comes after it
     RELEASE drop the stage's gathered weights (only the shards stay); no compute action of the
             stage comes after it. A rank has both for each of its stages or neither.
+    OFFLOAD move the activations F(stage, mb) saved for its backward off the device (those the
+            stage program lists in `offload_saved`); after F(stage, mb)
+    RELOAD  start bringing them back; after OFFLOAD(stage, mb), before the backward of
+            (stage, mb), which waits for them. A (stage, mb) has both or neither.
     STEP    optimizer step of everything the rank owns (no stage)
 
 Text form, one line per rank after a header (compute actions use torch's compact "0F1"):
@@ -49,11 +53,13 @@ SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 REDUCE, STEP = "REDUCE", "STEP"
 GATHER, RELEASE = "GATHER", "RELEASE"
 PARAMETER_KINDS = (GATHER, RELEASE)
+OFFLOAD, RELOAD = "OFFLOAD", "RELOAD"
+ACTIVATION_KINDS = (OFFLOAD, RELOAD)
 COMPUTE_KINDS = (F, B, I, W)
 SEND_KINDS = (SEND_F, SEND_B)
 RECV_KINDS = (RECV_F, RECV_B)
 COMM_KINDS = SEND_KINDS + RECV_KINDS
-KINDS = COMPUTE_KINDS + COMM_KINDS + (REDUCE, STEP) + PARAMETER_KINDS
+KINDS = COMPUTE_KINDS + COMM_KINDS + (REDUCE, STEP) + PARAMETER_KINDS + ACTIVATION_KINDS
 
 
 class ScheduleError(FxspeedError, ValueError):
@@ -79,7 +85,7 @@ class Action:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ScheduleError(f"unknown action kind {self.kind!r}; expected one of {', '.join(KINDS)}")
-        needs_mb = self.kind in COMPUTE_KINDS or self.kind in COMM_KINDS
+        needs_mb = self.kind in COMPUTE_KINDS or self.kind in COMM_KINDS or self.kind in ACTIVATION_KINDS
         if self.kind != STEP and self.stage is None:
             raise ScheduleError(f"{self.kind} needs a stage")
         if needs_mb and self.microbatch is None:
@@ -99,12 +105,15 @@ class Action:
             return f"{self.kind}({self.stage},{self.microbatch}<-r{self.peer})"
         if self.kind in (REDUCE, *PARAMETER_KINDS):
             return f"{self.kind}({self.stage})"
+        if self.kind in ACTIVATION_KINDS:
+            return f"{self.kind}({self.stage},{self.microbatch})"
         return "STEP"
 
 
 _COMPUTE_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
 _COMM_RE = re.compile(r"^(SEND_F|SEND_B|RECV_F|RECV_B)\((\d+),(\d+)(->|<-)r(\d+)\)$")
 _STAGE_RE = re.compile(r"^(REDUCE|GATHER|RELEASE)\((\d+)\)$")
+_ACTIVATION_RE = re.compile(r"^(OFFLOAD|RELOAD)\((\d+),(\d+)\)$")
 
 
 def parse_action(token: str) -> Action:
@@ -118,10 +127,12 @@ def parse_action(token: str) -> Action:
         return Action(m[1], int(m[2]), int(m[3]), int(m[5]))
     if m := _STAGE_RE.match(token):
         return Action(m[1], int(m[2]))
+    if m := _ACTIVATION_RE.match(token):
+        return Action(m[1], int(m[2]), int(m[3]))
     if token == STEP:
         return Action(STEP)
     raise ScheduleError(f"cannot parse action {token!r}; expected e.g. 0F1, 1I0, 2W3, SEND_F(0,1->r1), "
-                        f"RECV_B(0,1<-r1), REDUCE(0), GATHER(0), RELEASE(0) or STEP")
+                        f"RECV_B(0,1<-r1), REDUCE(0), GATHER(0), RELEASE(0), OFFLOAD(0,1), RELOAD(0,1) or STEP")
 
 
 @dataclass
@@ -201,6 +212,8 @@ def validate(schedule: Schedule, *, send_buffer: int | None = None) -> None:
                   one STEP, last, after every REDUCE of the rank
       weights     GATHER(s)/RELEASE(s): on every stage of the rank or none, once each; every
                   compute action of s after GATHER(s) and before RELEASE(s)
+      activations OFFLOAD(s,m) after F(s,m), RELOAD(s,m) after it, both before the backward of
+                  (s,m) (its B or I); a (stage, mb) has both or neither
       match       the k-th send a->b carries what the k-th recv on b from a expects
       deadlock    running all ranks with blocking recvs (and sends blocking once `send_buffer`
                   messages to a peer are unreceived; None = unbounded, 0 = rendezvous) finishes
@@ -246,7 +259,7 @@ def validate(schedule: Schedule, *, send_buffer: int | None = None) -> None:
                                f"stage {nb}" + (" (same rank: no send/recv needed)"
                                                 if sch.placement[nb] == rank else ""))
             key = (a.kind, a.stage, a.microbatch)
-            if a.kind in COMPUTE_KINDS + COMM_KINDS + (REDUCE,) + PARAMETER_KINDS:
+            if a.kind in COMPUTE_KINDS + COMM_KINDS + (REDUCE,) + PARAMETER_KINDS + ACTIVATION_KINDS:
                 if key in seen:
                     r0, i0 = seen[key]
                     raise _err(rank, i, a, "once", f"already done at rank {r0}, action {i0}")
@@ -286,6 +299,17 @@ def validate(schedule: Schedule, *, send_buffer: int | None = None) -> None:
                     raise _err(rank, i, a, "weights", f"runs stage {s} before GATHER({s}) made its weights whole")
                 if (RELEASE, s, None) in done:
                     raise _err(rank, i, a, "weights", f"runs stage {s} after RELEASE({s}) dropped its weights")
+            if a.kind == OFFLOAD and (F, s, m) not in done:
+                raise _err(rank, i, a, "activations", f"offloads what {s}F{m} saved before {s}F{m} ran")
+            if a.kind == RELOAD and (OFFLOAD, s, m) not in done:
+                raise _err(rank, i, a, "activations", f"reloads what {s}F{m} saved, which was not offloaded "
+                           f"(OFFLOAD({s},{m}) comes first)")
+            if a.kind in (OFFLOAD, RELOAD) and ((B, s, m) in done or (I, s, m) in done):
+                raise _err(rank, i, a, "activations", f"comes after the backward of stage {s} micro-batch {m}, "
+                           "which reads those activations")
+            if a.kind in (B, I) and (OFFLOAD, s, m) in done and (RELOAD, s, m) not in done:
+                raise _err(rank, i, a, "activations", f"backward of stage {s} micro-batch {m} runs while its "
+                           f"activations are offloaded (RELOAD({s},{m}) must come before it)")
             if a.kind == RELEASE and (GATHER, s, None) not in done:
                 raise _err(rank, i, a, "weights", f"releases stage {s}'s weights before GATHER({s})")
             if a.kind == STEP:

@@ -42,6 +42,7 @@ why (and how close it is): docs/decisions/pipeline-memory-model.md
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -50,7 +51,7 @@ from fxspeed.config import Config
 from fxspeed.devices import DeviceSpec
 from fxspeed.ir import (ACTIVATIONS, BUFFERS, CATEGORIES, COMM_BUFFERS, GRADIENTS, INPUTS, OPTIMIZER_STATES,
                         PARAMETERS, TEMPORARIES, StageProgram, tensor_bytes)
-from fxspeed.ir.schedule import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Schedule
+from fxspeed.ir.schedule import OFFLOAD, RELOAD, B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Schedule
 from fxspeed.planner.estimate import choose_offload, reduce_elem, resident_optimizer_states
 from fxspeed.planner.memory import ProgramLiveness, program_liveness
 from fxspeed.planner.plan import Plan
@@ -186,6 +187,7 @@ def _rank_memory(stages: dict[int, _Stage], actions: list[Any]) -> dict[str, Any
     cursor = {k: 0 for k in streams}
     recv_keys: dict[tuple[str, int, int], list[Any]] = {}
     saved_keys: dict[tuple[int, int], list[Any]] = {}
+    saved_sizes: dict[tuple[int, int], list[int]] = {}
     carry_keys: dict[tuple[int, int], list[Any]] = {}
 
     def post(stream: tuple[str, int]) -> None:
@@ -246,6 +248,16 @@ def _rank_memory(stages: dict[int, _Stage], actions: list[Any]) -> dict[str, Any
             for key in ins:
                 w.release(key, "recv")
             saved_keys[(s, m)] = outs[k:k + p.n_saved]
+            saved_sizes[(s, m)] = sizes[k:k + p.n_saved]
+            w.observe(at)
+        elif a.kind in (OFFLOAD, RELOAD):  # the listed saved activations leave, and come back
+            keys, sizes = saved_keys.get((s, m), []), saved_sizes.get((s, m), [])
+            for i in stages[s].program.offload_saved:
+                if i < len(keys) and keys[i] is not None:
+                    if a.kind == OFFLOAD:
+                        w.release(keys[i], ("saved", s, m))
+                    else:
+                        w.add(keys[i], sizes[i], ACTIVATIONS, ("saved", s, m))
             w.observe(at)
         elif a.kind in (B, I):
             st = stages[s]
@@ -508,6 +520,11 @@ def plan_pipeline(model: Any, args: tuple, kwargs: dict, *, config: Config, devi
         options = PassOptions.single_device(config, tp_size=tp, tp_group_name="tp (planned)")
         analyses = (presolve_placements(model, margs, mkw, config=config, devices=devices, loss_fn=loss_fn,
                                         options=options).graph_pass,)
+
+    if config.offloads_activations:  # the schedule's OFFLOAD/RELOAD actions, as the engine's
+        from fxspeed.compiler.options import PassOptions
+
+        options = dataclasses.replace(options or PassOptions.single_device(config), activation_store="(planned)")
 
     def program(split_points: Sequence[str] | None) -> Any:
         # Every position's stages as that position compiles them (gradient accumulation included).

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from fxspeed.ir.schedule import (GATHER, PARAMETER_KINDS, B, COMPUTE_KINDS, F, I, RECV_KINDS, REDUCE, SEND_KINDS, STEP, W, Schedule,
+from fxspeed.ir.schedule import (ACTIVATION_KINDS, GATHER, OFFLOAD, PARAMETER_KINDS, B, COMPUTE_KINDS, F, I, RECV_KINDS, REDUCE, SEND_KINDS, STEP, W, Schedule,
                               ScheduleError)
 
 from fxspeed.errors import ConfigError
@@ -109,11 +109,17 @@ def simulate(schedule: Schedule, costs: Costs | Sequence[StageCosts]) -> SimResu
             return costs.step
         if a.kind in PARAMETER_KINDS:
             return costs.gather if a.kind == GATHER else 0.0
+        if a.kind in ACTIVATION_KINDS:  # asynchronous copies: the backward waits, if anything
+            return 0.0
         c = costs.stages[a.stage]
         return {F: c.forward, I: c.backward_input, W: c.backward_weight,
                 B: c.backward_input + c.backward_weight}[a.kind]
 
     def account_memory(r: int, a) -> None:
+        if a.kind in ACTIVATION_KINDS:  # the micro-batch's saved activations leave and come back
+            held[r] += costs.stages[a.stage].activation * (-1 if a.kind == OFFLOAD else 1)
+            peak[r] = max(peak[r], held[r])
+            return
         if a.kind not in COMPUTE_KINDS:
             return
         unit = costs.stages[a.stage].activation

@@ -1,7 +1,8 @@
 """Run under `fxspeed run -n 2 -m tests.workers.offload_activations_worker --swap DIR --out FILE`.
 
 On 2 gloo ranks, for each case (ZeRO-2 data parallelism; tensor parallelism over both ranks,
-where the pass sees each rank's slices): 3 steps with forward's saved activations in swap files
+where the pass sees each rank's slices; a 2-stage 1F1B pipeline, where OFFLOAD/RELOAD actions
+move micro-batches' saved activations between their F and B): 3 steps with forward's saved activations in swap files
 (Config.offload="activations") equal 3 steps without bit for bit (losses, parameters), and every
 offloaded activation came back. Rank 0 writes "ok" or the mismatches to FILE.
 """
@@ -15,7 +16,7 @@ from fxspeed.data import local_batch
 from fxspeed.models import GPT, GPTConfig
 from tests.workers.common import write_mismatches
 
-CASES = [dict(zero=2), dict(tensor=2)]
+CASES = [dict(zero=2), dict(tensor=2), dict(pipeline=2, microbatches=4)]
 
 
 def _gpt() -> GPT:
@@ -27,8 +28,8 @@ def _gpt() -> GPT:
 def run(case: dict, swap: str) -> list[str]:
     g = torch.Generator().manual_seed(1)
     batches = [tuple(torch.randint(0, 256, (32, 64), generator=g) for _ in range(2)) for _ in range(3)]
-    # tensor parallelism: every rank takes the whole batch; data parallelism: its share
-    mine = (lambda b: b) if case.get("tensor") else local_batch
+    # tensor parallelism and the pipeline: every rank takes the whole batch; data parallelism: its share
+    mine = local_batch if case.get("zero") else (lambda b: b)
     cfg = dict(lr=1e-3, **case)
     a = fxspeed.compile(_gpt(), 2, fxspeed.Config(**cfg), example_inputs=mine(batches[0]))
     b = fxspeed.compile(_gpt(), 2, fxspeed.Config(**cfg, offload="activations", nvme_path=swap),
@@ -38,6 +39,12 @@ def run(case: dict, swap: str) -> list[str]:
            enumerate((a.train_step(*mine(x)), b.train_step(*mine(x))) for x in batches) if la != lb]
     sa, sb = a.state_dict(), b.state_dict()
     bad += [f"{tag}: parameter {k} differs" for k in sa if not torch.equal(sa[k], sb[k])]
+    if case.get("pipeline"):  # the first stage's rank moves micro-batches 1 and 2 (1F1B, M=4)
+        moved = [str(x) for x in b.schedule.actions[0] if x.kind == "OFFLOAD"]
+        if moved != ["OFFLOAD(0,1)", "OFFLOAD(0,2)"]:
+            bad.append(f"{tag}: OFFLOAD actions {moved}")
+        if b.position == 1:
+            return bad
     stats = b._activations.stats
     if not stats["offloads"] or stats["offloads"] != stats["reloads"]:
         bad.append(f"{tag}: offloads/reloads {stats}")
