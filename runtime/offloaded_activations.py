@@ -27,7 +27,9 @@ why: docs/decisions/activation-offload.md
 
 from __future__ import annotations
 
+import logging
 import weakref
+from collections import deque
 from concurrent.futures import Future
 from typing import Any, Sequence
 
@@ -37,6 +39,8 @@ from fxspeed.errors import FxspeedError
 from fxspeed.runtime.offload_io import SwapFile, aligned_tensor, round_up
 
 _STORES: "weakref.WeakValueDictionary[str, ActivationOffload]" = weakref.WeakValueDictionary()
+log = logging.getLogger("fxspeed")
+WRITES_IN_FLIGHT = 8  # file tier: activations queued for the disk at once, at most
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -61,6 +65,8 @@ class ActivationOffload:
         self._pinned: dict[int, torch.Tensor] = {}  # CUDA: key -> pinned host buffer (uint8)
         self._writes: dict[int, Any] = {}           # key -> Future (file) or CUDA event
         self._reads: dict[int, tuple[Any, Any]] = {}
+        self._layout: dict[int, tuple[tuple[int, ...], tuple[int, ...], torch.dtype, int]] = {}
+        self._queued: deque[Future] = deque()  # file writes in submission order
         self._stream = torch.cuda.Stream(device) if self.host else None
         self.stats = {"offloads": 0, "reloads": 0, "waited_reads": 0, "bytes": 0}
 
@@ -90,6 +96,7 @@ class ActivationOffload:
         """Every copy out finished and every read dropped (between steps; a failed I/O raises here)."""
         for k in list(self._writes):
             self._finish_write(k)
+        self._queued.clear()
         for k in list(self._reads):
             fut, _ = self._reads.pop(k)
             if isinstance(fut, Future):
@@ -113,8 +120,9 @@ class ActivationOffload:
             raise FxspeedError(f"activation offload: activation {key} ({nbytes} bytes) has no room reserved "
                                f"({self.sizes.get(key, 0)} bytes); the engine reserves every compiled program's "
                                "activations before it runs: please report this with the model and Config")
-        self._finish_write(key)
-        self._reads.pop(key, None)
+        self._drop_stale(key)
+        # What comes back is what left: the live tensor's layout, not the one tracing predicted.
+        self._layout[key] = (tuple(x.shape), tuple(x.stride()), x.dtype, nbytes)
         self.stats["offloads"] += 1
         self.stats["bytes"] += nbytes
         src = flat_bytes(x).view(torch.uint8)
@@ -129,7 +137,13 @@ class ActivationOffload:
             self._writes[key] = done
             return
         assert self.swap is not None
-        self._writes[key] = self.swap.write_copy(self.offsets[key], src, nbytes)
+        # A disk slower than forward would leave every queued activation alive (and the plan,
+        # which counts them gone, wrong): forward waits for the oldest write beyond a few.
+        while len(self._queued) >= WRITES_IN_FLIGHT:
+            self._queued.popleft().result()
+        fut = self.swap.write_copy(self.offsets[key], src, nbytes)
+        self._writes[key] = fut
+        self._queued.append(fut)
 
     def prefetch(self, key: int) -> None:
         """Start bringing activation `key` back (a no-op if already started, or for key -1)."""
@@ -139,7 +153,7 @@ class ActivationOffload:
             raise FxspeedError(f"activation offload: activation {key} is read back before it was offloaded in this "
                                "step; please report this program (compile with Config(disable_passes="
                                "('offload_activations',)) to run without it)")
-        nbytes = self.sizes[key]
+        nbytes = self._layout[key][3]
         if self.host:
             with torch.cuda.stream(self._stream):
                 self._stream.wait_event(self._writes[key])
@@ -164,20 +178,37 @@ class ActivationOffload:
             self.prefetch(key)
         fut, buf = self._reads.pop(key)
         self.prefetch(then)
-        numel = 1
-        for s in shape:
-            numel *= s
-        nbytes = numel * dtype.itemsize
+        live_shape, live_stride, live_dtype, nbytes = self._layout[key]
+        if live_shape != tuple(shape) or live_dtype != dtype:
+            raise FxspeedError(f"activation offload: activation {key} left as {live_dtype} {list(live_shape)} but the "
+                               f"program reads it back as {dtype} {list(shape)}; please report this program (compile "
+                               "with Config(disable_passes=('offload_activations',)) to run without it)")
         if self.host:
             main = torch.cuda.current_stream(self.device)
             main.wait_event(fut)
             buf.record_stream(main)  # allocated on the side stream, read by the main one
             raw = buf
         else:
+            self._writes.pop(key, None)  # read back (or failed): either way this write is over
             fut.result()
             raw = buf
-            self._writes.pop(key, None)  # read back: the write is done
-        return raw[:nbytes].view(dtype).as_strided(tuple(shape), tuple(stride))
+        return raw[:nbytes].view(dtype).as_strided(live_shape, live_stride)
+
+    def _drop_stale(self, key: int) -> None:
+        """Before activation `key` leaves again: the last step's copy of it done, its read dropped.
+        A write nothing read back (a step that failed before its reload) may have failed too:
+        its data was never needed, so that error is logged, not raised into this step."""
+        self._reads.pop(key, None)
+        w = self._writes.pop(key, None)
+        if isinstance(w, Future):
+            if w in self._queued:
+                self._queued.remove(w)
+            try:
+                w.result()
+            except Exception as e:  # noqa: BLE001 - see the docstring
+                log.warning("fxspeed: an activation write of an earlier, failed step failed too: %s", e)
+        elif w is not None:
+            w.synchronize()
 
     def _finish_write(self, key: int) -> None:
         w = self._writes.pop(key, None)

@@ -80,8 +80,6 @@ from fxspeed.ir import is_dense
 from fxspeed.ir.schedule import (OFFLOAD, RELOAD, B, F, I, PARAMETER_KINDS, RECV_B, RECV_F, REDUCE, SEND_B, SEND_F,
                                  STEP, W, Action)
 
-MAX_SAVED = 4096  # saved outputs per stage program (activation keys are (stage, mb, index))
-
 
 @dataclass(frozen=True)
 class _Away:
@@ -140,6 +138,9 @@ class PipelineRuntime:
         self.programs = programs
         self.activations = activations
         self.M = n_microbatches
+        # the store's key of each (stage, micro-batch, saved output) OFFLOAD may move
+        moved = [(s, m, i) for s, p in sorted(programs.items()) for m in range(n_microbatches) for i in p.offload_saved]
+        self._keys = {smi: k for k, smi in enumerate(moved)}
         self.device = torch.device(device)  # where received messages and gradient buffers live
         self.recv_prefetch = recv_prefetch  # receives posted ahead per (kind, stage) stream, the awaited one included
         self.group = group
@@ -162,11 +163,11 @@ class PipelineRuntime:
 
     def activation_sizes(self) -> dict[int, int]:
         """Bytes of every activation OFFLOAD may move, by the key the store files it under."""
-        return {self._key(s, m, i): int(p.saved_meta()[i].numel() * p.saved_meta()[i].element_size())
+        return {self._keys[(s, m, i)]: int(p.saved_meta()[i].numel() * p.saved_meta()[i].element_size())
                 for s, p in self.programs.items() for i in p.offload_saved for m in range(self.M)}
 
     def _key(self, s: int, m: int, i: int) -> int:
-        return (s * self.M + m) * MAX_SAVED + i
+        return self._keys[(s, m, i)]
 
     def _offload(self, s: int, m: int, ts: list[Any]) -> None:
         for i in self.programs[s].offload_saved:

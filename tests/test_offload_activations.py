@@ -164,7 +164,8 @@ def test_the_pass_is_disabled_by_name_and_then_nothing_moves(tmp_path: Path) -> 
 
 class Random(nn.Module):
     """Blocks drawn by hypothesis; "tanh_t" saves a transposed (permuted, dense) activation,
-    "split" reads views of one activation through split/getitem in backward."""
+    "split" reads views of one activation through split/getitem in backward, "as_strided" views
+    one at an absolute storage offset."""
 
     def __init__(self, width: int, blocks: list[str]) -> None:
         super().__init__()
@@ -182,6 +183,10 @@ class Random(nn.Module):
                 h = torch.tanh(lin(h).t()).t()
             elif kind == "norm_residual":
                 h = h + lin(norm(h))
+            elif kind == "as_strided":  # a view at an absolute storage offset: must stay on the device
+                h = F.gelu(lin(h))
+                u = h.as_strided((h.shape[0], h.shape[1] // 2), (h.shape[1], 1), 1)
+                h = h * u.sin().sum(-1, keepdim=True)
             elif kind == "split":
                 a, b = lin(h).chunk(2, dim=-1)
                 h = torch.cat([a * torch.sigmoid(b), b * a], dim=-1)
@@ -232,7 +237,7 @@ def check_offloads(gm: fx.GraphModule) -> None:
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(blocks=st.lists(st.sampled_from(["gelu", "tanh_t", "norm_residual", "split", "softmax"]), min_size=1,
+@given(blocks=st.lists(st.sampled_from(["gelu", "tanh_t", "norm_residual", "split", "softmax", "as_strided"]), min_size=1,
                        max_size=4),
        width=st.sampled_from([8, 12]), rows=st.integers(1, 9), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_offloading_every_saved_activation_of_random_models_computes_the_same_outputs_and_gradients(
@@ -278,3 +283,79 @@ def test_zero2_tensor_parallel_and_pipeline_ranks_offload_their_activations_and_
     from tests.multiprocess import check_swap_worker
 
     check_swap_worker("tests.workers.offload_activations_worker", tmp_path)
+
+
+def test_an_activation_viewed_at_an_absolute_storage_offset_stays_and_the_rest_moves() -> None:
+    model = Random(8, ["as_strided", "gelu"])
+    batch = (torch.randn(6, 8), torch.randint(0, 5, (6,)))
+    cap = _program(model, batch, store="x")
+    moved = {n.args[0] for n in cap.gm.graph.nodes if n.target is offload_activation_op}
+    strided = [n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.as_strided.default]
+    assert strided and moved and not {n.args[0] for n in strided} & moved
+
+
+def test_a_value_being_offloaded_is_never_given_to_a_reused_workspace() -> None:
+    """reuse_buffers reuses memory after a value's last use; an offload reads it asynchronously."""
+    from fxspeed.passes.memory.reuse_buffers import last_use
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.cat.default, ([x, x],))
+    g.call_function(offload_activation_op, (y, "s", 0))
+    z = g.call_function(torch.ops.aten.relu.default, (y,))
+    g.output((z,))
+    order = {n: i for i, n in enumerate(g.nodes)}
+    assert last_use(y, order) is None
+    assert last_use(x, order) is not None
+
+
+def test_a_failed_write_fails_its_own_step_and_not_the_next(tmp_path: Path) -> None:
+    store = ActivationOffload(torch.device("cpu"), str(tmp_path), name="t")
+    store.reserve({0: 4096})
+    x = torch.arange(16.0)
+    real = store.swap.write_copy
+
+    def broken(*args):  # a disk error on this write only
+        fut = real(*args)
+        fut.result()
+        from concurrent.futures import Future
+        bad: Future = Future()
+        bad.set_exception(OSError(28, "No space left on device"))
+        return bad
+
+    store.swap.write_copy = broken
+    store.offload(0, x)
+    with pytest.raises(OSError):
+        store.reload(0, -1, [16], [1], torch.float32)
+    store.swap.write_copy = real
+    store.offload(0, x)  # the next step: the old failure does not resurface
+    assert torch.equal(store.reload(0, -1, [16], [1], torch.float32), x)
+    # a write that failed and was never read (its step died earlier) is logged, not raised
+    store.swap.write_copy = broken
+    store.offload(0, x)
+    store.swap.write_copy = real
+    store.offload(0, x + 1)
+    assert torch.equal(store.reload(0, -1, [16], [1], torch.float32), x + 1)
+    store.close()
+
+
+def test_a_pipeline_moves_only_saved_activations_that_own_their_memory() -> None:
+    """Not a view of a parameter (t(weight) saved for backward), not one of two outputs sharing
+    one storage: moving those would free nothing and bring back a copy."""
+    from fxspeed.compiler.pipelines import compile_program
+    from fxspeed.passes.memory.offload_activations import storage_root
+
+    model, batch = _gpt(), _batch(16)
+    cfg = fxspeed.Config(pipeline=2, microbatches=2)
+    opts = PassOptions.single_device(cfg, activation_store="p", activation_offload_min_bytes=0)
+    cp = compile_program(model, tuple(b[:8] for b in batch), {}, config=cfg, replicas=1, options=opts)
+    assert any(p.offload_saved for p in cp.stages)
+    for p in cp.stages:
+        out = next(n for n in reversed(p.forward.graph.nodes) if n.op == "output")
+        outs = [v for v in out.args[0] if isinstance(v, fx.Node)]
+        saved = list(out.args[0])[len(p.send_f):len(p.send_f) + p.n_saved]
+        for i in p.offload_saved:
+            root = storage_root(saved[i])
+            assert root.op == "call_function", f"stage {p.stage} moves a view of input {root.name}"
+            assert sum(storage_root(v) is root for v in outs) == 1
+    assert "OFFLOAD(" in cp.schedule.format() or cp.schedule.n_microbatches < 3

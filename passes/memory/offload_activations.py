@@ -54,12 +54,12 @@ def offload_activations(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if not store:
         return PassResult(gm, modified=False)
     g = gm.graph
-    _sink_backward_views(g)
+    moved = _sink_backward_views(g)
     nodes = list(g.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     chosen = [c for c in _candidates(nodes) if _worth_moving(c, nodes, order, ctx)]
     if not chosen:
-        return PassResult(gm, modified=False)
+        return PassResult(gm, modified=moved)
     reloads: list[tuple[fx.Node, int]] = []
     sizes: dict[int, int] = {}
     offloads: dict[int, fx.Node] = {}
@@ -124,9 +124,11 @@ def _source(n: fx.Node) -> fx.Node:
     return src.args[0] if n.target is operator.getitem else src
 
 
-def _sink_backward_views(g: fx.Graph) -> None:
+def _sink_backward_views(g: fx.Graph) -> bool:
     """Move views that only backward reads (made where forward ran, or early in backward) down
-    to just before their first reader, so a reload before that reader comes late, not early."""
+    to just before their first reader, so a reload before that reader comes late, not early.
+    Returns whether any moved."""
+    moved = False
     order: dict[fx.Node, int] = {}
     for n in reversed(list(g.nodes)):
         if _is_view(n) and _role(n) == BACKWARD and n.users and n.target is not operator.getitem:
@@ -136,6 +138,20 @@ def _sink_backward_views(g: fx.Graph) -> None:
             if first.op != "output" and n.next is not first:
                 first.prepend(n)
                 order = {}
+                moved = True
+    return moved
+
+
+def storage_root(n: fx.Node) -> fx.Node:
+    """The node whose output owns `n`'s storage: `n` followed back through views."""
+    while _is_view(n):
+        n = _source(n)
+    return n
+
+
+def read_at_absolute_offset(n: fx.Node) -> bool:
+    """Some reader of `n` (or of a view of it) addresses storage by absolute offset (as_strided)."""
+    return any(_absolute_view(u) for u in n.users)
 
 
 def _candidates(nodes: list[fx.Node]) -> list[_Candidate]:
@@ -155,8 +171,10 @@ def _candidates(nodes: list[fx.Node]) -> list[_Candidate]:
         c.aliases.append(n)
         for u in n.users:
             mutable = isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable
-            if u.op == "output" or mutable:
-                refused.add(r)  # returned or written in place: keep it where it is
+            if u.op == "output" or mutable or _absolute_view(u):
+                # returned, written in place, or viewed at an absolute storage offset (a reloaded
+                # tensor starts elsewhere in its storage): keep it where it is
+                refused.add(r)
             elif _role(u) in (BACKWARD, STEP):  # backward's own views of n included: they read n
                 c.readers.append((u, n))
     out = []
@@ -169,6 +187,26 @@ def _candidates(nodes: list[fx.Node]) -> list[_Candidate]:
             continue
         out.append(c)
     return out
+
+
+# Views that address their base's storage by absolute offset, not relative to the tensor.
+_ABSOLUTE_VIEWS = {torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default,
+                   torch.ops.aten.as_strided_scatter.default, torch.ops.aten.as_strided_copy.default}
+
+
+def _absolute_view(u: fx.Node) -> bool:
+    """`u` or a view of it (backward's own views included) addresses storage by absolute offset."""
+    stack, seen = [u], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.target in _ABSOLUTE_VIEWS:
+            return True
+        if _is_view(n):
+            stack.extend(m for m in n.users if m.op == "call_function")
+    return False
 
 
 def _worth_moving(c: _Candidate, nodes: list[fx.Node], order: dict[fx.Node, int], ctx: PassContext) -> bool:

@@ -37,6 +37,7 @@ import torch.fx as fx
 from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
 from fxspeed.compiler.rewrite import call
 from fxspeed.runtime.kernels.collectives import EXCHANGE_OPS, exchange_gather, exchange_gather_out
+from fxspeed.runtime.offloaded_activations import offload_activation_op
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -115,7 +116,8 @@ def last_use(n: fx.Node, order: dict[fx.Node, int]) -> int | None:
             if u.op == "output":
                 return None
             end = max(end, order[u])
-            if u.op != "call_function":
+            if u.op != "call_function" or u.target is offload_activation_op:
+                # (an offload copies the value out asynchronously, until a time the graph does not say)
                 return None
             if is_collective(u):
                 # Runs asynchronously: the memory is in use until the collective is waited for.

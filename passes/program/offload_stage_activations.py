@@ -9,8 +9,8 @@ backward of (s,m), so the copy back runs while that action computes:
 
 Only where it pays: a (stage, micro-batch) whose forward and backward have at least two other
 compute actions between them on the rank (with one, the activations would come back as soon as
-they left); and of its saved values only the dense ones of at least
-activation_offload_min_bytes (`StageProgram.offload_saved`). The last stage under 1F1B runs
+they left); and of its saved values only dense ones of at least activation_offload_min_bytes
+that own their memory alone (`StageProgram.offload_saved`; see `movable`). The last stage under 1F1B runs
 each backward right after its forward: nothing moves there. The runtime (runtime/runner.py)
 moves them through the engine's activation store (runtime/offloaded_activations.py).
 Options read: activation_store (empty: the pass does nothing), activation_offload_min_bytes.
@@ -20,12 +20,15 @@ why: docs/decisions/activation-offload.md
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import torch
+import torch.fx as fx
 
 from fxspeed.compiler.pass_manager import DistributedProgram, PassContext, ProgramResult, program_pass
 from fxspeed.ir import StageProgram, is_dense, tensor_bytes
 from fxspeed.ir.schedule import COMPUTE_KINDS, OFFLOAD, RELOAD, Action, B, F, I, Schedule
+from fxspeed.passes.memory.offload_activations import read_at_absolute_offset, storage_root
 
 # the compute actions a (stage, micro-batch) needs between its forward and backward to move
 MIN_ACTIONS_BETWEEN = 2
@@ -46,9 +49,31 @@ def offload_stage_activations(program: DistributedProgram, ctx: PassContext) -> 
 
 
 def movable(p: StageProgram, min_bytes: int) -> list[int]:
-    """Indices of the stage's saved outputs worth moving: dense tensors of at least `min_bytes`."""
-    return [i for i, v in enumerate(p.saved_meta())
-            if isinstance(v, torch.Tensor) and v.numel() and is_dense(v) and tensor_bytes(v) >= min_bytes]
+    """Indices of the stage's saved outputs worth moving: dense tensors of at least `min_bytes`
+    that own their memory alone (not a view of a parameter or input, nor sharing storage with
+    another output of F: moving one copy would free nothing) and that no backward program views
+    at an absolute storage offset (a reloaded tensor starts elsewhere in its storage)."""
+    out = next(n for n in reversed(p.forward.graph.nodes) if n.op == "output")
+    outs = list(out.args[0])
+    roots = [storage_root(v) if isinstance(v, fx.Node) else None for v in outs]
+    shared = Counter(r for r in roots if r is not None)
+    k = len(p.send_f)
+    chosen = []
+    for i, val in enumerate(p.saved_meta()):
+        root = roots[k + i]
+        if not (isinstance(val, torch.Tensor) and val.numel() and is_dense(val) and tensor_bytes(val) >= min_bytes):
+            continue
+        whole = root is not None and root.op == "call_function" and shared[root] == 1 and \
+            isinstance(root.meta.get("val"), torch.Tensor) and root.meta["val"].numel() == val.numel()
+        if whole and not any(_viewed_absolutely(gm, len(p.state) + p.n_batch + i)
+                             for gm in (p.backward, p.backward_input, p.backward_weight) if gm is not None):
+            chosen.append(i)
+    return chosen
+
+
+def _viewed_absolutely(gm: fx.GraphModule, position: int) -> bool:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return position < len(placeholders) and read_at_absolute_offset(placeholders[position])
 
 
 def bracket_activations(sch: Schedule, stages: set[int]) -> Schedule:
