@@ -2,6 +2,8 @@
 
     python benchmarks/bench_pipeline_schedules.py --out pp_sched.json            # GPT 8 x 256, batch 16 x 128
     python benchmarks/bench_pipeline_schedules.py --tiny --out /tmp/pps.json     # seconds: smoke test
+    python benchmarks/bench_pipeline_schedules.py --schedules gpipe,1f1b --offload-activations /tmp \
+        --out pp_off.json   # the same with saved activations moved by OFFLOAD/RELOAD actions
 
 For each schedule (gpipe, 1f1b, interleaved with 2 chunks per rank, zb = ZB-H1 with the
 backward split into input- and weight-gradient programs) one torch.distributed.run launch
@@ -59,6 +61,8 @@ def launch(schedule: str, a: argparse.Namespace, out: Path) -> list[dict]:
            "--schedule", schedule, "--microbatches", str(a.microbatches), "--layers", str(a.layers),
            "--width", str(a.width), "--heads", str(a.heads), "--batch", str(a.batch), "--seq", str(a.seq),
            "--steps", str(a.steps), "--warmup", str(a.warmup), "--out", str(out)]
+    if a.offload_activations:
+        cmd += ["--offload-activations", a.offload_activations]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=a.timeout)
@@ -91,6 +95,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1200.0)
+    ap.add_argument("--offload-activations", default=None, metavar="DIR",
+                    help="run every schedule with Config(offload='activations', nvme_path=DIR)")
     a = ap.parse_args()
     a.microbatches = a.microbatches or 4 * a.nproc
     for k, full, tiny in (("layers", 8, 4), ("width", 256, 32), ("batch", 16, 8), ("seq", 128, 16), ("steps", 5, 2)):

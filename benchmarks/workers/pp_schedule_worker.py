@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--offload-activations", default=None, metavar="DIR",
+                    help="Config(offload='activations', nvme_path=DIR): OFFLOAD/RELOAD actions move saved activations")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -53,8 +55,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 256, (a.batch, a.seq), generator=g), torch.randint(0, 256, (a.batch, a.seq), generator=g))
                for _ in range(a.warmup + a.steps)]
+    extra = dict(offload="activations", nvme_path=a.offload_activations) if a.offload_activations else {}
     cfg = fxspeed.Config(pipeline=world, microbatches=a.microbatches, schedule=a.schedule, optimizer="adamw", lr=1e-4,
-                         pipeline_chunks=a.chunks)
+                         pipeline_chunks=a.chunks, **extra)
     engine = fxspeed.compile(model, world, cfg, example_inputs=batches[0])
     p2p = engine.measure_p2p_latency()
     rank = dist.get_rank()
