@@ -28,7 +28,6 @@ why: docs/decisions/activation-offload.md
 from __future__ import annotations
 
 import logging
-import weakref
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Sequence
@@ -36,9 +35,10 @@ from typing import Any, Sequence
 import torch
 
 from fxspeed.errors import FxspeedError
+from fxspeed.runtime.named_stores import NamedStores
 from fxspeed.runtime.offload_io import SwapFile, aligned_tensor, round_up
 
-_STORES: "weakref.WeakValueDictionary[str, ActivationOffload]" = weakref.WeakValueDictionary()
+_STORES: "NamedStores[ActivationOffload]" = NamedStores("offloads activations to store")
 log = logging.getLogger("fxspeed")
 WRITES_IN_FLIGHT = 8  # file tier: activations queued for the disk at once, at most
 
@@ -220,15 +220,7 @@ class ActivationOffload:
 
 def register(name: str, store: ActivationOffload) -> None:
     """Make `store` the one programs compiled with PassOptions.activation_store=`name` use."""
-    _STORES[name] = store
-
-
-def _store(name: str) -> ActivationOffload:
-    store = _STORES.get(name)
-    if store is None:
-        raise FxspeedError(f"a program offloads activations to store {name!r}, which this process has not "
-                           "registered (it belongs to an engine that was dropped, or to another process)")
-    return store
+    _STORES.register(name, store)
 
 
 # The three ops are side effects the graph must keep in place (fx's dead-code elimination and
@@ -236,7 +228,7 @@ def _store(name: str) -> ActivationOffload:
 @torch.library.custom_op("fxspeed::offload_activation", mutates_args=())
 def offload_activation(x: torch.Tensor, store: str, key: int) -> None:
     """Start moving `x` (a dense activation saved for backward) out of the device's memory."""
-    _store(store).offload(key, x)
+    _STORES.get(store).offload(key, x)
 
 
 @offload_activation.register_fake
@@ -247,7 +239,7 @@ def _offload_activation_fake(x: torch.Tensor, store: str, key: int) -> None:
 @torch.library.custom_op("fxspeed::prefetch_activation", mutates_args=())
 def prefetch_activation(store: str, key: int) -> None:
     """Start bringing activation `key` back ahead of its reload."""
-    _store(store).prefetch(key)
+    _STORES.get(store).prefetch(key)
 
 
 @prefetch_activation.register_fake
@@ -260,7 +252,7 @@ def reload_activation(store: str, key: int, then: int, shape: list[int], stride:
                       device: torch.device) -> torch.Tensor:
     """Activation `key` back (waits for its copy), and activation `then`'s copy back started (-1:
     none). `shape`, `stride`, `dtype`, `device`: the activation's, for tracing."""
-    return _store(store).reload(key, then, shape, stride, dtype)
+    return _STORES.get(store).reload(key, then, shape, stride, dtype)
 
 
 @reload_activation.register_fake

@@ -22,16 +22,16 @@ fetches. why: docs/decisions/parameter-offload.md
 
 from __future__ import annotations
 
-import weakref
 from concurrent.futures import Future
 from typing import Sequence
 
 import torch
 
 from fxspeed.errors import FxspeedError
+from fxspeed.runtime.named_stores import NamedStores
 from fxspeed.runtime.offload_io import AlignedBuffer, SwapFile, round_up
 
-_STORES: "weakref.WeakValueDictionary[str, ParameterFiles]" = weakref.WeakValueDictionary()
+_STORES: "NamedStores[ParameterFiles]" = NamedStores("reads offloaded parameters from store")
 WRITES_IN_FLIGHT = 2
 
 
@@ -150,22 +150,14 @@ class ParameterFiles:
 
 def register(name: str, files: ParameterFiles) -> None:
     """Make `files` the store the programs compiled with PassOptions.parameter_store=`name` read."""
-    _STORES[name] = files
-
-
-def _store(name: str) -> ParameterFiles:
-    files = _STORES.get(name)
-    if files is None:
-        raise FxspeedError(f"a program reads offloaded parameters from store {name!r}, which this process has not "
-                           "registered (it belongs to an engine that was dropped, or to another process)")
-    return files
+    _STORES.register(name, files)
 
 
 @torch.library.custom_op("fxspeed::fetch_shard", mutates_args=())
 def fetch_shard(store: str, bucket: int, then: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Bucket `bucket`'s working shard from the parameter files `store` (waits for its read), and
     the read of bucket `then` started (-1: none). `numel`, `dtype`: the shard's, for tracing."""
-    return _store(store).fetch(bucket, then)
+    return _STORES.get(store).fetch(bucket, then)
 
 
 @fetch_shard.register_fake

@@ -20,15 +20,15 @@ why: docs/decisions/step-in-backward.md
 
 from __future__ import annotations
 
-import weakref
 from typing import Protocol
 
 import torch
 
 from fxspeed.errors import FxspeedError
+from fxspeed.runtime.named_stores import NamedStores
 from fxspeed.runtime.offloaded_optimizer import OffloadedAdam
 
-_STEPPERS: "weakref.WeakValueDictionary[str, InBackwardSteps]" = weakref.WeakValueDictionary()
+_STEPPERS: "NamedStores[InBackwardSteps]" = NamedStores("steps its optimizer through")
 
 
 def in_layout_of(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -115,7 +115,7 @@ class InBackwardSteps:
 
 def register(name: str, steps: InBackwardSteps) -> None:
     """Make `steps` what programs compiled with PassOptions.optimizer_store=`name` call."""
-    _STEPPERS[name] = steps
+    _STEPPERS.register(name, steps)
 
 
 # Defined by schema: custom_op cannot infer a list of strings (the parameter names).
@@ -127,15 +127,7 @@ torch.library.define("fxspeed::step_parameters",
 def step_parameters(store: str, names: list[str], params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     """Step `params` (the parameters called `names`) with `grads`, by the optimizer registered
     under `store`. `params` are in the call so the graph says what it mutates."""
-    _registered(store).step(list(names), list(grads))
-
-
-def _registered(store: str) -> InBackwardSteps:
-    steps = _STEPPERS.get(store)
-    if steps is None:
-        raise FxspeedError(f"a program steps its optimizer through {store!r}, which this process has not registered "
-                           "(it belongs to an engine that was dropped, or to another process)")
-    return steps
+    _STEPPERS.get(store).step(list(names), list(grads))
 
 
 @torch.library.register_fake("fxspeed::step_parameters")
@@ -153,7 +145,7 @@ def step_buckets(store: str, buckets: list[int], params: list[torch.Tensor], gra
     """Step gradient buckets `buckets` (reduced values `grads`) by the optimizer registered under
     `store`. `params` are the program inputs the update writes (the buckets' parameters, or their
     shards), in the call so the graph says what it mutates."""
-    _registered(store).step_buckets(list(buckets), list(grads))
+    _STEPPERS.get(store).step_buckets(list(buckets), list(grads))
 
 
 @torch.library.register_fake("fxspeed::step_buckets")
