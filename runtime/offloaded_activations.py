@@ -189,7 +189,7 @@ class ActivationOffload:
             buf.record_stream(main)  # allocated on the side stream, read by the main one
             raw = buf
         else:
-            self._writes.pop(key, None)  # read back (or failed): either way this write is over
+            self._forget_write(key)  # read back (or failed): either way this write is over
             fut.result()
             raw = buf
         return raw[:nbytes].view(dtype).as_strided(live_shape, live_stride)
@@ -199,16 +199,21 @@ class ActivationOffload:
         A write nothing read back (a step that failed before its reload) may have failed too:
         its data was never needed, so that error is logged, not raised into this step."""
         self._reads.pop(key, None)
-        w = self._writes.pop(key, None)
+        w = self._forget_write(key)
         if isinstance(w, Future):
-            if w in self._queued:
-                self._queued.remove(w)
             try:
                 w.result()
             except Exception as e:  # noqa: BLE001 - see the docstring
                 log.warning("fxspeed: an activation write of an earlier, failed step failed too: %s", e)
         elif w is not None:
             w.synchronize()
+
+    def _forget_write(self, key: int) -> Any:
+        """Activation `key`'s write, no longer tracked (nor counted in flight)."""
+        w = self._writes.pop(key, None)
+        if isinstance(w, Future) and w in self._queued:
+            self._queued.remove(w)
+        return w
 
     def _finish_write(self, key: int) -> None:
         w = self._writes.pop(key, None)
