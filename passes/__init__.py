@@ -32,12 +32,14 @@ at the same point:
     offload_activations      saved activations leave the device after forward makes them and come
                              back ahead of backward's first reader
 
-Three graph passes join the single-device list only when they have work (so the pass records of
+Four graph passes join the single-device list only when they have work (so the pass records of
 other programs are unchanged), and are disabled by name like the rest:
 
     recompute_checkpointed   torch.utils.checkpoint regions (tagged at capture) recomputed in backward
     chunk_cross_entropy      vocabulary projection + cross-entropy (+ backward) as one op over row
                              chunks, where the fp32 logits would take >= 64 MiB
+    select_attention_kernel  bf16/fp16 CUDA programs: memory-efficient attention (what fp32 capture
+                             recorded) -> FlashAttention, forward and backward
     fuse_kernels             norms and their backward -> Triton kernels, on CUDA programs
 
 The distributed passes read ctx.options (PassOptions: world_size, zero, group_name, ...) and do

@@ -312,3 +312,31 @@ def test_activation_offload_to_pinned_host_memory_trains_like_keeping_them(tmp_p
         assert_close_rel(a, b, f"loss at step {i}", rtol)
     for (name, p), q in zip(plain.model.named_parameters(), off.model.parameters()):
         assert_close_rel(q, p, name, rtol * 10)
+
+
+# --------------------------------------------------------------------------------------------
+# FlashAttention for low-precision attention (passes/graph/select_attention_kernel.py)
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(_DRY_RUN, reason="the pass applies to CUDA programs only")
+@pytest.mark.parametrize("kind", ["gpt", "hf_gpt2"])
+def test_bf16_attention_runs_flash_and_trains_like_the_memory_efficient_kernel(kind: str) -> None:
+    """fp32 capture records the memory-efficient kernel; under bf16 the program runs flash (as
+    autocast's dispatch picks), and trains as with the pass disabled by name (attention kernels
+    order their sums differently: bf16 tolerance)."""
+    if kind == "hf_gpt2":  # no padding: flash takes no mask
+        model, batch = build(kind)
+        batch = {k: v for k, v in batch.items() if k != "attention_mask"}
+        batch["labels"] = batch["input_ids"]
+    else:
+        model, batch = build(kind)
+    twin = copy.deepcopy(model)
+    cfg = dict(lr=1e-3, precision="bf16")
+    on, got = fxspeed_steps(model, batch, fxspeed.Config(**cfg))
+    off, want = fxspeed_steps(twin, batch, fxspeed.Config(**cfg, disable_passes=("select_attention_kernel",)))
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+    graphs = [ex.program.gm.graph for ex in on._executors.values()]
+    assert any(n.target is flash for g in graphs for n in g.nodes), "no flash attention in the bf16 program"
+    assert any(r["name"] == "select_attention_kernel" and r["modified"] for r in on.plan.passes)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_close_rel(a, b, f"loss at step {i}", 2e-2)
