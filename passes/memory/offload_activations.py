@@ -57,7 +57,10 @@ def offload_activations(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     moved = _sink_backward_views(g)
     nodes = list(g.nodes)
     order = {n: i for i, n in enumerate(nodes)}
-    chosen = [c for c in _candidates(nodes) if _worth_moving(c, nodes, order, ctx)]
+    flops_before = [0]  # FLOPs of the nodes before position i, for the compute between two readers
+    for n in nodes:
+        flops_before.append(flops_before[-1] + _flops(n))
+    chosen = [c for c in _candidates(nodes) if _worth_moving(c, flops_before, order, ctx)]
     if not chosen:
         return PassResult(gm, modified=moved)
     reloads: list[tuple[fx.Node, int]] = []
@@ -209,14 +212,14 @@ def _absolute_view(u: fx.Node) -> bool:
     return False
 
 
-def _worth_moving(c: _Candidate, nodes: list[fx.Node], order: dict[fx.Node, int], ctx: PassContext) -> bool:
+def _worth_moving(c: _Candidate, flops_before: list[int], order: dict[fx.Node, int], ctx: PassContext) -> bool:
     size = tensor_bytes(c.root.meta["val"])
     if size < ctx.options.activation_offload_min_bytes:
         return False
     forward_reads = [order[u] for a in c.aliases for u in a.users if _role(u) == FORWARD]
     last_forward = max([order[c.root], *forward_reads])
     first_backward = min(order[r] for r, _ in c.readers)
-    between = sum(_flops(n) for n in nodes[last_forward + 1:first_backward])
+    between = flops_before[first_backward] - flops_before[last_forward + 1]
     return between >= 2 * size * ctx.options.activation_offload_flops_per_byte  # out and back
 
 
