@@ -95,8 +95,7 @@ class ActivationOffload:
     def synchronize(self) -> None:
         """Every copy out finished and every read dropped (between steps; a failed I/O raises here)."""
         for k in list(self._writes):
-            self._finish_write(k)
-        self._queued.clear()
+            _wait(self._forget_write(k))
         for k in list(self._reads):
             fut, _ = self._reads.pop(k)
             if isinstance(fut, Future):
@@ -168,10 +167,10 @@ class ActivationOffload:
         assert self.swap is not None
         self._reads[key] = (self.swap.read_after(write, self.offsets[key], buf, nbytes), buf)
 
-    def reload(self, key: int, then: int, shape: Sequence[int], stride: Sequence[int],
-               dtype: torch.dtype) -> torch.Tensor:
-        """Activation `key` back (a new tensor with the original shape, strides and dtype), and
-        activation `then`'s copy back started."""
+    def reload(self, key: int, then: int = -1, shape: Sequence[int] | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Activation `key` back (a new tensor with the shape, strides and dtype it left with), and
+        activation `then`'s copy back started. `shape`, `dtype`: what the reader expects (checked)."""
         self.stats["reloads"] += 1
         if key not in self._reads:
             self.stats["waited_reads"] += 1  # nothing prefetched it: the copy is on the critical path
@@ -179,7 +178,7 @@ class ActivationOffload:
         fut, buf = self._reads.pop(key)
         self.prefetch(then)
         live_shape, live_stride, live_dtype, nbytes = self._layout[key]
-        if live_shape != tuple(shape) or live_dtype != dtype:
+        if shape is not None and live_shape != tuple(shape) or dtype is not None and live_dtype != dtype:
             raise FxspeedError(f"activation offload: activation {key} left as {live_dtype} {list(live_shape)} but the "
                                f"program reads it back as {dtype} {list(shape)}; please report this program (compile "
                                "with Config(disable_passes=('offload_activations',)) to run without it)")
@@ -187,26 +186,20 @@ class ActivationOffload:
             main = torch.cuda.current_stream(self.device)
             main.wait_event(fut)
             buf.record_stream(main)  # allocated on the side stream, read by the main one
-            raw = buf
         else:
             self._forget_write(key)  # read back (or failed): either way this write is over
             fut.result()
-            raw = buf
-        return raw[:nbytes].view(dtype).as_strided(live_shape, live_stride)
+        return buf[:nbytes].view(live_dtype).as_strided(live_shape, live_stride)
 
     def _drop_stale(self, key: int) -> None:
         """Before activation `key` leaves again: the last step's copy of it done, its read dropped.
         A write nothing read back (a step that failed before its reload) may have failed too:
         its data was never needed, so that error is logged, not raised into this step."""
         self._reads.pop(key, None)
-        w = self._forget_write(key)
-        if isinstance(w, Future):
-            try:
-                w.result()
-            except Exception as e:  # noqa: BLE001 - see the docstring
-                log.warning("fxspeed: an activation write of an earlier, failed step failed too: %s", e)
-        elif w is not None:
-            w.synchronize()
+        try:
+            _wait(self._forget_write(key))
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.warning("fxspeed: an activation write of an earlier, failed step failed too: %s", e)
 
     def _forget_write(self, key: int) -> Any:
         """Activation `key`'s write, no longer tracked (nor counted in flight)."""
@@ -215,12 +208,14 @@ class ActivationOffload:
             self._queued.remove(w)
         return w
 
-    def _finish_write(self, key: int) -> None:
-        w = self._writes.pop(key, None)
-        if isinstance(w, Future):
-            w.result()
-        elif w is not None:
-            w.synchronize()
+
+
+def _wait(w: Any) -> None:
+    """A write's end: a file write's future (raises its error) or a CUDA copy's event."""
+    if isinstance(w, Future):
+        w.result()
+    elif w is not None:
+        w.synchronize()
 
 
 def register(name: str, store: ActivationOffload) -> None:
@@ -257,7 +252,7 @@ def reload_activation(store: str, key: int, then: int, shape: list[int], stride:
                       device: torch.device) -> torch.Tensor:
     """Activation `key` back (waits for its copy), and activation `then`'s copy back started (-1:
     none). `shape`, `stride`, `dtype`, `device`: the activation's, for tracing."""
-    return _STORES.get(store).reload(key, then, shape, stride, dtype)
+    return _STORES.get(store).reload(key, then, shape, dtype)  # strides: the live tensor's, as it left
 
 
 @reload_activation.register_fake

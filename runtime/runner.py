@@ -76,18 +76,16 @@ except ImportError:  # pragma: no cover - older/newer torch: programs keep holdi
 from fxspeed.ir import IOSpec
 from fxspeed.ir.program import StageProgram
 
-from fxspeed.ir import is_dense
+from fxspeed.ir import is_dense, tensor_bytes
 from fxspeed.ir.schedule import (OFFLOAD, RELOAD, B, F, I, PARAMETER_KINDS, RECV_B, RECV_F, REDUCE, SEND_B, SEND_F,
                                  STEP, W, Action)
 
 
 @dataclass(frozen=True)
 class _Away:
-    """A saved activation the store holds between OFFLOAD and the backward that reads it."""
+    """A saved activation the store holds between OFFLOAD and the backward that reads it (the
+    store keeps the layout it left with)."""
     key: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -163,23 +161,24 @@ class PipelineRuntime:
 
     def activation_sizes(self) -> dict[int, int]:
         """Bytes of every activation OFFLOAD may move, by the key the store files it under."""
-        return {self._keys[(s, m, i)]: int(p.saved_meta()[i].numel() * p.saved_meta()[i].element_size())
-                for s, p in self.programs.items() for i in p.offload_saved for m in range(self.M)}
-
-    def _key(self, s: int, m: int, i: int) -> int:
-        return self._keys[(s, m, i)]
+        sizes = {}
+        for s, p in self.programs.items():
+            metas = p.saved_meta()
+            for i in p.offload_saved:
+                for m in range(self.M):
+                    sizes[self._keys[(s, m, i)]] = tensor_bytes(metas[i])
+        return sizes
 
     def _offload(self, s: int, m: int, ts: list[Any]) -> None:
         for i in self.programs[s].offload_saved:
             t = ts[i]
             if isinstance(t, torch.Tensor) and t.numel() and is_dense(t):  # else it stays (the plan said dense)
-                key = self._key(s, m, i)
+                key = self._keys[(s, m, i)]
                 self.activations.offload(key, t)
-                ts[i] = _Away(key, tuple(t.shape), tuple(t.stride()), t.dtype)
+                ts[i] = _Away(key)
 
     def _reloaded(self, ts: list[Any]) -> list[Any]:
-        return [self.activations.reload(t.key, -1, t.shape, t.stride, t.dtype) if isinstance(t, _Away) else t
-                for t in ts]
+        return [self.activations.reload(t.key) if isinstance(t, _Away) else t for t in ts]
 
     def release_gradient_buffers(self) -> None:
         """Drop the stages' accumulation buffers (allocated again at the next step's first backward)."""

@@ -326,16 +326,16 @@ def test_a_failed_write_fails_its_own_step_and_not_the_next(tmp_path: Path) -> N
     store.swap.write_copy = broken
     store.offload(0, x)
     with pytest.raises(OSError):
-        store.reload(0, -1, [16], [1], torch.float32)
+        store.reload(0, -1, [16], torch.float32)
     store.swap.write_copy = real
     store.offload(0, x)  # the next step: the old failure does not resurface
-    assert torch.equal(store.reload(0, -1, [16], [1], torch.float32), x)
+    assert torch.equal(store.reload(0, -1, [16], torch.float32), x)
     # a write that failed and was never read (its step died earlier) is logged, not raised
     store.swap.write_copy = broken
     store.offload(0, x)
     store.swap.write_copy = real
     store.offload(0, x + 1)
-    assert torch.equal(store.reload(0, -1, [16], [1], torch.float32), x + 1)
+    assert torch.equal(store.reload(0, -1, [16], torch.float32), x + 1)
     store.close()
 
 

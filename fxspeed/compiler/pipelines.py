@@ -94,12 +94,19 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
               *([chunk_cross_entropy] if chunking_wanted(cap.gm, opts) else []),
               *([select_attention_kernel] if opts.precision != "fp32" and on_cuda(cap.gm) else []),
               *([fuse_kernels] if fusion_wanted(cap.gm, opts) else [])]
-    local = PassManager(single, analyses=[annotate], disabled=config.disable_passes, known=known)
-    gm = local.ensure("annotate", local.run(cap.gm, ctx), ctx)
+    records: list[PassRecord] = []
+
+    def run(gm: fx.GraphModule, passes: Sequence[Any], more: Sequence[Any] = ()) -> fx.GraphModule:
+        """`passes` under one pass manager, annotated after, their records kept in order."""
+        pm = PassManager(passes, analyses=[annotate, *more], disabled=config.disable_passes, known=known)
+        gm = pm.ensure("annotate", pm.run(gm, ctx), ctx)
+        records.extend(pm.records)
+        return gm
+
+    gm = run(cap.gm, single)
     if not any(a.name == "tp_placements" for a in analyses):
         analyses = [*analyses, _no_placements()]
     distributed = [*DISTRIBUTED_PASSES, *extra_passes]
-    records = list(local.records)
     if train and opts.tp_size > 1:
         # Tensor parallelism: the planner reads this tp rank's program (its slices of the weights,
         # its share of the activations), before data parallelism rewrites it; and step_in_backward
@@ -107,35 +114,27 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
         # without a plan, too).
         from fxspeed.passes import shard_tensors
 
-        tp = PassManager([shard_tensors], analyses=[annotate, *analyses], disabled=config.disable_passes, known=known)
-        gm = tp.ensure("annotate", tp.run(gm, ctx), ctx)
-        records += tp.records
+        gm = run(gm, [shard_tensors], analyses)
         distributed = [p for p in distributed if p is not shard_tensors]
     if train and opts.optimizer_store:
         # The optimizer steps inside backward (one replica only, so after tp's collectives and
         # before the planner reads the program: gradients then die where they are stepped).
         from fxspeed.passes import step_in_backward
 
-        steps = PassManager([step_in_backward], analyses=[annotate], disabled=config.disable_passes, known=known)
-        gm = steps.ensure("annotate", steps.run(gm, ctx), ctx)
-        records += steps.records
+        gm = run(gm, [step_in_backward])
     if train and opts.activation_store:
         # Saved activations leave the device until backward (after tp: their shapes are this
         # rank's; before the planner reads the program, which then counts them gone).
         from fxspeed.passes import offload_activations
 
-        moves = PassManager([offload_activations], analyses=[annotate], disabled=config.disable_passes, known=known)
-        gm = moves.ensure("annotate", moves.run(gm, ctx), ctx)
-        records += moves.records
+        gm = run(gm, [offload_activations])
     costs = None
     if train and analyze is not None:
         planned, planned_sig = gm, cap.signature
         if _plans_bucket_steps(opts, config):
             planned, planned_sig = _stepped_by_parameter(gm, ctx, known, config)
         costs = analyze(planned, planned_sig)
-    dist = PassManager(distributed, analyses=[annotate, *analyses], disabled=config.disable_passes, known=known)
-    gm = dist.ensure("annotate", dist.run(gm, ctx), ctx)
-    records += dist.records
+    gm = run(gm, distributed, analyses)
     cap.gm = gm
     t2 = time.perf_counter()
     log.info("fxspeed: captured %s %s step: %d nodes in %.2fs, passes %.2fs", type(model).__name__,
