@@ -126,6 +126,11 @@ class Config:
     # the optimizer states as it takes to fit (plan.offloaded); None offloads all of them.
     memory_budget_gb: float | None = None
     fp32_modules: tuple[str, ...] = ()  # module paths (prefixes) kept in fp32 under bf16/fp16
+    # bf16/fp16: what a low-precision matmul makes stays low through the activations, dropout,
+    # views and products that follow it, forward and backward, as under eager autocast (half the
+    # bytes those ops move and backward keeps). None: on CUDA programs; True: any device (CPU
+    # too); False: every value outside matmul/conv/attention in fp32 (passes/graph/keep_activations_low).
+    low_activations: bool | None = None
     # dtype gradients are reduced (and, under master weights, held) in across ranks. "auto": their own
     # dtype, which is the working precision (bf16/fp16) where ZeRO-1/2/3 keep the fp32 master in
     # the partition (the ZeRO paper's layout), fp32 otherwise; "fp32" keeps fp32 gradients there too.
@@ -190,6 +195,7 @@ class Config:
         _positive("momentum", self.momentum, allow_zero=True)
         _positive("bucket_mb", self.bucket_mb)
         _choice("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
+        _choice("low_activations", self.low_activations, (None, True, False))
         if self.loss_scale is not None:
             _positive("loss_scale", self.loss_scale)
         _positive_int("loss_scale_window", self.loss_scale_window)
@@ -260,6 +266,8 @@ class Config:
                         if k in changed]
         if self.precision == "fp32" and "fp32_modules" in changed:
             ignored.append(("fp32_modules", "precision='fp32' keeps every module in fp32 already"))
+        if self.precision == "fp32" and "low_activations" in changed:
+            ignored.append(("low_activations", "precision='fp32' runs everything in fp32 (set precision='bf16')"))
         if self.pipeline == 1:
             ignored += [(k, "pipeline=1 runs no pipeline (set Config.pipeline to the number of stages)")
                         for k in ("schedule", "split_points") if k in changed]

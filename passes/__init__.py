@@ -6,6 +6,7 @@ compile_step runs them in:
     normalize_graph          drop detach/alias no-ops
     dedupe_tied_parameters   one input and one summed gradient per tied (shared) Parameter
     insert_casts             mixed precision: matmul/conv/attention in bf16/fp16, the rest fp32
+    keep_activations_low     bf16/fp16: what a low matmul makes stays low through the ops that follow it
     keep_weights_low         ZeRO-1/2/3 under bf16/fp16: low-precision working weights and gradients
                              as the step's inputs and outputs (fp32 master with the optimizer)
     scale_loss               fp16: backward seeded with the dynamic loss scale (a graph input)
@@ -70,6 +71,7 @@ from fxspeed.compiler.pass_manager import GraphPass, ProgramPass
 from .graph.dedupe_tied_parameters import dedupe_tied_parameters
 from .graph.eliminate_dead_code import eliminate_dead_code
 from .graph.insert_casts import insert_casts
+from .graph.keep_activations_low import keep_activations_low
 from .graph.keep_weights_low import keep_weights_low
 from .graph.normalize_graph import normalize_graph
 from .parallel.reduce_gradients import reduce_gradients
@@ -89,8 +91,8 @@ from .program.lower_schedule import lower_schedule_pass
 from .program.split_stages import split_backward_pass, split_stages_pass
 
 # DCE after the casts: it removes the fp32 views (W^T) that only low-precision ops used to read.
-SINGLE_DEVICE_PASSES = (normalize_graph, dedupe_tied_parameters, insert_casts, keep_weights_low, scale_loss,
-                        eliminate_dead_code)
+SINGLE_DEVICE_PASSES = (normalize_graph, dedupe_tied_parameters, insert_casts, keep_weights_low, keep_activations_low,
+                        scale_loss, eliminate_dead_code)
 # shard_tensors first: the data-parallel buckets are then laid out over tp slices.
 DISTRIBUTED_PASSES = (shard_tensors, reduce_gradients, wait_parameter_gathers, shard_parameters, offload_parameters,
                       step_buckets_in_backward, reuse_buffers)
@@ -111,6 +113,6 @@ def program_pipeline() -> list[ProgramPass]:
 
 __all__ = ["ALL_PASSES", "DISTRIBUTED_PASSES", "PROGRAM_PASSES", "SINGLE_DEVICE_PASSES", "STAGE_PASS_NAMES",
            "accumulate_gradients_pass", "dedupe_tied_parameters", "default_pipeline", "eliminate_dead_code",
-           "gather_stage_weights", "insert_casts", "keep_weights_low", "lower_schedule_pass", "normalize_graph", "offload_activations", "offload_stage_activations", "program_pipeline", "reduce_gradients",
+           "gather_stage_weights", "insert_casts", "keep_activations_low", "keep_weights_low", "lower_schedule_pass", "normalize_graph", "offload_activations", "offload_stage_activations", "program_pipeline", "reduce_gradients",
            "reuse_buffers", "scale_loss", "shard_parameters", "shard_tensors", "split_backward_pass", "split_stages_pass",
            "step_buckets_in_backward", "step_in_backward", "wait_parameter_gathers"]

@@ -267,14 +267,14 @@ def test_the_default_pipeline_runs_every_pass_in_order_and_records_each():
     compiled = compile_step(TiedMLP(), (torch.randn(2, 4),), {}, config=Config(), loss_fn=None)
     names = [r.name for r in compiled.records]
     assert [p.name for p in default_pipeline()] == [
-        "normalize_graph", "dedupe_tied_parameters", "insert_casts", "keep_weights_low", "scale_loss",
+        "normalize_graph", "dedupe_tied_parameters", "insert_casts", "keep_weights_low", "keep_activations_low", "scale_loss",
         "eliminate_dead_code", "shard_tensors", "reduce_gradients", "wait_parameter_gathers", "shard_parameters",
         "offload_parameters", "step_buckets_in_backward", "reuse_buffers"]
     # annotate runs on demand before insert_casts (which reads module paths); in fp32 nothing
     # after it changes the graph, so it stays valid to the end (the planner reads it there).
     # tp_placements (what shard_tensors requires) runs on demand too; on one tp rank it places nothing.
     assert names == ["normalize_graph", "dedupe_tied_parameters", "annotate", "insert_casts", "keep_weights_low",
-                     "scale_loss",
+                     "keep_activations_low", "scale_loss",
                      "eliminate_dead_code", "tp_placements", "shard_tensors", "reduce_gradients",
                      "wait_parameter_gathers", "shard_parameters", "offload_parameters", "step_buckets_in_backward",
                      "reuse_buffers"]

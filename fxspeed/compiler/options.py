@@ -90,6 +90,9 @@ class PassOptions:
     # "always" fuses any program (FXSPEED_FUSE_ON_CPU=1: tests, where the kernels run under
     # TRITON_INTERPRET=1 or as their torch fallback), "off" never. See fuse_kernels_mode().
     fuse_kernels: str = "cuda"
+    # keep_activations_low (Config.low_activations): "cuda" on programs whose tensors are on CUDA,
+    # "always", "off"
+    low_activations: str = "cuda"
     # chunk_cross_entropy (passes/memory/chunk_cross_entropy.py: vocabulary projection + cross-
     # entropy in chunks of rows, gradients computed in forward): "auto" where the fp32 logits
     # would take at least chunk_cross_entropy_min_bytes, "always", "off".
@@ -158,6 +161,7 @@ class PassOptions:
                     reduce_dtype=config.reduce_dtype, bucket_bytes=bucket_bytes(config.bucket_mb),
                     **_pipeline_fields(config), positions=tuple(range(config.pipeline)),
                     fuse_kernels=fuse_kernels_mode(), master_weights=master_weights_wanted(config),
+                    low_activations=low_activations_mode(config),
                     sequence_parallel=config.sequence_parallel)
         return cls(**{**base, **overrides})
 
@@ -214,7 +218,7 @@ def derive_options(config: Config, mesh: Any, device: Any = None) -> PassOptions
         tp_size=getattr(mesh, "tp", 1), tp_rank=coords.get("tp", 0),
         tp_group_name=mesh.group_name("tp") if getattr(mesh, "tp", 1) > 1 else "",
         sequence_parallel=config.sequence_parallel,
-        fuse_kernels=fuse_kernels_mode(),
+        fuse_kernels=fuse_kernels_mode(), low_activations=low_activations_mode(config),
         # On one rank the layout saves nothing (the partition is the whole model) unless the fp32
         # master goes to the offload file with the optimizer states (ZeRO-Offload's layout) or the
         # working copies go to theirs (ZeRO-Infinity's).
@@ -280,6 +284,11 @@ def master_weights_wanted(config: Config) -> bool:
 
 
 FUSE_MODES = ("cuda", "always", "off")
+
+
+def low_activations_mode(config: Config) -> str:
+    """PassOptions.low_activations from Config.low_activations (None: on CUDA programs)."""
+    return {None: "cuda", True: "always", False: "off"}[config.low_activations]
 
 
 def fuse_kernels_mode() -> str:

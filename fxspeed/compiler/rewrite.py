@@ -44,6 +44,16 @@ def call(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None, 
     return node
 
 
+def wanted_on(gm: fx.GraphModule, mode: str) -> bool:
+    """A device-dependent pass option ("always" | "cuda" | "off") read for this program: "cuda"
+    holds when the program's tensors are on CUDA (its inputs' values, fake at capture, carry the
+    model's device)."""
+    if mode == "always":
+        return True
+    return mode == "cuda" and any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.device.type == "cuda"
+                                  for n in gm.graph.nodes if n.op == "placeholder")
+
+
 def output_node(gm: fx.GraphModule) -> fx.Node:
     return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
 

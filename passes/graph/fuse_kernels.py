@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 
 from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
-from fxspeed.compiler.rewrite import call
+from fxspeed.compiler.rewrite import call, wanted_on
 
 aten = torch.ops.aten
 
@@ -94,11 +94,7 @@ def _replacements() -> dict[Any, Any]:
 def wanted(gm: fx.GraphModule, options: Any) -> bool:
     """Whether `options` (PassOptions) fuse this program: always, or when it runs on CUDA (the
     device of its inputs' values, fake at capture)."""
-    mode = options.fuse_kernels
-    if mode == "always":
-        return True
-    return mode == "cuda" and any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.device.type == "cuda"
-                                  for n in gm.graph.nodes if n.op == "placeholder")
+    return wanted_on(gm, options.fuse_kernels)
 
 
 @graph_pass("fuse_kernels", invalidates=("annotate",))
