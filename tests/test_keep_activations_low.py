@@ -21,25 +21,13 @@ from fxspeed.compiler.capture import capture_step
 from fxspeed.compiler.options import PassOptions
 from fxspeed.compiler.pass_manager import PassContext, PassManager
 from fxspeed.ir import BACKWARD, META_KEY
-from fxspeed.models import GPT, GPTConfig
 from fxspeed.passes import insert_casts, keep_activations_low
 from fxspeed.passes.graph.insert_casts import LOW_OPS, _is_view
 from fxspeed.passes.graph.keep_activations_low import _SUMS, FOLLOWING
+from tests.test_mixed_precision import LOW, batch, tiny_gpt
 from tests.test_properties import feed, outputs_by_meaning
 
 aten = torch.ops.aten
-LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def tiny_gpt() -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32))
-
-
-def batch(seed: int = 0, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, 64, (rows, 16), generator=g)
-    return x, x.clone()
 
 
 def dtype_of(n: torch.fx.Node) -> torch.dtype | None:
