@@ -19,10 +19,9 @@ directory on the disk /tmp is on).
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 
-from one_process_pairs import add_model_args, alternate, child_script, run_child
+from one_process_pairs import add_model_args, child_script, compare_batches, run_child, write_json
 
 CHILD = child_script(
     'cfg = fxspeed.Config(lr=1e-4, **(dict(offload="activations", nvme_path=arg) if variant == "offload" else {}))',
@@ -37,25 +36,23 @@ def main() -> None:
     add_model_args(ap, vocab=8192, layers=6, width=768, steps=4)
     ap.add_argument("--swap", default=None, help="directory for the swap files (default: a temporary one)")
     a = ap.parse_args()
-    results = {}
+
+    def describe(batch: int, res: dict) -> str:
+        off, plain = res["offload"], res["plain"]
+        saved = plain["growth_MB"] - off["growth_MB"]
+        res["step_ratio"] = off["step_s"] / plain["step_s"]
+        res["rss_saved_MB"] = saved
+        res["losses_equal"] = off["losses"] == plain["losses"]
+        return (f"batch {batch}x{a.seq} GPT {a.layers}x{a.width}: peak growth offload {off['growth_MB']:.0f} MB "
+                f"(plan {off['planned_MB']:.0f}) vs plain {plain['growth_MB']:.0f} MB (plan {plain['planned_MB']:.0f}): "
+                f"saved {saved:.0f} MB of {off['offloaded_MB']:.0f} MB offloaded; step {off['step_s']:.3f} s vs "
+                f"{plain['step_s']:.3f} s ({res['step_ratio']:.3f}x); losses equal: {res['losses_equal']}")
+
     with tempfile.TemporaryDirectory(prefix="fxspeed-bench-act-") as tmp:
         swap = a.swap or tmp
-        for batch in map(int, a.batches.split(",")):
-            res = alternate(("offload", "plain"), batch, a.rounds,
-                            lambda v: run_child(CHILD, v, swap, batch, a, env=ENV))  # noqa: B023
-            off, plain = res["offload"], res["plain"]
-            saved = plain["growth_MB"] - off["growth_MB"]
-            res["step_ratio"] = off["step_s"] / plain["step_s"]
-            res["rss_saved_MB"] = saved
-            res["losses_equal"] = off["losses"] == plain["losses"]
-            print(f"batch {batch}x{a.seq} GPT {a.layers}x{a.width}: peak growth offload {off['growth_MB']:.0f} MB "
-                  f"(plan {off['planned_MB']:.0f}) vs plain {plain['growth_MB']:.0f} MB (plan {plain['planned_MB']:.0f}): "
-                  f"saved {saved:.0f} MB of {off['offloaded_MB']:.0f} MB offloaded; step {off['step_s']:.3f} s vs "
-                  f"{plain['step_s']:.3f} s ({res['step_ratio']:.3f}x); losses equal: {res['losses_equal']}", flush=True)
-            results[batch] = res
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"args": vars(a), "results": results}, f, indent=1)
+        results = compare_batches(a, ("offload", "plain"),
+                                  lambda v, batch: run_child(CHILD, v, swap, batch, a, env=ENV), describe)
+    write_json(a.out, {"args": vars(a), "results": results})
 
 
 if __name__ == "__main__":

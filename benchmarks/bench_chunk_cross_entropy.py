@@ -14,9 +14,8 @@ alternate the order; step time is the median over rounds and steps; losses are p
 from __future__ import annotations
 
 import argparse
-import json
 
-from one_process_pairs import add_model_args, alternate, child_script, run_child
+from one_process_pairs import add_model_args, child_script, compare_batches, run_child, write_json
 
 CHILD = child_script(
     'cfg = fxspeed.Config(lr=1e-4, disable_passes=("chunk_cross_entropy",) if variant == "unfused" else ())',
@@ -27,19 +26,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap, vocab=50257, layers=2, width=256, steps=3)
     a = ap.parse_args()
-    results = {}
-    for batch in map(int, a.batches.split(",")):
-        res = alternate(("chunked", "unfused"), batch, a.rounds,
-                        lambda v: run_child(CHILD, v, "", batch, a))  # noqa: B023
+
+    def describe(batch: int, res: dict) -> str:
         logits_MB = batch * a.seq * a.vocab * 4 / 2**20
-        print(f"batch {batch}x{a.seq}, vocab {a.vocab} ({logits_MB:.0f} MiB of fp32 logits): peak growth chunked "
-              f"{res['chunked']['growth_MB']:.0f} MB vs unfused {res['unfused']['growth_MB']:.0f} MB; step time "
-              f"{res['chunked']['step_s'] / res['unfused']['step_s']:.3f}x; losses {res['chunked']['losses']} vs "
-              f"{res['unfused']['losses']}", flush=True)
-        results[batch] = res
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(results, f, indent=1)
+        return (f"batch {batch}x{a.seq}, vocab {a.vocab} ({logits_MB:.0f} MiB of fp32 logits): peak growth chunked "
+                f"{res['chunked']['growth_MB']:.0f} MB vs unfused {res['unfused']['growth_MB']:.0f} MB; step time "
+                f"{res['chunked']['step_s'] / res['unfused']['step_s']:.3f}x; losses {res['chunked']['losses']} vs "
+                f"{res['unfused']['losses']}")
+
+    write_json(a.out, compare_batches(a, ("chunked", "unfused"), lambda v, batch: run_child(CHILD, v, "", batch, a),
+                                      describe))
 
 
 if __name__ == "__main__":

@@ -16,9 +16,8 @@ last digits: backward's elementwise ops round to bf16 as under autocast). On a C
 from __future__ import annotations
 
 import argparse
-import json
 
-from one_process_pairs import add_model_args, alternate, child_script, run_child
+from one_process_pairs import add_model_args, child_script, compare_batches, run_child, write_json
 
 CHILD = child_script('cfg = fxspeed.Config(precision="bf16", optimizer="adamw", lr=1e-4, low_activations=variant == "low")',
                      'report["low_nodes"] = sum(1 for n in engine.graph().graph.nodes if n.op == "call_function" '
@@ -30,18 +29,16 @@ def main() -> None:
     add_model_args(ap, vocab=256, layers=7, width=512, steps=4)
     ap.set_defaults(batches="4,16")
     a = ap.parse_args()
-    results = {}
-    for batch in map(int, a.batches.split(",")):
-        res = alternate(("low", "fp32"), batch, a.rounds, lambda v: run_child(CHILD, v, "", batch, a))  # noqa: B023
+
+    def describe(batch: int, res: dict) -> str:
         lo, hi = res["low"], res["fp32"]
-        print(f"batch {batch}x{a.seq}: peak growth low {lo['growth_MB']:.0f} MB vs fp32 {hi['growth_MB']:.0f} MB "
-              f"({lo['growth_MB'] / hi['growth_MB']:.3f}x); step time {lo['step_s'] / hi['step_s']:.3f}x "
-              f"({lo['step_s']:.3f} vs {hi['step_s']:.3f} s); bf16 nodes {lo['low_nodes']} vs {hi['low_nodes']}; "
-              f"losses {[round(x, 5) for x in lo['losses']]} vs {[round(x, 5) for x in hi['losses']]}", flush=True)
-        results[batch] = res
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(results, f, indent=1)
+        return (f"batch {batch}x{a.seq}: peak growth low {lo['growth_MB']:.0f} MB vs fp32 {hi['growth_MB']:.0f} MB "
+                f"({lo['growth_MB'] / hi['growth_MB']:.3f}x); step time {lo['step_s'] / hi['step_s']:.3f}x "
+                f"({lo['step_s']:.3f} vs {hi['step_s']:.3f} s); bf16 nodes {lo['low_nodes']} vs {hi['low_nodes']}; "
+                f"losses {[round(x, 5) for x in lo['losses']]} vs {[round(x, 5) for x in hi['losses']]}")
+
+    write_json(a.out, compare_batches(a, ("low", "fp32"), lambda v, batch: run_child(CHILD, v, "", batch, a),
+                                      describe))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """What the one-process A/B benchmarks share (bench_chunk_cross_entropy.py,
-bench_activation_offload.py): each (batch, variant) runs in its own process, which builds a GPT,
+bench_activation_offload.py, bench_low_activations.py): each (batch, variant) runs in its own process, which builds a GPT,
 resets the kernel's peak counter (/proc/self/clear_refs), compiles and trains --steps steps and
 prints one JSON line (peak RSS growth = VmHWM - VmRSS at the reset, step times without the
 first, losses, plus what the benchmark's own code adds); rounds alternate the variants' order so
@@ -82,3 +82,21 @@ def alternate(variants: tuple[str, str], batch: int, rounds: int, run: Any) -> d
             print(f"batch {batch} round {r} {variant}: {time.perf_counter() - t:.0f} s", flush=True)
     return {v: {**rs[0], "growth_MB": max(x["growth_MB"] for x in rs),
                 "step_s": statistics.median(t for x in rs for t in x["times"])} for v, rs in rows.items()}
+
+
+def compare_batches(a: argparse.Namespace, variants: tuple[str, str], run: Any, describe: Any) -> dict[int, dict]:
+    """For each batch of --batches: `alternate` the variants (`run(variant, batch)` gives one
+    child's report), print `describe(batch, res)` (which may add keys to `res`) and keep `res`."""
+    results = {}
+    for batch in map(int, a.batches.split(",")):
+        res = alternate(variants, batch, a.rounds, lambda v: run(v, batch))  # noqa: B023 - called before the next batch
+        print(describe(batch, res), flush=True)
+        results[batch] = res
+    return results
+
+
+def write_json(path: str | None, obj: Any) -> None:
+    """--out: `obj` as indented JSON (nothing when no path was given)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=1)
