@@ -6,9 +6,9 @@ compile_step runs them in:
     normalize_graph          drop detach/alias no-ops
     dedupe_tied_parameters   one input and one summed gradient per tied (shared) Parameter
     insert_casts             mixed precision: matmul/conv/attention in bf16/fp16, the rest fp32
-    keep_activations_low     bf16/fp16: what a low matmul makes stays low through the ops that follow it
     keep_weights_low         ZeRO-1/2/3 under bf16/fp16: low-precision working weights and gradients
                              as the step's inputs and outputs (fp32 master with the optimizer)
+    keep_activations_low     bf16/fp16: what a low matmul makes stays low through the ops that follow it
     scale_loss               fp16: backward seeded with the dynamic loss scale (a graph input)
     eliminate_dead_code      drop values nothing reads (keeps random and mutating ops)
     shard_tensors            tensor parallelism: this tp rank's slices, local shapes, tp collectives
