@@ -48,13 +48,14 @@ from fxspeed.planner.plan import Plan
 from fxspeed.runtime.executor import StepExecutor
 from fxspeed.runtime.flat_parameters import FlatParameters, gather_into
 from fxspeed.runtime.host_memory import release_freed_host_memory
+from fxspeed.runtime.host_tier import DeviceLink, host_tier_on_cpu
 from fxspeed.runtime.kernels.collectives import exchange_scatter
 from fxspeed.runtime.loss_scale import DynamicLossScaler
 from fxspeed.runtime.offloaded_optimizer import OffloadedAdam
 from fxspeed.runtime.offloaded_activations import ActivationOffload
 from fxspeed.runtime.offloaded_activations import register as register_activations
 from fxspeed.runtime.offloaded_parameters import register
-from fxspeed.runtime.optimizer import OptimizerSpec, build_optimizer
+from fxspeed.runtime.optimizer import OptimizerSpec, build_optimizer, lr_lambda
 from fxspeed.runtime.runner import PipelineRuntime
 from fxspeed.runtime.step_in_backward import InBackwardSteps, in_layout_of
 from fxspeed.runtime.step_in_backward import register as register_steps
@@ -131,6 +132,7 @@ class Engine:
         self.stats: dict[str, Any] = {"steps": 0, "compiles": 0, "skipped_steps": 0}
         self.scaler: DynamicLossScaler | None = None
         self._activations: ActivationOffload | None = None  # Config.offload="activations"/"all"
+        self._link: DeviceLink | None = None  # optimizer / parameter offload from a device: its host tier
         self._device = next((p.device for p in self._unique), torch.device("cpu"))
         self._scale = torch.ones((), dtype=torch.float32, device=self._device)  # the graph's loss_scale input
         if config.precision == "fp16":
@@ -282,7 +284,8 @@ class Engine:
             if in_files:
                 # ZeRO-Infinity's parameter tier: the working shards go to files before anything
                 # writes them (fill), and the programs read them from there by the store's name.
-                files = self._flat.offload_working(self._offload_root("parameters"), f"rank{self.rank}")
+                files = self._flat.offload_working(self._offload_root("parameters"), f"rank{self.rank}",
+                                                   link=self._host_link())
                 register(self.compiler.options.parameter_store, files)
             tensors = self._flat.optimizer_tensors()
             self._counted_buckets = list(range(len(sig.buckets)))
@@ -363,7 +366,18 @@ class Engine:
 
     def _build_optimizer(self, tensors: list[torch.Tensor]) -> None:
         spec = dataclasses.replace(_optimizer_spec(self.config), **self._offload_spec())
-        self.optimizer, self.lr_scheduler = build_optimizer(tensors, spec)
+        link = self._host_link() if self.config.offloads_optimizer else None
+        if link is not None:
+            # The tensors live on a device: the offloaded optimizer steps them through its host
+            # tier, states in pinned host memory (swap_root None) or in files (nvme).
+            self.optimizer = OffloadedAdam(tensors, lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                                           weight_decay=spec.weight_decay, decoupled=spec.name == "adamw",
+                                           swap_root=spec.swap_root, name=spec.swap_name, chunk_bytes=spec.chunk_bytes,
+                                           offload_bytes=spec.offload_bytes, masters=spec.masters,
+                                           chunk_starts=spec.chunk_starts, link=link)
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
+        else:
+            self.optimizer, self.lr_scheduler = build_optimizer(tensors, spec)
         self._lr_set = [g["lr"] for g in self.optimizer.param_groups]
         store = self.compiler.options.optimizer_store
         if store:  # the training programs step this optimizer inside backward (passes/memory/step_in_backward,
@@ -387,16 +401,35 @@ class Engine:
             register_activations(self.compiler.options.activation_store, self._activations)
         return self._activations
 
-    def _offload_root(self, what: str) -> str:
+    def _host_link(self) -> DeviceLink | None:
+        """Optimizer and parameter offload from a device apart from the host (CUDA): the link its
+        states cross (made once); None on a CPU device, whose tensors are host memory already.
+        FXSPEED_HOST_TIER_ON_CPU=1 (tests only) runs a CPU device as such a device: copies
+        between CPU tensors, the tier's logic without a GPU (runtime/host_tier.py)."""
+        if self._device.type == "cpu" and not host_tier_on_cpu():
+            return None
+        if self._device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"Config.offload={self.config.offload!r} on a {self._device.type} device is not built in "
+                              "this version (CUDA and CPU devices are); use offload='none'")
+        if self._link is None:
+            self._link = DeviceLink(self._device)
+        return self._link
+
+    def _offload_root(self, what: str) -> str | None:
         """The directory the offloaded `what` ("optimizer" states, "parameters") go to on this
-        rank's device (Config.nvme_path), or a ConfigError saying what to set."""
+        rank's device (Config.nvme_path), None for pinned host memory (offload_device "cpu" or
+        "auto" on a CUDA device), or a ConfigError saying what to set."""
         c = self.config
         held = {"optimizer": "Adam's moments", "parameters": "the working parameter shards",
                 "activations": "the saved activations"}[what]
-        if self._device.type != "cpu":
-            raise ConfigError(f"Config.offload={c.offload!r} on a {self._device.type} device is not built in this "
-                              "version (the files are read and written from host tensors); train on the CPU with "
-                              "offload_device='nvme', or use offload='none'")
+        if what != "activations" and self._host_link() is not None:
+            if c.offload_device in ("cpu", "auto"):
+                return None  # the host tier: pinned host memory
+            if c.nvme_path is None:
+                raise ConfigError(f"Config.offload_device='nvme' keeps {held} in files: set Config.nvme_path to a "
+                                  "directory on a local disk (a swap directory is created and removed there), or use "
+                                  "offload_device='cpu' to keep them in pinned host memory")
+            return c.nvme_path
         if c.offload_device == "cpu":
             raise ConfigError("Config.offload_device='cpu' on a CPU device moves nothing: the states are in host "
                               "memory already. Use offload_device='nvme' with nvme_path=<a directory on a local disk> "
@@ -418,7 +451,8 @@ class Engine:
         if self.plan is not None and c.memory_budget_gb is not None:
             ranks = self.plan.pipeline.get("ranks") if self.pipelined else None
             # under a pipeline each position's states (and budget decision) are its own
-            moved = ranks[self.position]["offloaded"] if ranks else self.plan.offloaded.get("disk", 0)
+            moved = (ranks[self.position]["offloaded"] if ranks else
+                     self.plan.offloaded.get("disk", self.plan.offloaded.get("host", 0)))
         starts: list[int] = []
         if self.compiler.options.optimizer_store and self._flat is not None:
             # the program steps each gradient bucket on its own: no chunk of the file spans two

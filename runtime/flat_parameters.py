@@ -57,6 +57,7 @@ import torch.nn as nn
 from fxspeed.errors import FxspeedError
 from fxspeed.ir import Bucket
 from fxspeed.runtime.kernels.collectives import exchange_gather_out
+from fxspeed.runtime.host_tier import DeviceLink
 from fxspeed.runtime.offloaded_parameters import ParameterFiles
 
 
@@ -137,13 +138,14 @@ class FlatParameters:
             # for: the collective registry would otherwise keep the buckets alive and warn at exit.
             weakref.finalize(self, _wait_all, list(self.full))
 
-    def offload_working(self, root: str, name: str) -> ParameterFiles:
+    def offload_working(self, root: str | None, name: str, link: DeviceLink | None = None) -> ParameterFiles:
         """Parameter offload: the working shards move to files under `root` (their tensors keep
-        shape and dtype, hold no memory); every later write of a working shard goes there."""
+        shape and dtype, hold no memory); every later write of a working shard goes there. With a
+        `link` (a device's host tier) and `root` None they move to pinned host memory instead."""
         if self.zero != 3 or not self.master:
             raise FxspeedError("parameter offload moves ZeRO-3's low-precision working shards; this layout is "
                                f"ZeRO-{self.zero}{' with master weights' if self.master else ' without master weights'}")
-        self.files = ParameterFiles(self.work_shards, root, name=name)
+        self.files = ParameterFiles(self.work_shards, root, name=name, link=link)
         # masters elsewhere: the shards are still empty; fill() writes them
         self.files.offload(write=not self.masters_elsewhere)
         return self.files

@@ -25,6 +25,14 @@ shard. Host memory then holds 2 + 2 bytes per parameter (working copy, gradient)
 slots. The masters are read and written as a `MasterStore` (runtime/flat_parameters.py):
 `write_master` / `read_master`. With parameter offload the working shards live in files too:
 `working_sink` takes each rounded piece instead of the working tensor.
+
+On a CUDA device (`link`, runtime/host_tier.py) the tensors it is given live on the device and
+the step runs on the host: per chunk, the gradients (and, without masters, the fp32 weights:
+read each step, so the device copy stays the one the engine and the user write) are copied into
+pinned staging buffers on a side stream, the next chunk's copy starting while this one steps,
+and the new (masters: rounded) weights are copied back. The states stay in pinned host memory
+(every chunk resident, no file: offload_device="cpu") or in files as above ("nvme"). The same
+fused CPU kernel over the same values: bit for bit the files tier's result.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from torch.optim.adam import adam as adam_update
 
 from fxspeed.errors import FxspeedError
 from fxspeed.ir import is_dense
+from fxspeed.runtime.host_tier import DeviceLink
 from fxspeed.runtime.offload_io import AlignedBuffer, SwapFile, round_up
 
 SLOTS = 3  # read k+1, step k, write k-1
@@ -68,6 +77,17 @@ class _Piece:
         return t if self.whole else t.reshape(-1)[self.start:self.start + self.count]
 
 
+@dataclass(eq=False)
+class _Staging:
+    """The host tier's staging of one chunk: its gradients and weights in host memory (flat, the
+    chunk's element layout), the chunk they hold, and the copies in and out in flight."""
+    grads: torch.Tensor
+    weights: torch.Tensor
+    chunk: "_Chunk | None" = None
+    copied_in: Any = None
+    copied_out: Any = None
+
+
 @dataclass(frozen=True, eq=False)
 class _Chunk:
     pieces: tuple[_Piece, ...]
@@ -92,25 +112,36 @@ class OffloadedAdam(torch.optim.Optimizer):
     weights of the given working tensors) live in files under `swap_root`."""
 
     def __init__(self, params: Iterable[torch.Tensor], *, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, decoupled: bool, swap_root: str | os.PathLike, name: str,
+                 weight_decay: float, decoupled: bool, swap_root: str | os.PathLike | None, name: str,
                  chunk_bytes: int = 64 * 2**20, offload_bytes: int | None = None, masters: bool = False,
-                 chunk_starts: Sequence[int] = ()) -> None:
+                 chunk_starts: Sequence[int] = (), link: DeviceLink | None = None) -> None:
         """`chunk_starts`: indices of tensors that begin a new chunk (the first of each gradient
         bucket the program steps on its own: a chunk shared by two buckets would be read and
-        written once for each)."""
+        written once for each).
+
+        `link` (the host tier, runtime/host_tier.py): the tensors live on `link.device` and the
+        step runs on the host: each chunk's gradients (and, without `masters`, its weights) are
+        copied to staging host buffers, stepped there, and the new weights copied back. With
+        `swap_root=None` every chunk's states stay in (pinned) host memory; with a `swap_root`
+        the offloaded chunks go to files as on the CPU."""
         super().__init__(list(params), dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.decoupled = decoupled
         self.masters = masters
         # masters: where the rounded new working values go instead of the working tensor itself,
         # as (tensor, first element, values) per piece (parameter offload: ParameterFiles.write_piece)
         self.working_sink: Callable[[torch.Tensor, int, torch.Tensor], None] | None = None
+        self.link = link
         tensors = [p for g in self.param_groups for p in g["params"]]
         want = (torch.bfloat16, torch.float16) if masters else (torch.float32,)
+        where = link.device.type if link is not None else "cpu"
+        if swap_root is None and link is None:
+            raise FxspeedError("the offloaded optimizer keeps its states in files (swap_root) or, on a device, in "
+                               "host memory (link); it was given neither")
         for i, p in enumerate(tensors):
-            if p.dtype not in want or p.device.type != "cpu":
-                raise FxspeedError(f"optimizer offload steps {'bf16/fp16 working' if masters else 'fp32'} tensors in "
-                                   f"host memory; tensor {i} is {p.dtype} on {p.device} (Config.offload='optimizer' "
-                                   "needs parameters on the CPU in this version)")
+            if p.dtype not in want or p.device.type != where or p.dtype != tensors[0].dtype:
+                raise FxspeedError(f"optimizer offload steps {'bf16/fp16 working' if masters else 'fp32'} tensors of "
+                                   f"one dtype on the {where} device; tensor {i} is {p.dtype} on {p.device} (tensor 0: "
+                                   f"{tensors[0].dtype}); please report this with the model and Config")
             if not is_dense(p):
                 raise FxspeedError(f"optimizer offload needs dense tensors; tensor {i} of shape {tuple(p.shape)} has "
                                    f"strides {p.stride()} with gaps")
@@ -120,14 +151,18 @@ class OffloadedAdam(torch.optim.Optimizer):
         # The first chunks go to the file until `offload_bytes` are there (the plan's choice under
         # Config.memory_budget_gb); the rest stay in memory. Offloaded first: their reads are the
         # ones prefetched during forward, and their writes overlap the resident chunks' updates.
+        # The host tier (a link, no swap_root) keeps every chunk in host memory: "offloaded" there
+        # means off the device, which all of them are.
         n_off, moved = 0, 0
-        while n_off < len(chunks) and (offload_bytes is None or moved < offload_bytes):
+        while swap_root is not None and n_off < len(chunks) and (offload_bytes is None or moved < offload_bytes):
             moved += chunks[n_off].nbytes
             n_off += 1
+        if swap_root is None:
+            moved = sum(c.nbytes for c in chunks)
         self._chunks = _place(chunks[:n_off])
-        self._resident = [(c, torch.zeros(c.sections * c.numel)) for c in chunks[n_off:]]
+        self._resident = [(c, self._host_zeros(c.sections * c.numel)) for c in chunks[n_off:]]
         size = sum(round_up(c.nbytes) for c in self._chunks)
-        self.swap = SwapFile(swap_root, size, name=name)
+        self.swap = SwapFile(swap_root, size, name=name) if swap_root is not None else None
         biggest = max((c.nbytes for c in self._chunks), default=0)
         self._slots = [AlignedBuffer(biggest) for _ in range(min(SLOTS, len(self._chunks)))]
         self._offloaded = set(self._chunks)
@@ -146,8 +181,23 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._on_disk: set[_Chunk] = set()       # chunks whose file region holds their states (else zeros)
         # fp32 gradients of one chunk (masters: the working-precision gradients are upcast here)
         self._scratch = torch.empty(max((c.numel for c in chunks), default=0) if masters else 0)
+        # The host tier: two staging sets of a chunk's gradients and weights in the tensors' dtype
+        # (chunk k+1's copy in fills one while chunk k steps from the other and its new weights go
+        # back out), pinned on a CUDA device.
+        biggest_numel = max((c.numel for c in chunks), default=0)
+        self._staging = [_Staging(link.empty(biggest_numel, tensors[0].dtype), link.empty(biggest_numel, tensors[0].dtype))
+                         for _ in range(2)] if link is not None and tensors else []
+        self._next_staging = 0
         self.stats = {"chunks": len(self._chunks), "resident_chunks": len(self._resident), "swap_bytes": size,
-                      "offloaded_bytes": moved, "direct_io": self.swap.direct, "masters": masters}
+                      "offloaded_bytes": moved, "direct_io": self.swap is not None and self.swap.direct,
+                      "masters": masters, "host_tier": link is not None,
+                      "host_bytes": sum(c.nbytes for c, _ in self._resident) if link is not None else 0}
+
+    def _host_zeros(self, numel: int) -> torch.Tensor:
+        """A resident chunk's states: host memory (pinned when a link reaches a CUDA device)."""
+        if self.link is None:
+            return torch.zeros(numel)
+        return self.link.empty(numel, torch.float32).zero_()
 
     # --- the step ---------------------------------------------------------------------------
     def prefetch(self) -> None:
@@ -183,40 +233,81 @@ class OffloadedAdam(torch.optim.Optimizer):
                      grad_factors: Sequence[torch.Tensor | float]) -> None:
         group = self.param_groups[0]
         n = len(self._chunks)
-        for k in offloaded:
+        offloaded, resident = list(offloaded), list(resident)
+        for st in self._staging:  # nothing staged survives a call (one that raised left its chunk)
+            st.chunk = None
+        # the host tier copies the next chunk's gradients in while this one steps
+        order = [self._chunks[k] for k in offloaded] + [c for c, _ in resident]
+        for i, k in enumerate(offloaded):
             chunk = self._chunks[k]
             if k + 1 < n:
                 self._start_read(k + 1)
             slot = self._wait_read(k)
-            self._update(group, chunk, slot.tensor, grad_factors)
+            self._update(group, chunk, slot.tensor, grad_factors, ahead=order[i + 1] if i + 1 < len(order) else None)
             self._writes[k % SLOTS] = self.swap.write(chunk.file_offset, slot, chunk.nbytes)
             self._on_disk.add(chunk)
-        for chunk, buf in resident:
-            self._update(group, chunk, buf, grad_factors)
+        for i, (chunk, buf) in enumerate(resident, start=len(offloaded)):
+            self._update(group, chunk, buf, grad_factors, ahead=order[i + 1] if i + 1 < len(order) else None)
 
-    def _update(self, group: dict, chunk: _Chunk, flat: torch.Tensor, factors: Sequence[torch.Tensor | float]) -> None:
+    def _update(self, group: dict, chunk: _Chunk, flat: torch.Tensor, factors: Sequence[torch.Tensor | float],
+                ahead: _Chunk | None = None) -> None:
         live = [pc for pc in chunk.pieces if pc.p.grad is not None]
         if not live:
             return
+        staged = None
+        if self.link is not None:  # the host tier: this chunk's copies in, the next one's started
+            staged = self._stage_in(chunk, live)
+            if ahead is not None:
+                later = [pc for pc in ahead.pieces if pc.p.grad is not None]
+                if later:
+                    self._stage_in(ahead, later)
+            self.link.wait(staged.copied_in)
         beta1, beta2 = group["betas"]
         first = 1 if self.masters else 0  # section of exp_avg
         m = [chunk.view(flat, first, pc) for pc in live]
         v = [chunk.view(flat, first + 1, pc) for pc in live]
         if self.masters:
             weights = [chunk.view(flat, 0, pc) for pc in live]
-            grads = [chunk.view(self._scratch, 0, pc).copy_(pc.of(pc.p.grad)) for pc in live]
+            grads = [chunk.view(self._scratch, 0, pc).copy_(pc.of(pc.p.grad) if staged is None else
+                                                             chunk.view(staged.grads, 0, pc)) for pc in live]
             for f in factors:  # as the in-memory path scales its fp32 gradients: one factor at a time
                 torch._foreach_mul_(grads, f)
+        elif staged is not None:  # fp32 on a device: the weights and gradients copied in
+            weights = [chunk.view(staged.weights, 0, pc) for pc in live]
+            grads = [chunk.view(staged.grads, 0, pc) for pc in live]
         else:
             weights, grads = [pc.of(pc.p) for pc in live], [pc.of(pc.p.grad) for pc in live]
         adam_update(weights, grads, m, v, [], [self._step_of(pc) for pc in live], fused=True,
                     decoupled_weight_decay=self.decoupled, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-        if self.masters and self.working_sink is not None:  # the working shards live in files
+        if self.masters and self.working_sink is not None:  # the working shards live in files (or host memory)
             for pc, w in zip(live, weights):
                 self.working_sink(pc.p, pc.start, w)
+        elif staged is not None:  # the new weights back to the device (masters: rounded on the host first)
+            if self.masters:
+                torch._foreach_copy_([chunk.view(staged.weights, 0, pc) for pc in live], weights)
+            staged.copied_out = self.link.to_device([(pc.of(pc.p), chunk.view(staged.weights, 0, pc)) for pc in live])
         elif self.masters:  # the rounded new weights: what the next step computes with
             torch._foreach_copy_([pc.of(pc.p) for pc in live], weights)
+        if staged is not None:
+            staged.chunk = None
+
+    def _stage_in(self, chunk: _Chunk, live: list[_Piece]) -> "_Staging":
+        """The host tier: the staging set holding `chunk`'s gradients (and, without masters, its
+        weights), their copy from the device started if it was not already."""
+        for st in self._staging:
+            if st.chunk is chunk:
+                return st
+        st = self._staging[self._next_staging]
+        self._next_staging = (self._next_staging + 1) % len(self._staging)
+        self.link.wait(st.copied_out)  # its last chunk's new weights have left for the device
+        st.copied_out = None
+        st.chunk = chunk
+        pairs = [(chunk.view(st.grads, 0, pc), pc.of(pc.p.grad)) for pc in live]
+        if not self.masters:
+            pairs += [(chunk.view(st.weights, 0, pc), pc.of(pc.p)) for pc in live]
+        st.copied_in = self.link.to_host(pairs)
+        return st
 
     def _step_of(self, pc: _Piece) -> torch.Tensor:
         return self.state[pc.p]["step"] if pc.start == 0 else self._piece_steps[(id(pc.p), pc.start)]
@@ -261,6 +352,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         for r in self._reads.values():
             r.result()
         self._reads.clear()
+        for st in self._staging:  # the host tier: every copy of new weights to the device done
+            self.link.wait(st.copied_out)
+            st.copied_out = None
 
     # --- states through the file ----------------------------------------------------------
     def _each_chunk(self) -> list[tuple[_Chunk, torch.Tensor]]:
@@ -301,7 +395,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         for i, pc in self._where[id(work)]:
             chunk, flat = self._load(i)
             pc.of(out).copy_(chunk.view(flat, 0, pc))
-        return out
+        return out.to(work.device)  # the host tier: where the caller gathers it
 
     def full_state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         """Every tensor's state as torch.optim's AdamW holds it (step, exp_avg, exp_avg_sq): the
@@ -362,7 +456,8 @@ class OffloadedAdam(torch.optim.Optimizer):
     def close(self) -> None:
         """Finish I/O and remove the swap directory."""
         self._drain()
-        self.swap.close()
+        if self.swap is not None:
+            self.swap.close()
 
 
 def _place(chunks: list[_Chunk]) -> list[_Chunk]:

@@ -135,6 +135,9 @@ class GraphCosts:
     # offload_activations: bytes of the saved activations the program moves off the device in
     # forward (the timeline already counts them gone between their offload and their reload)
     offloaded_activation_bytes: float = 0.0
+    # (bytes, dtype) of each trainable parameter's gradient in the order backward completes them:
+    # the order reduce_gradients fills its buckets in (largest_gradient_bucket)
+    gradient_order: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def state_basis(self) -> float:
@@ -164,7 +167,51 @@ class GraphCosts:
                           tp_placements=collapse_blocks(two.tp_placements),
                           tp_communication=lin_d(self.tp_communication, two.tp_communication),
                           offloaded_activation_bytes=lin(self.offloaded_activation_bytes,
-                                                         two.offloaded_activation_bytes))
+                                                         two.offloaded_activation_bytes),
+                          gradient_order=_repeat_block(self.gradient_order, two.gradient_order, layers))
+
+
+def _repeat_block(one: list[tuple[int, str]], two: list[tuple[int, str]], layers: int) -> list[tuple[int, str]]:
+    """The gradient order of `layers` blocks from the 1- and 2-block traces' orders: `two` is
+    `one` with one block's gradients inserted somewhere; repeat that run layers - 1 times. A pair
+    that does not read that way (blocks whose gradients interleave) keeps `two`'s order."""
+    m = len(two) - len(one)
+    if m <= 0:
+        return list(two)
+    for p in range(len(one) + 1):
+        if two[:p] == one[:p] and two[p + m:] == one[p:]:
+            return one[:p] + two[p:p + m] * (layers - 1) + one[p:]
+    return list(two)
+
+
+def largest_gradient_bucket(costs: GraphCosts, limit: float) -> float:
+    """Bytes of the largest gradient bucket reduce_gradients makes with `limit` (Config.bucket_mb):
+    it fills buckets in gradient order and closes one once it reaches the limit or the dtype
+    changes, so a bucket holds up to the limit plus one gradient. Without an order (a plan built
+    from costs that lack it): the limit, or every trainable byte if fewer."""
+    if not costs.gradient_order:
+        return min(limit, costs.trainable_bytes)
+    best, size, kind = 0.0, float(limit), None
+    for nbytes, dtype in costs.gradient_order:
+        if size >= limit or dtype != kind:
+            size, kind = 0.0, dtype
+        size += nbytes
+        best = max(best, size)
+    return best
+
+
+def _gradient_order(gm: fx.GraphModule, signature: StepSignature, trainable: set[str]) -> list[tuple[int, str]]:
+    """(bytes, dtype) of the trainable gradients in the order the graph produces them: returned
+    ones (by their producing node, as reduce_gradients sorts them) and those the program steps
+    inside backward (the gradient argument of each optimizer call)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    found = [g for g, s in zip(out_node.args[0], signature.outputs)
+             if s.kind == "grad" and s.target in trainable and isinstance(g, fx.Node)]
+    found += [g for n in step_calls(gm.graph) for g in n.args[3] if isinstance(g, fx.Node)]
+    found.sort(key=order.__getitem__)
+    return [(tensor_bytes(g.meta.get("val")), str(g.meta["val"].dtype)) for g in found
+            if hasattr(g.meta.get("val"), "dtype")]
 
 
 def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec,
@@ -209,6 +256,7 @@ def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec
         master_bytes=master, grad_bytes=float(grad_bytes), stepped_grad_bytes=float(stepped_bytes),
         tp_placements=placed[0], tp_communication={k: float(v) for k, v in placed[1].items()},
         offloaded_activation_bytes=float(sum(signature.offloaded_activations.values())),
+        gradient_order=_gradient_order(gm, signature, trainable),
     )
 
 
@@ -239,7 +287,9 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
         notes.append("the optimizer steps inside backward (step_in_backward): each bucket of gradients is freed "
                      "once its parameters are updated, so the gradients are never all held at once")
     on_disk = moved + (costs.param_bytes / dp if config.offloads_parameters else 0)
-    offloaded = {"disk": int(round(on_disk))} if on_disk else {}
+    # a CUDA device keeps optimizer and parameter offload in pinned host memory unless told "nvme"
+    host_tier = devices[0].kind == "cuda" and config.offload_device != "nvme"
+    offloaded = {"host" if host_tier else "disk": int(round(on_disk))} if on_disk else {}
     if costs.offloaded_activation_bytes:
         where = "host" if devices[0].kind == "cuda" else "disk"
         offloaded[f"activations ({where})"] = int(round(costs.offloaded_activation_bytes))
@@ -258,8 +308,8 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     comm_bytes = sum(communication.values())
     t_comm = comm_bytes / dev.link_bandwidth if dp > 1 and dev.link_bandwidth else 0.0
     fwd, bwd = costs.times.get("forward", 0.0), costs.times.get("backward", 0.0)
-    t_disk = disk_time(dev, moved, costs.param_bytes / dp if config.offloads_parameters else 0.0,
-                       compute=fwd + bwd, t_opt=t_opt)
+    t_disk = 0.0 if host_tier else disk_time(dev, moved, costs.param_bytes / dp if config.offloads_parameters else 0.0,
+                                             compute=fwd + bwd, t_opt=t_opt)
     flops = {"forward": int(round(costs.flops.get("forward", 0))), "backward": int(round(costs.flops.get("backward", 0)))}
     flops["total"] = flops["forward"] + flops["backward"]
 
@@ -484,11 +534,16 @@ def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, 
     step[OPTIMIZER_STATES] = resident_optimizer_states(config, states, offloaded, masters_in_file(costs, config)) \
         + masters
     comm = 0.0
-    if dp > 1 or config.offloads_parameters:  # (one rank with parameter offload "gathers" from files)
-        bucket = config.bucket_mb * 2**20
-        # double-buffered gradient buckets; ZeRO-3: two gathered parameter buckets in flight (a bucket
-        # is bucket_mb of gradients, so as many bytes of working parameters; a larger parameter alone)
-        comm = 2 * bucket if z < 3 else 2 * max(costs.largest_param, min(bucket, costs.param_bytes))
+    bucket = largest_gradient_bucket(costs, config.bucket_mb * 2**20)
+    if dp > 1:
+        # Double-buffered gradient buckets. The planned program holds gradients per parameter (it
+        # is planned before the distributed passes); with several replicas a bucket's gradients
+        # stay full-size until the bucket is complete, and its reduction stages a second one.
+        comm = 2 * bucket
+    if z >= 3 and (dp > 1 or config.offloads_parameters):  # (one rank with parameter offload "gathers" from files)
+        # two gathered parameter buckets in flight (the gradient buckets' parameters, in the
+        # working dtype the gradients have; a larger parameter alone)
+        comm += 2 * max(costs.largest_param, bucket)
     step[COMM_BUFFERS] = comm
     return step
 
