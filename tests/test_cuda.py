@@ -315,6 +315,76 @@ def test_activation_offload_to_pinned_host_memory_trains_like_keeping_them(tmp_p
 
 
 # --------------------------------------------------------------------------------------------
+# Optimizer and parameter offload to pinned host memory (runtime/host_tier.py)
+# --------------------------------------------------------------------------------------------
+
+def _host_tier_steps(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **cfg: Any) -> tuple[fxspeed.Engine, list[float]]:
+    """3 steps of the GPT of this tier with `cfg`; a dry run lets the CPU run the host tier."""
+    if _DRY_RUN:
+        monkeypatch.setenv("FXSPEED_HOST_TIER_ON_CPU", "1")
+    if cfg.get("offload_device") == "nvme":
+        cfg["nvme_path"] = str(tmp_path)
+    model, batch = build("gpt")
+    return fxspeed_steps(model, batch, fxspeed.Config(lr=1e-3, bucket_mb=1, **cfg))
+
+
+def _pinned(engine: fxspeed.Engine) -> None:
+    """On a GPU: the optimizer's staging and resident states are pinned host tensors."""
+    opt = engine.optimizer
+    assert opt.stats["host_tier"], opt.stats
+    if not _DRY_RUN:
+        assert engine._link.cuda and all(st.grads.is_pinned() and st.weights.is_pinned() for st in opt._staging)
+        assert all(buf.is_pinned() for _, buf in opt._resident)
+
+
+def test_fp32_optimizer_offload_to_pinned_host_memory_trains_like_no_offload(monkeypatch: pytest.MonkeyPatch,
+                                                                              tmp_path: Path) -> None:
+    """Adam's moments in pinned host memory, the step on the host (torch's fused CPU Adam over the
+    weights and gradients copied in, the new weights copied back): the losses and weights of the
+    run without offload (CUDA's fused Adam: the same update rule, within its rounding), and bit
+    for bit those of the files tier (offload_device="nvme": the same host step)."""
+    plain, want = _host_tier_steps(monkeypatch, tmp_path)
+    host, got = _host_tier_steps(monkeypatch, tmp_path, offload="optimizer", offload_device="cpu")
+    files, again = _host_tier_steps(monkeypatch, tmp_path, offload="optimizer", offload_device="nvme")
+    _pinned(host)
+    assert host.optimizer.swap is None and files.optimizer.stats["chunks"] > 0
+    assert got == again and host._link.stats["to_device_bytes"] > 0
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_close_rel(a, b, f"loss at step {i}", FP32_RTOL)
+    sh, sp, sf = host.state_dict(), plain.state_dict(), files.state_dict()
+    for name in sp:
+        assert_close_rel(sh[name].cpu(), sp[name].cpu(), name, FP32_RTOL * 10)
+        assert torch.equal(sh[name], sf[name]), name
+    assert all(p.device == DEVICE for p in host.model.parameters())
+
+
+def test_bf16_zero_3_masters_and_working_shards_in_pinned_host_memory_train_like_the_files_tier(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """ZeRO-3 under bf16 on one device: the fp32 masters and moments on the host (each reduced
+    bucket stepped there inside backward), and the working shards on the host too, copied to the
+    device one bucket ahead of their gathers. The optimizer tier trains like the files tier (the
+    same program and host step; attention's backward may differ in the last bits between runs);
+    the parameter tier (masters and torch's CUDA Adam on the device) close to it."""
+    cfg = dict(zero=3, precision="bf16")
+    files, want = _host_tier_steps(monkeypatch, tmp_path, offload="optimizer", offload_device="nvme", **cfg)
+    host, got = _host_tier_steps(monkeypatch, tmp_path, offload="optimizer", offload_device="cpu", **cfg)
+    shards, theirs = _host_tier_steps(monkeypatch, tmp_path, offload="parameters", offload_device="cpu", **cfg)
+    _pinned(host)
+    assert host._in_backward is not None and host._in_backward.calls > 0
+    fetched = shards._flat.files
+    assert fetched.host is not None and fetched.stats["fetches"] >= 3 * 2 * len(shards._flat.buckets)
+    assert all(t.untyped_storage().nbytes() == 0 for t in shards._flat.work_shards)
+    if not _DRY_RUN:
+        assert all(h.is_pinned() for h in fetched.host)
+    for i, (a, b, c) in enumerate(zip(got, want, theirs)):
+        assert_close_rel(a, b, f"loss at step {i} (host tier vs files)", 1e-5)
+        assert_close_rel(c, b, f"loss at step {i} (working shards on the host)", 2e-3)
+    sh, sf = host.state_dict(), files.state_dict()
+    for name in sf:
+        assert_close_rel(sh[name].cpu(), sf[name].cpu(), name, 1e-4)
+
+
+# --------------------------------------------------------------------------------------------
 # FlashAttention for low-precision attention (passes/graph/select_attention_kernel.py)
 # --------------------------------------------------------------------------------------------
 
