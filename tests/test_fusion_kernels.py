@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from conftest import assert_close_rel, check_parity, rel_err
+from conftest import assert_close_rel, assert_models_match, check_parity, fxspeed_train, rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -41,7 +41,8 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED_TESTS = ("test_layer_norm_kernels_return_what_native_layer_norm_and_its_backward_return",
                      "test_rms_norm_kernels_match_fused_rms_norm_and_autograd_through_it",
-                     "test_a_transformer_trained_with_fused_norms_has_no_aten_norms_left_and_matches_eager")
+                     "test_a_transformer_trained_with_fused_norms_has_no_aten_norms_left_and_matches_eager",
+                     "test_nn_rms_norm_on_cpu_is_fused_and_trains_like_eager")
 
 aten = torch.ops.aten
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -255,6 +256,219 @@ def test_rms_norm_ops_are_replaced_and_the_rewritten_graph_computes_their_gradie
     ref_gx, ref_gw = torch.autograd.grad(ref, vals[:2], vals[2])
     for name, a, r in zip(("out", "grad_input", "grad_weight"), got, (ref.detach(), ref_gx, ref_gw)):
         assert_close_rel(a, r, name)
+
+
+# --- RMSNorm written out in ATen ops (passes/graph/rms_norm_pattern.py) ---------------------------
+
+RMS_TARGETS = ("fxspeed.rms_norm_fwd.default", "fxspeed.rms_norm_bwd.default")
+
+
+def count_targets(gm: torch.fx.GraphModule) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            out[str(n.target)] = out.get(str(n.target), 0) + 1
+    return out
+
+
+def step_inputs(step, model: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The captured step's inputs, bound by their signature (parameters, buffers, then the batch)."""
+    batch = [*args, *kwargs.values()]
+    bind = {"param": model.get_parameter, "buffer": model.get_buffer, "input": lambda t: batch[int(t)]}
+    return [bind[s.kind](s.target).detach() for s in step.captured.signature.inputs]
+
+
+def run_step(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    out = gm(*inputs)
+    return list(out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out)
+
+
+def fuse_in_place(step) -> None:
+    """Run fuse_kernels on a step compiled without it (the same program, so the same values)."""
+    ctx = PassContext(signature=step.captured.signature, module_of=dict(step.captured.module_of),
+                      options=PassOptions(fuse_kernels="always"))
+    fuse_kernels(step.captured.gm, ctx)
+    step.captured.gm.recompile()
+
+
+def tiny_hf(kind: str, layers: int = 2) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    make = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]
+    cfg = make[0](vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32)
+    return make[1](cfg)
+
+
+def rms_modules(model: nn.Module) -> int:
+    return sum(type(m).__name__.endswith("RMSNorm") for m in model.modules())
+
+
+def hf_batches(steps: int = 3) -> list[dict[str, torch.Tensor]]:
+    return [{"input_ids": (i := torch.randint(0, 64, (2, 8))), "labels": i} for _ in range(steps)]
+
+
+def test_hf_llama_s_written_out_rms_norms_become_one_fused_pair_each_with_the_same_loss_and_gradients(
+        monkeypatch) -> None:
+    """Forward and backward of each LlamaRMSNorm (pow, mean, add, rsqrt, mul, mul and a dozen
+    backward ops) -> fxspeed.rms_norm_fwd / _bwd; the step's loss and every gradient equal
+    the unfused program's; the planner sees fewer activation bytes and a lower peak."""
+    monkeypatch.setenv("FXSPEED_FUSE_ON_CPU", "1")
+    model, batch = tiny_hf("llama"), hf_batches(1)[0]
+    step = compile_step(model, (), batch, config=fxspeed.Config(disable_passes=("fuse_kernels",)), loss_fn=None)
+    inputs = step_inputs(step, model, (), batch)
+    plain = run_step(step.captured.gm, inputs)
+    fuse_in_place(step)
+    counts = count_targets(step.captured.gm)
+    norms_n = rms_modules(model)
+    assert norms_n == 5 and "aten.rsqrt.default" not in counts, counts
+    assert [counts.get(t, 0) for t in RMS_TARGETS] == [norms_n, norms_n]
+    fused = run_step(step.captured.gm, inputs)
+    names = ["loss", *(s.target for s in step.captured.signature.outputs[1:])]
+    for name, a, b in zip(names, fused, plain, strict=True):
+        assert_close_rel(a, b, name, 1e-5)
+
+    def planned(disable: tuple[str, ...]) -> fxspeed.Plan:
+        return fxspeed.plan(model, 1, fxspeed.Config(disable_passes=disable), example_inputs=batch)
+
+    with_fusion, without = planned(()), planned(("fuse_kernels",))
+    assert with_fusion.memory(0)["activations"] < without.memory(0)["activations"]
+    assert with_fusion.peak_memory(0) < without.peak_memory(0)
+
+
+@pytest.mark.parametrize("kind,precision,rtol", [("llama", "fp32", 1e-5), ("mistral", "bf16", 1e-4)])
+def test_hf_models_with_fused_rms_norms_train_like_the_unfused_program(monkeypatch, kind, precision, rtol) -> None:
+    """Three AdamW steps: losses and updated parameters of the fused program equal the unfused
+    one's (bf16: the norms stay fp32 under insert_casts, so only summation order differs)."""
+    model, batches = tiny_hf(kind, layers=1), hf_batches()
+    config = fxspeed.Config(precision=precision, optimizer="adamw", lr=1e-3)
+    plain_model = copy.deepcopy(model)
+    monkeypatch.setenv("FXSPEED_FUSE_ON_CPU", "1")
+    engine, losses = fxspeed_train(model, batches, config)
+    assert any(p["name"] == "fuse_kernels" and p["modified"] for p in engine.plan.passes)
+    monkeypatch.delenv("FXSPEED_FUSE_ON_CPU")
+    _, plain_losses = fxspeed_train(plain_model, batches, config)
+    for i, (a, b) in enumerate(zip(losses, plain_losses)):
+        assert_close_rel(a, b, f"loss at step {i}", rtol)
+    assert_models_match(model, plain_model, rtol)
+
+
+def test_nn_rms_norm_on_cpu_is_fused_and_trains_like_eager(monkeypatch) -> None:
+    """nn.RMSNorm decomposes on CPU (mean over [2], add.Scalar, eps = fp32's machine epsilon,
+    weight on the right): the same matcher fuses it; three SGD steps equal eager's."""
+    monkeypatch.setenv("FXSPEED_FUSE_ON_CPU", "1")
+    model, x = RMSNormMLP(), torch.randn(3, 5, 64)
+    step = compile_step(copy.deepcopy(model), (x,), {}, config=fxspeed.Config(), loss_fn=None)
+    counts = count_targets(step.captured.gm)
+    assert "aten.rsqrt.default" not in counts and [counts.get(t, 0) for t in RMS_TARGETS] == [1, 1], counts
+    launches = []
+    kernels = norms._kernels
+    monkeypatch.setattr(norms, "_kernels", lambda: launches.append(1) or kernels())
+    check_parity(model, [(torch.randn(3, 5, 64),) for _ in range(3)], fxspeed.Config(optimizer="sgd", lr=0.1))
+    if _INTERPRETING and norms.triton_available():  # in the interpreted run, the Triton kernels trained it
+        assert len(launches) >= 6, launches
+
+
+class WrittenOutRMSNorm(nn.Module):
+    """An RMSNorm as people write it; `form` "hf" is the matched one, the others are not RMSNorm."""
+
+    def __init__(self, n: int, weight: bool, eps: float, form: str, cast: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(n)) if weight else None
+        self.eps, self.form, self.cast = eps, form, cast
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32) if self.cast else x
+        if self.form == "mean_over_dim_0":
+            var = h.pow(2).mean(0, keepdim=True)
+        elif self.form == "fourth_power":
+            var = h.pow(4).mean(-1, keepdim=True)
+        else:
+            var = h.pow(2).mean(-1, keepdim=True)
+        r = torch.rsqrt(var) + self.eps if self.form == "eps_after_rsqrt" else torch.rsqrt(var + self.eps)
+        h = h * r
+        if self.cast:
+            h = h.to(dtype)
+        return self.weight * h if self.weight is not None else h
+
+
+class NormNet(nn.Module):
+    """Linear -> written-out RMSNorm (applied `uses` times, its weight shared) -> head(s)."""
+
+    def __init__(self, n: int, norm: WrittenOutRMSNorm, uses: int, output_twice: bool, low_input: bool) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(8, n), norm, nn.Linear(n, 4)
+        self.c = nn.Linear(n, n) if uses > 1 else None
+        self.d = nn.Linear(n, 4) if output_twice else None
+        self.low_input = low_input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.low_input:
+            h = h.to(torch.bfloat16)  # the norm's casts are real: x low, the arithmetic fp32
+        y = self.norm(h)
+        if self.c is not None:
+            y = self.norm(self.c(y.float()) + h.float())  # the weight read twice: a tied gradient
+        out = self.b(y.float())
+        if self.d is not None:
+            out = out + self.d(y.float()).relu()  # the norm's output read twice: its gradient is a sum
+        return out.pow(2).mean()
+
+
+FORMS = ("hf", "hf", "mean_over_dim_0", "fourth_power", "eps_after_rsqrt")
+
+
+@settings(max_examples=25, deadline=None)
+@given(form=st.sampled_from(FORMS), weight=st.booleans(), eps=st.sampled_from([1e-6, 1e-5, 0.1]),
+       cast=st.booleans(), uses=st.sampled_from([1, 2]), output_twice=st.booleans(),
+       lead=st.sampled_from([(6,), (2, 3)]), n=st.sampled_from([1, 16]))
+def test_written_out_rms_norms_are_fused_exactly_when_they_are_rms_norms_and_compute_the_same(
+        form, weight, eps, cast, uses, output_twice, lead, n) -> None:
+    """Random small nets: the pass's program gives the unfused program's loss and gradients
+    (whether it fused or not), fuses every RMSNorm of the matched form (one fused pair per
+    application), and leaves the other forms' rsqrt and everything around it alone."""
+    torch.manual_seed(0)
+    model = NormNet(n, WrittenOutRMSNorm(n, weight, eps, form, cast), uses, output_twice, low_input=cast)
+    x = torch.randn(*lead, 8)
+    step = compile_step(model, (x,), {}, config=fxspeed.Config(disable_passes=("fuse_kernels",)), loss_fn=None)
+    inputs = step_inputs(step, model, (x,), {})
+    before = count_targets(step.captured.gm)
+    plain = run_step(step.captured.gm, inputs)
+    fuse_in_place(step)
+    after = count_targets(step.captured.gm)
+    fused = run_step(step.captured.gm, inputs)
+    # n = 1: autograd drops the sum over a one-element dim, a form never seen in a model: untouched
+    if form == "hf" and n > 1:
+        assert "aten.rsqrt.default" not in after and [after.get(t, 0) for t in RMS_TARGETS] == [uses, uses], after
+    else:
+        assert after == before, "a form that is not matched was rewritten"
+    names = ["loss", *(s.target for s in step.captured.signature.outputs[1:])]
+    # fp32 arithmetic either way; with the low-precision input a rounding of h to bf16 may flip
+    rtol = 1e-3 if cast else 1e-5
+    for name, a, b in zip(names, fused, plain, strict=True):
+        assert_close_rel(a, b, name, rtol)
+
+
+def test_a_recomputed_norm_is_fused_in_its_forward_and_in_its_recomputation(monkeypatch) -> None:
+    """Activation checkpointing (HF gradient_checkpointing_enable): recompute_checkpointed
+    copies the layer's norms into backward; fuse_kernels runs after it and fuses the first
+    forward (forward only) and the recomputed copy with its backward; training is unchanged."""
+    monkeypatch.setenv("FXSPEED_FUSE_ON_CPU", "1")
+    model = tiny_hf("llama", layers=1)
+    model.gradient_checkpointing_enable()
+    model.train()
+    batch = hf_batches(1)[0]
+    step = compile_step(model, (), batch, config=fxspeed.Config(disable_passes=("fuse_kernels",)), loss_fn=None)
+    inputs = step_inputs(step, model, (), batch)
+    plain = run_step(step.captured.gm, inputs)
+    fuse_in_place(step)
+    counts = count_targets(step.captured.gm)
+    # 3 norms; the layer's 2 run twice (forward, recomputation), only the recomputation has a backward
+    assert "aten.rsqrt.default" not in counts and [counts.get(t, 0) for t in RMS_TARGETS] == [5, 3], counts
+    for a, b in zip(run_step(step.captured.gm, inputs), plain, strict=True):
+        assert_close_rel(a, b, "checkpointed step output", 1e-5)
 
 
 # --- the cuda tier ----------------------------------------------------------------------------

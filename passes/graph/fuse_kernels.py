@@ -14,10 +14,18 @@ the same arguments and outputs; everything else is left alone.
 and aten._fused_rms_norm / aten._fused_rms_norm_backward (what F.rms_norm and nn.RMSNorm
 dispatch to for CUDA tensors) -> fxspeed.rms_norm_fwd / fxspeed.rms_norm_bwd. A backward whose
 output_mask asks for something other than (input gradient, weight gradient if there is a weight,
-bias gradient if there is a bias) is left to ATen. RMSNorm written out in Python (Hugging Face's
-LlamaRMSNorm: pow, mean, add eps, rsqrt, mul, mul by weight, with casts; and nn.RMSNorm on CPU,
-which decomposes the same way) is not matched yet: its backward is a dozen ATen ops whose form
-depends on the casts (docs/decisions/fusion-pass.md).
+bias gradient if there is a bias) is left to ATen.
+
+RMSNorm written out in ATen ops (Hugging Face's LlamaRMSNorm / MistralRMSNorm / Qwen2RMSNorm,
+and nn.RMSNorm / F.rms_norm on CPU, which decompose the same way) is matched as a region,
+forward and backward, by passes/graph/rms_norm_pattern.py:
+
+    before:  r = rsqrt(add(mean(pow(x, 2), [-1], True), eps)); h = mul(x, r); y = mul(w, h)
+             ... a dozen backward ops reading x, r and h ...
+    after:   f = fxspeed.rms_norm_fwd(x, [N], w, eps); y = getitem(f, 0); rstd = getitem(f, 1)
+             b = fxspeed.rms_norm_bwd(dy, x, [N], rstd, w)   # input gradient, weight gradient
+
+so backward keeps x and rstd only. Exact forms only; anything else is left as it is.
 
 Costs: the annotate analysis (rerun after this pass) reads the custom op's inputs and outputs
 like any node's, so each fused node reads x (+ weight, bias) and writes out, mean, rstd, as
@@ -39,6 +47,8 @@ import torch.fx as fx
 
 from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
 from fxspeed.compiler.rewrite import call, wanted_on
+
+from .rms_norm_pattern import fuse_rms_norms
 
 aten = torch.ops.aten
 
@@ -125,5 +135,8 @@ def fuse_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             if u.target is operator.getitem:
                 u.meta["val"] = new.meta["val"][u.args[1]]
         g.erase_node(n)
+        changed = True
+    # after the one-for-one swaps: the written-out norms have no ATen norm op for them to touch
+    if fuse_rms_norms(g, ctx.module_of):
         changed = True
     return PassResult(gm, modified=changed)
