@@ -171,7 +171,7 @@ class GraphCosts:
                           gradient_order=_repeat_block(self.gradient_order, two.gradient_order, layers))
 
 
-def _repeat_block(one: list[tuple[int, str]], two: list[tuple[int, str]], layers: int) -> list[tuple[int, str]]:
+def _repeat_block(one: list[tuple[int, str]], two: list[tuple[int, str]], layers: float) -> list[tuple[int, str]]:
     """The gradient order of `layers` blocks from the 1- and 2-block traces' orders: `two` is
     `one` with one block's gradients inserted somewhere; repeat that run layers - 1 times. A pair
     that does not read that way (blocks whose gradients interleave) keeps `two`'s order."""
@@ -180,7 +180,7 @@ def _repeat_block(one: list[tuple[int, str]], two: list[tuple[int, str]], layers
         return list(two)
     for p in range(len(one) + 1):
         if two[:p] == one[:p] and two[p + m:] == one[p:]:
-            return one[:p] + two[p:p + m] * (layers - 1) + one[p:]
+            return one[:p] + two[p:p + m] * max(1, round(layers) - 1) + one[p:]
     return list(two)
 
 
