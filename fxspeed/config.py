@@ -112,13 +112,14 @@ class Config:
     # "optimizer": Adam's moments live off the device and are stepped there (ZeRO-Offload /
     # ZeRO-Infinity); under bf16/fp16 with zero >= 1 the fp32 master weights go with them and the
     # device keeps the working copies and gradients. "parameters" (ZeRO-Infinity, zero=3 under
-    # bf16/fp16): each rank's low-precision working shards live in files and are read back one
-    # bucket ahead of their gather; "activations": the activations forward saves for backward
+    # bf16/fp16): each rank's low-precision working shards live off the device and are read back
+    # one bucket ahead of their gather; "activations": the activations forward saves for backward
     # leave the device after forward makes them and come back ahead of backward's readers
     # (pinned host memory on a CUDA device, files on a CPU one); "all": the three. Where:
-    # offload_device "nvme" (files under nvme_path; any device, the CPU included), "cpu" (host
-    # memory; only meaningful for a CUDA device), "auto" (files on a CPU device, host memory for
-    # activations on a CUDA one).
+    # offload_device "nvme" (files under nvme_path; any device, the CPU included; activations on
+    # a CUDA device not yet), "cpu" (pinned host memory, the optimizer stepping on the host; only
+    # meaningful for a CUDA device), "auto" (files on a CPU device, pinned host memory on a CUDA
+    # one).
     offload: str = "none"
     offload_device: str = "auto"
     nvme_path: str | None = None  # a directory on a local disk for offload_device="nvme"

@@ -95,7 +95,8 @@ class DeviceLink:
         self.stats["to_device_bytes"] += src.numel() * src.element_size()
         if not self.cuda:
             return src.clone(), None
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        # No wait for the current stream: the source is host memory the host wrote synchronously,
+        # and the copy of the next bucket should start while this one's gather and compute run.
         with torch.cuda.stream(self.stream):
             out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
             out.copy_(src, non_blocking=True)

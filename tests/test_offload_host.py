@@ -205,6 +205,7 @@ def test_the_plan_of_a_cuda_device_shows_the_states_in_host_memory_and_no_disk_t
                         example_inputs=(ids, ids))
     files = fxspeed.plan(model, gpus, fxspeed.Config(offload="optimizer", offload_device="nvme",
                                                      nvme_path=str(tmp_path)), example_inputs=(ids, ids))
+    auto = fxspeed.plan(model, gpus, fxspeed.Config(offload="optimizer"), example_inputs=(ids, ids))
     n = sum(p.numel() for p in model.parameters())
-    assert host.offloaded == {"host": 8 * n} and files.offloaded == {"disk": 8 * n}
+    assert host.offloaded == auto.offloaded == {"host": 8 * n} and files.offloaded == {"disk": 8 * n}
     assert "off the device: host" in host.summary() and "disk" not in host.time
