@@ -372,6 +372,8 @@ def rewrite(graph: fx.Graph, mt: RMSNormMatch, module_of: dict[str, str]) -> boo
     for m in sorted(set(region), key=order.__getitem__, reverse=True):  # readers first
         if not m.users:
             graph.erase_node(m)
+    if not rstd.users:  # a norm without backward (inference, a checkpointed layer's first forward)
+        graph.erase_node(rstd)
     return True
 
 
