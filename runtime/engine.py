@@ -1482,10 +1482,12 @@ class Engine:
                         for name in b.names:
                             out.setdefault(name, {})[key] = v.clone() if torch.is_tensor(v) else torch.tensor(v)
                         continue
-                    full = torch.empty(b.padded, dtype=v.dtype, device=v.device)
-                    gather_into(full, v.contiguous(), flat.group, flat.world)
+                    # Gathered on the device the collective runs on; the host tier's states
+                    # (host tensors) come back to the host, one bucket on the device at a time.
+                    full = torch.empty(b.padded, dtype=v.dtype, device=flat.shards[k].device)
+                    gather_into(full, v.to(full.device).contiguous(), flat.group, flat.world)
                     for name, shape, off in zip(b.names, b.shapes, b.offsets):
-                        t = full[off:off + _numel(shape)].view(shape).clone()
+                        t = full[off:off + _numel(shape)].view(shape).to(v.device, copy=True)
                         # a tp slice's state -> the full tensor (collective over tp)
                         out.setdefault(name, {})[key] = self._tp.gather_like(self._params[name], t) if self._tp else t
             return out
