@@ -26,7 +26,7 @@ norm in fp32, so bf16 programs show the same region with casts only around it):
 so backward reads x and rstd instead of x, rstd, h (and pow(x, 2) is never kept). Muls are
 matched in either operand order (IEEE multiplication commutes exactly); anything else — another
 reduction dim, another exponent, eps after the rsqrt, an intermediate read by a node outside the
-pattern, mixed dtypes — leaves the norm untouched.
+pattern, a region not in fp32, mixed dtypes — leaves the norm untouched.
 
 Why the rewrite is exact (structural proof, no numeric check at compile time): with
 xhat = x r, t1 + t2 = gh r + (-1/2 s r^3 / N) 2 x = r (gh - xhat sum(gh xhat) / N), which is
@@ -52,7 +52,10 @@ import torch.fx as fx
 from fxspeed.compiler.rewrite import call
 
 aten = torch.ops.aten
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# Every captured region is fp32 (capture is fp32; insert_casts keeps norms fp32). A region computed
+# in bf16/fp16 (a low-precision model whose norm does not upcast) was never seen: the fused
+# kernels would compute it in fp32, which is a different result, so it is left alone.
+_FLOATS = (torch.float32,)
 
 
 @dataclass
