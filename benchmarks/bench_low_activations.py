@@ -9,8 +9,8 @@ Each (batch, variant) runs in its own process (benchmarks/one_process_pairs.py):
 built, the kernel's peak counter reset, the engine compiled and --steps AdamW steps run;
 growth = VmHWM - VmRSS at the reset (compile included). Rounds alternate the order; step time is
 the median over rounds and steps; the losses of both variants are printed (they differ in the
-last digits: backward's elementwise ops round to bf16 as under autocast). On a CPU the default
-(low_activations=None) is "fp32"; on CUDA it is "low".
+last digits: backward's elementwise ops round to bf16 as under autocast). The default
+(low_activations=True) is "low" on every device.
 """
 
 from __future__ import annotations

@@ -129,9 +129,9 @@ class Config:
     fp32_modules: tuple[str, ...] = ()  # module paths (prefixes) kept in fp32 under bf16/fp16
     # bf16/fp16: what a low-precision matmul makes stays low through the activations, dropout,
     # views and products that follow it, forward and backward, as under eager autocast (half the
-    # bytes those ops move and backward keeps). None: on CUDA programs; True: any device (CPU
-    # too); False: every value outside matmul/conv/attention in fp32 (passes/graph/keep_activations_low).
-    low_activations: bool | None = None
+    # bytes those ops move and backward keeps), on every device; False: every value outside
+    # matmul/conv/attention in fp32 (passes/graph/keep_activations_low).
+    low_activations: bool = True
     # dtype gradients are reduced (and, under master weights, held) in across ranks. "auto": their own
     # dtype, which is the working precision (bf16/fp16) where ZeRO-1/2/3 keep the fp32 master in
     # the partition (the ZeRO paper's layout), fp32 otherwise; "fp32" keeps fp32 gradients there too.
@@ -196,7 +196,7 @@ class Config:
         _positive("momentum", self.momentum, allow_zero=True)
         _positive("bucket_mb", self.bucket_mb)
         _choice("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
-        _choice("low_activations", self.low_activations, (None, True, False))
+        _choice("low_activations", self.low_activations, (True, False))
         if self.loss_scale is not None:
             _positive("loss_scale", self.loss_scale)
         _positive_int("loss_scale_window", self.loss_scale_window)

@@ -41,9 +41,10 @@ def casts_up(gm: torch.fx.GraphModule) -> int:
 
 def test_gelu_and_the_attention_views_run_in_bf16_and_layer_norms_still_read_fp32() -> None:
     x, y = batch()
-    on = compile_step(tiny_gpt(), (x, y), {}, config=fxspeed.Config(precision="bf16", low_activations=True), loss_fn=None)
-    off = compile_step(tiny_gpt(), (x, y), {}, config=fxspeed.Config(precision="bf16"), loss_fn=None)
-    assert "keep_activations_low" not in [r.name for r in off.records if r.modified]  # CPU default: off
+    on = compile_step(tiny_gpt(), (x, y), {}, config=fxspeed.Config(precision="bf16"), loss_fn=None)  # the default
+    off = compile_step(tiny_gpt(), (x, y), {}, config=fxspeed.Config(precision="bf16", low_activations=False),
+                       loss_fn=None)
+    assert "keep_activations_low" not in [r.name for r in off.records if r.modified]
     assert any(r.name == "keep_activations_low" and r.modified for r in on.records)
     nodes = [n for n in on.captured.gm.graph.nodes if n.op == "call_function"]
     gelus = [n for n in nodes if n.target in (aten.gelu.default, aten.gelu_backward.default)]
@@ -112,7 +113,7 @@ def test_config_low_activations_false_or_disabling_the_pass_by_name_keeps_the_gr
         step = compile_step(tiny_gpt(), (x, y), {}, config=config, loss_fn=None)
         gelu = next(n for n in step.captured.gm.graph.nodes if n.target is aten.gelu.default)
         assert dtype_of(gelu) == torch.float32
-    assert PassOptions.single_device(fxspeed.Config(precision="bf16")).low_activations == "cuda"
+    assert PassOptions.single_device(fxspeed.Config(precision="bf16")).low_activations == "always"
     with pytest.raises(fxspeed.ConfigError, match="low_activations"):
         fxspeed.Config(low_activations="yes")
 

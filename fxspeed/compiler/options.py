@@ -90,9 +90,9 @@ class PassOptions:
     # "always" fuses any program (FXSPEED_FUSE_ON_CPU=1: tests, where the kernels run under
     # TRITON_INTERPRET=1 or as their torch fallback), "off" never. See fuse_kernels_mode().
     fuse_kernels: str = "cuda"
-    # keep_activations_low (Config.low_activations): "cuda" on programs whose tensors are on CUDA,
-    # "always", "off"
-    low_activations: str = "cuda"
+    # keep_activations_low (Config.low_activations): "always" (the default), "cuda" on programs
+    # whose tensors are on CUDA, "off"
+    low_activations: str = "always"
     # chunk_cross_entropy (passes/memory/chunk_cross_entropy.py: vocabulary projection + cross-
     # entropy in chunks of rows, gradients computed in forward): "auto" where the fp32 logits
     # would take at least chunk_cross_entropy_min_bytes, "always", "off".
@@ -287,8 +287,10 @@ FUSE_MODES = ("cuda", "always", "off")
 
 
 def low_activations_mode(config: Config) -> str:
-    """PassOptions.low_activations from Config.low_activations (None: on CUDA programs)."""
-    return {None: "cuda", True: "always", False: "off"}[config.low_activations]
+    """PassOptions.low_activations from Config.low_activations (True, the default: every program;
+    it was CUDA programs only until the plan counted ZeRO-3's gradient buckets,
+    docs/decisions/keep-activations-low.md)."""
+    return "always" if config.low_activations else "off"
 
 
 def fuse_kernels_mode() -> str:

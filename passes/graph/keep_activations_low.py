@@ -32,7 +32,7 @@ elementwise kernels compute in fp32 and round the result once); a forward chain 
 the next matmul gives the same values as before (the matmul rounded them anyway).
 
 Options read from ctx.options: precision ("bf16" | "fp16"; "fp32" does nothing), low_activations
-("cuda": programs on CUDA, the default, Config.low_activations=None; "always"; "off").
+("always", the default, Config.low_activations=True; "cuda": programs on CUDA only; "off").
 why: docs/decisions/keep-activations-low.md
 """
 
