@@ -17,40 +17,22 @@ from __future__ import annotations
 
 import argparse
 
-from one_process_pairs import add_model_args, compare_batches, run_child, write_json
+from one_process_pairs import add_model_args, child_script, compare_batches, run_child, write_json
 
-# The argv layout of one_process_pairs' children (variant, arg, batch, seq, vocab, layers, width,
-# steps, threads); the model is HF's LlamaForCausalLM instead of fxspeed's GPT.
-CHILD = r"""
-import json, sys, time, torch
-import fxspeed
+LLAMA = r"""
 from transformers import LlamaConfig, LlamaForCausalLM
-variant, arg = sys.argv[1], sys.argv[2]
-batch, seq, vocab, layers, width, steps, threads = map(int, sys.argv[3:10])
-torch.set_num_threads(threads)
-torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=width * 8 // 3,
                                      num_hidden_layers=layers, num_attention_heads=max(1, width // 64),
                                      num_key_value_heads=max(1, width // 128), max_position_embeddings=seq))
 x = torch.randint(0, vocab, (batch, seq))
-def kb(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-open("/proc/self/clear_refs", "w").write("5")
-base = kb("VmRSS")
-cfg = fxspeed.Config(optimizer="adamw", lr=1e-4, disable_passes=("fuse_kernels",) if variant == "unfused" else ())
-engine = fxspeed.compile(model, 1, cfg, example_inputs={"input_ids": x, "labels": x})
-times, losses = [], []
-for _ in range(steps):
-    t = time.perf_counter(); losses.append(engine.train_step(input_ids=x, labels=x)); times.append(time.perf_counter() - t)
-nodes = [str(n.target) for n in engine.graph().graph.nodes if n.op == "call_function"]
-report = {"growth_MB": (kb("VmHWM") - base) / 1024, "times": times[1:], "losses": losses,
-          "plan_peak_MB": engine.plan.peak_memory(0) / 2**20,
-          "plan_activations_MB": engine.plan.memory(0)["activations"] / 2**20,
-          "fused_pairs": nodes.count("fxspeed.rms_norm_bwd.default"), "rsqrt": nodes.count("aten.rsqrt.default")}
-print(json.dumps(report))
 """
+CHILD = child_script(
+    'cfg = fxspeed.Config(optimizer="adamw", lr=1e-4, disable_passes=("fuse_kernels",) if variant == "unfused" else ())',
+    'nodes = [str(n.target) for n in engine.graph().graph.nodes if n.op == "call_function"]\n'
+    'report.update(plan_peak_MB=engine.plan.peak_memory(0) / 2**20, '
+    'plan_activations_MB=engine.plan.memory(0)["activations"] / 2**20, '
+    'fused_pairs=nodes.count("fxspeed.rms_norm_bwd.default"), rsqrt=nodes.count("aten.rsqrt.default"))',
+    model=LLAMA, inputs='{"input_ids": x, "labels": x}', call="input_ids=x, labels=x")
 
 
 def main() -> None:

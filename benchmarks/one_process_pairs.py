@@ -1,5 +1,6 @@
 """What the one-process A/B benchmarks share (bench_chunk_cross_entropy.py,
-bench_activation_offload.py, bench_low_activations.py): each (batch, variant) runs in its own process, which builds a GPT,
+bench_activation_offload.py, bench_low_activations.py, bench_fuse_rms_norm.py): each (batch,
+variant) runs in its own process, which builds a model (fxspeed's GPT unless told otherwise),
 resets the kernel's peak counter (/proc/self/clear_refs), compiles and trains --steps steps and
 prints one JSON line (peak RSS growth = VmHWM - VmRSS at the reset, step times without the
 first, losses, plus what the benchmark's own code adds); rounds alternate the variants' order so
@@ -17,16 +18,21 @@ import sys
 import time
 from typing import Any
 
-_HEAD = r"""
+_PRELUDE = r"""
 import json, sys, time, torch
 import fxspeed
-from fxspeed.models import GPT, GPTConfig
 variant, arg = sys.argv[1], sys.argv[2]
 batch, seq, vocab, layers, width, steps, threads = map(int, sys.argv[3:10])
 torch.set_num_threads(threads)
 torch.manual_seed(0)
+"""
+# The default model: fxspeed's GPT on next-token batches, trained as engine.train_step(x, y).
+GPT_MODEL = r"""
+from fxspeed.models import GPT, GPTConfig
 model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=max(1, width // 64), n_embd=width))
 x = torch.randint(0, vocab, (batch, seq)); y = torch.roll(x, 1, 1)
+"""
+_RESET = r"""
 def kb(field):
     for line in open("/proc/self/status"):
         if line.startswith(field + ":"):
@@ -35,18 +41,22 @@ open("/proc/self/clear_refs", "w").write("5")
 base = kb("VmRSS")
 """
 _STEPS = r"""
-engine = fxspeed.compile(model, 1, cfg, example_inputs=(x, y))
+engine = fxspeed.compile(model, 1, cfg, example_inputs=INPUTS)
 times, losses = [], []
 for _ in range(steps):
-    t = time.perf_counter(); losses.append(engine.train_step(x, y)); times.append(time.perf_counter() - t)
+    t = time.perf_counter(); losses.append(engine.train_step(CALL)); times.append(time.perf_counter() - t)
 report = {"growth_MB": (kb("VmHWM") - base) / 1024, "times": times[1:], "losses": losses}
 """
 
 
-def child_script(config: str, report: str = "") -> str:
-    """The child's code: `config` sets `cfg` (a fxspeed.Config) from `variant` and `arg`; `report`
-    adds keys to the dict `report` after training (`engine` is there)."""
-    return _HEAD + config + "\n" + _STEPS + report + "\nprint(json.dumps(report))\n"
+def child_script(config: str, report: str = "", model: str = GPT_MODEL, inputs: str = "(x, y)",
+                 call: str = "x, y") -> str:
+    """The child's code: `model` builds `model` and its batch (default GPT_MODEL: x, y) from the
+    argv sizes; `config` sets `cfg` (a fxspeed.Config) from `variant` and `arg`; the engine is
+    compiled with example_inputs=`inputs` and trained with train_step(`call`); `report` adds keys
+    to the dict `report` after training (`engine` is there)."""
+    steps = _STEPS.replace("INPUTS", inputs).replace("CALL", call)
+    return _PRELUDE + model + _RESET + config + "\n" + steps + report + "\nprint(json.dumps(report))\n"
 
 
 def add_model_args(ap: argparse.ArgumentParser, *, vocab: int, layers: int, width: int, steps: int) -> None:

@@ -29,10 +29,20 @@ from tests.multiprocess import check_swap_worker
 
 
 def _odd_tensors() -> list[nn.Parameter]:
+    """A contiguous matrix, a transposed one, a channels_last conv weight, a short vector and a
+    long one: chunks of 4096 bytes cut the long ones into runs, keep the others whole."""
     torch.manual_seed(0)
     conv = torch.randn(8, 3, 3, 3).to(memory_format=torch.channels_last)
     return [nn.Parameter(torch.randn(40, 30)), nn.Parameter(torch.randn(30, 40).t()), nn.Parameter(conv),
             nn.Parameter(torch.randn(7)), nn.Parameter(torch.randn(1000))]
+
+
+def _same_gradients(ours: list[nn.Parameter], ref: list[nn.Parameter], step: int) -> None:
+    """Both lists get the same seeded gradients, each laid out like its parameter."""
+    g = torch.Generator().manual_seed(step)
+    for a, b in zip(ours, ref):
+        grad = torch.randn(a.shape, generator=g)
+        a.grad, b.grad = torch.empty_like(a).copy_(grad), torch.empty_like(b).copy_(grad)
 
 
 @pytest.mark.parametrize("decoupled, chunk_bytes", [(True, 4096 * 3), (False, 4096 * 3), (True, 4096)])
@@ -89,10 +99,7 @@ def test_stepping_a_few_tensors_at_a_time_in_any_order_equals_one_step_over_all(
     for c in opt._chunks:
         assert len({owner[id(pc.p)] for pc in c.pieces}) == 1  # no chunk spans two groups
     for step in range(3):
-        g = torch.Generator().manual_seed(step)
-        for a, b in zip(ours, ref):
-            grad = torch.randn(a.shape, generator=g)
-            a.grad, b.grad = torch.empty_like(a).copy_(grad), torch.empty_like(b).copy_(grad)
+        _same_gradients(ours, ref, step)
         opt.prefetch()
         for group in (groups if order == "file" else groups[::-1]):
             opt.step(only=[ours[j] for j in group])

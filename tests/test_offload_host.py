@@ -19,10 +19,10 @@ import torch.nn as nn
 
 import fxspeed
 from fxspeed.errors import ConfigError
-from fxspeed.models import GPT, GPTConfig
 from fxspeed.runtime.host_tier import ENV_ON_CPU, DeviceLink
 from fxspeed.runtime.offloaded_optimizer import OffloadedAdam
 from tests.multiprocess import check_swap_worker
+from tests.test_offload import _gpt, _odd_tensors, _same_gradients, _same_states
 
 KW = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
 
@@ -30,15 +30,6 @@ KW = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
 @pytest.fixture
 def host_tier_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_ON_CPU, "1")
-
-
-def _odd_tensors() -> list[nn.Parameter]:
-    """A contiguous matrix, a transposed one, a channels_last conv weight, a short vector and a
-    long one: chunks of 4096 bytes cut the long ones into runs, keep the others whole."""
-    torch.manual_seed(0)
-    conv = torch.randn(8, 3, 3, 3).to(memory_format=torch.channels_last)
-    return [nn.Parameter(torch.randn(40, 30)), nn.Parameter(torch.randn(30, 40).t()), nn.Parameter(conv),
-            nn.Parameter(torch.randn(7)), nn.Parameter(torch.randn(1000))]
 
 
 @pytest.mark.parametrize("tier", ["host", "nvme"])
@@ -55,10 +46,7 @@ def test_the_host_tier_steps_device_tensors_bit_for_bit_like_torchs_fused_adamw_
     torch_opt = torch.optim.AdamW(ref, fused=True, **KW)
     assert (opt.stats["resident_chunks"], opt.stats["chunks"] > 2) == ((7, False) if tier == "host" else (0, True))
     for step in range(4):
-        g = torch.Generator().manual_seed(step)
-        for a, b in zip(ours, ref):
-            grad = torch.randn(a.shape, generator=g)
-            a.grad, b.grad = torch.empty_like(a).copy_(grad), torch.empty_like(b).copy_(grad)
+        _same_gradients(ours, ref, step)
         opt.prefetch()
         if step % 2:
             opt.step()
@@ -80,26 +68,11 @@ def test_the_host_tier_steps_device_tensors_bit_for_bit_like_torchs_fused_adamw_
     assert list(tmp_path.iterdir()) == []
 
 
-def _gpt() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
-    x = torch.randint(0, 64, (4, 16))
-    return model, (x, torch.roll(x, 1, 1))
-
-
 def _engine(model: nn.Module, batch: tuple, swap: Path | None = None, **cfg: object) -> fxspeed.Engine:
     base = dict(lr=1e-2, weight_decay=0.1, bucket_mb=0.004)
     if cfg.get("offload_device") == "nvme":
         cfg["nvme_path"] = str(swap)
     return fxspeed.compile(model, 1, fxspeed.Config(**base, **cfg), example_inputs=batch)
-
-
-def _same_states(a: fxspeed.Engine, b: fxspeed.Engine) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    oa, ob = a._canonical_optimizer_state(), b._canonical_optimizer_state()
-    assert oa.keys() == ob.keys()
-    assert all(torch.equal(oa[k][s], ob[k][s]) for k in oa for s in oa[k])
 
 
 @pytest.mark.parametrize("where", ["cpu", "nvme"])
@@ -198,7 +171,7 @@ def test_host_offload_on_a_cpu_device_and_files_without_a_path_are_errors_that_n
 
 
 def test_the_plan_of_a_cuda_device_shows_the_states_in_host_memory_and_no_disk_time(tmp_path: Path) -> None:
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    model, _ = _gpt()
     ids = torch.zeros(2, 16, dtype=torch.long)
     gpus = fxspeed.devices("H100-80GB", 1)
     host = fxspeed.plan(model, gpus, fxspeed.Config(offload="optimizer", offload_device="cpu"),
