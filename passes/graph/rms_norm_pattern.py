@@ -175,6 +175,10 @@ def _match_dx(x: fx.Node, r: fx.Node, h: fx.Node, n: int) -> Optional[tuple[fx.N
     gh = _other(t1, r)
     if gh is None or gh is x or not _like(gh, shape, dt) or not _like(t1, shape, dt):
         return None
+    # t1 becomes the whole input gradient (t1 + t2): sound only where t1 is one term of x's
+    # gradient sum, read once, as autograd's accumulation reads it
+    if len(t1.users) != 1:
+        return None
     if len(c.users) != 1:
         return None
     v = next(iter(c.users))
