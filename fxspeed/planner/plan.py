@@ -174,10 +174,11 @@ class Plan:
             lines.append("  tp collectives per step (rank 0): " + ", ".join(f"{k} {v / 1e6:.3f} MB"
                                                                   for k, v in self.tp_communication.items()))
         if self.passes:
-            lines += ["", f"{'pass':<24}{'ms':>9}{'nodes':>16}"]
+            w = max(22, *(len(p["name"]) + 1 for p in self.passes))  # step_buckets_in_backward is 24
+            lines += ["", f"{'pass':<{w + 2}}{'ms':>9}{'nodes':>16}"]
             for p in self.passes:
                 state = "disabled" if p["skipped"] else f"{p['nodes_before']}→{p['nodes_after']}"
-                lines.append(f"  {p['name']:<22}{p['seconds'] * 1e3:9.1f}{state:>16}")
+                lines.append(f"  {p['name']:<{w}}{p['seconds'] * 1e3:9.1f}{state:>16}")
         for n in self.notes:
             lines.append(f"note: {n}")
         return "\n".join(lines)
