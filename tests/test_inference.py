@@ -211,6 +211,21 @@ def test_a_bf16_gqa_model_caches_its_key_value_heads_in_bf16_and_stays_near_the_
             assert (got - want).abs().max() <= 5e-2 * (1 + want.abs().max()), i
 
 
+def test_a_bf16_serving_program_runs_silu_and_the_gate_product_in_bf16_unless_low_activations_is_off():
+    """keep_activations_low runs in the serving passes too (autocast's dataflow between the
+    matmuls); serve's own packed check against the eager model passes either way."""
+    dtypes = {}
+    for low in (True, False):
+        engine = fxspeed.serve(_hf("llama"), config=fxspeed.Config(precision="bf16", low_activations=low), token_budget=8,
+                               max_batch=3, block_size=4, cache_tokens=96)
+        gm = next(iter(engine._serving.programs.values())).program.gm
+        silu = [n for n in gm.graph.nodes if n.target is torch.ops.aten.silu.default]
+        assert silu
+        dtypes[low] = {n.meta["val"].dtype for n in silu} | {u.meta["val"].dtype for n in silu for u in n.users
+                                                            if u.target is torch.ops.aten.mul.Tensor}
+    assert dtypes == {True: {torch.bfloat16}, False: {torch.float32}}
+
+
 def test_a_model_converted_to_bf16_serves_in_bf16_near_its_own_eager_logits():
     """bf16 logits of packed serving steps and of one full forward round differently (ties in
     bf16 are common, so greedy tokens may part after a few steps): compared at bf16 tolerance."""

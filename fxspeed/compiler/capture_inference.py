@@ -9,7 +9,8 @@ The forward is captured once per token bucket T with `capture_step(train=False)`
 the model's Python never runs at serve time), its inputs relabelled (`tokens`, `positions`), its
 outputs cut to the logits, then the inference passes run under the pass manager:
 
-    dedupe_tied_parameters, normalize_graph, insert_casts (bf16/fp16 configs), [shard_tensors],
+    dedupe_tied_parameters, normalize_graph, insert_casts (bf16/fp16 configs),
+    keep_activations_low (bf16/fp16 unless Config.low_activations=False), [shard_tensors],
     kv_cache, select_logits, eliminate_dead_code, annotate
 
 Tensor parallelism (options.tp_size > 1): `shard_tensors` cuts the program for this tp rank
@@ -74,7 +75,7 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     `analyses`: planner-made analyses (the "tp_placements" that shard_tensors requires when
     options.tp_size > 1)."""
     from fxspeed.passes import (ALL_PASSES, STAGE_PASS_NAMES, dedupe_tied_parameters, eliminate_dead_code,
-                                insert_casts, normalize_graph, shard_tensors)
+                                insert_casts, keep_activations_low, normalize_graph, shard_tensors)
     from fxspeed.passes.inference.kv_cache import kv_cache
     from fxspeed.passes.inference.select_logits import select_logits
 
@@ -106,7 +107,8 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     tp = [shard_tensors] if opts.tp_size > 1 else []
     # A tied weight (GPT-2's wte / lm_head) is fed once: shard_tensors must see one tensor, or it
     # could slice it one way for the embedding and keep it whole for the head.
-    passes = [dedupe_tied_parameters, normalize_graph, insert_casts, *tp, kv_cache, select_logits, eliminate_dead_code]
+    passes = [dedupe_tied_parameters, normalize_graph, insert_casts, keep_activations_low, *tp, kv_cache, select_logits,
+              eliminate_dead_code]
     pm = PassManager(passes, analyses=[make_annotate_pass(), *analyses], disabled=config.disable_passes,
                      known=[*ALL_PASSES, *STAGE_PASS_NAMES, *TRAINING_ONLY, *(p.name for p in passes)])
     gm = pm.ensure("annotate", pm.run(gm, ctx), ctx)
