@@ -78,6 +78,18 @@ def test_item_call_in_forward_raises_capture_error_naming_its_line() -> None:
     assert ".item()" in str(info.value)
 
 
+def test_a_model_whose_width_does_not_split_into_its_heads_is_told_to_check_its_shapes_not_to_rewrite_the_line() -> None:
+    """64 wide with 12 heads: the view in attention fails eagerly too; that is a config error,
+    not a construct fxspeed cannot trace."""
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=12, n_embd=64))
+    x = torch.randint(0, 64, (2, 16))
+    with pytest.raises(fxspeed.CaptureError) as info:
+        fxspeed.compile(model, 1, example_inputs=(x, x))
+    msg = str(info.value)
+    assert "is invalid for input of size" in msg and "gpt.py" in msg
+    assert "check the example inputs' shapes and the model's config" in msg and "unsupported construct" not in msg
+
+
 def test_capture_error_is_an_fxspeed_error_not_a_value_error() -> None:
     with pytest.raises(fxspeed.FxspeedError):
         fxspeed.compile(BranchOnData(), 1, example_inputs=(torch.randn(2, 4),))

@@ -22,6 +22,7 @@ import functools
 import inspect
 import logging
 import os
+import re
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -976,6 +977,11 @@ def _first_user_frame(frames: Any) -> traceback.FrameSummary | None:
     return None
 
 
+# Shape errors ATen raises for any tensor, fake or real (view, matmul, broadcasting, cat, indexing).
+_SHAPE_ERROR = re.compile(r"is invalid for input of size|shapes cannot be multiplied|must match the size of tensor"
+                          r"|size mismatch|Sizes of tensors must match|out of bounds for dimension|expected .* size")
+
+
 def _capture_error(model: nn.Module, e: BaseException, train: bool = True) -> CaptureError:
     op = getattr(e, "func", None)
     op_name = str(op) if op is not None else None
@@ -1012,6 +1018,11 @@ def _capture_error(model: nn.Module, e: BaseException, train: bool = True) -> Ca
         inside = next((c for c in (_torch_callee(model, x) for x in chain) if c is not None), None)
         if inside is not None:
             reason, hint = _torch_module_hint(inside, reason, hint)
+    elif any(isinstance(c, (RuntimeError, ValueError, IndexError)) and _SHAPE_ERROR.search(str(c)) for c in chain):
+        # Not a tracing limit: fake tensors check shapes as eager does, so the model raises this
+        # on these inputs too (a view that does not divide, a width that is not heads x head_dim).
+        hint = ("the model raises this for the example's shapes, eagerly too: check the example inputs' shapes "
+                "and the model's config (sizes that must divide or match) at that line")
     where = f" at {source}{code}" if source else ""
     opmsg = f" in op {op_name}" if op_name else ""
     return CaptureError(
