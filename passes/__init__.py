@@ -43,6 +43,12 @@ other programs are unchanged), and are disabled by name like the rest:
                              recorded) -> FlashAttention, forward and backward
     fuse_kernels             norms and their backward -> Triton kernels, on CUDA programs
 
+and one runs last on every training program (compile_step adds it; serving programs have no
+backward):
+
+    recompute_pointwise      elementwise values backward reads (GELU/SiLU outputs, gate products,
+                             casts) recomputed there from values it keeps anyway
+
 The distributed passes read ctx.options (PassOptions: world_size, zero, group_name, ...) and do
 nothing on one device.
 

@@ -273,9 +273,11 @@ def test_the_default_pipeline_runs_every_pass_in_order_and_records_each():
     # annotate runs on demand before insert_casts (which reads module paths); in fp32 nothing
     # after it changes the graph, so it stays valid to the end (the planner reads it there).
     # tp_placements (what shard_tensors requires) runs on demand too; on one tp rank it places nothing.
+    # recompute_pointwise runs last of the single-device passes on training programs (compile_step
+    # adds it; a ReLU's backward reads its output, so it has nothing to recompute here).
     assert names == ["normalize_graph", "dedupe_tied_parameters", "annotate", "insert_casts", "keep_weights_low",
                      "keep_activations_low", "scale_loss",
-                     "eliminate_dead_code", "tp_placements", "shard_tensors", "reduce_gradients",
+                     "eliminate_dead_code", "recompute_pointwise", "tp_placements", "shard_tensors", "reduce_gradients",
                      "wait_parameter_gathers", "shard_parameters", "offload_parameters", "step_buckets_in_backward",
                      "reuse_buffers"]
 

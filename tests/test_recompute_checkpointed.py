@@ -251,14 +251,16 @@ def peak_rss(checkpointed: bool, batch: int) -> dict:
 
 def test_activation_memory_of_a_training_step_is_measurably_lower_with_checkpointing():
     # 8 blocks of width 256 (fc 256 -> 1024), batch 4096: ~37 MB of saved values per block
-    # without checkpointing, 4 MB (the block's input) with it; parameters are ~8 MB.
+    # without checkpointing, 4 MB (the block's input) with it; parameters are ~8 MB. Without
+    # checkpointing recompute_pointwise already recomputes each GELU's output in backward (16 MB
+    # a block), so the difference is about 140 MB, not 300 (225 vs 85 MB measured).
     plain, ck = peak_rss(False, 4096), peak_rss(True, 4096)
     assert plain["loss"] == pytest.approx(ck["loss"], rel=1e-6)
     grow_plain = (plain["peak_kb"] - plain["before_kb"]) / 1024
     grow_ck = (ck["peak_kb"] - ck["before_kb"]) / 1024
     print(f"peak RSS growth in the second train_step: {grow_plain:.0f} MB without checkpoint, {grow_ck:.0f} MB with "
           f"(peaks {plain['peak_kb'] / 1024:.0f} / {ck['peak_kb'] / 1024:.0f} MB)")
-    assert grow_ck < 0.5 * grow_plain and grow_plain - grow_ck > 150, (grow_plain, grow_ck)
+    assert grow_ck < 0.5 * grow_plain and grow_plain - grow_ck > 100, (grow_plain, grow_ck)
 
 
 # ------------------------------------------------------------------------------------------

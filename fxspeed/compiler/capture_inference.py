@@ -45,7 +45,7 @@ from fxspeed.ir.program import InferenceProgram
 
 # Passes of training programs a Config may disable by name; they do not run here.
 TRAINING_ONLY = ("recompute_checkpointed", "fuse_kernels", "chunk_cross_entropy", "step_in_backward",
-                 "offload_activations", "select_attention_kernel")
+                 "offload_activations", "select_attention_kernel", "recompute_pointwise")
 
 
 def _inputs(model: nn.Module, T: int, device: torch.device) -> tuple[tuple, dict, list[str]]:

@@ -72,6 +72,7 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     from fxspeed.passes.graph.fuse_kernels import fuse_kernels, wanted as fusion_wanted
     from fxspeed.passes.memory.chunk_cross_entropy import chunk_cross_entropy, wanted as chunking_wanted
     from fxspeed.passes.graph.select_attention_kernel import on_cuda, select_attention_kernel
+    from fxspeed.passes.memory.recompute_pointwise import recompute_pointwise
 
     opts = PassOptions.coerce(options, config)
     _check_derived(opts, config, ("precision", "fp32_modules", "reduce_dtype"))
@@ -80,7 +81,8 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     t1 = time.perf_counter()
     annotate = make_annotate_pass()
     known = [*ALL_PASSES, recompute_checkpointed.name, fuse_kernels.name, chunk_cross_entropy.name, "step_in_backward",
-             "offload_activations", select_attention_kernel.name, *STAGE_PASS_NAMES, *(p.name for p in extra_passes)]
+             "offload_activations", select_attention_kernel.name, recompute_pointwise.name, *STAGE_PASS_NAMES,
+             *(p.name for p in extra_passes)]
     ctx = PassContext(signature=cap.signature, module_of=cap.module_of, options=opts,
                       model_name=type(model).__name__)
     # torch.utils.checkpoint regions (tagged at capture) are recomputed in backward: after the
@@ -89,11 +91,13 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     # Low-precision attention on CUDA runs FlashAttention, as autocast's dispatch would choose.
     # Norms -> Triton kernels last, on CUDA programs (options.fuse_kernels): it sees every norm,
     # recomputed ones included, and the planner reads the fused program. A large vocabulary's
-    # projection + cross-entropy is chunked after the casts (it matches through them).
+    # projection + cross-entropy is chunked after the casts (it matches through them). Last,
+    # elementwise values backward reads are recomputed there from what it keeps anyway.
     single = [*SINGLE_DEVICE_PASSES, *([recompute_checkpointed] if has_checkpointed_regions(cap.gm) else []),
               *([chunk_cross_entropy] if chunking_wanted(cap.gm, opts) else []),
               *([select_attention_kernel] if opts.precision != "fp32" and on_cuda(cap.gm) else []),
-              *([fuse_kernels] if fusion_wanted(cap.gm, opts) else [])]
+              *([fuse_kernels] if fusion_wanted(cap.gm, opts) else []),
+              *([recompute_pointwise] if train else [])]
     records: list[PassRecord] = []
 
     def run(gm: fx.GraphModule, passes: Sequence[Any], more: Sequence[Any] = ()) -> fx.GraphModule:
@@ -271,7 +275,8 @@ def compile_program(model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, 
                       model_name=type(model).__name__)
     pm = PassManager(PROGRAM_PASSES, disabled=config.disable_passes,
                      known=[*ALL_PASSES, recompute_checkpointed.name, "fuse_kernels", "chunk_cross_entropy",
-                            "step_in_backward", "offload_activations", "select_attention_kernel", *(p.name for p in PROGRAM_PASSES)])
+                            "step_in_backward", "offload_activations", "select_attention_kernel", "recompute_pointwise",
+                            *(p.name for p in PROGRAM_PASSES)])
     t0 = time.perf_counter()
     program = pm.run(DistributedProgram(cap.gm, cap.signature), ctx)
     if not program.stages or program.schedule is None:
