@@ -36,6 +36,7 @@ why: docs/decisions/recompute-checkpointed.md
 from __future__ import annotations
 
 import operator
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -66,6 +67,33 @@ def is_recomputable_op(n: fx.Node) -> bool:
         return False
     name = t._schema.name.split("::")[-1]
     return not any(r in name for r in _RANDOM_NAMES)
+
+
+def clone_into_backward(graph: fx.Graph, order: list[fx.Node], backward_users: Callable[[fx.Node], list[fx.Node]],
+                        tag: str, drop: tuple[str, ...] = ()) -> dict[fx.Node, fx.Node]:
+    """Clone each node of `order` (forward nodes, in graph order, closed under the inputs the
+    clones should read as clones) right before its first backward reader or the first clone
+    reading it, and point its backward readers at the clone; `meta[tag]` names the original,
+    meta keys in `drop` are not copied. Returns original -> clone. The originals are left for the
+    caller to erase where forward no longer reads them."""
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    at: dict[fx.Node, int] = {}
+    for n in reversed(order):
+        at[n] = min([index[u] for u in backward_users(n)] + [at[u] for u in n.users if u in at])
+    clone: dict[fx.Node, fx.Node] = {}
+    for n in sorted(order, key=lambda n: (at[n], index[n])):
+        with graph.inserting_before(nodes[at[n]]):
+            c = graph.node_copy(n, lambda a: clone.get(a, a))
+        c.meta = {k: v for k, v in n.meta.items() if k not in drop}
+        c.meta[tag] = n.name
+        clone[n] = c
+    clones = set(clone.values())
+    for n in order:
+        for u in backward_users(n):
+            if u not in clones:
+                u.replace_input_with(n, clone[n])
+    return clone
 
 
 def has_checkpointed_regions(gm: fx.GraphModule) -> bool:
@@ -115,24 +143,7 @@ def recompute_checkpointed(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         closure.add(n)
         stack.extend(a for a in n.all_input_nodes if candidate(a) and region[a] == region[n])
     order = sorted(closure, key=index.__getitem__)
-    # Where each clone goes: before its first backward reader or the first clone reading it.
-    at: dict[fx.Node, int] = {}
-    for n in reversed(order):
-        readers = [index[u] for u in backward_users(n)]
-        readers += [at[u] for u in n.users if u in at]
-        at[n] = min(readers)
-    clone: dict[fx.Node, fx.Node] = {}
-    for n in sorted(order, key=lambda n: (at[n], index[n])):
-        with graph.inserting_before(nodes[at[n]]):
-            c = graph.node_copy(n, lambda a: clone.get(a, a))
-        c.meta = {k: v for k, v in n.meta.items() if k != RECOMPUTE_KEY}
-        c.meta["recomputed_from"] = n.name
-        clone[n] = c
-    clones = set(clone.values())
-    for n in order:
-        for u in backward_users(n):
-            if u not in clones:
-                u.replace_input_with(n, clone[n])
+    clone_into_backward(graph, order, backward_users, "recomputed_from", drop=(RECOMPUTE_KEY,))
     # Originals forward no longer reads: gone (their readers first).
     for n in reversed(nodes):
         if n in region and not n.users and is_recomputable_op(n):

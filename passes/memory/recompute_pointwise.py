@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
 from fxspeed.ir import FORWARD, META_KEY
-from fxspeed.passes.memory.recompute_checkpointed import is_recomputable_op
+from fxspeed.passes.memory.recompute_checkpointed import clone_into_backward, is_recomputable_op
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -101,27 +101,16 @@ def recompute_pointwise(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         # stays saved), so the clone extends no other value's life
         if _cheap(n) and all(a in chosen or backward_users(a) for a in n.all_input_nodes):
             chosen.add(n)
+    # Defensive: a chosen value no backward node and no chosen value reads would have no place
+    # to go (views are chosen with their base, so this does not happen for the ops seen so far).
+    idle = [n for n in chosen if not backward_users(n) and not any(u in chosen for u in n.users)]
+    while idle:
+        chosen.difference_update(idle)
+        idle = [n for n in chosen if not backward_users(n) and not any(u in chosen for u in n.users)]
     if not chosen:
         return PassResult(gm, modified=False)
     order = sorted(chosen, key=index.__getitem__)
-    at: dict[fx.Node, int] = {}
-    for n in reversed(order):
-        readers = [index[u] for u in backward_users(n)] + [at[u] for u in n.users if u in at]
-        if not readers:  # a view chain that ends in no backward reader (its views were not views after all)
-            return PassResult(gm, modified=False)
-        at[n] = min(readers)
-    clone: dict[fx.Node, fx.Node] = {}
-    for n in sorted(order, key=lambda n: (at[n], index[n])):
-        with graph.inserting_before(nodes[at[n]]):
-            c = graph.node_copy(n, lambda a: clone.get(a, a))
-        c.meta = dict(n.meta)
-        c.meta["recomputed_pointwise"] = n.name
-        clone[n] = c
-    clones = set(clone.values())
-    for n in order:
-        for u in backward_users(n):
-            if u not in clones:
-                u.replace_input_with(n, clone[n])
+    clone_into_backward(graph, order, backward_users, "recomputed_pointwise")
     for n in reversed(order):  # a value forward no longer reads at all (read by backward only)
         if not n.users:
             graph.erase_node(n)
