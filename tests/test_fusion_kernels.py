@@ -182,7 +182,11 @@ def test_a_transformer_trained_with_fused_norms_has_no_aten_norms_left_and_match
     assert any(p["name"] == "fuse_kernels" and p["modified"] for p in engine.plan.passes)
     targets = norm_nodes(step.captured.gm)
     assert not any(t.startswith("aten.native_layer_norm") for t in targets), targets
-    assert targets.count("fxspeed.layer_norm_fwd.default") == 3 and targets.count("fxspeed.layer_norm_bwd.default") == 3
+    # recompute_pointwise also runs each fused forward again in backward (its output is read there)
+    again = sum(1 for n in step.captured.gm.graph.nodes
+                if "recomputed_pointwise" in n.meta and str(n.target) == "fxspeed.layer_norm_fwd.default")
+    assert targets.count("fxspeed.layer_norm_fwd.default") - again == 3
+    assert targets.count("fxspeed.layer_norm_bwd.default") == 3
     if _INTERPRETING and norms.triton_available():
         assert norms._make_kernels.cache_info().currsize == 1, "the steps ran the Triton kernels"
 
@@ -212,9 +216,11 @@ def test_a_fused_norm_costs_what_the_aten_norm_it_replaces_costs(monkeypatch) ->
     x, y = gpt_batches(1)[0]
     model = tiny_gpt()
     monkeypatch.setenv("FXSPEED_FUSE_ON_CPU", "1")
-    fused = compile_step(copy.deepcopy(model), (x, y), {}, config=fxspeed.Config(), loss_fn=None).captured.gm
+    # node for node: recompute_pointwise off (it would run the fused forwards again in backward)
+    fused = compile_step(copy.deepcopy(model), (x, y), {}, config=fxspeed.Config(disable_passes=("recompute_pointwise",)),
+                         loss_fn=None).captured.gm
     monkeypatch.delenv("FXSPEED_FUSE_ON_CPU")
-    plain = compile_step(copy.deepcopy(model), (x, y), {}, config=fxspeed.Config(disable_passes=("fuse_kernels",)),
+    plain = compile_step(copy.deepcopy(model), (x, y), {}, config=fxspeed.Config(disable_passes=UNFUSED),
                          loss_fn=None).captured.gm
 
     def costs(gm, kinds):
@@ -283,6 +289,12 @@ def run_step(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> list[torch
     return list(out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out)
 
 
+# The matcher is run by hand on a program compiled without it; recompute_pointwise (which runs
+# after fuse_kernels in the pipeline) is off there too, or the norms' products would already be
+# recomputed in backward when the matcher looks.
+UNFUSED = ("fuse_kernels", "recompute_pointwise")
+
+
 def fuse_in_place(step) -> None:
     """Run fuse_kernels on a step compiled without it (the same program, so the same values)."""
     ctx = PassContext(signature=step.captured.signature, module_of=dict(step.captured.module_of),
@@ -316,7 +328,7 @@ def test_hf_llama_s_written_out_rms_norms_become_one_fused_pair_each_with_the_sa
     the unfused program's; the planner sees fewer activation bytes and a lower peak."""
     monkeypatch.setenv("FXSPEED_FUSE_ON_CPU", "1")
     model, batch = tiny_hf("llama"), hf_batches(1)[0]
-    step = compile_step(model, (), batch, config=fxspeed.Config(disable_passes=("fuse_kernels",)), loss_fn=None)
+    step = compile_step(model, (), batch, config=fxspeed.Config(disable_passes=UNFUSED), loss_fn=None)
     inputs = step_inputs(step, model, (), batch)
     plain = run_step(step.captured.gm, inputs)
     fuse_in_place(step)
@@ -361,7 +373,9 @@ def test_nn_rms_norm_on_cpu_is_fused_and_trains_like_eager(monkeypatch) -> None:
     model, x = RMSNormMLP(), torch.randn(3, 5, 64)
     step = compile_step(copy.deepcopy(model), (x,), {}, config=fxspeed.Config(), loss_fn=None)
     counts = count_targets(step.captured.gm)
-    assert "aten.rsqrt.default" not in counts and [counts.get(t, 0) for t in RMS_TARGETS] == [1, 1], counts
+    again = sum(1 for n in step.captured.gm.graph.nodes if "recomputed_pointwise" in n.meta
+                and str(n.target) == RMS_TARGETS[0])  # the forward run again in backward (recompute_pointwise)
+    assert "aten.rsqrt.default" not in counts and [counts.get(t, 0) for t in RMS_TARGETS] == [1 + again, 1], counts
     launches = []
     kernels = norms._kernels
     monkeypatch.setattr(norms, "_kernels", lambda: launches.append(1) or kernels())
@@ -420,7 +434,7 @@ class NormNet(nn.Module):
 FORMS = ("hf", "hf", "mean_over_dim_0", "fourth_power", "eps_after_rsqrt")
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(form=st.sampled_from(FORMS), weight=st.booleans(), eps=st.sampled_from([1e-6, 1e-5, 0.1]),
        cast=st.booleans(), low_input=st.booleans(), uses=st.sampled_from([1, 2]), output_twice=st.booleans(),
        lead=st.sampled_from([(6,), (2, 3)]), n=st.sampled_from([1, 16]))
@@ -432,7 +446,7 @@ def test_written_out_rms_norms_are_fused_exactly_when_they_are_rms_norms_and_com
     torch.manual_seed(0)
     model = NormNet(n, WrittenOutRMSNorm(n, weight, eps, form, cast), uses, output_twice, low_input)
     x = torch.randn(*lead, 8)
-    step = compile_step(model, (x,), {}, config=fxspeed.Config(disable_passes=("fuse_kernels",)), loss_fn=None)
+    step = compile_step(model, (x,), {}, config=fxspeed.Config(disable_passes=UNFUSED), loss_fn=None)
     inputs = step_inputs(step, model, (x,), {})
     before = count_targets(step.captured.gm)
     plain = run_step(step.captured.gm, inputs)
@@ -441,8 +455,12 @@ def test_written_out_rms_norms_are_fused_exactly_when_they_are_rms_norms_and_com
     fused = run_step(step.captured.gm, inputs)
     # n = 1: autograd drops the sum over a one-element dim, a form never seen in a model; a bf16
     # input without the upcast: the region itself is bf16 (the kernels would compute fp32). Untouched.
-    if form == "hf" and n > 1 and (cast or not low_input):
+    # The second application (uses = 2) reads c(y) + h.float(), fp32 whatever the first read.
+    fused_regions = 0 if form != "hf" or n == 1 else uses if (cast or not low_input) else uses - 1
+    if fused_regions == uses:
         assert "aten.rsqrt.default" not in after and [after.get(t, 0) for t in RMS_TARGETS] == [uses, uses], after
+    elif fused_regions:
+        assert [after.get(t, 0) for t in RMS_TARGETS] == [fused_regions] * 2 and after["aten.rsqrt.default"] == 1, after
     else:
         assert after == before, "a form that is not matched was rewritten"
     names = ["loss", *(s.target for s in step.captured.signature.outputs[1:])]
@@ -461,7 +479,7 @@ def test_a_recomputed_norm_is_fused_in_its_forward_and_in_its_recomputation(monk
     model.gradient_checkpointing_enable()
     model.train()
     batch = hf_batches(1)[0]
-    step = compile_step(model, (), batch, config=fxspeed.Config(disable_passes=("fuse_kernels",)), loss_fn=None)
+    step = compile_step(model, (), batch, config=fxspeed.Config(disable_passes=UNFUSED), loss_fn=None)
     inputs = step_inputs(step, model, (), batch)
     plain = run_step(step.captured.gm, inputs)
     fuse_in_place(step)

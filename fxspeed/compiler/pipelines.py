@@ -92,12 +92,14 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     # Norms -> Triton kernels last, on CUDA programs (options.fuse_kernels): it sees every norm,
     # recomputed ones included, and the planner reads the fused program. A large vocabulary's
     # projection + cross-entropy is chunked after the casts (it matches through them). Last,
-    # elementwise values backward reads are recomputed there from what it keeps anyway.
+    # elementwise values backward reads are recomputed there from what it keeps anyway (not
+    # under tensor parallelism: a clone reading a sequence-sharded value would make the
+    # placement solver gather it again in backward, trading memory for communication).
     single = [*SINGLE_DEVICE_PASSES, *([recompute_checkpointed] if has_checkpointed_regions(cap.gm) else []),
               *([chunk_cross_entropy] if chunking_wanted(cap.gm, opts) else []),
               *([select_attention_kernel] if opts.precision != "fp32" and on_cuda(cap.gm) else []),
               *([fuse_kernels] if fusion_wanted(cap.gm, opts) else []),
-              *([recompute_pointwise] if train else [])]
+              *([recompute_pointwise] if train and opts.tp_size == 1 else [])]
     records: list[PassRecord] = []
 
     def run(gm: fx.GraphModule, passes: Sequence[Any], more: Sequence[Any] = ()) -> fx.GraphModule:

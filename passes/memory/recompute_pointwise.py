@@ -17,8 +17,8 @@ and recomputing it costs one elementwise pass. torch.compile's partitioner makes
              g_w2 = mm(t(g_y), a_r); g_a = mm(g_y, t(w2)); g_h = gelu_backward(g_a, h)
 
 A forward node is recomputed when
-  - it is a pure, deterministic ATen op tagged pointwise, or a cast (insert_casts' bf16 copy of
-    a saved fp32 value), so recomputing gives the same bits;
+  - it is a pure, deterministic ATen op tagged pointwise, a cast (insert_casts' bf16 copy of a
+    saved fp32 value), or one of fuse_kernels' norms, so recomputing gives the same bits;
   - backward reads it, directly or through forward views of it (which are recomputed with it),
     and neither it nor such a view is a graph output;
   - every tensor it reads is a value backward reads anyway (saved, or a placeholder backward
@@ -26,7 +26,10 @@ A forward node is recomputed when
 Clones go before the first backward reader or the first clone reading them, so each lives only
 as long as backward needs it. Random ops (dropout) never qualify: their mask is kept.
 
-Options read: none. Disabled by name ("recompute_pointwise").
+compile_step runs it on training programs without tensor parallelism: under sequence
+parallelism a clone reading a token-sharded value made the placement solver all-gather it again
+in backward (10 backward all-gathers instead of 5 on a 2-layer Llama), a trade of memory for
+communication this rule does not weigh. Options read: none. Disabled by name ("recompute_pointwise").
 why: docs/decisions/recompute-pointwise.md
 """
 
@@ -57,10 +60,18 @@ def _is_view(n: fx.Node) -> bool:
     return n.target is operator.getitem or (inf is not None and inf.is_view)
 
 
+# fuse_kernels' norms (one pass over x, as cheap as the elementwise ops they replace): without
+# them here the fused program would keep each norm's output, which the unfused program's
+# recomputed products do not.
+_FUSED_NORMS = ("fxspeed::rms_norm_fwd", "fxspeed::layer_norm_fwd")
+
+
 def _cheap(n: fx.Node) -> bool:
     """Elementwise and deterministic: recomputing it reads its inputs once and writes one value."""
     if not is_recomputable_op(n) or n.target is operator.getitem:
         return False
+    if n.target._schema.name in _FUSED_NORMS:
+        return True
     if n.target in _CASTS:
         # a dtype cast only (no device or layout change)
         return n.target is prims.convert_element_type.default or set(n.kwargs) <= {"dtype"}
