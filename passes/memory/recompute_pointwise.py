@@ -41,18 +41,10 @@ import torch
 import torch.fx as fx
 
 from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
-from fxspeed.ir import FORWARD, META_KEY
-from fxspeed.passes.memory.recompute_checkpointed import clone_into_backward, is_recomputable_op
+from fxspeed.ir import META_KEY
+from fxspeed.passes.memory.recompute_checkpointed import _CASTS, _is_forward, clone_into_backward, is_recomputable_op
 
-aten = torch.ops.aten
 prims = torch.ops.prims
-
-_CASTS = (aten._to_copy.default, prims.convert_element_type.default)
-
-
-def _is_forward(n: fx.Node) -> bool:
-    inf = n.meta.get(META_KEY)
-    return inf is not None and inf.role == FORWARD
 
 
 def _is_view(n: fx.Node) -> bool:
