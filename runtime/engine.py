@@ -451,8 +451,7 @@ class Engine:
         if self.plan is not None and c.memory_budget_gb is not None:
             ranks = self.plan.pipeline.get("ranks") if self.pipelined else None
             # under a pipeline each position's states (and budget decision) are its own
-            moved = (ranks[self.position]["offloaded"] if ranks else
-                     self.plan.offloaded.get("disk", self.plan.offloaded.get("host", 0)))
+            moved = ranks[self.position]["offloaded"] if ranks else self.plan.offloaded_optimizer
         starts: list[int] = []
         if self.compiler.options.optimizer_store and self._flat is not None:
             # the program steps each gradient bucket on its own: no chunk of the file spans two

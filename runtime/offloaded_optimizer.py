@@ -148,19 +148,22 @@ class OffloadedAdam(torch.optim.Optimizer):
             # torch's fused Adam reads a float32 step tensor; kept in memory (4 bytes a tensor)
             self.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32)}
         chunks = _chunks(tensors, chunk_bytes, sections=3 if masters else 2, starts=set(chunk_starts))
-        # The first chunks go to the file until `offload_bytes` are there (the plan's choice under
-        # Config.memory_budget_gb); the rest stay in memory. Offloaded first: their reads are the
-        # ones prefetched during forward, and their writes overlap the resident chunks' updates.
-        # The host tier (a link, no swap_root) keeps every chunk in host memory: "offloaded" there
-        # means off the device, which all of them are.
+        # The first chunks go off the device until `offload_bytes` are there (the plan's choice
+        # under Config.memory_budget_gb; None: all of them): to the file with a swap_root, else
+        # (the host tier) to pinned host memory. The rest stay where the tensors are: in memory on
+        # the CPU, on the device with a link (stepped there by the same fused Adam, no staging),
+        # so the device holds what the plan counted. Offloaded first: their reads are the ones
+        # prefetched during forward, and their writes overlap the resident chunks' updates.
         n_off, moved = 0, 0
-        while swap_root is not None and n_off < len(chunks) and (offload_bytes is None or moved < offload_bytes):
+        while n_off < len(chunks) and (offload_bytes is None or moved < offload_bytes):
             moved += chunks[n_off].nbytes
             n_off += 1
-        if swap_root is None:
-            moved = sum(c.nbytes for c in chunks)
-        self._chunks = _place(chunks[:n_off])
-        self._resident = [(c, self._host_zeros(c.sections * c.numel)) for c in chunks[n_off:]]
+        to_file, to_host = (chunks[:n_off], []) if swap_root is not None else ([], chunks[:n_off])
+        self._chunks = _place(to_file)
+        self._resident = ([(c, self._host_zeros(c.sections * c.numel)) for c in to_host]
+                          + [(c, self._home_zeros(c.sections * c.numel)) for c in chunks[n_off:]])
+        # chunks whose states sit on the device beside their tensors (ids: chunks hold tensors)
+        self._device_homed = {id(c) for c in chunks[n_off:]} if link is not None else set()
         size = sum(round_up(c.nbytes) for c in self._chunks)
         self.swap = SwapFile(swap_root, size, name=name) if swap_root is not None else None
         biggest = max((c.nbytes for c in self._chunks), default=0)
@@ -180,24 +183,34 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._writes: dict[int, Future] = {}     # slot -> write in flight from it
         self._on_disk: set[_Chunk] = set()       # chunks whose file region holds their states (else zeros)
         # fp32 gradients of one chunk (masters: the working-precision gradients are upcast here)
-        self._scratch = torch.empty(max((c.numel for c in chunks), default=0) if masters else 0)
+        # (without a link the host steps every chunk; with one, those it holds)
+        on_host = chunks[:n_off] if link is not None else chunks
+        self._scratch = torch.empty(max((c.numel for c in on_host), default=0) if masters else 0)
+        # ... and of a chunk stepped on the device
+        self._device_scratch = self._home_zeros(max((c.numel for c in chunks[n_off:]), default=0)) \
+            if masters and link is not None else None
         # The host tier: two staging sets of a chunk's gradients and weights in the tensors' dtype
         # (chunk k+1's copy in fills one while chunk k steps from the other and its new weights go
         # back out), pinned on a CUDA device.
-        biggest_numel = max((c.numel for c in chunks), default=0)
+        biggest_numel = max((c.numel for c in on_host), default=0)
         self._staging = [_Staging(link.empty(biggest_numel, tensors[0].dtype), link.empty(biggest_numel, tensors[0].dtype))
                          for _ in range(2)] if link is not None and tensors else []
         self._next_staging = 0
         self.stats = {"chunks": len(self._chunks), "resident_chunks": len(self._resident), "swap_bytes": size,
                       "offloaded_bytes": moved, "direct_io": self.swap is not None and self.swap.direct,
                       "masters": masters, "host_tier": link is not None,
-                      "host_bytes": sum(c.nbytes for c, _ in self._resident) if link is not None else 0}
+                      "host_bytes": sum(c.nbytes for c in to_host),
+                      "device_bytes": sum(c.nbytes for c in chunks[n_off:]) if link is not None else 0}
 
     def _host_zeros(self, numel: int) -> torch.Tensor:
-        """A resident chunk's states: host memory (pinned when a link reaches a CUDA device)."""
+        """A host-held chunk's states: host memory (pinned when a link reaches a CUDA device)."""
         if self.link is None:
             return torch.zeros(numel)
         return self.link.empty(numel, torch.float32).zero_()
+
+    def _home_zeros(self, numel: int) -> torch.Tensor:
+        """A chunk's states kept beside its tensors: in memory, or on the link's device."""
+        return torch.zeros(numel, device=self.link.device if self.link is not None else None)
 
     # --- the step ---------------------------------------------------------------------------
     def prefetch(self) -> None:
@@ -255,9 +268,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         if not live:
             return
         staged = None
-        if self.link is not None:  # the host tier: this chunk's copies in, the next one's started
+        here = id(chunk) in self._device_homed  # stepped on the device, in place
+        if self.link is not None and not here:  # the host tier: this chunk's copies in, the next one's started
             staged = self._stage_in(chunk, live)
-            if ahead is not None:
+            if ahead is not None and id(ahead) not in self._device_homed:
                 later = [pc for pc in ahead.pieces if pc.p.grad is not None]
                 if later:
                     self._stage_in(ahead, later)
@@ -268,7 +282,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         v = [chunk.view(flat, first + 1, pc) for pc in live]
         if self.masters:
             weights = [chunk.view(flat, 0, pc) for pc in live]
-            grads = [chunk.view(self._scratch, 0, pc).copy_(pc.of(pc.p.grad) if staged is None else
+            scratch = self._device_scratch if here else self._scratch
+            grads = [chunk.view(scratch, 0, pc).copy_(pc.of(pc.p.grad) if staged is None else
                                                              chunk.view(staged.grads, 0, pc)) for pc in live]
             for f in factors:  # as the in-memory path scales its fp32 gradients: one factor at a time
                 torch._foreach_mul_(grads, f)
@@ -277,9 +292,15 @@ class OffloadedAdam(torch.optim.Optimizer):
             grads = [chunk.view(staged.grads, 0, pc) for pc in live]
         else:
             weights, grads = [pc.of(pc.p) for pc in live], [pc.of(pc.p.grad) for pc in live]
-        adam_update(weights, grads, m, v, [], [self._step_of(pc) for pc in live], fused=True,
+        steps = [self._step_of(pc) for pc in live]
+        # the fused kernel reads (and counts) its step on the tensors' device; the counters stay
+        # on the host (state_dict, the chunks stepped there), advanced alongside
+        moved_steps = [t.to(flat.device, copy=True) for t in steps] if flat.device != steps[0].device else steps
+        adam_update(weights, grads, m, v, [], moved_steps, fused=True,
                     decoupled_weight_decay=self.decoupled, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        if moved_steps is not steps:
+            torch._foreach_add_(steps, 1.0)
         if self.masters and self.working_sink is not None:  # the working shards live in files (or host memory)
             for pc, w in zip(live, weights):
                 self.working_sink(pc.p, pc.start, w)
@@ -406,11 +427,12 @@ class OffloadedAdam(torch.optim.Optimizer):
         for i in range(len(self._each_chunk())):
             chunk, flat = self._load(i)
             for pc in chunk.pieces:
-                if pc.whole:
-                    out[pc.p] = {key: chunk.view(flat, section, pc).clone()
+                if pc.whole:  # a copy in host memory, whichever side the chunk lives on
+                    out[pc.p] = {key: chunk.view(flat, section, pc).to("cpu", copy=True)
                                  for section, key in enumerate(_MOMENTS, start=first)}
                 else:  # a cut tensor: assembled piece by piece, in p's (contiguous) layout
-                    st = out.setdefault(pc.p, {key: torch.empty_like(pc.p, dtype=torch.float32) for key in _MOMENTS})
+                    st = out.setdefault(pc.p, {key: torch.empty_like(pc.p, dtype=torch.float32, device="cpu")
+                                               for key in _MOMENTS})
                     for section, key in enumerate(_MOMENTS, start=first):
                         pc.of(st[key]).copy_(chunk.view(flat, section, pc))
                 out[pc.p]["step"] = self.state[pc.p]["step"].clone()

@@ -182,3 +182,59 @@ def test_the_plan_of_a_cuda_device_shows_the_states_in_host_memory_and_no_disk_t
     n = sum(p.numel() for p in model.parameters())
     assert host.offloaded == auto.offloaded == {"host": 8 * n} and files.offloaded == {"disk": 8 * n}
     assert "off the device: host" in host.summary() and "disk" not in host.time
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_a_partial_offload_keeps_the_remaining_chunks_on_the_device_and_steps_them_there_bit_for_bit(
+        tmp_path: Path, tier: str) -> None:
+    """With `offload_bytes` (the plan's choice under Config.memory_budget_gb) only the first chunks
+    leave the device (pinned host memory, or the file); the others keep their states beside their
+    tensors and are stepped there without staging, so the device holds what the plan counted."""
+    ours, ref = _odd_tensors(), _odd_tensors()
+    link = DeviceLink(torch.device("cpu"))
+    opt = OffloadedAdam(ours, decoupled=True, swap_root=tmp_path if tier == "nvme" else None, name="p",
+                        chunk_bytes=4096, chunk_starts=(0, 2, 4), link=link, offload_bytes=6000, **KW)
+    torch_opt = torch.optim.AdamW(ref, fused=True, **KW)
+    st = opt.stats
+    off_device = st["host_bytes"] if tier == "host" else st["offloaded_bytes"]
+    assert 6000 <= off_device < 6000 + 4096 and st["device_bytes"] > 0
+    assert off_device + st["device_bytes"] == 8 * sum(p.numel() for p in ours)
+    for step in range(3):
+        _same_gradients(ours, ref, step)
+        if step % 2:
+            opt.step()
+        else:
+            for group in ([0, 1], [2, 3], [4]):
+                opt.step(only=[ours[j] for j in group])
+        torch_opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(ours, ref)), f"step {step}"
+    # only the offloaded chunks' tensors travel: fewer bytes than the whole-host test's 8 per element
+    assert 0 < link.stats["to_host_bytes"] < 3 * 8 * sum(p.numel() for p in ours)
+    full = opt.full_state()
+    assert all(torch.equal(full[a][k], torch_opt.state[b][k]) for a, b in zip(ours, ref)
+               for k in ("exp_avg", "exp_avg_sq", "step"))
+    opt.close()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_with_a_memory_budget_the_host_tier_offloads_what_the_plan_chose_and_trains_like_no_budget(
+        tmp_path: Path, host_tier_on_cpu: None, precision: str) -> None:
+    """The plan offloads half the states to fit the budget; the engine puts that much in host
+    memory and keeps the rest on the device. Same losses and states as offloading everything
+    (bf16: masters stepped on the device and on the host alike)."""
+    model, (x, y) = _gpt()
+    cfg = dict(lr=1e-2, weight_decay=0.1, bucket_mb=0.004, precision=precision)
+    full = fxspeed.plan(model, 1, fxspeed.Config(**cfg), example_inputs=(x, y)).peak_memory()
+    everything = _engine(copy.deepcopy(model), (x, y), offload="optimizer", offload_device="cpu", precision=precision)
+    states = everything.plan.offloaded_optimizer
+    budget = (full - states / 2) / 1e9
+    part = _engine(copy.deepcopy(model), (x, y), offload="optimizer", offload_device="cpu", precision=precision,
+                   memory_budget_gb=budget)
+    planned = part.plan.offloaded_optimizer
+    st = part.optimizer.stats
+    assert states / 2 <= planned < states and planned <= st["host_bytes"] < states
+    assert st["host_bytes"] + st["device_bytes"] == states
+    for step in range(3):
+        xs = torch.roll(x, step, 0)
+        assert everything.train_step(xs, y) == part.train_step(xs, y)
+    _same_states(everything, part)

@@ -336,7 +336,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
         phase_memory={"step": step_i, "optimizer": opt_i}, model_states=model_states,
         dtypes=category_dtypes(config, master=costs.master_bytes > 0),
         communication={k: int(v) for k, v in communication.items()},
-        mesh=layout_text(dp, pp, tp) if n > 1 else "", offloaded=offloaded,
+        mesh=layout_text(dp, pp, tp) if n > 1 else "", offloaded=offloaded, offloaded_optimizer=int(moved),
         tp_placements=dict(costs.tp_placements), tp_communication={k: int(v) for k, v in costs.tp_communication.items()},
     )
 

@@ -55,6 +55,8 @@ class Plan:
     tp_communication: dict[str, int] = field(default_factory=dict)
     # bytes per rank kept off the device, by where ("disk": Config.offload's states in files)
     offloaded: dict[str, int] = field(default_factory=dict)
+    # of those, the optimizer states' (masters included): all of them, or what memory_budget_gb needs
+    offloaded_optimizer: int = 0
 
     # --- queries ---------------------------------------------------------------------------
     def memory(self, rank: int = 0) -> dict[str, int]:
