@@ -240,3 +240,26 @@ def test_a_model_converted_to_bf16_serves_in_bf16_near_its_own_eager_logits():
             want = _logits(model, p + o)[len(p) - 1:len(p) + 3].float()
             got = torch.stack(engine._serving.record_logits[i])
             assert (got - want).abs().max() <= 3e-2 * (1 + want.abs().max()), i
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_serving_programs_run_the_fused_norm_kernels_where_fusion_is_on_and_give_the_same_tokens(name, monkeypatch):
+    """fuse_kernels runs on serving programs of a CUDA device (here forced on the CPU, where the
+    fused ops run their torch fallback): every norm, written out (Llama) or ATen's (GPT-2), is one
+    forward kernel, with no backward to match; tokens and logits are those of the unfused engine."""
+    model = _hf(name)
+    plain = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
+    monkeypatch.setenv("FXSPEED_FUSE_ON_CPU", "1")
+    fused = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
+    fwd = {"llama": torch.ops.fxspeed.rms_norm_fwd.default, "gpt2": torch.ops.fxspeed.layer_norm_fwd.default}[name]
+    for program in fused._serving.programs.values():
+        targets = [n.target for n in program.program.gm.graph.nodes if n.op == "call_function"]
+        assert targets.count(fwd) == 2 * 2 + 1  # two per layer and the final one
+        assert torch.ops.aten.rsqrt.default not in targets and torch.ops.aten.native_layer_norm.default not in targets
+        assert "fuse_kernels" in [r.name for r in program.program.records]
+    for e in (plain, fused):
+        e._serving.record_logits = {}
+    assert fused.generate(PROMPTS, max_new_tokens=NEW) == plain.generate(PROMPTS, max_new_tokens=NEW)
+    for i in range(len(PROMPTS)):
+        torch.testing.assert_close(torch.stack(fused._serving.record_logits[i]),
+                                   torch.stack(plain._serving.record_logits[i]), rtol=0, atol=1e-5)

@@ -11,7 +11,7 @@ outputs cut to the logits, then the inference passes run under the pass manager:
 
     dedupe_tied_parameters, normalize_graph, insert_casts (bf16/fp16 configs),
     keep_activations_low (bf16/fp16 unless Config.low_activations=False), [shard_tensors],
-    kv_cache, select_logits, eliminate_dead_code, annotate
+    kv_cache, select_logits, [fuse_kernels (CUDA programs)], eliminate_dead_code, annotate
 
 Tensor parallelism (options.tp_size > 1): `shard_tensors` cuts the program for this tp rank
 before `kv_cache`, with the parameter layout of the engine's "tp_placements" analysis (solved
@@ -44,7 +44,7 @@ from fxspeed.ir.program import InferenceProgram
 
 
 # Passes of training programs a Config may disable by name; they do not run here.
-TRAINING_ONLY = ("recompute_checkpointed", "fuse_kernels", "chunk_cross_entropy", "step_in_backward",
+TRAINING_ONLY = ("recompute_checkpointed", "chunk_cross_entropy", "step_in_backward",
                  "offload_activations", "select_attention_kernel", "recompute_pointwise")
 
 
@@ -76,6 +76,7 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     options.tp_size > 1)."""
     from fxspeed.passes import (ALL_PASSES, STAGE_PASS_NAMES, dedupe_tied_parameters, eliminate_dead_code,
                                 insert_casts, keep_activations_low, normalize_graph, shard_tensors)
+    from fxspeed.passes.graph.fuse_kernels import fuse_kernels, wanted as fusion_wanted
     from fxspeed.passes.inference.kv_cache import kv_cache
     from fxspeed.passes.inference.select_logits import select_logits
 
@@ -107,8 +108,12 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     tp = [shard_tensors] if opts.tp_size > 1 else []
     # A tied weight (GPT-2's wte / lm_head) is fed once: shard_tensors must see one tensor, or it
     # could slice it one way for the embedding and keep it whole for the head.
+    # Norms (and the other fused regions, forward only) as Triton kernels where the program runs on
+    # CUDA: after select_logits, so the final norm of a program that keeps one row per sequence
+    # is fused at the size it runs at.
+    fuse = [fuse_kernels] if fusion_wanted(gm, opts) else []
     passes = [dedupe_tied_parameters, normalize_graph, insert_casts, keep_activations_low, *tp, kv_cache, select_logits,
-              eliminate_dead_code]
+              *fuse, eliminate_dead_code]
     pm = PassManager(passes, analyses=[make_annotate_pass(), *analyses], disabled=config.disable_passes,
                      known=[*ALL_PASSES, *STAGE_PASS_NAMES, *TRAINING_ONLY, *(p.name for p in passes)])
     gm = pm.ensure("annotate", pm.run(gm, ctx), ctx)
