@@ -384,3 +384,13 @@ def test_the_offload_files_add_the_disk_time_that_does_not_fit_behind_compute_an
     assert "disk" not in plain.time and off.time["disk"] > 0
     assert off.time["total"] == pytest.approx(plain.time["total"] + off.time["disk"])
     assert "+ disk" in off.summary()
+
+
+def test_a_plan_for_cuda_devices_of_a_model_on_the_cpu_says_it_traced_the_cpu_program() -> None:
+    """Without a GPU the CUDA program cannot be traced (a CPU-only torch aborts functionalizing
+    fake CUDA tensors), so the plan says which kernels it leaves out; a CPU plan says nothing."""
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    x = torch.zeros(2, 16, dtype=torch.long)
+    gpu = fxspeed.plan(model, fxspeed.devices("H100-80GB", 1), fxspeed.Config(precision="bf16"), example_inputs=(x, x))
+    cpu = fxspeed.plan(model, 1, fxspeed.Config(precision="bf16"), example_inputs=(x, x))
+    assert any("not in this plan" in n for n in gpu.notes) and not any("not in this plan" in n for n in cpu.notes)

@@ -650,10 +650,16 @@ def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, 
                                 analyze=costs_reader(config, devices), options=options, analyses=analyses)
         return compiled.costs, [r.to_dict() for r in compiled.records]
 
+    # A CUDA program cannot be traced without CUDA: AOT export's functionalization of fake CUDA
+    # tensors aborts a CPU-only torch build (c10 "not linked with support for cuda devices").
+    off_device = devices[0].kind == "cuda" and not any(t.is_cuda for t in [*model.parameters(), *model.buffers()])
+    first = ["traced on the model's device, not on CUDA: kernels chosen only for CUDA programs (flash attention "
+             "under bf16/fp16, fuse_kernels' Triton norms) are not in this plan; plan with the model on a GPU for "
+             "them"] if off_device else []
     found = repeated_blocks(model)
     if found is None or not _extrapolation_wanted(config, len(found[2])):
         costs, passes = one()
-        return costs, passes, []
+        return costs, passes, first
     parent, attr, blocks = found
     layers = len(blocks)
     t0 = time.perf_counter()
@@ -672,7 +678,7 @@ def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, 
             f"and extrapolated linearly to {layers} (check at 3 blocks: "
             + ", ".join(f"{k} error {v:.2%}" for k, v in errs.items())
             + "); the timeline is the 3-block trace's")
-    notes = [note]
+    notes = [*first, note]
     if worst > 0.01:
         notes.append(f"warning: the 3-block check misses by {worst:.1%}; the blocks may not be independent "
                      "(set Config(layer_extrapolation=False) to trace the whole model)")
