@@ -33,7 +33,7 @@ at the same point:
     offload_activations      saved activations leave the device after forward makes them and come
                              back ahead of backward's first reader
 
-Four graph passes join the single-device list only when they have work (so the pass records of
+Six graph passes join the single-device list only when they have work (so the pass records of
 other programs are unchanged), and are disabled by name like the rest:
 
     recompute_checkpointed   torch.utils.checkpoint regions (tagged at capture) recomputed in backward
@@ -42,12 +42,20 @@ other programs are unchanged), and are disabled by name like the rest:
     select_attention_kernel  bf16/fp16 CUDA programs: memory-efficient attention (what fp32 capture
                              recorded) -> FlashAttention, forward and backward
     fuse_kernels             norms and their backward -> Triton kernels, on CUDA programs
+    fuse_rotary              rotary embeddings (q, k) and their backward -> Triton kernels, where
+                             fuse_kernels runs (not under tensor parallelism)
+    fuse_activations         SwiGLU / GELU (+ a bias add) and their backward -> Triton kernels, same
 
-and one runs last on every training program (compile_step adds it; serving programs have no
-backward):
+then one runs on every training program without tensor parallelism (compile_step adds it;
+serving programs have no backward):
 
     recompute_pointwise      elementwise values backward reads (GELU/SiLU outputs, gate products,
                              casts) recomputed there from values it keeps anyway
+
+and last, where fuse_kernels runs (not under tensor parallelism):
+
+    fuse_residual_norms      a residual add + the norm reading it, and the norm's backward + the add
+                             accumulating the stream's gradient -> Triton kernels
 
 The distributed passes read ctx.options (PassOptions: world_size, zero, group_name, ...) and do
 nothing on one device.

@@ -243,20 +243,29 @@ def test_a_model_converted_to_bf16_serves_in_bf16_near_its_own_eager_logits():
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_serving_programs_run_the_fused_norm_kernels_where_fusion_is_on_and_give_the_same_tokens(name, monkeypatch):
-    """fuse_kernels runs on serving programs of a CUDA device (here forced on the CPU, where the
-    fused ops run their torch fallback): every norm, written out (Llama) or ATen's (GPT-2), is one
-    forward kernel, with no backward to match; tokens and logits are those of the unfused engine."""
+def test_serving_programs_run_the_fused_kernels_where_fusion_is_on_and_give_the_same_tokens(name, monkeypatch):
+    """fuse_kernels and fuse_residual_norms run on serving programs of a CUDA device (here forced
+    on the CPU, where the fused ops run their torch fallback), forward only: every norm, written
+    out (Llama) or ATen's (GPT-2), is one kernel, fused with the residual add it reads where it
+    reads one (all but the first layer's first norm); Llama's rotaries (q and k) and SwiGLU, GPT-2's
+    written-out GELU, one kernel each; tokens and logits are those of the unfused engine."""
     model = _hf(name)
     plain = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
     monkeypatch.setenv("FXSPEED_FUSE_ON_CPU", "1")
     fused = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
-    fwd = {"llama": torch.ops.fxspeed.rms_norm_fwd.default, "gpt2": torch.ops.fxspeed.layer_norm_fwd.default}[name]
+    ops = torch.ops.fxspeed
+    norm, add_norm = {"llama": (ops.rms_norm_fwd.default, ops.add_rms_norm_fwd.default),
+                      "gpt2": (ops.layer_norm_fwd.default, ops.add_layer_norm_fwd.default)}[name]
+    activation = {"llama": ops.swiglu_fwd.default, "gpt2": ops.gelu_fwd.default}[name]
     for program in fused._serving.programs.values():
         targets = [n.target for n in program.program.gm.graph.nodes if n.op == "call_function"]
-        assert targets.count(fwd) == 2 * 2 + 1  # two per layer and the final one
+        assert (targets.count(norm), targets.count(add_norm)) == (1, 2 * 2)  # two per layer and the final one
+        assert targets.count(activation) == 2
+        assert targets.count(ops.rotary_fwd.default) == (2 * 2 if name == "llama" else 0)
         assert torch.ops.aten.rsqrt.default not in targets and torch.ops.aten.native_layer_norm.default not in targets
-        assert "fuse_kernels" in [r.name for r in program.program.records]
+        assert torch.ops.aten.tanh.default not in targets and torch.ops.aten.silu.default not in targets
+        records = [r.name for r in program.program.records]
+        assert "fuse_kernels" in records and "fuse_residual_norms" in records
     for e in (plain, fused):
         e._serving.record_logits = {}
     assert fused.generate(PROMPTS, max_new_tokens=NEW) == plain.generate(PROMPTS, max_new_tokens=NEW)

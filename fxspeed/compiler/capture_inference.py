@@ -11,7 +11,8 @@ outputs cut to the logits, then the inference passes run under the pass manager:
 
     dedupe_tied_parameters, normalize_graph, insert_casts (bf16/fp16 configs),
     keep_activations_low (bf16/fp16 unless Config.low_activations=False), [shard_tensors],
-    kv_cache, select_logits, [fuse_kernels (CUDA programs)], eliminate_dead_code, annotate
+    kv_cache, select_logits, [fuse_kernels, fuse_rotary, fuse_activations, fuse_residual_norms (CUDA
+    programs; the last three without tensor parallelism)], eliminate_dead_code, annotate
 
 Tensor parallelism (options.tp_size > 1): `shard_tensors` cuts the program for this tp rank
 before `kv_cache`, with the parameter layout of the engine's "tp_placements" analysis (solved
@@ -36,6 +37,7 @@ from fxspeed.compiler.annotate import make_annotate_pass
 from fxspeed.compiler.capture import capture_step
 from fxspeed.compiler.options import PassOptions
 from fxspeed.compiler.pass_manager import PassContext, PassManager
+from fxspeed.compiler.pipelines import FUSION_PASS_NAMES
 from fxspeed.compiler.rewrite import output_node
 from fxspeed.config import Config
 from fxspeed.errors import CaptureError
@@ -77,6 +79,9 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     from fxspeed.passes import (ALL_PASSES, STAGE_PASS_NAMES, dedupe_tied_parameters, eliminate_dead_code,
                                 insert_casts, keep_activations_low, normalize_graph, shard_tensors)
     from fxspeed.passes.graph.fuse_kernels import fuse_kernels, wanted as fusion_wanted
+    from fxspeed.passes.graph.fuse_activations import fuse_activations
+    from fxspeed.passes.graph.fuse_residual_norms import fuse_residual_norms
+    from fxspeed.passes.graph.fuse_rotary import fuse_rotary
     from fxspeed.passes.inference.kv_cache import kv_cache
     from fxspeed.passes.inference.select_logits import select_logits
 
@@ -108,14 +113,16 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     tp = [shard_tensors] if opts.tp_size > 1 else []
     # A tied weight (GPT-2's wte / lm_head) is fed once: shard_tensors must see one tensor, or it
     # could slice it one way for the embedding and keep it whole for the head.
-    # Norms (and the other fused regions, forward only) as Triton kernels where the program runs on
-    # CUDA: after select_logits, so the final norm of a program that keeps one row per sequence
-    # is fused at the size it runs at.
-    fuse = [fuse_kernels] if fusion_wanted(gm, opts) else []
+    # Norms, rotaries, activations and residual adds + norms (forward regions only) as Triton
+    # kernels where the program runs on CUDA: after select_logits, so the final norm of a program
+    # that keeps one row per sequence is fused at the size it runs at.
+    fuse = [fuse_kernels, *([fuse_rotary, fuse_activations, fuse_residual_norms] if opts.tp_size == 1 else [])] \
+        if fusion_wanted(gm, opts) else []
     passes = [dedupe_tied_parameters, normalize_graph, insert_casts, keep_activations_low, *tp, kv_cache, select_logits,
               *fuse, eliminate_dead_code]
     pm = PassManager(passes, analyses=[make_annotate_pass(), *analyses], disabled=config.disable_passes,
-                     known=[*ALL_PASSES, *STAGE_PASS_NAMES, *TRAINING_ONLY, *(p.name for p in passes)])
+                     known=[*ALL_PASSES, *STAGE_PASS_NAMES, *TRAINING_ONLY, *FUSION_PASS_NAMES,
+                            *(p.name for p in passes)])
     gm = pm.ensure("annotate", pm.run(gm, ctx), ctx)
     t2 = time.perf_counter()
     return InferenceProgram(gm=gm, signature=sig, tokens=tokens, kv_layout=list(gm.meta["kv_cache_layout"]),

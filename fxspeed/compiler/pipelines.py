@@ -42,6 +42,12 @@ log = logging.getLogger("fxspeed")
 __all__ = ["CompiledProgram", "CompiledStep", "Compiler", "PassOptions", "compile_program", "compile_step",
            "derive_options", "micro_config"]
 
+# The fusion passes (passes/graph/fuse_*.py): compile_step and compile_inference add them where
+# fusion is wanted (PassOptions.fuse_kernels), so every pipeline must know their names to
+# accept them in Config.disable_passes.
+FUSION_PASS_NAMES = ("fuse_kernels", "fuse_rotary", "fuse_activations", "fuse_residual_norms")
+
+
 @dataclass
 class CompiledStep:
     captured: CapturedStep
@@ -70,6 +76,9 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     from fxspeed.passes import ALL_PASSES, DISTRIBUTED_PASSES, SINGLE_DEVICE_PASSES, STAGE_PASS_NAMES
     from fxspeed.passes.memory.recompute_checkpointed import has_checkpointed_regions, recompute_checkpointed
     from fxspeed.passes.graph.fuse_kernels import fuse_kernels, wanted as fusion_wanted
+    from fxspeed.passes.graph.fuse_activations import fuse_activations
+    from fxspeed.passes.graph.fuse_residual_norms import fuse_residual_norms
+    from fxspeed.passes.graph.fuse_rotary import fuse_rotary
     from fxspeed.passes.memory.chunk_cross_entropy import chunk_cross_entropy, wanted as chunking_wanted
     from fxspeed.passes.graph.select_attention_kernel import on_cuda, select_attention_kernel
     from fxspeed.passes.memory.recompute_pointwise import recompute_pointwise
@@ -80,8 +89,8 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     cap = capture_step(model, args, kwargs, loss_fn=loss_fn, train=train)
     t1 = time.perf_counter()
     annotate = make_annotate_pass()
-    known = [*ALL_PASSES, recompute_checkpointed.name, fuse_kernels.name, chunk_cross_entropy.name, "step_in_backward",
-             "offload_activations", select_attention_kernel.name, recompute_pointwise.name, *STAGE_PASS_NAMES,
+    known = [*ALL_PASSES, recompute_checkpointed.name, *FUSION_PASS_NAMES, chunk_cross_entropy.name,
+             "step_in_backward", "offload_activations", select_attention_kernel.name, recompute_pointwise.name, *STAGE_PASS_NAMES,
              *(p.name for p in extra_passes)]
     ctx = PassContext(signature=cap.signature, module_of=cap.module_of, options=opts,
                       model_name=type(model).__name__)
@@ -90,16 +99,23 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     # the program and the distributed passes rewrite it. Only graphs with such regions run it.
     # Low-precision attention on CUDA runs FlashAttention, as autocast's dispatch would choose.
     # Norms -> Triton kernels last, on CUDA programs (options.fuse_kernels): it sees every norm,
-    # recomputed ones included, and the planner reads the fused program. A large vocabulary's
+    # recomputed ones included, and the planner reads the fused program; then rotary embeddings
+    # and MLP activations (not under tensor parallelism: the placement solver has no rule for
+    # those fused ops and would replicate their values). A large vocabulary's
     # projection + cross-entropy is chunked after the casts (it matches through them). Last,
     # elementwise values backward reads are recomputed there from what it keeps anyway (not
     # under tensor parallelism: a clone reading a sequence-sharded value would make the
-    # placement solver gather it again in backward, trading memory for communication).
+    # placement solver gather it again in backward, trading memory for communication). Then a
+    # residual add and the norm reading it become one kernel (after recompute_pointwise, which
+    # recomputes a norm from its input h, not from the add's operands).
+    fuse = fusion_wanted(cap.gm, opts)
     single = [*SINGLE_DEVICE_PASSES, *([recompute_checkpointed] if has_checkpointed_regions(cap.gm) else []),
               *([chunk_cross_entropy] if chunking_wanted(cap.gm, opts) else []),
               *([select_attention_kernel] if opts.precision != "fp32" and on_cuda(cap.gm) else []),
-              *([fuse_kernels] if fusion_wanted(cap.gm, opts) else []),
-              *([recompute_pointwise] if train and opts.tp_size == 1 else [])]
+              *([fuse_kernels] if fuse else []),
+              *([fuse_rotary, fuse_activations] if fuse and opts.tp_size == 1 else []),
+              *([recompute_pointwise] if train and opts.tp_size == 1 else []),
+              *([fuse_residual_norms] if fuse and opts.tp_size == 1 else [])]
     records: list[PassRecord] = []
 
     def run(gm: fx.GraphModule, passes: Sequence[Any], more: Sequence[Any] = ()) -> fx.GraphModule:
@@ -276,7 +292,7 @@ def compile_program(model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, 
     ctx = PassContext(signature=cap.signature, options=opts, module_of=cap.module_of,
                       model_name=type(model).__name__)
     pm = PassManager(PROGRAM_PASSES, disabled=config.disable_passes,
-                     known=[*ALL_PASSES, recompute_checkpointed.name, "fuse_kernels", "chunk_cross_entropy",
+                     known=[*ALL_PASSES, recompute_checkpointed.name, *FUSION_PASS_NAMES, "chunk_cross_entropy",
                             "step_in_backward", "offload_activations", "select_attention_kernel", "recompute_pointwise",
                             *(p.name for p in PROGRAM_PASSES)])
     t0 = time.perf_counter()

@@ -51,6 +51,8 @@ import torch.fx as fx
 
 from fxspeed.compiler.rewrite import call
 
+from .pattern_match import inherit_meta, is_call, is_like, is_number, mul_operand, same_meta, tensor_value, users_of
+
 aten = torch.ops.aten
 # Every captured region is fp32 (capture is fp32; insert_casts keeps norms fp32). A region computed
 # in bf16/fp16 (a low-precision model whose norm does not upcast) was never seen: the fused
@@ -87,38 +89,6 @@ class RMSNormMatch:
 
 # --- small structural predicates ----------------------------------------------------------------
 
-def _is(n: Any, target: Any, nargs: int) -> bool:
-    return (isinstance(n, fx.Node) and n.op == "call_function" and n.target is target and not n.kwargs
-            and len(n.args) == nargs)
-
-
-def _number(v: Any, want: float) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and float(v) == want
-
-
-def _val(n: Any) -> Optional[torch.Tensor]:
-    v = n.meta.get("val") if isinstance(n, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def _like(n: Any, shape: tuple, dtype: torch.dtype) -> bool:
-    v = _val(n)
-    return v is not None and tuple(v.shape) == tuple(shape) and v.dtype == dtype
-
-
-def _other(n: Any, a: fx.Node) -> Optional[fx.Node]:
-    """For n = mul.Tensor(a, b) or mul.Tensor(b, a) with a tensor b: b."""
-    if not _is(n, aten.mul.Tensor, 2):
-        return None
-    l, r = n.args
-    b = r if l is a else l if r is a else None
-    return b if isinstance(b, fx.Node) else None
-
-
-def _users(n: fx.Node) -> set[fx.Node]:
-    return set(n.users)
-
-
 def _last_dim(dims: Any, ndim: int) -> bool:
     return isinstance(dims, (list, tuple)) and list(dims) in ([-1], [ndim - 1])
 
@@ -127,31 +97,31 @@ def _last_dim(dims: Any, ndim: int) -> bool:
 
 def _match_forward(r: fx.Node) -> Optional[tuple[fx.Node, int, float, fx.Node, list[fx.Node]]]:
     """(x, N, eps, h, [p, m, a, r, h]) when r = rsqrt(mean(pow(x, 2), [-1], True) + eps)."""
-    if not _is(r, aten.rsqrt.default, 1):
+    if not is_call(r, aten.rsqrt.default, 1):
         return None
     a = r.args[0]
-    if not (_is(a, aten.add.Tensor, 2) or _is(a, aten.add.Scalar, 2)):
+    if not (is_call(a, aten.add.Tensor, 2) or is_call(a, aten.add.Scalar, 2)):
         return None
     m, eps = a.args
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
         return None
-    if not _is(m, aten.mean.dim, 3) or m.args[2] is not True:
+    if not is_call(m, aten.mean.dim, 3) or m.args[2] is not True:
         return None
     p = m.args[0]
-    if not _is(p, aten.pow.Tensor_Scalar, 2) or not _number(p.args[1], 2):
+    if not is_call(p, aten.pow.Tensor_Scalar, 2) or not is_number(p.args[1], 2):
         return None
     x = p.args[0]
-    xv = _val(x)
+    xv = tensor_value(x)
     if xv is None or xv.dtype not in _FLOATS or xv.dim() < 2 or xv.shape[-1] < 1 or not _last_dim(m.args[1], xv.dim()):
         return None
     shape, stat = tuple(xv.shape), (*xv.shape[:-1], 1)
-    if not (_like(p, shape, xv.dtype) and _like(m, stat, xv.dtype) and _like(a, stat, xv.dtype)
-            and _like(r, stat, xv.dtype)):
+    if not (is_like(p, shape, xv.dtype) and is_like(m, stat, xv.dtype) and is_like(a, stat, xv.dtype)
+            and is_like(r, stat, xv.dtype)):
         return None
-    if _users(p) != {m} or _users(m) != {a} or _users(a) != {r}:
+    if users_of(p) != {m} or users_of(m) != {a} or users_of(a) != {r}:
         return None
-    hs = [u for u in r.users if _other(u, r) is x]
-    if len(hs) != 1 or not _like(hs[0], shape, xv.dtype):
+    hs = [u for u in r.users if mul_operand(u, r) is x]
+    if len(hs) != 1 or not is_like(hs[0], shape, xv.dtype):
         return None
     h = hs[0]
     return x, int(xv.shape[-1]), float(eps), h, [p, m, a, r, h]
@@ -163,17 +133,17 @@ def _match_dx(x: fx.Node, r: fx.Node, h: fx.Node, n: int) -> Optional[tuple[fx.N
                                                                               fx.Node, list[fx.Node]]]:
     """The input-gradient region reading r: (gh, term1, term2, add of term2, q, its nodes); None
     when r has readers besides h that are not exactly this region."""
-    xv = _val(x)
+    xv = tensor_value(x)
     shape, dt = tuple(xv.shape), xv.dtype
-    rest = _users(r) - {h}
+    rest = users_of(r) - {h}
     if len(rest) != 2:
         return None
-    c = next((u for u in rest if _is(u, aten.pow.Tensor_Scalar, 2) and u.args[0] is r and _number(u.args[1], 3)), None)
+    c = next((u for u in rest if is_call(u, aten.pow.Tensor_Scalar, 2) and u.args[0] is r and is_number(u.args[1], 3)), None)
     t1 = next((u for u in rest if u is not c), None)
     if c is None or t1 is None:
         return None
-    gh = _other(t1, r)
-    if gh is None or gh is x or not _like(gh, shape, dt) or not _like(t1, shape, dt):
+    gh = mul_operand(t1, r)
+    if gh is None or gh is x or not is_like(gh, shape, dt) or not is_like(t1, shape, dt):
         return None
     # t1 becomes the whole input gradient (t1 + t2): sound only where t1 is one term of x's
     # gradient sum, read once, as autograd's accumulation reads it
@@ -182,61 +152,61 @@ def _match_dx(x: fx.Node, r: fx.Node, h: fx.Node, n: int) -> Optional[tuple[fx.N
     if len(c.users) != 1:
         return None
     v = next(iter(c.users))
-    k = _other(v, c)
-    if not (_is(k, aten.mul.Scalar, 2) and _number(k.args[1], -0.5) and _users(k) == {v}):
+    k = mul_operand(v, c)
+    if not (is_call(k, aten.mul.Scalar, 2) and is_number(k.args[1], -0.5) and users_of(k) == {v}):
         return None
     s = k.args[0]
-    if not (_is(s, aten.sum.dim_IntList, 3) and _last_dim(s.args[1], len(shape)) and s.args[2] is True
-            and _users(s) == {k}):
+    if not (is_call(s, aten.sum.dim_IntList, 3) and _last_dim(s.args[1], len(shape)) and s.args[2] is True
+            and users_of(s) == {k}):
         return None
     q = s.args[0]
-    if _other(q, gh) is not x or _users(q) != {s}:
+    if mul_operand(q, gh) is not x or users_of(q) != {s}:
         return None
     if len(v.users) != 1:
         return None
     e = next(iter(v.users))
-    if not (_is(e, aten.expand.default, 2) and e.args[0] is v and list(e.args[1]) == list(shape)
+    if not (is_call(e, aten.expand.default, 2) and e.args[0] is v and list(e.args[1]) == list(shape)
             and len(e.users) == 1):
         return None
     d = next(iter(e.users))
-    if not (_is(d, aten.div.Scalar, 2) and d.args[0] is e and _number(d.args[1], n) and len(d.users) == 1):
+    if not (is_call(d, aten.div.Scalar, 2) and d.args[0] is e and is_number(d.args[1], n) and len(d.users) == 1):
         return None
     t2 = next(iter(d.users))
-    t = _other(t2, d)
-    if not (_is(t, aten.mul.Scalar, 2) and _number(t.args[1], 2.0) and _users(t) == {t2}):
+    t = mul_operand(t2, d)
+    if not (is_call(t, aten.mul.Scalar, 2) and is_number(t.args[1], 2.0) and users_of(t) == {t2}):
         return None
     pw = t.args[0]
-    if not (_is(pw, aten.pow.Tensor_Scalar, 2) and pw.args[0] is x and _number(pw.args[1], 1.0)
-            and _users(pw) == {t}):
+    if not (is_call(pw, aten.pow.Tensor_Scalar, 2) and pw.args[0] is x and is_number(pw.args[1], 1.0)
+            and users_of(pw) == {t}):
         return None
     region = [q, s, k, c, v, e, d, pw, t, t2, t1]
-    if not all(_val(z) is not None and _val(z).dtype == dt for z in region):
+    if not all(tensor_value(z) is not None and tensor_value(z).dtype == dt for z in region):
         return None
     if len(t2.users) != 1:
         return None
     z = next(iter(t2.users))
-    if not _is(z, aten.add.Tensor, 2) or not _like(z, shape, dt):
+    if not is_call(z, aten.add.Tensor, 2) or not is_like(z, shape, dt):
         return None
     other = z.args[0] if z.args[1] is t2 else z.args[1] if z.args[0] is t2 else None
-    if other is t2 or not _like(other, shape, dt):
+    if other is t2 or not is_like(other, shape, dt):
         return None
     return gh, t1, t2, z, q, region
 
 
 def _match_weight_grad(dy: fx.Node, h: fx.Node, n: int, ndim: int) -> Optional[list[fx.Node]]:
     """[wg, sm, gw] for gw = view(sum.dim_IntList(mul(dy, h), leading dims, True), [N])."""
-    wgs = [u for u in h.users if _other(u, h) is dy]
+    wgs = [u for u in h.users if mul_operand(u, h) is dy]
     if len(wgs) != 1:
         return None
     wg = wgs[0]
     if len(wg.users) != 1:
         return None
     sm = next(iter(wg.users))
-    if not (_is(sm, aten.sum.dim_IntList, 3) and sm.args[0] is wg and list(sm.args[1]) == list(range(ndim - 1))
+    if not (is_call(sm, aten.sum.dim_IntList, 3) and sm.args[0] is wg and list(sm.args[1]) == list(range(ndim - 1))
             and sm.args[2] is True and len(sm.users) == 1):
         return None
     gw = next(iter(sm.users))
-    if not (_is(gw, aten.view.default, 2) and gw.args[0] is sm and list(gw.args[1]) == [n]):
+    if not (is_call(gw, aten.view.default, 2) and gw.args[0] is sm and list(gw.args[1]) == [n]):
         return None
     return [wg, sm, gw]
 
@@ -245,7 +215,7 @@ def _match_weight_grad(dy: fx.Node, h: fx.Node, n: int, ndim: int) -> Optional[l
 
 def _weight_of(h: fx.Node, n: int, dt: torch.dtype) -> Optional[tuple[fx.Node, fx.Node]]:
     """(y, w) when y = mul(w, h) with a [N] weight is h's one reader besides a weight-gradient mul."""
-    ys = [(u, w) for u in h.users if (w := _other(u, h)) is not None and _like(w, (n,), dt)]
+    ys = [(u, w) for u in h.users if (w := mul_operand(u, h)) is not None and is_like(w, (n,), dt)]
     return ys[0] if len(ys) == 1 else None
 
 
@@ -255,9 +225,9 @@ def match_at(r: fx.Node) -> Optional[RMSNormMatch]:
     if fwd is None:
         return None
     x, n, eps, h, forward = fwd
-    xv = _val(x)
+    xv = tensor_value(x)
     shape, dt = tuple(xv.shape), xv.dtype
-    has_backward = _users(r) != {h}
+    has_backward = users_of(r) != {h}
     dx = _match_dx(x, r, h, n) if has_backward else None
     if has_backward and dx is None:
         return None  # r is read by something else: leave the norm as it is
@@ -278,16 +248,16 @@ def match_at(r: fx.Node) -> Optional[RMSNormMatch]:
 
 def _weighted(x: fx.Node, r: fx.Node, h: fx.Node, y: fx.Node, w: fx.Node, n: int, eps: float, dt: torch.dtype,
               shape: tuple, forward: list[fx.Node], dx: Optional[tuple]) -> Optional[RMSNormMatch]:
-    if not _like(y, shape, dt) or w is x:
+    if not is_like(y, shape, dt) or w is x:
         return None
-    others = _users(h) - {y}
+    others = users_of(h) - {y}
     if dx is None:  # forward only (inference, the first forward of a recomputed region)
         if others:
             return None
         return RMSNormMatch(x=x, n=n, eps=eps, weight=w, out=y, rsqrt=r, forward=forward + [y], backward=None)
     gh, t1, t2, z, q, region = dx
-    dy = _other(gh, w)
-    if dy is None or not _like(dy, shape, dt) or _users(gh) != {t1, q}:
+    dy = mul_operand(gh, w)
+    if dy is None or not is_like(dy, shape, dt) or users_of(gh) != {t1, q}:
         return None
     wgrad = _match_weight_grad(dy, h, n, len(shape)) if others else []
     if wgrad is None or (wgrad and others != {wgrad[0]}):
@@ -325,18 +295,6 @@ def fuse_rms_norms(graph: fx.Graph, module_of: dict[str, str]) -> int:
 
 # --- the rewrite --------------------------------------------------------------------------------
 
-def _same_meta(new: fx.Node, old: fx.Node) -> bool:
-    a, b = _val(new), _val(old)
-    return a is not None and b is not None and tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
-
-
-def _inherit(new: fx.Node, old: fx.Node, module_of: dict[str, str]) -> None:
-    for k, v in old.meta.items():  # stack trace, module, checkpoint tags: as on the node it stands for
-        new.meta.setdefault(k, v)
-    if old.name in module_of:  # annotate finds forward nodes' modules by name
-        module_of[new.name] = module_of[old.name]
-
-
 def rewrite(graph: fx.Graph, mt: RMSNormMatch, module_of: dict[str, str]) -> bool:
     """Replace one matched norm by the fused ops (the docstring's before/after). Returns False,
     leaving the graph as it was, when the fused ops' shapes/dtypes differ from the matched nodes'
@@ -351,24 +309,24 @@ def rewrite(graph: fx.Graph, mt: RMSNormMatch, module_of: dict[str, str]) -> boo
         out = call(graph, operator.getitem, (f, 0))
         rstd = call(graph, operator.getitem, (f, 1))
     made += [f, out, rstd]
-    ok = _same_meta(out, mt.out) and _same_meta(rstd, mt.rsqrt)
+    ok = same_meta(out, mt.out) and same_meta(rstd, mt.rsqrt)
     if ok and bk is not None:
         with graph.inserting_before(bk.first):
             b = call(graph, torch.ops.fxspeed.rms_norm_bwd.default, (bk.grad, mt.x, [mt.n], rstd, mt.weight))
             dx = call(graph, operator.getitem, (b, 0))
             dw = call(graph, operator.getitem, (b, 1)) if bk.weight_grad is not None else None
         made += [b, dx, *([dw] if dw is not None else [])]
-        ok = _same_meta(dx, bk.term1) and (dw is None or _same_meta(dw, bk.weight_grad))
+        ok = same_meta(dx, bk.term1) and (dw is None or same_meta(dw, bk.weight_grad))
     if not ok:
         for m in reversed(made):
             graph.erase_node(m)
         return False
     for new, old in ((f, mt.out), (out, mt.out), (rstd, mt.rsqrt)):
-        _inherit(new, old, module_of)
+        inherit_meta(new, old, module_of)
     mt.out.replace_all_uses_with(out)
     if bk is not None:
         for new, old in ((b, bk.term1), (dx, bk.term1), *(((dw, bk.weight_grad),) if dw is not None else ())):
-            _inherit(new, old, module_of)
+            inherit_meta(new, old, module_of)
         bk.term1.replace_all_uses_with(dx)
         z = bk.term2_add
         kept = z.args[0] if z.args[1] is bk.term2 else z.args[1]  # read after t1 -> dx: may be dx itself

@@ -48,7 +48,7 @@ from fxspeed.ir import FORWARD, META_KEY
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-_CASTS = {aten._to_copy.default, prims.convert_element_type.default}
+CASTS = {aten._to_copy.default, prims.convert_element_type.default}
 _RANDOM_NAMES = ("dropout", "bernoulli", "rand", "normal", "uniform", "exponential", "multinomial", "poisson",
                  "cauchy", "geometric", "log_normal")
 
@@ -116,7 +116,7 @@ def recompute_checkpointed(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, modified=False)
     forward = {n for n in nodes if _is_forward(n)}
     for n in nodes:  # a cast of a region's value (insert_casts) belongs to the region
-        if n not in region and n in forward and n.target in _CASTS and isinstance(n.args[0], fx.Node) \
+        if n not in region and n in forward and n.target in CASTS and isinstance(n.args[0], fx.Node) \
                 and n.args[0] in region:
             region[n] = region[n.args[0]]
     index = {n: i for i, n in enumerate(nodes)}

@@ -42,7 +42,7 @@ import torch.fx as fx
 
 from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
 from fxspeed.ir import META_KEY
-from fxspeed.passes.memory.recompute_checkpointed import _CASTS, _is_forward, clone_into_backward, is_recomputable_op
+from fxspeed.passes.memory.recompute_checkpointed import CASTS, _is_forward, clone_into_backward, is_recomputable_op
 
 prims = torch.ops.prims
 
@@ -52,10 +52,11 @@ def _is_view(n: fx.Node) -> bool:
     return n.target is operator.getitem or (inf is not None and inf.is_view)
 
 
-# fuse_kernels' norms (one pass over x, as cheap as the elementwise ops they replace): without
-# them here the fused program would keep each norm's output, which the unfused program's
-# recomputed products do not.
-_FUSED_NORMS = ("fxspeed::rms_norm_fwd", "fxspeed::layer_norm_fwd")
+# fuse_kernels' forward ops (each one pass over its inputs, as cheap as the elementwise ops it
+# replaces): without them here the fused program would keep each norm's, rotary's or activation's
+# output, which the unfused program's recomputed elementwise ops do not.
+_FUSED_NORMS = ("fxspeed::rms_norm_fwd", "fxspeed::layer_norm_fwd", "fxspeed::rotary_fwd", "fxspeed::swiglu_fwd",
+                "fxspeed::gelu_fwd")
 
 
 def _cheap(n: fx.Node) -> bool:
@@ -64,7 +65,7 @@ def _cheap(n: fx.Node) -> bool:
         return False
     if n.target._schema.name in _FUSED_NORMS:
         return True
-    if n.target in _CASTS:
+    if n.target in CASTS:
         # a dtype cast only (no device or layout change)
         return n.target is prims.convert_element_type.default or set(n.kwargs) <= {"dtype"}
     return torch.Tag.pointwise in n.target.tags and isinstance(n.meta.get("val"), torch.Tensor)

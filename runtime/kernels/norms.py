@@ -32,53 +32,15 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Any, Optional, Sequence
 
 import torch
 
+from .launch import (MAX_BLOCK, block_for, empty_like_missing, flat_or, interpreting, reduce_programs, rows_of,
+                     stat_shape, triton_available, use_triton, warps_for)
+
 Tensor = torch.Tensor
 aten = torch.ops.aten
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_BLOCK = 65536  # wider rows (elements) fall back to torch: one row must fit one program
-
-
-# --- dispatch ---------------------------------------------------------------------------------
-
-@functools.cache
-def triton_available() -> bool:
-    """Whether triton imports (called only on the way to a kernel launch)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
-
-
-def use_triton(*tensors: Optional[Tensor]) -> bool:
-    """True when these tensors go to the Triton kernels (CUDA, or the interpreter on CPU)."""
-    ts = [t for t in tensors if t is not None]
-    x = ts[0]
-    if not (x.is_cuda or (_interpret() and x.device.type == "cpu")):
-        return False
-    if any(t.dtype not in _KERNEL_DTYPES or t.device != x.device for t in ts):
-        return False
-    return triton_available()
-
-
-def _rows(x: Tensor, normalized_shape: Sequence[int]) -> tuple[int, int]:
-    n = math.prod(normalized_shape)
-    return (x.numel() // n if n else 0), n
-
-
-def _stat_shape(x: Tensor, normalized_shape: Sequence[int]) -> list[int]:
-    axis = x.dim() - len(normalized_shape)
-    return [*x.shape[:axis], *([1] * len(normalized_shape))]
 
 
 def _ln_stat_dtype(x: Tensor) -> torch.dtype:
@@ -86,24 +48,10 @@ def _ln_stat_dtype(x: Tensor) -> torch.dtype:
     return x.dtype if x.device.type == "cpu" else torch.float32
 
 
-def _block(n: int) -> int:
-    return max(16, 1 << (max(n, 1) - 1).bit_length())
-
-
-def _reduce_programs(x: Tensor, m: int) -> int:
-    if x.is_cuda:
-        return max(1, min(m, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count))
-    return max(1, min(m, 8))
-
-
-def _warps(block: int) -> int:
-    return min(16, max(1, block // 256))
-
-
 def _kernels() -> Any:
     """The Triton kernels (imports triton on first use). Triton decides at decoration time
     whether a kernel is interpreted, so they are made once per TRITON_INTERPRET setting."""
-    return _make_kernels(_interpret())
+    return _make_kernels(interpreting())
 
 
 @functools.cache
@@ -195,22 +143,13 @@ def _make_kernels(interpret: bool) -> Any:
     return ln_fwd, ln_bwd, rms_fwd, rms_bwd
 
 
-def _flat(t: Optional[Tensor], dummy: Tensor) -> Tensor:
-    """A weight/bias as the kernels read it (contiguous), or a dummy pointer when absent."""
-    return t.contiguous() if t is not None else dummy
-
-
-def _empty_like_missing(x: Tensor) -> Tensor:
-    return x.new_empty((0,))
-
-
 # --- LayerNorm ---------------------------------------------------------------------------------
 
 @torch.library.custom_op("fxspeed::layer_norm_fwd", mutates_args=())
 def layer_norm_fwd(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], bias: Optional[Tensor],
                    eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    m, n = _rows(x, normalized_shape)
-    if not use_triton(x, weight, bias) or m == 0 or n == 0 or _block(n) > MAX_BLOCK:
+    m, n = rows_of(x, normalized_shape)
+    if not use_triton(x, weight, bias) or m == 0 or n == 0 or block_for(n) > MAX_BLOCK:
         out, mean, rstd = aten.native_layer_norm.default(x, normalized_shape, weight, bias, eps)
         return out, mean, rstd
     ln_fwd = _kernels()[0]
@@ -219,11 +158,11 @@ def layer_norm_fwd(x: Tensor, normalized_shape: list[int], weight: Optional[Tens
     sd = _ln_stat_dtype(x)
     mean = torch.empty(m, device=x.device, dtype=sd)
     rstd = torch.empty(m, device=x.device, dtype=sd)
-    block = _block(n)
-    ln_fwd[(m,)](xc, _flat(weight, xc), _flat(bias, xc), y, mean, rstd, n,
+    block = block_for(n)
+    ln_fwd[(m,)](xc, flat_or(weight, xc), flat_or(bias, xc), y, mean, rstd, n,
                  float(eps), HAS_W=weight is not None, HAS_B=bias is not None, BLOCK=block,
-                 num_warps=_warps(block))
-    shape = _stat_shape(x, normalized_shape)
+                 num_warps=warps_for(block))
+    shape = stat_shape(x, normalized_shape)
     return y.view(x.shape), mean.view(shape), rstd.view(shape)
 
 
@@ -235,23 +174,23 @@ def _(x, normalized_shape, weight, bias, eps):
 @torch.library.custom_op("fxspeed::layer_norm_bwd", mutates_args=())
 def layer_norm_bwd(grad_out: Tensor, x: Tensor, normalized_shape: list[int], mean: Tensor, rstd: Tensor,
                    weight: Optional[Tensor], bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    m, n = _rows(x, normalized_shape)
-    if not use_triton(x, grad_out, weight, bias) or m == 0 or n == 0 or _block(n) > MAX_BLOCK:
+    m, n = rows_of(x, normalized_shape)
+    if not use_triton(x, grad_out, weight, bias) or m == 0 or n == 0 or block_for(n) > MAX_BLOCK:
         mask = [True, weight is not None, bias is not None]
         dx, dw, db = aten.native_layer_norm_backward.default(grad_out, x, normalized_shape, mean, rstd, weight,
                                                              bias, mask)
-        return dx, dw if dw is not None else _empty_like_missing(x), db if db is not None else _empty_like_missing(x)
+        return dx, dw if dw is not None else empty_like_missing(x), db if db is not None else empty_like_missing(x)
     ln_bwd = _kernels()[1]
     xc, dyc = x.contiguous(), grad_out.contiguous()
     dx = torch.empty_like(xc)
-    g = _reduce_programs(x, m)
+    g = reduce_programs(x, m)
     dwp = torch.empty((g, n), device=x.device, dtype=torch.float32) if weight is not None else dx
     dbp = torch.empty((g, n), device=x.device, dtype=torch.float32) if bias is not None else dx
-    block = _block(n)
-    ln_bwd[(g,)](dyc, xc, _flat(weight, xc), mean.contiguous(), rstd.contiguous(), dx, dwp, dbp,
-                 m, n, g, HAS_W=weight is not None, HAS_B=bias is not None, BLOCK=block, num_warps=_warps(block))
-    dw = dwp.sum(0).to(weight.dtype).view(weight.shape) if weight is not None else _empty_like_missing(x)
-    db = dbp.sum(0).to(bias.dtype).view(bias.shape) if bias is not None else _empty_like_missing(x)
+    block = block_for(n)
+    ln_bwd[(g,)](dyc, xc, flat_or(weight, xc), mean.contiguous(), rstd.contiguous(), dx, dwp, dbp,
+                 m, n, g, HAS_W=weight is not None, HAS_B=bias is not None, BLOCK=block, num_warps=warps_for(block))
+    dw = dwp.sum(0).to(weight.dtype).view(weight.shape) if weight is not None else empty_like_missing(x)
+    db = dbp.sum(0).to(bias.dtype).view(bias.shape) if bias is not None else empty_like_missing(x)
     return dx.view(x.shape), dw, db
 
 
@@ -259,12 +198,12 @@ def layer_norm_bwd(grad_out: Tensor, x: Tensor, normalized_shape: list[int], mea
 def _(grad_out, x, normalized_shape, mean, rstd, weight, bias):
     dx, dw, db = aten.native_layer_norm_backward.default(grad_out, x, normalized_shape, mean, rstd, weight, bias,
                                                          [True, weight is not None, bias is not None])
-    return dx, dw if dw is not None else _empty_like_missing(x), db if db is not None else _empty_like_missing(x)
+    return dx, dw if dw is not None else empty_like_missing(x), db if db is not None else empty_like_missing(x)
 
 
 # --- RMSNorm -----------------------------------------------------------------------------------
 
-def _rms_eps(eps: Optional[float]) -> float:
+def rms_eps(eps: Optional[float]) -> float:
     # aten._fused_rms_norm: None means the machine epsilon of the fp32 computation type
     return torch.finfo(torch.float32).eps if eps is None else float(eps)
 
@@ -272,18 +211,18 @@ def _rms_eps(eps: Optional[float]) -> float:
 @torch.library.custom_op("fxspeed::rms_norm_fwd", mutates_args=())
 def rms_norm_fwd(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor],
                  eps: Optional[float]) -> tuple[Tensor, Tensor]:
-    m, n = _rows(x, normalized_shape)
-    if not use_triton(x, weight) or m == 0 or n == 0 or _block(n) > MAX_BLOCK:
+    m, n = rows_of(x, normalized_shape)
+    if not use_triton(x, weight) or m == 0 or n == 0 or block_for(n) > MAX_BLOCK:
         out, rstd = aten._fused_rms_norm.default(x, normalized_shape, weight, eps)
         return out, rstd
     rms_fwd = _kernels()[2]
     xc = x.contiguous()
     y = torch.empty_like(xc)
     rstd = torch.empty(m, device=x.device, dtype=torch.float32)
-    block = _block(n)
-    rms_fwd[(m,)](xc, _flat(weight, xc), y, rstd, n, _rms_eps(eps), HAS_W=weight is not None,
-                  BLOCK=block, num_warps=_warps(block))
-    return y.view(x.shape), rstd.view(_stat_shape(x, normalized_shape))
+    block = block_for(n)
+    rms_fwd[(m,)](xc, flat_or(weight, xc), y, rstd, n, rms_eps(eps), HAS_W=weight is not None,
+                  BLOCK=block, num_warps=warps_for(block))
+    return y.view(x.shape), rstd.view(stat_shape(x, normalized_shape))
 
 
 @rms_norm_fwd.register_fake
@@ -298,7 +237,7 @@ def rms_norm_backward_reference(grad_out: Tensor, x: Tensor, normalized_shape: S
     inner = list(range(axis, x.dim()))
     n = math.prod(normalized_shape)
     dy, xf = grad_out.float(), x.float()
-    r = rstd.float().reshape(_stat_shape(x, normalized_shape))
+    r = rstd.float().reshape(stat_shape(x, normalized_shape))
     wdy = dy * weight.float() if weight is not None else dy
     xhat = xf * r
     dx = (wdy - xhat / n * (xhat * wdy).sum(inner, keepdim=True)) * r
@@ -309,23 +248,23 @@ def rms_norm_backward_reference(grad_out: Tensor, x: Tensor, normalized_shape: S
 @torch.library.custom_op("fxspeed::rms_norm_bwd", mutates_args=())
 def rms_norm_bwd(grad_out: Tensor, x: Tensor, normalized_shape: list[int], rstd: Tensor,
                  weight: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    m, n = _rows(x, normalized_shape)
-    if not use_triton(x, grad_out, weight) or m == 0 or n == 0 or _block(n) > MAX_BLOCK:
+    m, n = rows_of(x, normalized_shape)
+    if not use_triton(x, grad_out, weight) or m == 0 or n == 0 or block_for(n) > MAX_BLOCK:
         if x.is_cuda:  # ATen's kernel
             dx, dw = aten._fused_rms_norm_backward.default(grad_out, x, normalized_shape, rstd, weight,
                                                            [True, weight is not None])
         else:
             dx, dw = rms_norm_backward_reference(grad_out, x, normalized_shape, rstd, weight)
-        return dx, dw if dw is not None else _empty_like_missing(x)
+        return dx, dw if dw is not None else empty_like_missing(x)
     rms_bwd = _kernels()[3]
     xc, dyc = x.contiguous(), grad_out.contiguous()
     dx = torch.empty_like(xc)
-    g = _reduce_programs(x, m)
+    g = reduce_programs(x, m)
     dwp = torch.empty((g, n), device=x.device, dtype=torch.float32) if weight is not None else dx
-    block = _block(n)
-    rms_bwd[(g,)](dyc, xc, _flat(weight, xc), rstd.contiguous(), dx, dwp, m, n, g,
-                  HAS_W=weight is not None, BLOCK=block, num_warps=_warps(block))
-    dw = dwp.sum(0).to(weight.dtype).view(weight.shape) if weight is not None else _empty_like_missing(x)
+    block = block_for(n)
+    rms_bwd[(g,)](dyc, xc, flat_or(weight, xc), rstd.contiguous(), dx, dwp, m, n, g,
+                  HAS_W=weight is not None, BLOCK=block, num_warps=warps_for(block))
+    dw = dwp.sum(0).to(weight.dtype).view(weight.shape) if weight is not None else empty_like_missing(x)
     return dx.view(x.shape), dw
 
 
@@ -333,7 +272,7 @@ def rms_norm_bwd(grad_out: Tensor, x: Tensor, normalized_shape: list[int], rstd:
 def _(grad_out, x, normalized_shape, rstd, weight):
     dx, dw = aten._fused_rms_norm_backward.default(grad_out, x, normalized_shape, rstd, weight,
                                                    [True, weight is not None])
-    return dx, dw if dw is not None else _empty_like_missing(x)
+    return dx, dw if dw is not None else empty_like_missing(x)
 
 
 __all__ = ["MAX_BLOCK", "layer_norm_bwd", "layer_norm_fwd", "rms_norm_backward_reference", "rms_norm_bwd",

@@ -17,28 +17,47 @@ caches [num_blocks, block_size, Hkv, D], slot_mapping [T], block_table [S, NB],
 query_index / query_pos [S, Q]. The result has q's shape, laid out as [1, T, H, D] in memory
 (what the SDPA kernels it replaces return, so the graph's later views stay valid).
 
-This is the torch implementation (CPU, and any device); it runs the same ATen ops per step
-whatever the batch mix, with no allocation that depends on anything but the step's shapes.
+Two implementations behind `paged_attention_impl`:
+
+- a Triton kernel, when q is on CUDA (or on the CPU under Triton's interpreter, TRITON_INTERPRET=1,
+  what the tests check): it reads the cache blocks in place through the block table. The torch
+  path gathers every sequence's whole K/V (NB * block_size slots, however short the sequence) into
+  fresh copies and runs a masked SDPA over them; on a GPU, where decode attention is bound by memory
+  bandwidth, that is a write and a second read of everything it reads. The kernel reads each key
+  and value a query needs once per program and nothing past the program's last query position.
+- the torch implementation (CPU, any device, and whatever the kernel does not take): it runs the
+  same ATen ops per step whatever the batch mix, with no allocation that depends on anything but
+  the step's shapes.
+
+The cache write (k/v into their slots) is torch's index_copy_ in both.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+
+from .launch import interpreting, use_triton
+
+_LOG2E = 1.4426950408889634  # the kernel's softmax runs in exp2: scores pre-scaled by log2(e)
+MAX_HEAD_DIM = 256  # wider heads fall back to torch: a program holds its query rows' [rows, D] accumulator
 
 
 def paged_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
                          query_index: torch.Tensor, query_pos: torch.Tensor, scale: float) -> torch.Tensor:
     """The op's body. The serving runtime calls it directly from the program (`direct_calls`):
-    the custom op's dispatch costs about 0.2 ms a call on the CPU, ~5% of a GPT-2 decode step."""
+    the custom op's dispatch costs about 0.2 ms a call on the CPU, ~5% of a GPT-2 decode step.
+    The Triton kernel where `kernel_applies` says so, else the torch implementation below."""
     _, H, T, D = q.shape
     Hkv = k.shape[1]
-    nb, bs = k_cache.shape[0], k_cache.shape[1]
-    kc = k_cache.view(nb * bs, Hkv, D)
-    vc = v_cache.view(nb * bs, Hkv, D)
-    kc.index_copy_(0, slot_mapping, k[0].transpose(0, 1).to(kc.dtype))
-    vc.index_copy_(0, slot_mapping, v[0].transpose(0, 1).to(vc.dtype))
+    kc, vc = _write_cache(k, v, k_cache, v_cache, slot_mapping)
+    if kernel_applies(q, k_cache, v_cache, block_table, query_index):
+        return _paged_attention_triton(q, kc, vc, k_cache.shape[1], block_table, query_index, query_pos, scale)
+    bs = k_cache.shape[1]
     S, NB = block_table.shape
     slots = (block_table[:, :, None] * bs + torch.arange(bs, device=q.device)).reshape(S, NB * bs)
     # index_select, not advanced indexing: ~10x less overhead per call on CPU at decode sizes
@@ -53,6 +72,181 @@ def paged_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
     res = q.new_zeros(T + 1, H, D)
     res.index_copy_(0, query_index.reshape(-1), out.transpose(1, 2).reshape(-1, H, D))  # dummies all land on row T
     return res[:T].transpose(0, 1).unsqueeze(0)
+
+
+def _write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stores this step's k/v [1, Hkv, T, D] at their slots; returns the caches viewed as
+    [num_blocks * block_size, Hkv, D] (slot-major)."""
+    Hkv, D = k.shape[1], k.shape[3]
+    nb, bs = k_cache.shape[0], k_cache.shape[1]
+    kc = k_cache.view(nb * bs, Hkv, D)
+    vc = v_cache.view(nb * bs, Hkv, D)
+    kc.index_copy_(0, slot_mapping, k[0].transpose(0, 1).to(kc.dtype))
+    vc.index_copy_(0, slot_mapping, v[0].transpose(0, 1).to(vc.dtype))
+    return kc, vc
+
+
+# --- the Triton kernel ------------------------------------------------------------------------
+
+def kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                   query_index: torch.Tensor) -> bool:
+    """Whether this call goes to the Triton kernel: q on CUDA (or the CPU under TRITON_INTERPRET=1),
+    q and the caches fp32/bf16/fp16 on one device, contiguous caches, H a multiple of Hkv,
+    D <= MAX_HEAD_DIM, and a non-empty step (at least one sequence, query slot and cache block)."""
+    H, D, Hkv = q.shape[1], q.shape[3], k_cache.shape[2]
+    if D > MAX_HEAD_DIM or H % Hkv or block_table.shape[1] == 0 or query_index.numel() == 0 or q.shape[2] == 0:
+        return False
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):  # the kernel computes slot offsets itself
+        return False
+    return use_triton(q, k_cache, v_cache)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def _tiles(Qn: int, G: int, D: int, fp32: bool) -> tuple[int, int, int, int, int]:
+    """(G_P, BLOCK_Q, BLOCK_D, BLOCK_N, num_warps) for Qn query slots per sequence, G query heads
+    per KV head, head dim D, fp32 or 16-bit operands. A program's rows are BLOCK_Q slots x G_P
+    (G padded to a power of two) heads: at least 16, tl.dot's smallest tile (a decode step, Q = 1,
+    pads rows, which costs no reads), at most what fits registers unless one group alone is wider.
+    D is padded to a power of two >= 16 and masked. The sizes are those ptxas compiles for sm_90
+    without spilling registers (checked offline, not tuned on a GPU)."""
+    G_P = _pow2(G)
+    BLOCK_D = max(16, _pow2(D))
+    if fp32:
+        cap, BLOCK_N, warps = {256: (16, 16, 4), 128: (32, 32, 8)}.get(BLOCK_D, (64, 32, 8))
+    else:
+        cap, BLOCK_N, warps = {256: (16, 32, 8), 128: (64, 64, 8)}.get(BLOCK_D, (64, 64, 8))
+    BLOCK_Q = max(1, 16 // G_P, min(_pow2(Qn), cap // G_P))
+    if not fp32 and BLOCK_D == 128 and BLOCK_Q * G_P > 32:
+        BLOCK_N = 32
+    if not fp32 and BLOCK_D <= 64 and BLOCK_Q * G_P <= 16:
+        warps = 4
+    return G_P, BLOCK_Q, BLOCK_D, BLOCK_N, warps
+
+
+def _kernel() -> Any:
+    """The Triton kernel (imports triton on first use). Triton decides at decoration time whether a
+    kernel is interpreted, so it is made once per TRITON_INTERPRET setting."""
+    return _make_kernel(interpreting())
+
+
+@functools.cache
+def _make_kernel(interpret: bool) -> Any:
+    import triton
+    import triton.language as tl
+
+    # cast and mma are module globals, not closure variables: Triton's interpreter re-executes a
+    # kernel's source against its module's globals and cannot see a closure (NameError). Both
+    # versions (interpreted or compiled) are the same code; a process runs in one mode.
+    global _cast, _mma
+
+    # INTERPRET_BF16 (bf16 under the interpreter only): Triton 3.9's interpreter multiplies bf16
+    # tl.dot operands as their raw uint16 bits and truncates fp32 -> bf16 casts; there the kernel
+    # multiplies the (exact) fp32 values and rounds to nearest even itself, which is what the
+    # compiled kernel's bf16 x bf16 -> fp32 products and conversions do
+
+    @triton.jit
+    def _cast(x, dtype: tl.constexpr, INTERPRET_BF16: tl.constexpr):
+        if INTERPRET_BF16 and dtype == tl.bfloat16 and x.dtype != tl.bfloat16:
+            b = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+            return b.to(tl.float32, bitcast=True).to(tl.bfloat16)  # exact: the low bits are zero
+        else:
+            return x.to(dtype)
+
+    @triton.jit
+    def _mma(a, b, INTERPRET_BF16: tl.constexpr):
+        if INTERPRET_BF16:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(a, b, input_precision="ieee")  # fp32 operands: no TF32, like the torch path
+
+    @triton.jit
+    def paged_attention_fwd(Q, KC, VC, BT, QI, QP, Out, T, NB, Qn, n_tiles, sq_t, sq_h, sq_d, qk_scale,
+                            HKV: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, BS: tl.constexpr,
+                            D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                            SPLIT_P: tl.constexpr, INTERPRET_BF16: tl.constexpr):
+        # one program: sequence s, kv head hk, query slots tile*BLOCK_Q ... (+BLOCK_Q); its rows are
+        # (query slot, query head of the group), so a GQA group shares every K/V tile it loads
+        pid = tl.program_id(0)
+        hk = tl.program_id(1)
+        s = pid // n_tiles
+        tile = pid % n_tiles
+        M: tl.constexpr = BLOCK_Q * G_P
+        r = tl.arange(0, M)
+        i = tile * BLOCK_Q + r // G_P
+        g = r % G_P
+        h = hk * G + g
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        row_ok = (i < Qn) & (g < G)
+        qi = tl.load(QI + s * Qn + i, mask=row_ok, other=T)
+        live = row_ok & (qi < T)  # dummy slots (query_index == T) and padding rows compute but store nothing
+        # a dead row attends key 0 only: every row has a key in the first tile, so no -inf - -inf
+        pos = tl.load(QP + s * Qn + i, mask=live, other=0).to(tl.int32)
+        n_keys = tl.minimum(tl.max(pos, axis=0) + 1, NB * BS)  # causal: no program reads past its last query
+        q = tl.load(Q + qi[:, None].to(tl.int64) * sq_t + h[:, None] * sq_h + d[None, :] * sq_d,
+                    mask=live[:, None] & d_ok[None, :], other=0.0)
+        dt = q.dtype
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, BLOCK_D], tl.float32)
+        for start in range(0, n_keys, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            j_ok = j < n_keys
+            # each key's slot through the block table: the cache is read where it lies, no gathered copy
+            blk = tl.load(BT + s * NB + j // BS, mask=j_ok, other=0)
+            # 64-bit only where it must be (the block's base): 32-bit offsets keep registers free
+            kv = (blk * (BS * HKV * D))[:, None] + (((j % BS) * HKV + hk) * D)[:, None] + d[None, :]
+            kv_ok = j_ok[:, None] & d_ok[None, :]
+            # the torch path casts K/V to q's dtype before the products; so does the kernel
+            kt = _cast(tl.load(KC + kv, mask=kv_ok, other=0.0), dt, INTERPRET_BF16)
+            qk = _mma(q, tl.trans(kt), INTERPRET_BF16)
+            qk = tl.where((j[None, :] <= pos[:, None]) & j_ok[None, :], qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vt = _cast(tl.load(VC + kv, mask=kv_ok, other=0.0), dt, INTERPRET_BF16)
+            # P in q's dtype for the tensor cores, as P = hi + lo (two 16-bit terms): flash attention
+            # rounds P to bf16's 8 bits, which about doubles the error of the torch path (fp32 P);
+            # the second product costs nothing in a step bound by reading the cache
+            p_hi = _cast(p, dt, INTERPRET_BF16)
+            acc = acc * alpha[:, None] + _mma(p_hi, vt, INTERPRET_BF16)
+            if SPLIT_P:
+                acc += _mma(_cast(p - p_hi.to(tl.float32), dt, INTERPRET_BF16), vt, INTERPRET_BF16)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(Out + (qi[:, None].to(tl.int64) * (HKV * G) + h[:, None]) * D + d[None, :],
+                 _cast(out, Out.dtype.element_ty, INTERPRET_BF16), mask=live[:, None] & d_ok[None, :])
+
+    return paged_attention_fwd
+
+
+def _paged_attention_triton(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, block_size: int,
+                            block_table: torch.Tensor, query_index: torch.Tensor, query_pos: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """Attention of the step's queries over the caches kc/vc [num_blocks * block_size, Hkv, D] (this
+    step's k/v already written), through the Triton kernel. Same result as the torch path, in its
+    layout ([1, H, T, D] over [T, H, D] memory), with zero rows for the tokens no query slot names
+    (the bucket's padding)."""
+    _, H, T, D = q.shape
+    Hkv = kc.shape[1]
+    S, NB = block_table.shape
+    Qn = query_index.shape[1]
+    G = H // Hkv
+    G_P, BLOCK_Q, BLOCK_D, BLOCK_N, warps = _tiles(Qn, G, D, q.dtype == torch.float32)
+    n_tiles = -(-Qn // BLOCK_Q)
+    out = q.new_zeros(T, H, D)  # the bucket's padding tokens keep zero rows, as in the torch path
+    _kernel()[(S * n_tiles, Hkv)](
+        q[0], kc, vc, block_table.contiguous(), query_index.contiguous(), query_pos.contiguous(), out,
+        T, NB, Qn, n_tiles, q.stride(2), q.stride(1), q.stride(3), scale * _LOG2E,
+        HKV=Hkv, G=G, G_P=G_P, BS=block_size, D=D, BLOCK_Q=BLOCK_Q, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+        SPLIT_P=q.dtype != torch.float32, INTERPRET_BF16=interpreting() and q.dtype == torch.bfloat16, num_warps=warps)
+    return out.transpose(0, 1).unsqueeze(0)
 
 
 @torch.library.custom_op("fxspeed::paged_attention", mutates_args=("k_cache", "v_cache"))

@@ -1,0 +1,28 @@
+"""fuse_activations: an MLP's activation and its backward run as Triton kernels
+(runtime/kernels/activations.py; the matcher and its exact forms: passes/graph/activation_pattern.py).
+
+    before:  s = silu(g); y = mul(s, u)       ... nine backward ops (sigmoid, 1 - sigmoid, ...)
+    after:   y = fxspeed.swiglu_fwd(g, u)     ... b = fxspeed.swiglu_bwd(dy, g, u)
+
+and GELU (aten.gelu, or GPT-2's tanh form written out; a bias add of its own folded in) ->
+fxspeed.gelu_fwd / gelu_bwd. The fused ops compute in fp32 and round once (in bf16 programs the
+unfused ops round after each op: close, not identical). Runs after fuse_kernels, before
+recompute_pointwise, which recomputes the fused forward in backward from g and u (kept anyway)
+instead of keeping its output. compile_step and compile_inference add it where fuse_kernels runs,
+and only without tensor parallelism: the placement solver (planner/placement.py) has no rule for
+the fused ops and would replicate the MLP's widest values. Disabled by name ("fuse_activations").
+Options read: none.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
+
+from .activation_pattern import fuse_activations as rewrite_activations
+
+
+@graph_pass("fuse_activations", invalidates=("annotate",))
+def fuse_activations(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    return PassResult(gm, modified=rewrite_activations(gm.graph, ctx.module_of) > 0)
