@@ -8,7 +8,7 @@
 # hypothesis and fxspeed's small dependencies only when they are missing (PyPI only, nothing else
 # is downloaded: HF models are built from configs, offline), then runs
 #
-#     tests/test_cuda.py   (pytest -m cuda, capped at TEST_TIMEOUT_S, junit XML in $OUT)
+#     tests/test_cuda.py and the kernel tests   (pytest -m cuda, capped at TEST_TIMEOUT_S, junit XML in $OUT)
 #     benchmarks/bench_gpu.py --quick --out $OUT/bench_gpu.json   (capped at BENCH_TIMEOUT_S)
 #
 # Everything is logged to $OUT/gpu_check.log. Each step runs even if an earlier one failed; the
@@ -100,8 +100,11 @@ run "$PY" -c "import transformers; print('transformers', transformers.__version_
 # --- the cuda test tier -----------------------------------------------------------------------
 # No -x: this run is scarce, so every test reports; -s prints each low-precision test's
 # numbers (losses, update cosine and drift from fp32, fxspeed vs autocast).
-log "pytest -m cuda tests/test_cuda.py (cap ${TEST_TIMEOUT_S}s)"
-run timeout -k 10 "$TEST_TIMEOUT_S" "$PY" -m pytest -m cuda -q -s -rA -p no:cacheprovider tests/test_cuda.py \
+# every file with cuda tests: the end-to-end ones, then each fused kernel compiled against torch
+CUDA_TESTS=(tests/test_cuda.py tests/test_fusion_kernels.py tests/test_fusion_rotary.py tests/test_fusion_activations.py
+            tests/test_fusion_residual_norms.py tests/test_paged_attention_kernel.py)
+log "pytest -m cuda ${CUDA_TESTS[*]} (cap ${TEST_TIMEOUT_S}s)"
+run timeout -k 10 "$TEST_TIMEOUT_S" "$PY" -m pytest -m cuda -q -s -rA -p no:cacheprovider "${CUDA_TESTS[@]}" \
     --junitxml="$OUT/test_cuda.xml"
 rc=$?
 log "pytest exit status $rc"
