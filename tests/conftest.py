@@ -8,6 +8,11 @@ configured optimizer and its learning-rate schedule.
 from __future__ import annotations
 
 import copy
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import pytest
@@ -114,3 +119,35 @@ def check_parity(model: nn.Module, batches: Sequence[Any], config: fxspeed.Confi
 @pytest.fixture(autouse=True)
 def _seeded() -> None:
     torch.manual_seed(0)
+
+
+# --- Triton kernels under the interpreter ---------------------------------------------------------
+# TRITON_INTERPRET=1 must be set before triton is first imported (importing fxspeed imports it,
+# through torch's AOT autograd), so a kernel test file runs its interpreted tests in a child pytest
+# started with it; in the parent those tests skip.
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # set by the caller, before triton was imported
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def needs_interpreter() -> None:
+    """Skips a kernel test outside the TRITON_INTERPRET=1 child of its file's `run_interpreted`."""
+    pytest.importorskip("triton")
+    if not INTERPRETING:
+        pytest.skip("runs in a child pytest with TRITON_INTERPRET=1 (its file's run_interpreted test)")
+
+
+def run_interpreted(test_file: str, tests: Sequence[str], timeout: int = 900) -> None:
+    """Runs `tests` (names in `test_file`) in a child pytest with TRITON_INTERPRET=1 set from the
+    start; asserts it passed at least one test per name and skipped none."""
+    pytest.importorskip("triton")
+    if INTERPRETING:
+        pytest.skip("this is the interpreted run")
+    here = Path(test_file).resolve().relative_to(ROOT)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                        *(f"{here}::{t}" for t in tests)],
+                       cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                       timeout=timeout)
+    passed = re.search(r"(\d+) passed", r.stdout)
+    assert r.returncode == 0 and passed and int(passed[1]) >= len(tests) and " skipped" not in r.stdout, \
+        r.stdout[-4000:] + r.stderr[-2000:]

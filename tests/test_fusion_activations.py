@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import math
 import operator
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import assert_close_rel, check_parity
+from conftest import INTERPRETING, assert_close_rel, check_parity, needs_interpreter, run_interpreted
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -36,11 +32,9 @@ from fxspeed.models import GPT, GPTConfig
 from fxspeed.passes.graph.activation_pattern import find_activations, fuse_activations
 from fxspeed.runtime.kernels import activations
 from fxspeed.runtime.kernels.norms import triton_available, use_triton
-from tests.test_fusion_kernels import (DTYPES, UNFUSED, close, count_targets, fuse_in_place, hf_batches, run_step,
+from test_fusion_kernels import (DTYPES, UNFUSED, close, count_targets, fuse_in_place, hf_batches, run_step,
                                        step_inputs, tiny_hf)
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # set by the caller, before triton was imported
-ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED_TESTS = ("test_swiglu_kernels_compute_silu_of_gate_times_up_and_its_gradients_in_fp32",
                      "test_gelu_kernels_compute_aten_s_gelu_and_its_gradient_with_and_without_a_bias",
                      "test_other_layouts_and_broadcasts_run_the_fallback_with_aten_s_values_and_strides",
@@ -52,24 +46,11 @@ GELU = ("fxspeed.gelu_fwd.default", "fxspeed.gelu_bwd.default")
 
 def test_the_activation_kernels_pass_their_tests_under_triton_s_interpreter() -> None:
     """INTERPRETED_TESTS, in a child pytest with TRITON_INTERPRET=1 set before triton is imported."""
-    pytest.importorskip("triton")
-    if _INTERPRETING:
-        pytest.skip("this is the interpreted run")
-    tests = [f"{Path(__file__).relative_to(ROOT)}::{t}" for t in INTERPRETED_TESTS]
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *tests], cwd=ROOT,
-                       env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
-    passed = f"{len(tests)} passed" in r.stdout and " skipped" not in r.stdout
-    assert r.returncode == 0 and passed, r.stdout[-4000:] + r.stderr[-2000:]
+    run_interpreted(__file__, INTERPRETED_TESTS)
 
 
 # --- the kernels ---------------------------------------------------------------------------------
 
-def needs_interpreter() -> None:
-    """Only in the child run (test_the_activation_kernels_pass_their_tests_under_triton_s_interpreter)."""
-    pytest.importorskip("triton")
-    if not _INTERPRETING:
-        pytest.skip("the TRITON_INTERPRET=1 child of test_the_activation_kernels_pass_their_tests_under_triton_s_"
-                    "interpreter runs it")
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -273,7 +254,7 @@ def test_training_through_fxspeed_compile_with_fused_activations_matches_eager(a
     engine, _ = check_parity(tiny_hf("llama", layers=1), hf_batches(), fxspeed.Config(optimizer="adamw", lr=1e-3))
     assert any(p["name"] == "fuse_kernels" and p["modified"] for p in engine.plan.passes)
     assert len(calls) >= 3 * 2, "every step ran the fused forward and backward"
-    if _INTERPRETING and triton_available():
+    if INTERPRETING and triton_available():
         assert activations._make_kernels.cache_info().currsize == 1, "the steps ran the Triton kernels"
 
 
@@ -459,7 +440,7 @@ def test_silu_backward_as_one_op_is_matched_too() -> None:
 
 def needs_compiled_kernels() -> None:
     pytest.importorskip("triton")
-    if _INTERPRETING:
+    if INTERPRETING:
         pytest.skip("TRITON_INTERPRET=1: this test checks the compiled kernels")
 
 

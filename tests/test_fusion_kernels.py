@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import copy
 import operator
-import os
 
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import assert_close_rel, assert_models_match, check_parity, fxspeed_train, rel_err
+from conftest import (INTERPRETING, assert_close_rel, assert_models_match, check_parity,
+                      fxspeed_train, needs_interpreter, rel_err, run_interpreted)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,8 +34,6 @@ from fxspeed.passes.graph.fuse_kernels import fuse_kernels
 from fxspeed.runtime.kernels import norms
 
 # set by the caller, so before triton was imported: the kernels run interpreted
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED_TESTS = ("test_layer_norm_kernels_return_what_native_layer_norm_and_its_backward_return",
                      "test_rms_norm_kernels_match_fused_rms_norm_and_autograd_through_it",
                      "test_a_transformer_trained_with_fused_norms_has_no_aten_norms_left_and_matches_eager",
@@ -53,24 +48,11 @@ ATOL = {"fp32": 1e-6, "bf16": 1e-2, "fp16": 1e-3}
 NORM_TARGETS = {aten.native_layer_norm.default, aten.native_layer_norm_backward.default}
 
 
-def needs_interpreter() -> None:
-    pytest.importorskip("triton")
-    if not _INTERPRETING:
-        pytest.skip("runs in a child process with TRITON_INTERPRET=1 "
-                    "(test_the_kernels_match_torch_under_triton_s_interpreter)")
 
 
 def test_the_kernels_match_torch_under_triton_s_interpreter() -> None:
     """Runs the kernel tests above in a child pytest that sets TRITON_INTERPRET=1 from the start."""
-    pytest.importorskip("triton")
-    if _INTERPRETING:
-        pytest.skip("this is the interpreted run")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                        *(f"{Path(__file__).relative_to(ROOT)}::{t}" for t in INTERPRETED_TESTS)],
-                       cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0 and f"{len(INTERPRETED_TESTS)} passed" in r.stdout and " skipped" not in r.stdout, \
-        r.stdout[-4000:] + r.stderr[-2000:]
+    run_interpreted(__file__, INTERPRETED_TESTS)
 
 
 def close(a: torch.Tensor, b: torch.Tensor, what: str, dtype: str, scale: float = 1.0) -> None:
@@ -191,7 +173,7 @@ def test_a_transformer_trained_with_fused_norms_has_no_aten_norms_left_and_match
     assert (fwd, targets.count("fxspeed.add_layer_norm_fwd.default")) == (1, 2), targets
     assert (targets.count("fxspeed.layer_norm_bwd.default"), targets.count("fxspeed.layer_norm_bwd_add.default")) \
         == (1, 2), targets
-    if _INTERPRETING and norms.triton_available():
+    if INTERPRETING and norms.triton_available():
         assert norms._make_kernels.cache_info().currsize == 1, "the steps ran the Triton kernels"
 
 
@@ -387,7 +369,7 @@ def test_nn_rms_norm_on_cpu_is_fused_and_trains_like_eager(monkeypatch) -> None:
     kernels = norms._kernels
     monkeypatch.setattr(norms, "_kernels", lambda: launches.append(1) or kernels())
     check_parity(model, [(torch.randn(3, 5, 64),) for _ in range(3)], fxspeed.Config(optimizer="sgd", lr=0.1))
-    if _INTERPRETING and norms.triton_available():  # in the interpreted run, the Triton kernels trained it
+    if INTERPRETING and norms.triton_available():  # in the interpreted run, the Triton kernels trained it
         assert len(launches) >= 6, launches
 
 
@@ -505,7 +487,7 @@ def test_a_recomputed_norm_is_fused_in_its_forward_and_in_its_recomputation(monk
 @pytest.mark.parametrize("shape", [(1, 1), (37, 300), (512, 768), (4096, 4096), (64, 8192)])
 def test_the_compiled_kernels_match_torch_on_cuda(shape, dtype) -> None:
     pytest.importorskip("triton")
-    if _INTERPRETING:
+    if INTERPRETING:
         pytest.skip("TRITON_INTERPRET=1: this test checks the compiled kernels")
     m, n = shape
     dt = DTYPES[dtype]
@@ -547,7 +529,7 @@ class RMSNormMLP(nn.Module):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuda tier needs a CUDA device")
 def test_on_cuda_the_pass_fuses_layer_and_rms_norms_by_default_and_training_matches_eager(monkeypatch) -> None:
     pytest.importorskip("triton")
-    if _INTERPRETING:
+    if INTERPRETING:
         pytest.skip("TRITON_INTERPRET=1: this test checks the compiled kernels")
     monkeypatch.delenv("FXSPEED_FUSE_ON_CPU", raising=False)
     config = fxspeed.Config(optimizer="sgd", lr=0.1)  # why SGD: see the CPU transformer test

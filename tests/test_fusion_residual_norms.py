@@ -15,15 +15,11 @@ from __future__ import annotations
 import copy
 import importlib.util
 import operator
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import assert_close_rel, check_parity
+from conftest import INTERPRETING, assert_close_rel, check_parity, run_interpreted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_fusion_kernels import (DTYPES, UNFUSED, close, count_targets, fuse_in_place, grad_scales, run_step,
@@ -38,8 +34,6 @@ from fxspeed.models import GPT, GPTConfig
 from fxspeed.passes.graph.residual_norm_pattern import fuse_residual_norms
 from fxspeed.runtime.kernels import norms, residual_norms
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED_TESTS = ("test_add_layer_norm_kernels_return_the_sum_and_what_native_layer_norm_and_its_backward_return",
                      "test_add_rms_norm_kernels_return_the_sum_and_what_fused_rms_norm_and_its_backward_return",
                      "test_a_gpt_trained_with_residual_norms_fused_matches_eager[after_recompute_pointwise]")
@@ -51,13 +45,13 @@ NORM_FWD = {"layer": "fxspeed.layer_norm_fwd.default", "rms": "fxspeed.rms_norm_
 
 
 # the kernel tests run only there (they need the interpreter set before triton's first import)
-interpreted = pytest.mark.skipif(not _INTERPRETING, reason="runs in a child process with TRITON_INTERPRET=1 "
+interpreted = pytest.mark.skipif(not INTERPRETING, reason="runs in a child process with TRITON_INTERPRET=1 "
                                  "(test_the_kernels_match_torch_under_triton_s_interpreter)")
 # and the cuda tier only outside it (it checks the compiled kernels)
 _CUDA_TIER = (pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuda tier needs a CUDA device"),
               pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
-              pytest.mark.skipif(_INTERPRETING, reason="TRITON_INTERPRET=1: this test checks the compiled kernels"))
+              pytest.mark.skipif(INTERPRETING, reason="TRITON_INTERPRET=1: this test checks the compiled kernels"))
 
 
 def compiled_on_cuda(test):
@@ -68,15 +62,7 @@ def compiled_on_cuda(test):
 
 def test_the_kernels_match_torch_under_triton_s_interpreter() -> None:
     """Runs INTERPRETED_TESTS in a child pytest that sets TRITON_INTERPRET=1 from the start."""
-    pytest.importorskip("triton")
-    if _INTERPRETING:
-        pytest.skip("this is the interpreted run")
-    ids = [f"{Path(__file__).relative_to(ROOT)}::{t}" for t in INTERPRETED_TESTS]
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *ids], cwd=ROOT,
-                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
-    tail = child.stdout[-4000:] + child.stderr[-2000:]
-    assert child.returncode == 0, tail
-    assert f"{len(ids)} passed" in child.stdout and " skipped" not in child.stdout, tail
+    run_interpreted(__file__, INTERPRETED_TESTS)
 
 
 # --- kernels ------------------------------------------------------------------------------------
@@ -87,7 +73,7 @@ def assert_is_the_sum(h: torch.Tensor, x: torch.Tensor, r: torch.Tensor) -> None
     so an interpreted bf16 h may be one bf16 ulp off."""
     ref = x + r
     assert h.shape == ref.shape and h.dtype == ref.dtype and h.stride() == ref.stride()
-    if h.dtype == torch.bfloat16 and _INTERPRETING:
+    if h.dtype == torch.bfloat16 and INTERPRETING:
         assert ((h.float() - ref.float()).abs() <= ref.float().abs() * 2.0 ** -7).all(), "h off by more than an ulp"
     else:
         assert torch.equal(h, ref), "h is not bit for bit aten.add(x, r)"
@@ -212,7 +198,7 @@ def test_the_fake_implementations_give_the_unfused_ops_shapes_dtypes_and_strides
 
     vals = inputs()
     want, stats = reference_ops(*vals, 10)
-    if not _INTERPRETING:
+    if not INTERPRETING:
         for i, (got_group, want_group) in enumerate(zip(fused_ops(*vals, 10, *stats), want)):
             for a, b in zip(got_group, want_group):
                 assert torch.equal(a, b), f"op {i}: the fallback is not the unfused ops"
@@ -281,7 +267,7 @@ def assert_same_outputs(step, fused: list[torch.Tensor], plain: list[torch.Tenso
     """Loss and every gradient: bit for bit where the ops run their fallback (the unfused ops)."""
     names = ["loss", *(s.target for s in step.captured.signature.outputs[1:])]
     for name, a, b in zip(names, fused, plain, strict=True):
-        assert_close_rel(a, b, name, 1e-5 if _INTERPRETING else 0.0)
+        assert_close_rel(a, b, name, 1e-5 if INTERPRETING else 0.0)
 
 
 def reads_an_add(gm: torch.fx.GraphModule, targets: set[str]) -> list[str]:
@@ -389,10 +375,10 @@ def test_a_gpt_trained_with_residual_norms_fused_matches_eager(monkeypatch, wher
     monkeypatch.setenv("FXSPEED_FUSE_ON_CPU", "1")
     counts = wire(monkeypatch, where)
     model = tiny_gpt(1)
-    batches = [(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))) for _ in range(2 if _INTERPRETING else 3)]
+    batches = [(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))) for _ in range(2 if INTERPRETING else 3)]
     check_parity(model, batches, fxspeed.Config(optimizer="sgd", lr=0.1), rtol=1e-5)
     assert counts and counts[0] == 4, counts  # 1 layer: 2 fused forwards, 2 fused backwards
-    if _INTERPRETING and norms.triton_available():
+    if INTERPRETING and norms.triton_available():
         assert residual_norms._fused_kernels.cache_info().currsize == 1, "the steps ran the Triton kernels"
 
 

@@ -11,15 +11,12 @@ losses and gradients are compared for equality, not closeness.
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import assert_close_rel, fxspeed_train
+from conftest import INTERPRETING, assert_close_rel, fxspeed_train, needs_interpreter, run_interpreted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,10 +26,8 @@ from fxspeed.passes.graph import rotary_pattern
 from fxspeed.passes.graph.rotary_pattern import find_rotaries, fuse_rotary
 from fxspeed.runtime.kernels import rotary
 from fxspeed.runtime.kernels.norms import triton_available
-from tests.test_fusion_kernels import UNFUSED, count_targets, hf_batches, run_step, step_inputs, tiny_hf
+from test_fusion_kernels import UNFUSED, count_targets, hf_batches, run_step, step_inputs, tiny_hf
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # set by the caller, before triton was imported
-ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED_TESTS = ("test_rotary_kernels_compute_the_unfused_aten_ops_bit_for_bit_forward_and_backward",
                      "test_a_low_precision_result_is_rounded_as_torch_rounds_ties_nan_inf_and_overflow_included",
                      "test_hand_written_rotaries_are_fused_exactly_when_they_are_hf_s_and_compute_the_same[hf]")
@@ -40,26 +35,11 @@ FWD, BWD = "fxspeed.rotary_fwd.default", "fxspeed.rotary_bwd.default"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def needs_interpreter() -> None:
-    pytest.importorskip("triton")
-    if not _INTERPRETING:
-        pytest.skip("runs in a child process with TRITON_INTERPRET=1 "
-                    "(test_the_rotary_kernels_pass_their_tests_under_triton_s_interpreter)")
 
 
 def test_the_rotary_kernels_pass_their_tests_under_triton_s_interpreter() -> None:
     """Runs INTERPRETED_TESTS in a child pytest that sets TRITON_INTERPRET=1 from the start."""
-    pytest.importorskip("triton")
-    if _INTERPRETING:
-        pytest.skip("this is the interpreted run")
-    here = Path(__file__).relative_to(ROOT)
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-               *(f"{here}::{name}" for name in INTERPRETED_TESTS)]
-    child = subprocess.run(command, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
-                           text=True, timeout=600)
-    report = child.stdout[-4000:] + child.stderr[-2000:]
-    assert child.returncode == 0, report
-    assert f"{len(INTERPRETED_TESTS)} passed" in child.stdout and " skipped" not in child.stdout, report
+    run_interpreted(__file__, INTERPRETED_TESTS)
 
 
 def identical(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -344,7 +324,7 @@ def test_hand_written_rotaries_are_fused_exactly_when_they_are_hf_s_and_compute_
     names = ["loss", *(s.target for s in step.captured.signature.outputs[1:])]
     for name, a, b in zip(names, run_step(gm, inputs), plain, strict=True):
         identical(a, b, name)
-    if _INTERPRETING and forwards and triton_available():  # in the interpreted run, the Triton kernel computed them
+    if INTERPRETING and forwards and triton_available():  # in the interpreted run, the Triton kernel computed them
         assert rotary._make_kernel.cache_info().currsize == 1
 
 
@@ -395,7 +375,7 @@ def test_the_compiled_rotary_kernel_computes_the_unfused_ops_bit_for_bit_on_cuda
     """Compiled (fp fusion off: no FMA contracts the products and the sum), the kernel gives the
     unfused ops' values exactly, forward and backward, in fp32 and cast to bf16."""
     pytest.importorskip("triton")
-    if _INTERPRETING:
+    if INTERPRETING:
         pytest.skip("TRITON_INTERPRET=1: this test checks the compiled kernel")
     dt = DTYPES[dtype]
     x, cos, sin = (t.cuda() for t in rotary_inputs(*shape, dt, torch.float32, layout, "[1, 1, S, D]"))
@@ -416,7 +396,7 @@ def test_the_compiled_rotary_kernel_computes_the_unfused_ops_bit_for_bit_on_cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuda tier needs a CUDA device")
 def test_on_cuda_hf_llama_s_rotaries_are_fused_and_give_the_unfused_program_s_loss_and_gradients() -> None:
     pytest.importorskip("triton")
-    if _INTERPRETING:
+    if INTERPRETING:
         pytest.skip("TRITON_INTERPRET=1: this test checks the compiled kernel")
     model = tiny_hf("llama", layers=2).cuda()
     batch = {k: v.cuda() for k, v in hf_batches(1)[0].items()}

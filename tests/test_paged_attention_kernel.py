@@ -11,22 +11,16 @@ skipped in a process without it. In that child the torch path is reached by patc
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import INTERPRETING, needs_interpreter, run_interpreted
 import fxspeed
 from fxspeed.runtime.kernels import paged_attention as pa
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # set by the caller, before triton was imported
-ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED_TESTS = ("test_the_kernel_gives_the_torch_path_s_attention_and_cache_over_mixed_batches",
                      "test_a_decode_step_over_long_contexts_matches_the_torch_path",
                      "test_a_llama_served_with_the_kernel_gives_the_torch_path_s_greedy_tokens")
@@ -37,25 +31,11 @@ TOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 4e-3}
 ATOL = {"fp32": 1e-6, "bf16": 1e-2, "fp16": 1e-3}
 
 
-def needs_interpreter() -> None:
-    pytest.importorskip("triton")
-    if not _INTERPRETING:
-        pytest.skip("runs in a child process with TRITON_INTERPRET=1 "
-                    "(test_the_kernel_matches_the_torch_path_under_triton_s_interpreter)")
 
 
 def test_the_kernel_matches_the_torch_path_under_triton_s_interpreter() -> None:
     """Runs the interpreted tests of this file in a child pytest that sets TRITON_INTERPRET=1 from the start."""
-    pytest.importorskip("triton")
-    if _INTERPRETING:
-        pytest.skip("this is the interpreted run")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                        *(f"{Path(__file__).relative_to(ROOT)}::{t}" for t in INTERPRETED_TESTS)],
-                       cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                       timeout=900)
-    passed = re.search(r"(\d+) passed", r.stdout)
-    assert r.returncode == 0 and passed and int(passed[1]) >= len(INTERPRETED_TESTS) and " skipped" not in r.stdout, \
-        r.stdout[-4000:] + r.stderr[-2000:]
+    run_interpreted(__file__, INTERPRETED_TESTS)
 
 
 # --- a serving step, built the way runtime/serving.py builds one ------------------------------
@@ -217,7 +197,7 @@ def test_a_llama_served_with_the_kernel_gives_the_torch_path_s_greedy_tokens(mon
 # --- dispatch, without the interpreter ----------------------------------------------------------
 
 def test_on_the_cpu_without_the_interpreter_the_torch_path_runs_and_no_kernel_is_built() -> None:
-    if _INTERPRETING:
+    if INTERPRETING:
         pytest.skip("checks the dispatch of a process without TRITON_INTERPRET=1")
     args, unread = make_step([3, 1], [0, 9], 4, 2, 8, 4, 1, torch.float32, torch.float32, seed=0)
     assert not pa.kernel_applies(args[0], args[3], args[4], args[6], args[7])
@@ -240,7 +220,7 @@ def test_heads_wider_than_the_kernel_takes_go_to_the_torch_path(monkeypatch) -> 
 
 def _compiled_kernel_or_skip() -> None:
     pytest.importorskip("triton")
-    if _INTERPRETING:
+    if INTERPRETING:
         pytest.skip("TRITON_INTERPRET=1: this test checks the compiled kernel")
 
 
