@@ -56,6 +56,7 @@ and last, where fuse_kernels runs (not under tensor parallelism):
 
     fuse_residual_norms      a residual add + the norm reading it, and the norm's backward + the add
                              accumulating the stream's gradient -> Triton kernels
+    fold_norm_casts          a fused norm whose output is only cast to bf16/fp16 writes it in that dtype
 
 The distributed passes read ctx.options (PassOptions: world_size, zero, group_name, ...) and do
 nothing on one device.

@@ -11,8 +11,8 @@ outputs cut to the logits, then the inference passes run under the pass manager:
 
     dedupe_tied_parameters, normalize_graph, insert_casts (bf16/fp16 configs),
     keep_activations_low (bf16/fp16 unless Config.low_activations=False), [shard_tensors],
-    kv_cache, select_logits, [fuse_kernels, fuse_rotary, fuse_activations, fuse_residual_norms (CUDA
-    programs; the last three without tensor parallelism)], eliminate_dead_code, annotate
+    kv_cache, select_logits, [fuse_kernels, fuse_rotary, fuse_activations, fuse_residual_norms,
+    fold_norm_casts (CUDA programs; all but the first without tensor parallelism)], eliminate_dead_code, annotate
 
 Tensor parallelism (options.tp_size > 1): `shard_tensors` cuts the program for this tp rank
 before `kv_cache`, with the parameter layout of the engine's "tp_placements" analysis (solved
@@ -81,6 +81,7 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     from fxspeed.passes.graph.fuse_kernels import fuse_kernels, wanted as fusion_wanted
     from fxspeed.passes.graph.fuse_activations import fuse_activations
     from fxspeed.passes.graph.fuse_residual_norms import fuse_residual_norms
+    from fxspeed.passes.graph.fold_norm_casts import fold_norm_casts
     from fxspeed.passes.graph.fuse_rotary import fuse_rotary
     from fxspeed.passes.inference.kv_cache import kv_cache
     from fxspeed.passes.inference.select_logits import select_logits
@@ -116,8 +117,8 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     # Norms, rotaries, activations and residual adds + norms (forward regions only) as Triton
     # kernels where the program runs on CUDA: after select_logits, so the final norm of a program
     # that keeps one row per sequence is fused at the size it runs at.
-    fuse = [fuse_kernels, *([fuse_rotary, fuse_activations, fuse_residual_norms] if opts.tp_size == 1 else [])] \
-        if fusion_wanted(gm, opts) else []
+    more = [fuse_rotary, fuse_activations, fuse_residual_norms, fold_norm_casts] if opts.tp_size == 1 else []
+    fuse = [fuse_kernels, *more] if fusion_wanted(gm, opts) else []
     passes = [dedupe_tied_parameters, normalize_graph, insert_casts, keep_activations_low, *tp, kv_cache, select_logits,
               *fuse, eliminate_dead_code]
     pm = PassManager(passes, analyses=[make_annotate_pass(), *analyses], disabled=config.disable_passes,

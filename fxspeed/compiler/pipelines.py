@@ -45,7 +45,7 @@ __all__ = ["CompiledProgram", "CompiledStep", "Compiler", "PassOptions", "compil
 # The fusion passes (passes/graph/fuse_*.py): compile_step and compile_inference add them where
 # fusion is wanted (PassOptions.fuse_kernels), so every pipeline must know their names to
 # accept them in Config.disable_passes.
-FUSION_PASS_NAMES = ("fuse_kernels", "fuse_rotary", "fuse_activations", "fuse_residual_norms")
+FUSION_PASS_NAMES = ("fuse_kernels", "fuse_rotary", "fuse_activations", "fuse_residual_norms", "fold_norm_casts")
 
 
 @dataclass
@@ -78,6 +78,7 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     from fxspeed.passes.graph.fuse_kernels import fuse_kernels, wanted as fusion_wanted
     from fxspeed.passes.graph.fuse_activations import fuse_activations
     from fxspeed.passes.graph.fuse_residual_norms import fuse_residual_norms
+    from fxspeed.passes.graph.fold_norm_casts import fold_norm_casts
     from fxspeed.passes.graph.fuse_rotary import fuse_rotary
     from fxspeed.passes.memory.chunk_cross_entropy import chunk_cross_entropy, wanted as chunking_wanted
     from fxspeed.passes.graph.select_attention_kernel import on_cuda, select_attention_kernel
@@ -107,7 +108,8 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     # under tensor parallelism: a clone reading a sequence-sharded value would make the
     # placement solver gather it again in backward, trading memory for communication). Then a
     # residual add and the norm reading it become one kernel (after recompute_pointwise, which
-    # recomputes a norm from its input h, not from the add's operands).
+    # recomputes a norm from its input h, not from the add's operands), and a norm whose output
+    # is only cast down writes it in the low dtype itself (fold_norm_casts).
     fuse = fusion_wanted(cap.gm, opts)
     single = [*SINGLE_DEVICE_PASSES, *([recompute_checkpointed] if has_checkpointed_regions(cap.gm) else []),
               *([chunk_cross_entropy] if chunking_wanted(cap.gm, opts) else []),
@@ -115,7 +117,7 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
               *([fuse_kernels] if fuse else []),
               *([fuse_rotary, fuse_activations] if fuse and opts.tp_size == 1 else []),
               *([recompute_pointwise] if train and opts.tp_size == 1 else []),
-              *([fuse_residual_norms] if fuse and opts.tp_size == 1 else [])]
+              *([fuse_residual_norms, fold_norm_casts] if fuse and opts.tp_size == 1 else [])]
     records: list[PassRecord] = []
 
     def run(gm: fx.GraphModule, passes: Sequence[Any], more: Sequence[Any] = ()) -> fx.GraphModule:

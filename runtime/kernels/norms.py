@@ -2,17 +2,25 @@
 
 `passes/graph/fuse_kernels.py` puts these ops into graphs in place of ATen's:
 
-    fxspeed::layer_norm_fwd(x, normalized_shape, weight?, bias?, eps) -> (out, mean, rstd)
-        what aten.native_layer_norm returns (same shapes and dtypes)
+    fxspeed::layer_norm_fwd(x, normalized_shape, weight?, bias?, eps, out_dtype?) -> (out, mean, rstd)
+        what aten.native_layer_norm returns (same shapes and dtypes; out in out_dtype when given)
     fxspeed::layer_norm_bwd(grad_out, x, normalized_shape, mean, rstd, weight?, bias?)
         -> (grad_input, grad_weight, grad_bias)       aten.native_layer_norm_backward with
                                                        output_mask [True, weight?, bias?]; the
                                                        gradient of an absent weight/bias is an
                                                        empty tensor
-    fxspeed::rms_norm_fwd(x, normalized_shape, weight?, eps?) -> (out, rstd)
-        aten._fused_rms_norm (what F.rms_norm / nn.RMSNorm dispatch to on CUDA)
+    fxspeed::rms_norm_fwd(x, normalized_shape, weight?, eps?, out_dtype?) -> (out, rstd)
+        aten._fused_rms_norm (what F.rms_norm / nn.RMSNorm dispatch to on CUDA; out in out_dtype
+        when given)
     fxspeed::rms_norm_bwd(grad_out, x, normalized_shape, rstd, weight?) -> (grad_input, grad_weight)
         aten._fused_rms_norm_backward with output_mask [True, weight?]
+
+out_dtype (None: the input's dtype, as ATen's ops) is a cast folded into the norm
+(passes/graph/fold_norm_casts.py): the op returns exactly `out.to(out_dtype)` of the op without
+it, and the statistics unchanged. For fp32 inputs (what bf16/fp16 programs normalize) the kernel
+writes out in out_dtype directly, rounded once from its fp32 value to nearest even, what torch's
+`.to` does (Triton's interpreter truncates fp32 -> bf16 conversions, so under it the kernel
+rounds by hand); otherwise, and in the fallback, out is converted after. `out_dtypes` below.
 
 Kernels: one row (the normalized trailing dims, flattened) per program for the forward and the
 input gradient, fp32 accumulation whatever the input dtype (fp32, bf16, fp16). The weight and
@@ -36,8 +44,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .launch import (MAX_BLOCK, block_for, empty_like_missing, flat_or, interpreting, reduce_programs, rows_of,
-                     stat_shape, triton_available, use_triton, warps_for)
+from .launch import (KERNEL_DTYPES, MAX_BLOCK, block_for, empty_like_missing, flat_or, interpreting, reduce_programs,
+                     rows_of, stat_shape, triton_available, use_triton, warps_for)
 
 Tensor = torch.Tensor
 aten = torch.ops.aten
@@ -46,6 +54,28 @@ aten = torch.ops.aten
 def _ln_stat_dtype(x: Tensor) -> torch.dtype:
     # native_layer_norm's mean/rstd: the input's dtype on CPU, fp32 (the accumulation type) on CUDA
     return x.dtype if x.device.type == "cpu" else torch.float32
+
+
+def as_dtype(t: Tensor, dtype: Optional[torch.dtype]) -> Tensor:
+    """t converted to `dtype` (None: as it is); t itself when it has that dtype (a fresh output)."""
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
+def out_dtypes(computed: torch.dtype, out_dtype: Optional[torch.dtype]) -> tuple[torch.dtype, bool]:
+    """(the dtype a kernel stores the normalized output in, whether that is out_dtype already):
+    out_dtype itself when the output is computed as fp32 (one rounding, what `y.to(out_dtype)`
+    gives), else the computed dtype, converted after (as the op without out_dtype, then `.to`)."""
+    if out_dtype is None or out_dtype == computed:
+        return computed, True
+    if computed == torch.float32 and out_dtype in KERNEL_DTYPES:
+        return out_dtype, True
+    return computed, False
+
+
+def round_bf16(y: Tensor) -> bool:
+    """ROUND_BF16, the kernels' flag: y (fp32 in the kernel) is stored as bf16 under Triton's
+    interpreter, whose fp32 -> bf16 conversion truncates; the kernel rounds to nearest even first."""
+    return interpreting() and y.dtype == torch.bfloat16
 
 
 def _kernels() -> Any:
@@ -60,7 +90,8 @@ def _make_kernels(interpret: bool) -> Any:
     import triton.language as tl
 
     @triton.jit
-    def ln_fwd(X, W, B, Y, Mean, Rstd, N, eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+    def ln_fwd(X, W, B, Y, Mean, Rstd, N, eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr,
+               ROUND_BF16: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -74,6 +105,9 @@ def _make_kernels(interpret: bool) -> Any:
             y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_B:
             y = y + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        if ROUND_BF16:  # to nearest even, by hand (the interpreter's conversion truncates); then exact
+            b = y.to(tl.uint32, bitcast=True)
+            y = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
         tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=mask)
         tl.store(Mean + row, mean.to(Mean.dtype.element_ty))
         tl.store(Rstd + row, rstd.to(Rstd.dtype.element_ty))
@@ -107,7 +141,7 @@ def _make_kernels(interpret: bool) -> Any:
             tl.store(DBp + pid * N + cols, db, mask=mask)
 
     @triton.jit
-    def rms_fwd(X, W, Y, Rstd, N, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    def rms_fwd(X, W, Y, Rstd, N, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -116,6 +150,9 @@ def _make_kernels(interpret: bool) -> Any:
         y = x * rstd
         if HAS_W:
             y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        if ROUND_BF16:
+            b = y.to(tl.uint32, bitcast=True)
+            y = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
         tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=mask)
         tl.store(Rstd + row, rstd)
 
@@ -147,28 +184,29 @@ def _make_kernels(interpret: bool) -> Any:
 
 @torch.library.custom_op("fxspeed::layer_norm_fwd", mutates_args=())
 def layer_norm_fwd(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], bias: Optional[Tensor],
-                   eps: float) -> tuple[Tensor, Tensor, Tensor]:
+                   eps: float, out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     m, n = rows_of(x, normalized_shape)
     if not use_triton(x, weight, bias) or m == 0 or n == 0 or block_for(n) > MAX_BLOCK:
         out, mean, rstd = aten.native_layer_norm.default(x, normalized_shape, weight, bias, eps)
-        return out, mean, rstd
+        return as_dtype(out, out_dtype), mean, rstd
     ln_fwd = _kernels()[0]
     xc = x.contiguous()
-    y = torch.empty_like(xc)
+    y = torch.empty_like(xc, dtype=out_dtypes(x.dtype, out_dtype)[0])
     sd = _ln_stat_dtype(x)
     mean = torch.empty(m, device=x.device, dtype=sd)
     rstd = torch.empty(m, device=x.device, dtype=sd)
     block = block_for(n)
     ln_fwd[(m,)](xc, flat_or(weight, xc), flat_or(bias, xc), y, mean, rstd, n,
                  float(eps), HAS_W=weight is not None, HAS_B=bias is not None, BLOCK=block,
-                 num_warps=warps_for(block))
+                 ROUND_BF16=round_bf16(y), num_warps=warps_for(block))
     shape = stat_shape(x, normalized_shape)
-    return y.view(x.shape), mean.view(shape), rstd.view(shape)
+    return as_dtype(y.view(x.shape), out_dtype), mean.view(shape), rstd.view(shape)
 
 
 @layer_norm_fwd.register_fake
-def _(x, normalized_shape, weight, bias, eps):
-    return aten.native_layer_norm.default(x, normalized_shape, weight, bias, eps)
+def _(x, normalized_shape, weight, bias, eps, out_dtype=None):
+    out, mean, rstd = aten.native_layer_norm.default(x, normalized_shape, weight, bias, eps)
+    return as_dtype(out, out_dtype), mean, rstd
 
 
 @torch.library.custom_op("fxspeed::layer_norm_bwd", mutates_args=())
@@ -210,24 +248,25 @@ def rms_eps(eps: Optional[float]) -> float:
 
 @torch.library.custom_op("fxspeed::rms_norm_fwd", mutates_args=())
 def rms_norm_fwd(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor],
-                 eps: Optional[float]) -> tuple[Tensor, Tensor]:
+                 eps: Optional[float], out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
     m, n = rows_of(x, normalized_shape)
     if not use_triton(x, weight) or m == 0 or n == 0 or block_for(n) > MAX_BLOCK:
         out, rstd = aten._fused_rms_norm.default(x, normalized_shape, weight, eps)
-        return out, rstd
+        return as_dtype(out, out_dtype), rstd
     rms_fwd = _kernels()[2]
     xc = x.contiguous()
-    y = torch.empty_like(xc)
+    y = torch.empty_like(xc, dtype=out_dtypes(x.dtype, out_dtype)[0])
     rstd = torch.empty(m, device=x.device, dtype=torch.float32)
     block = block_for(n)
     rms_fwd[(m,)](xc, flat_or(weight, xc), y, rstd, n, rms_eps(eps), HAS_W=weight is not None,
-                  BLOCK=block, num_warps=warps_for(block))
-    return y.view(x.shape), rstd.view(stat_shape(x, normalized_shape))
+                  BLOCK=block, ROUND_BF16=round_bf16(y), num_warps=warps_for(block))
+    return as_dtype(y.view(x.shape), out_dtype), rstd.view(stat_shape(x, normalized_shape))
 
 
 @rms_norm_fwd.register_fake
-def _(x, normalized_shape, weight, eps):
-    return aten._fused_rms_norm.default(x, normalized_shape, weight, eps)
+def _(x, normalized_shape, weight, eps, out_dtype=None):
+    out, rstd = aten._fused_rms_norm.default(x, normalized_shape, weight, eps)
+    return as_dtype(out, out_dtype), rstd
 
 
 def rms_norm_backward_reference(grad_out: Tensor, x: Tensor, normalized_shape: Sequence[int], rstd: Tensor,
@@ -275,5 +314,5 @@ def _(grad_out, x, normalized_shape, rstd, weight):
     return dx, dw if dw is not None else empty_like_missing(x)
 
 
-__all__ = ["MAX_BLOCK", "layer_norm_bwd", "layer_norm_fwd", "rms_norm_backward_reference", "rms_norm_bwd",
-           "rms_norm_fwd", "triton_available", "use_triton"]
+__all__ = ["MAX_BLOCK", "as_dtype", "layer_norm_bwd", "layer_norm_fwd", "rms_norm_backward_reference", "rms_norm_bwd",
+           "rms_norm_fwd", "out_dtypes", "round_bf16", "triton_available", "use_triton"]

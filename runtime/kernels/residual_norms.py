@@ -4,10 +4,10 @@ the add that accumulates the residual stream's gradient: Triton kernels wrapped 
 `passes/graph/residual_norm_pattern.py` puts these ops into graphs in place of an aten.add and
 one of fuse_kernels' norm ops (runtime/kernels/norms.py):
 
-    fxspeed::add_layer_norm_fwd(x, r, normalized_shape, weight?, bias?, eps) -> (h, out, mean, rstd)
-        h = aten.add(x, r); (out, mean, rstd) = fxspeed::layer_norm_fwd(h, ...)
-    fxspeed::add_rms_norm_fwd(x, r, normalized_shape, weight?, eps?) -> (h, out, rstd)
-        h = aten.add(x, r); (out, rstd) = fxspeed::rms_norm_fwd(h, ...)
+    fxspeed::add_layer_norm_fwd(x, r, normalized_shape, weight?, bias?, eps, out_dtype?) -> (h, out, mean, rstd)
+        h = aten.add(x, r); (out, mean, rstd) = fxspeed::layer_norm_fwd(h, ..., out_dtype)
+    fxspeed::add_rms_norm_fwd(x, r, normalized_shape, weight?, eps?, out_dtype?) -> (h, out, rstd)
+        h = aten.add(x, r); (out, rstd) = fxspeed::rms_norm_fwd(h, ..., out_dtype)
     fxspeed::layer_norm_bwd_add(grad_out, h, normalized_shape, mean, rstd, weight?, bias?, grad_h)
         -> (grad_input + grad_h, grad_weight, grad_bias)        fxspeed::layer_norm_bwd + aten.add
     fxspeed::rms_norm_bwd_add(grad_out, h, normalized_shape, rstd, weight?, grad_h)
@@ -18,6 +18,11 @@ as `grad_h (from the next residual add) + norm_bwd(...).grad_input`. Unfused, h 
 read back at once, and the norm's input gradient is written, read back and added: per row of C
 elements the forward moves 5 C-wide tensors (read x, r; write h; read h; write out) and the
 backward 6 (read dy, h; write dx; read dx, grad_h; write the sum). Fused: 4 and 4.
+
+out_dtype (a cast folded into the norm, passes/graph/fold_norm_casts.py) is the norm ops' own:
+out is exactly the op's out without it, `.to(out_dtype)`; h and the statistics are unchanged. The
+kernel stores out in out_dtype directly when h is fp32 (rounded once, to nearest even, by hand
+under Triton's interpreter as in norms.py), else converts after.
 
 Kernels: one LayerNorm/RMSNorm kernel pair (RMS is a constexpr flag). Forward: one row per
 program; h is computed in fp32, rounded to its dtype as ATen's add rounds it, stored, and that
@@ -42,7 +47,7 @@ import torch
 
 from .launch import (MAX_BLOCK, block_for, empty_like_missing, flat_or, interpreting, reduce_programs, rows_of,
                      stat_shape, use_triton, warps_for)
-from .norms import layer_norm_bwd, layer_norm_fwd, rms_eps, rms_norm_bwd, rms_norm_fwd
+from .norms import as_dtype, layer_norm_bwd, layer_norm_fwd, out_dtypes, rms_eps, rms_norm_bwd, rms_norm_fwd, round_bf16
 
 Tensor = torch.Tensor
 aten = torch.ops.aten
@@ -78,7 +83,7 @@ def _fused_kernels(interpret: bool) -> tuple[Any, Any]:  # noqa: ARG001  `interp
 
     @triton.jit
     def add_norm_fwd(X, R, W, B, H, Y, Mean, Rstd, N, eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                     RMS: tl.constexpr, BLOCK: tl.constexpr):
+                     RMS: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
         at = tl.program_id(0).to(tl.int64)  # this program's row
         cols = tl.arange(0, BLOCK)
         inside = cols < N
@@ -101,6 +106,9 @@ def _fused_kernels(interpret: bool) -> tuple[Any, Any]:  # noqa: ARG001  `interp
             out *= tl.load(W + cols, mask=inside, other=0.0).to(tl.float32)
         if HAS_B:
             out += tl.load(B + cols, mask=inside, other=0.0).to(tl.float32)
+        if ROUND_BF16:  # to nearest even, by hand (the interpreter's conversion truncates); then exact
+            bits = out.to(tl.uint32, bitcast=True)
+            out = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
         tl.store(Y + offs, out.to(Y.dtype.element_ty), mask=inside)
         tl.store(Rstd + at, inv.to(Rstd.dtype.element_ty))
 
@@ -142,21 +150,23 @@ def _fused_kernels(interpret: bool) -> tuple[Any, Any]:  # noqa: ARG001  `interp
 
 
 def _launch_fwd(x: Tensor, r: Tensor, normalized_shape: Sequence[int], weight: Optional[Tensor],
-                bias: Optional[Tensor], eps: float, rms: bool) -> tuple[Tensor, ...]:
+                bias: Optional[Tensor], eps: float, rms: bool,
+                out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, ...]:
     """(h, out, mean, rstd) from the forward kernel (mean: an empty tensor for RMSNorm, whose rstd
-    is fp32 as aten._fused_rms_norm's)."""
+    is fp32 as aten._fused_rms_norm's; out in out_dtype when given)."""
     m, n = rows_of(x, normalized_shape)
     h = torch.empty_like(x, dtype=torch.promote_types(x.dtype, r.dtype))  # the dtype ATen's add gives
-    out = torch.empty_like(h)
+    out = torch.empty_like(h, dtype=out_dtypes(h.dtype, out_dtype)[0])
     stats = torch.float32 if rms else _ln_stats_dtype(h, weight, bias)
     mean = torch.empty(0 if rms else m, device=x.device, dtype=stats)
     rstd = torch.empty(m, device=x.device, dtype=stats)
     block = block_for(n)
     kernel = _fused_kernels(interpreting())[0]
     kernel[(m,)](x, r, flat_or(weight, x), flat_or(bias, x), h, out, mean if not rms else rstd, rstd, n, eps,
-                 HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms, BLOCK=block, num_warps=warps_for(block))
+                 HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms, BLOCK=block, ROUND_BF16=round_bf16(out),
+                 num_warps=warps_for(block))
     shape = stat_shape(x, normalized_shape)
-    return h, out, mean.view(shape) if not rms else mean, rstd.view(shape)
+    return h, as_dtype(out, out_dtype), mean.view(shape) if not rms else mean, rstd.view(shape)
 
 
 def _launch_bwd(grad_out: Tensor, h: Tensor, normalized_shape: Sequence[int], mean: Optional[Tensor], rstd: Tensor,
@@ -185,17 +195,19 @@ def _launch_bwd(grad_out: Tensor, h: Tensor, normalized_shape: Sequence[int], me
 # --- LayerNorm ---------------------------------------------------------------------------------
 
 def _add_layer_norm_reference(x: Tensor, r: Tensor, normalized_shape: list[int], weight: Optional[Tensor],
-                              bias: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                              bias: Optional[Tensor], eps: float,
+                              out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     h = aten.add.Tensor(x, r)
-    return (h, *layer_norm_fwd(h, normalized_shape, weight, bias, eps))
+    return (h, *layer_norm_fwd(h, normalized_shape, weight, bias, eps, out_dtype))
 
 
 @torch.library.custom_op("fxspeed::add_layer_norm_fwd", mutates_args=())
 def add_layer_norm_fwd(x: Tensor, r: Tensor, normalized_shape: list[int], weight: Optional[Tensor],
-                       bias: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                       bias: Optional[Tensor], eps: float,
+                       out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if not _fits(x, r, normalized_shape, weight, bias, same_dtype=False):
-        return _add_layer_norm_reference(x, r, normalized_shape, weight, bias, eps)
-    return _launch_fwd(x, r, normalized_shape, weight, bias, float(eps), False)
+        return _add_layer_norm_reference(x, r, normalized_shape, weight, bias, eps, out_dtype)
+    return _launch_fwd(x, r, normalized_shape, weight, bias, float(eps), False, out_dtype)
 
 
 add_layer_norm_fwd.register_fake(_add_layer_norm_reference)
@@ -223,17 +235,18 @@ layer_norm_bwd_add.register_fake(_layer_norm_bwd_add_reference)
 # --- RMSNorm -----------------------------------------------------------------------------------
 
 def _add_rms_norm_reference(x: Tensor, r: Tensor, normalized_shape: list[int], weight: Optional[Tensor],
-                            eps: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+                            eps: Optional[float],
+                            out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     h = aten.add.Tensor(x, r)
-    return (h, *rms_norm_fwd(h, normalized_shape, weight, eps))
+    return (h, *rms_norm_fwd(h, normalized_shape, weight, eps, out_dtype))
 
 
 @torch.library.custom_op("fxspeed::add_rms_norm_fwd", mutates_args=())
 def add_rms_norm_fwd(x: Tensor, r: Tensor, normalized_shape: list[int], weight: Optional[Tensor],
-                     eps: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+                     eps: Optional[float], out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     if not _fits(x, r, normalized_shape, weight, same_dtype=False):
-        return _add_rms_norm_reference(x, r, normalized_shape, weight, eps)
-    h, out, _, rstd = _launch_fwd(x, r, normalized_shape, weight, None, rms_eps(eps), True)
+        return _add_rms_norm_reference(x, r, normalized_shape, weight, eps, out_dtype)
+    h, out, _, rstd = _launch_fwd(x, r, normalized_shape, weight, None, rms_eps(eps), True, out_dtype)
     return h, out, rstd
 
 
