@@ -14,14 +14,32 @@ block (the trick of Liger's fused linear cross-entropy; the code is ours).
 Numerics: the matmuls run in the inputs' dtype (bf16 under mixed precision, as the unfused graph's
 casts make them), the softmax in fp32, the weight gradient accumulates over chunks in fp32 and is
 rounded once. `passes/memory/chunk_cross_entropy.py` puts this op into graphs.
+
+The softmax part of a chunk (`chunk_loss_and_grad`: each row's loss and its logits' gradient d from
+the chunk's logits) has two implementations:
+
+- a Triton kernel, when the logits are on CUDA (or on the CPU under Triton's interpreter,
+  TRITON_INTERPRET=1, what the tests check): one program per row, two passes over it in BLOCK_V
+  slices (an online max / sum of exponentials, then d = (exp(x - lse) - onehot) * multiplier, cast
+  to h's dtype and written over the logits where the dtypes match). It reads 16-bit logits as they
+  come from the matmul and computes in fp32, so there is no fp32 copy of the block; the torch path
+  makes about six passes over the [chunk, V] fp32 block.
+- the torch implementation (CPU, and whatever the kernel does not take), the reference.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from .launch import interpreting, use_triton
+
 Tensor = torch.Tensor
+
+BLOCK_V = 4096  # the kernel's slice of a row (elements); a row of any length loops over slices
 
 
 @torch.library.custom_op("fxspeed::linear_cross_entropy", mutates_args=())
@@ -37,16 +55,9 @@ def linear_cross_entropy(h: Tensor, wt: Tensor, target: Tensor, ignore_index: in
     for start in range(0, n, max(1, chunk_rows)):
         stop = min(n, start + chunk_rows)
         hc = h[start:stop]
-        logits = (hc @ wt).float()
-        lse = torch.logsumexp(logits, dim=1)
         ok = valid[start:stop]
-        tgt = torch.where(ok, target[start:stop], 0)
-        picked = logits.gather(1, tgt[:, None]).squeeze(1)
-        loss += torch.where(ok, lse - picked, 0.0).sum()
-        probs = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits' storage
-        probs[torch.arange(stop - start, device=h.device), tgt] -= 1.0
-        probs.mul_(torch.where(ok, scale, 0.0)[:, None])  # ignored rows: no gradient (even if all are)
-        d = probs.to(h.dtype)
+        row_loss, d = chunk_loss_and_grad(hc @ wt, target[start:stop], ok, scale, h.dtype)
+        loss += row_loss.sum()
         grad_h[start:stop] = d @ wt.t()
         if d.dtype == torch.float32:
             grad_wt_t.addmm_(d.t(), hc)
@@ -55,6 +66,102 @@ def linear_cross_entropy(h: Tensor, wt: Tensor, target: Tensor, ignore_index: in
     if reduction == 1:
         loss = loss / count
     return loss, grad_h, grad_wt_t.to(h.dtype)
+
+
+def chunk_loss_and_grad(logits: Tensor, target: Tensor, ok: Tensor, scale: Tensor,
+                        dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """One chunk's softmax part: (loss of each row [M] fp32, 0 where not `ok`; d [M, V] in `dtype`,
+    the gradient of `scale * sum(loss)` with respect to the logits, 0 on rows not `ok`), from the
+    chunk's logits [M, V] (the matmul's output, in its dtype; overwritten). The Triton kernel where
+    `kernel_applies` says so, else the torch implementation."""
+    mult = torch.where(ok, scale, 0.0)  # ignored rows: no gradient (even if all are: scale is inf then)
+    if kernel_applies(logits):
+        return _chunk_triton(logits, torch.where(ok, target, 0), ok, mult, dtype)
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=1)
+    tgt = torch.where(ok, target, 0)
+    picked = logits.gather(1, tgt[:, None]).squeeze(1)
+    row_loss = torch.where(ok, lse - picked, 0.0)
+    probs = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits' storage
+    probs[torch.arange(logits.shape[0], device=logits.device), tgt] -= 1.0
+    probs.mul_(mult[:, None])
+    return row_loss, probs.to(dtype)
+
+
+# --- the Triton kernel ------------------------------------------------------------------------
+
+def kernel_applies(logits: Tensor) -> bool:
+    """Whether a chunk goes to the Triton kernel: logits on CUDA (or the CPU under TRITON_INTERPRET=1),
+    fp32/bf16/fp16, a non-empty [M, V] block whose rows are contiguous."""
+    if logits.dim() != 2 or logits.numel() == 0 or logits.stride(1) != 1:
+        return False
+    return use_triton(logits)
+
+
+def _kernel() -> Any:
+    """The Triton kernel (imports triton on first use). Triton decides at decoration time whether a
+    kernel is interpreted, so it is made once per TRITON_INTERPRET setting."""
+    return _make_kernel(interpreting())
+
+
+@functools.cache
+def _make_kernel(interpret: bool) -> Any:
+    import triton
+    import triton.language as tl
+
+    # everything the kernel calls is inline: Triton's interpreter re-executes a kernel's source
+    # against its module's globals and cannot see a closure (NameError)
+
+    @triton.jit
+    def cross_entropy_rows(X, Tgt, Ok, Mult, Loss, D, V, stride_x, stride_d,
+                           BLOCK_V: tl.constexpr, ROUND_BF16: tl.constexpr):
+        # one program: one row. Pass 1: lse = log(sum(exp(x))) by an online max / sum over slices;
+        # pass 2: d = (exp(x - lse) - onehot(target)) * mult, the torch path's operations in its order
+        row = tl.program_id(0).to(tl.int64)
+        x_row = X + row * stride_x
+        d_row = D + row * stride_d
+        cols = tl.arange(0, BLOCK_V)
+        tgt = tl.load(Tgt + row)  # 0 on ignored rows (as the torch path's gather / one-hot)
+        ok = tl.load(Ok + row) != 0
+        mult = tl.load(Mult + row)
+        m = float("-inf")
+        s = 0.0
+        for start in range(0, V, BLOCK_V):
+            mask = start + cols < V
+            x = tl.load(x_row + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, axis=0))  # finite: a slice holds at least one column
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+            m = m_new
+        lse = tl.log(s) + m
+        in_range = (tgt >= 0) & (tgt < V)  # an out-of-range target reads nothing (torch's gather raises)
+        picked = tl.load(x_row + tgt, mask=in_range, other=0.0).to(tl.float32)
+        tl.store(Loss + row, tl.where(ok, lse - picked, 0.0))
+        for start in range(0, V, BLOCK_V):
+            c = start + cols
+            mask = c < V
+            x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
+            p = tl.exp(x - lse)
+            d = tl.where(c == tgt, p - 1.0, p) * mult
+            if ROUND_BF16:  # the interpreter's fp32 -> bf16 conversion truncates: round to nearest even
+                b = d.to(tl.uint32, bitcast=True)
+                d = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            tl.store(d_row + c, d.to(D.dtype.element_ty), mask=mask)
+
+    return cross_entropy_rows
+
+
+def _chunk_triton(logits: Tensor, tgt: Tensor, ok: Tensor, mult: Tensor,
+                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """`chunk_loss_and_grad` through the kernel; tgt is 0 on the rows not `ok`. d goes into the
+    logits' storage when it has their dtype."""
+    M, V = logits.shape
+    d = logits if logits.dtype == dtype else torch.empty(M, V, dtype=dtype, device=logits.device)
+    row_loss = torch.empty(M, dtype=torch.float32, device=logits.device)
+    block = min(BLOCK_V, max(16, 1 << (V - 1).bit_length()))
+    _kernel()[(M,)](logits, tgt.contiguous(), ok.contiguous(), mult.to(torch.float32).contiguous(), row_loss, d,
+                    V, logits.stride(0), d.stride(0), BLOCK_V=block,
+                    ROUND_BF16=interpreting() and dtype == torch.bfloat16, num_warps=min(8, max(1, block // 256)))
+    return row_loss, d
 
 
 @linear_cross_entropy.register_fake
