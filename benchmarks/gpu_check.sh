@@ -102,7 +102,8 @@ run "$PY" -c "import transformers; print('transformers', transformers.__version_
 # numbers (losses, update cosine and drift from fp32, fxspeed vs autocast).
 # every file with cuda tests: the end-to-end ones, then each fused kernel compiled against torch
 CUDA_TESTS=(tests/test_cuda.py tests/test_fusion_kernels.py tests/test_fusion_rotary.py tests/test_fusion_activations.py
-            tests/test_fusion_residual_norms.py tests/test_paged_attention_kernel.py)
+            tests/test_fusion_residual_norms.py tests/test_paged_attention_kernel.py tests/test_cross_entropy_kernel.py
+            tests/test_fold_norm_casts.py)
 log "pytest -m cuda ${CUDA_TESTS[*]} (cap ${TEST_TIMEOUT_S}s)"
 run timeout -k 10 "$TEST_TIMEOUT_S" "$PY" -m pytest -m cuda -q -s -rA -p no:cacheprovider "${CUDA_TESTS[@]}" \
     --junitxml="$OUT/test_cuda.xml"
