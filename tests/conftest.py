@@ -151,3 +151,10 @@ def run_interpreted(test_file: str, tests: Sequence[str], timeout: int = 900) ->
     passed = re.search(r"(\d+) passed", r.stdout)
     assert r.returncode == 0 and passed and int(passed[1]) >= len(tests) and " skipped" not in r.stdout, \
         r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def needs_compiled_kernels() -> None:
+    """Skips a cuda-tier kernel test in the TRITON_INTERPRET=1 run (it checks the compiled kernel)."""
+    pytest.importorskip("triton")
+    if INTERPRETING:
+        pytest.skip("TRITON_INTERPRET=1: this test checks the compiled kernels")

@@ -24,7 +24,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import INTERPRETING, needs_interpreter, rel_err, run_interpreted
+from conftest import INTERPRETING, needs_compiled_kernels, needs_interpreter, rel_err, run_interpreted
 from fxspeed.runtime.kernels import cross_entropy as ce
 
 INTERPRETED_TESTS = ("test_the_kernel_gives_the_torch_path_s_row_losses_and_logit_gradients",
@@ -237,12 +237,6 @@ def test_logits_the_kernel_does_not_take_go_to_the_torch_path(monkeypatch) -> No
 
 # --- the cuda tier ----------------------------------------------------------------------------
 
-def _compiled_kernel_or_skip() -> None:
-    pytest.importorskip("triton")
-    if INTERPRETING:
-        pytest.skip("TRITON_INTERPRET=1: this test checks the compiled kernel")
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuda tier needs a CUDA device")
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
@@ -250,7 +244,7 @@ def _compiled_kernel_or_skip() -> None:
 def test_the_compiled_kernel_matches_the_torch_path_on_cuda(V, dtype) -> None:
     """4096 rows of GPT-2's and Llama's vocabularies (50257 is not a multiple of any slice), some
     rows ignored, the mean's scale."""
-    _compiled_kernel_or_skip()
+    needs_compiled_kernels()
     logits, target, ok, scale = make_chunk(4096, V, DTYPES[dtype], 0.1, 1, seed=0, device="cuda")
     check_chunk(logits, ok, scale, *both_paths(logits, target, ok, scale, DTYPES[dtype]))
 
@@ -260,7 +254,7 @@ def test_the_compiled_kernel_matches_the_torch_path_on_cuda(V, dtype) -> None:
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_on_cuda_the_op_gives_the_torch_path_s_loss_and_gradients_with_the_kernel(dtype) -> None:
     """GPT-2's head: 4096 rows of width 768 over 50257 columns, in the chunks the rewrite picks."""
-    _compiled_kernel_or_skip()
+    needs_compiled_kernels()
     g = torch.Generator().manual_seed(0)
     dt = DTYPES[dtype]
     h = (torch.randn(4096, 768, generator=g) / 4).to(dt).cuda()

@@ -21,7 +21,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import INTERPRETING, assert_close_rel, check_parity, needs_interpreter, run_interpreted
+from conftest import (INTERPRETING, assert_close_rel, check_parity, needs_compiled_kernels,
+                      needs_interpreter, run_interpreted)
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -437,12 +438,6 @@ def test_silu_backward_as_one_op_is_matched_too() -> None:
 
 
 # --- the cuda tier ----------------------------------------------------------------------------
-
-def needs_compiled_kernels() -> None:
-    pytest.importorskip("triton")
-    if INTERPRETING:
-        pytest.skip("TRITON_INTERPRET=1: this test checks the compiled kernels")
-
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuda tier needs a CUDA device")

@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import INTERPRETING, needs_interpreter, run_interpreted
+from conftest import INTERPRETING, needs_compiled_kernels, needs_interpreter, run_interpreted
 import fxspeed
 from fxspeed.runtime.kernels import paged_attention as pa
 
@@ -218,12 +218,6 @@ def test_heads_wider_than_the_kernel_takes_go_to_the_torch_path(monkeypatch) -> 
 
 # --- the cuda tier ----------------------------------------------------------------------------
 
-def _compiled_kernel_or_skip() -> None:
-    pytest.importorskip("triton")
-    if INTERPRETING:
-        pytest.skip("TRITON_INTERPRET=1: this test checks the compiled kernel")
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuda tier needs a CUDA device")
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
@@ -235,7 +229,7 @@ def _compiled_kernel_or_skip() -> None:
 ])
 def test_the_compiled_kernel_matches_the_torch_path_on_cuda(queries, contexts, H, Hkv, D, block_size,
                                                             dtype) -> None:
-    _compiled_kernel_or_skip()
+    needs_compiled_kernels()
     args, unread = make_step(queries, contexts, H, Hkv, D, block_size, 3, DTYPES[dtype], DTYPES[dtype], seed=0, device="cuda")
     check(args, unread, *run_both(args, unread), dtype)
 
@@ -244,7 +238,7 @@ def test_the_compiled_kernel_matches_the_torch_path_on_cuda(queries, contexts, H
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuda tier needs a CUDA device")
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_on_cuda_serving_runs_the_kernel_and_gives_the_torch_path_s_greedy_tokens(name, monkeypatch) -> None:
-    _compiled_kernel_or_skip()
+    needs_compiled_kernels()
     (tokens, logits), (ref_tokens, ref_logits), launches = serve_with_and_without_the_kernel(
         _tiny_hf(name).cuda(), monkeypatch)
     assert launches > 0
