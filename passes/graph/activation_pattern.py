@@ -96,7 +96,7 @@ import torch.fx as fx
 from fxspeed.compiler.rewrite import call, fake_value
 from fxspeed.passes.memory.recompute_checkpointed import is_recomputable_op
 
-from .pattern_match import inherit_meta, is_call, is_number, mul_operand, tensor_value
+from .pattern_match import inherit_meta, is_call, is_number, mul_operand, other_operand, tensor_value
 
 
 aten = torch.ops.aten
@@ -132,15 +132,6 @@ def _scaled(n: Any, k: float, targets: tuple = (aten.mul.Tensor,)) -> Optional[f
     if not any(is_call(n, t, 2) for t in targets) or not is_number(n.args[1], k) or not isinstance(n.args[0], fx.Node):
         return None
     return n.args[0]
-
-
-def _added(n: Any, a: fx.Node) -> Optional[fx.Node]:
-    """For n = add.Tensor(a, b) or add.Tensor(b, a) with a tensor b: b."""
-    if not is_call(n, aten.add.Tensor, 2):
-        return None
-    l, r = n.args
-    b = r if l is a else l if r is a else None
-    return b if isinstance(b, fx.Node) else None
 
 
 def _upcast_of(n: Any) -> Optional[fx.Node]:
@@ -340,13 +331,13 @@ def _backward_tanh_gelu(x: fx.Node, t: fx.Node, h: fx.Node, o: fx.Node, y: Optio
             and _only(pw, m10) and _only(m10, m11)):
         return None
     a7 = _sole_user(m11)
-    if a7 is None or _added(a7, m8) is not m11 or not _only(m8, m9, a7):
+    if a7 is None or other_operand(a7, aten.add.Tensor, m8) is not m11 or not _only(m8, m9, a7):
         return None
     m12 = _sole_user(m7)
     if _scaled(m12, 0.5) is not m7:
         return None
     dx = _sole_user(a7)
-    if dx is None or _added(dx, a7) is not m12 or not _only(m12, dx):
+    if dx is None or other_operand(dx, aten.add.Tensor, a7) is not m12 or not _only(m12, dx):
         return None
     reads = [pw.args[0]] if pw.args[0] is not x else []
     return dy, dx, _earliest([m6, m7], order), [m6, m7, tb, m8, m9, *reads, pw, m10, m11, a7, m12, dx]

@@ -9,7 +9,7 @@ checks without isinstance noise.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -40,13 +40,32 @@ def is_like(n: Any, shape: tuple, dtype: torch.dtype) -> bool:
     return v is not None and tuple(v.shape) == tuple(shape) and v.dtype == dtype
 
 
-def mul_operand(n: Any, a: fx.Node) -> Optional[fx.Node]:
-    """For n = mul.Tensor(a, b) or mul.Tensor(b, a) with a tensor b: b."""
-    if not is_call(n, aten.mul.Tensor, 2):
+def other_operand(n: Any, target: Any, a: fx.Node) -> Optional[fx.Node]:
+    """For n = target(a, b) or target(b, a) (a binary op, e.g. aten.add.Tensor) with a tensor b: b."""
+    if not is_call(n, target, 2):
         return None
     l, r = n.args
     b = r if l is a else l if r is a else None
     return b if isinstance(b, fx.Node) else None
+
+
+def mul_operand(n: Any, a: fx.Node) -> Optional[fx.Node]:
+    """For n = mul.Tensor(a, b) or mul.Tensor(b, a) with a tensor b: b."""
+    return other_operand(n, aten.mul.Tensor, a)
+
+
+def rewrite_each(graph: fx.Graph, anchor: Any, match: Callable[[fx.Node], Any],
+                 rewrite: Callable[[fx.Graph, Any, dict[str, str]], bool], module_of: dict[str, str]) -> int:
+    """Matches a region at every node calling `anchor` (listed before any rewrite; nodes an
+    earlier rewrite erased are skipped) and rewrites each match; the number rewritten."""
+    count = 0
+    for n in [m for m in graph.nodes if m.op == "call_function" and m.target is anchor]:
+        if getattr(n, "_erased", False):
+            continue
+        mt = match(n)
+        if mt is not None and rewrite(graph, mt, module_of):
+            count += 1
+    return count
 
 
 def users_of(n: fx.Node) -> set[fx.Node]:

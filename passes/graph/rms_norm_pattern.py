@@ -51,7 +51,8 @@ import torch.fx as fx
 
 from fxspeed.compiler.rewrite import call
 
-from .pattern_match import inherit_meta, is_call, is_like, is_number, mul_operand, same_meta, tensor_value, users_of
+from .pattern_match import (inherit_meta, is_call, is_like, is_number, mul_operand,
+                            rewrite_each, same_meta, tensor_value, users_of)
 
 aten = torch.ops.aten
 # Every captured region is fp32 (capture is fp32; insert_casts keeps norms fp32). A region computed
@@ -283,14 +284,7 @@ def find_rms_norms(graph: fx.Graph) -> list[RMSNormMatch]:
 
 def fuse_rms_norms(graph: fx.Graph, module_of: dict[str, str]) -> int:
     """Rewrite every written-out RMSNorm of `graph`; the number rewritten."""
-    count = 0
-    for r in [m for m in graph.nodes if m.op == "call_function" and m.target is aten.rsqrt.default]:
-        if getattr(r, "_erased", False):
-            continue
-        mt = match_at(r)
-        if mt is not None and rewrite(graph, mt, module_of):
-            count += 1
-    return count
+    return rewrite_each(graph, aten.rsqrt.default, match_at, rewrite, module_of)
 
 
 # --- the rewrite --------------------------------------------------------------------------------

@@ -89,7 +89,8 @@ from fxspeed.compiler.rewrite import VIEW_LIKE, call, fake_value
 from fxspeed.passes.memory.recompute_checkpointed import CASTS
 
 from .insert_casts import LOW_DTYPES
-from .pattern_match import inherit_meta, is_call, is_like, mul_operand, tensor_value, users_of
+from .pattern_match import (inherit_meta, is_call, is_like, mul_operand, other_operand, rewrite_each, tensor_value,
+                            users_of)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -167,11 +168,8 @@ def _half_back(n: Any, grad: fx.Node, shape: tuple, first: bool) -> bool:
 
 def _add_of(n: Any, a: fx.Node) -> Optional[fx.Node]:
     """For n = add.Tensor(a, b) or (b, a) with a tensor b other than a: b."""
-    if not is_call(n, aten.add.Tensor, 2):
-        return None
-    l, r = n.args
-    b = r if l is a else l if r is a else None
-    return b if isinstance(b, fx.Node) and b is not a else None
+    b = other_operand(n, aten.add.Tensor, a)
+    return b if b is not a else None
 
 
 def _only_user(n: fx.Node) -> Optional[fx.Node]:
@@ -330,14 +328,7 @@ def fuse_rotary(graph: fx.Graph, module_of: dict[str, str]) -> int:
     two regions: they are matched independently)."""
     import fxspeed.runtime.kernels.rotary  # noqa: F401  registers the fxspeed:: ops (triton is not imported)
 
-    count = 0
-    for n in [m for m in graph.nodes if m.op == "call_function" and m.target is aten.neg.default]:
-        if getattr(n, "_erased", False):
-            continue
-        mt = match_at(n)
-        if mt is not None and rewrite(graph, mt, module_of):
-            count += 1
-    return count
+    return rewrite_each(graph, aten.neg.default, match_at, rewrite, module_of)
 
 
 def _same_layout(new: fx.Node, old: fx.Node) -> bool:
