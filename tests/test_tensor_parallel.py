@@ -130,11 +130,14 @@ SLOW_COMPUTE = DeviceSpec("slow-compute", 1e9, {"fp32": 1e8}, 1e9, 1e12, "cpu")
 
 
 def _compile(model: nn.Module, args: tuple, kwargs: dict, T: int, rank: int = 0,  # noqa: ANN202
-             device: DeviceSpec | None = None, fixed: dict | None = None, sequence_parallel: bool = False):
+             device: DeviceSpec | None = None, fixed: dict | None = None, sequence_parallel: bool = False,
+             fuse: bool = False):
+    """`fuse`: run the fusion passes as on a CUDA program (their fused ops run the torch
+    fallback here)."""
     analysis = PlacementAnalysis([device or devices("cpu")[0]])
     analysis.params = fixed  # placements decided before: taken as they are (the rest replicated)
     opts = PassOptions.single_device(Config(), tp_size=T, tp_rank=rank, tp_group_name="tp",
-                                     sequence_parallel=sequence_parallel)
+                                     sequence_parallel=sequence_parallel, fuse_kernels="always" if fuse else "cuda")
     cs = compile_step(model, args, kwargs, config=Config(), loss_fn=None, options=opts,
                       analyses=[analysis.graph_pass])
     return cs, analysis
@@ -433,14 +436,15 @@ def test_vocabulary_parallel_embedding_head_and_cross_entropy_equal_the_single_d
 
 def _rank_programs(model: nn.Module, args: tuple, T: int, full: dict[str, torch.Tensor],
                    device: DeviceSpec | None = None, fixed: dict | None = None,
-                   sequence_parallel: bool = False) -> tuple[list, list, list]:
+                   sequence_parallel: bool = False, fuse: bool = False) -> tuple[list, list, list]:
     """Every tp rank's compiled program, its inputs (its slices of `full`, parameters and buffers
     by name, the batch `args`) and signature."""
     from fxspeed.runtime.tensor_parallel import take_slice
 
     programs, inputs, sigs = [], [], []
     for rank in range(T):
-        cs, _ = _compile(model, args, {}, T, rank, device, fixed=fixed, sequence_parallel=sequence_parallel)
+        cs, _ = _compile(model, args, {}, T, rank, device, fixed=fixed, sequence_parallel=sequence_parallel,
+                         fuse=fuse)
         sig = cs.captured.signature
         ins = []
         for s in sig.inputs:
@@ -567,6 +571,69 @@ def test_fewer_key_value_heads_than_ranks_replicate_each_over_its_group_with_meg
         kv_grads = [n for n in reduces if tuple(n.meta["val"].shape) == (kv * 64, 256)]
         assert len(kv_grads) == 2 * layers and all(info(n).role != FORWARD for n in kv_grads)
         assert not [n for n in gm.graph.nodes if n.target == c10d.all_gather_into_tensor.default]
+
+
+class _GPT2(nn.Module):
+    """GPT2LMHeadModel without dropout, called positionally."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        import transformers
+
+        self.m = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=layers, n_embd=128, n_head=4, vocab_size=512, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, use_cache=False))
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.m(input_ids=ids, labels=labels).loss
+
+
+_FUSED = {"llama": {"rms_norm_fwd", "rms_norm_bwd", "rotary_fwd", "rotary_bwd", "swiglu_fwd", "swiglu_bwd",
+                    "add_rms_norm_fwd", "rms_norm_bwd_add"},
+          "gpt2": {"layer_norm_fwd", "layer_norm_bwd", "gelu_fwd", "gelu_bwd", "add_layer_norm_fwd",
+                   "layer_norm_bwd_add"}}
+
+# the attention output projection of the last block, and Megatron's row-parallel placement of it
+_OUTPUT_PROJECTION = {"llama": ("m.model.layers.1.self_attn.o_proj.weight", "S(1)"),  # nn.Linear [out, in]
+                      "gpt2": ("m.transformer.h.1.attn.c_proj.weight", "S(0)")}  # Conv1D [in, out]
+
+
+@pytest.mark.parametrize("family,sequence_parallel", [("llama", True), ("gpt2", False)])
+def test_fused_kernels_run_on_each_tensor_rank_s_shards_and_the_ranks_together_equal_the_single_device_step(
+        family: str, sequence_parallel: bool) -> None:
+    """The fusion passes under tensor parallelism (as on a CUDA program; the fused ops run their
+    torch fallback here): they run on each rank's program after shard_tensors, so rotary and
+    SwiGLU take this rank's heads and MLP columns, norms and residual adds the (token-sharded,
+    with sequence parallelism) residual stream. Every region the single-device program fuses is
+    fused on every rank, the solver's layout is Megatron's (row-parallel output projections), and the rank
+    programs in lockstep give the single-device loss and every gradient."""
+    torch.manual_seed(0)
+    model = _Llama(2, 2) if family == "llama" else _GPT2(2)
+    vocab = 2048 if family == "llama" else 512
+    x, y = torch.randint(0, vocab, (2, 16)), torch.randint(0, vocab, (2, 16))
+    full = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    loss = model(x, y)
+    loss.backward()
+    T = 2
+    _, analysis = _compile(model, (x, y), {}, T, fuse=True, sequence_parallel=sequence_parallel)
+    out_proj, row_parallel = _OUTPUT_PROJECTION[family]
+    assert str(analysis.params[out_proj]) == row_parallel
+    programs, inputs, sigs = _rank_programs(model, (x, y), T, full, fixed=analysis.params,
+                                            sequence_parallel=sequence_parallel, fuse=True)
+    assert sigs[0].tp_layout, "nothing was sharded"
+    for gm in programs:
+        ops = {n.target._opname for n in gm.graph.nodes
+               if n.op == "call_function" and getattr(n.target, "namespace", "") == "fxspeed"}
+        assert _FUSED[family] <= ops, f"not fused on a tp rank: {sorted(_FUSED[family] - ops)}"
+    if sequence_parallel:  # the norms run on the rank's tokens: no gather of the residual stream for them
+        assert any(n.target == c10d.reduce_scatter_tensor.default for n in programs[0].graph.nodes)
+    losses, grads = _lockstep_outputs(programs, inputs, sigs)
+    for got in losses:
+        torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)
+    for target, (g, _, _) in grads.items():
+        want_g = full[target].grad
+        err = float((g - want_g).norm() / want_g.norm().clamp_min(1e-12))
+        assert err <= 1e-5, f"gradient of {target}: relative error {err:.1e}"
 
 
 def test_the_layout_is_a_cost_decision_slow_links_keep_weights_whole_slow_compute_shards_them() -> None:

@@ -12,7 +12,8 @@ outputs cut to the logits, then the inference passes run under the pass manager:
     dedupe_tied_parameters, normalize_graph, insert_casts (bf16/fp16 configs),
     keep_activations_low (bf16/fp16 unless Config.low_activations=False), [shard_tensors],
     kv_cache, select_logits, [fuse_kernels, fuse_rotary, fuse_activations, fuse_residual_norms,
-    fold_norm_casts (CUDA programs; all but the first without tensor parallelism)], eliminate_dead_code, annotate
+    fold_norm_casts (CUDA programs; after shard_tensors, so on this tp rank's heads and columns)],
+    eliminate_dead_code, annotate
 
 Tensor parallelism (options.tp_size > 1): `shard_tensors` cuts the program for this tp rank
 before `kv_cache`, with the parameter layout of the engine's "tp_placements" analysis (solved
@@ -116,9 +117,10 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     # could slice it one way for the embedding and keep it whole for the head.
     # Norms, rotaries, activations and residual adds + norms (forward regions only) as Triton
     # kernels where the program runs on CUDA: after select_logits, so the final norm of a program
-    # that keeps one row per sequence is fused at the size it runs at.
-    more = [fuse_rotary, fuse_activations, fuse_residual_norms, fold_norm_casts] if opts.tp_size == 1 else []
-    fuse = [fuse_kernels, *more] if fusion_wanted(gm, opts) else []
+    # that keeps one row per sequence is fused at the size it runs at; and, under tensor
+    # parallelism, after shard_tensors, so each fused region is local to this rank.
+    fusion = [fuse_kernels, fuse_rotary, fuse_activations, fuse_residual_norms, fold_norm_casts]
+    fuse = fusion if fusion_wanted(gm, opts) else []
     passes = [dedupe_tied_parameters, normalize_graph, insert_casts, keep_activations_low, *tp, kv_cache, select_logits,
               *fuse, eliminate_dead_code]
     pm = PassManager(passes, analyses=[make_annotate_pass(), *analyses], disabled=config.disable_passes,

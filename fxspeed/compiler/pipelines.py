@@ -99,25 +99,28 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     # casts and DCE (a cast of a region's value is recomputed with it), before the planner reads
     # the program and the distributed passes rewrite it. Only graphs with such regions run it.
     # Low-precision attention on CUDA runs FlashAttention, as autocast's dispatch would choose.
-    # Norms -> Triton kernels last, on CUDA programs (options.fuse_kernels): it sees every norm,
-    # recomputed ones included, and the planner reads the fused program; then rotary embeddings
-    # and MLP activations (not under tensor parallelism: the placement solver has no rule for
-    # those fused ops and would replicate their values). A large vocabulary's
-    # projection + cross-entropy is chunked after the casts (it matches through them). Last,
-    # elementwise values backward reads are recomputed there from what it keeps anyway (not
-    # under tensor parallelism: a clone reading a sequence-sharded value would make the
-    # placement solver gather it again in backward, trading memory for communication). Then a
-    # residual add and the norm reading it become one kernel (after recompute_pointwise, which
-    # recomputes a norm from its input h, not from the add's operands), and a norm whose output
-    # is only cast down writes it in the low dtype itself (fold_norm_casts).
+    # The fusion passes (on CUDA programs, options.fuse_kernels) run last: norms -> Triton
+    # kernels see every norm, recomputed ones included, and the planner reads the fused program;
+    # then rotary embeddings and MLP activations. Elementwise values backward reads are
+    # recomputed there from what it keeps anyway (recompute_pointwise); then a residual add and
+    # the norm reading it become one kernel (after recompute_pointwise, which recomputes a norm
+    # from its input h, not from the add's operands), and a norm whose output is only cast down
+    # writes it in the low dtype itself (fold_norm_casts). A large vocabulary's projection +
+    # cross-entropy is chunked after the casts (it matches through them).
+    # Under tensor parallelism all of these run on this rank's program, after shard_tensors:
+    # each matched region is then local by construction (its values are this rank's shards, or
+    # whole where the layout gathered them), so the placement solver needs no rule for the
+    # fused ops, and it never sees a recompute clone that would make it gather a
+    # sequence-sharded value a second time (docs/decisions/fuse-after-sharding.md).
     fuse = fusion_wanted(cap.gm, opts)
+    local = [*([fuse_kernels, fuse_rotary, fuse_activations] if fuse else []),
+             *([recompute_pointwise] if train else []),
+             *([fuse_residual_norms, fold_norm_casts] if fuse else [])]
+    sharded = opts.tp_size > 1
     single = [*SINGLE_DEVICE_PASSES, *([recompute_checkpointed] if has_checkpointed_regions(cap.gm) else []),
               *([chunk_cross_entropy] if chunking_wanted(cap.gm, opts) else []),
               *([select_attention_kernel] if opts.precision != "fp32" and on_cuda(cap.gm) else []),
-              *([fuse_kernels] if fuse else []),
-              *([fuse_rotary, fuse_activations] if fuse and opts.tp_size == 1 else []),
-              *([recompute_pointwise] if train and opts.tp_size == 1 else []),
-              *([fuse_residual_norms, fold_norm_casts] if fuse and opts.tp_size == 1 else [])]
+              *([] if sharded else local)]
     records: list[PassRecord] = []
 
     def run(gm: fx.GraphModule, passes: Sequence[Any], more: Sequence[Any] = ()) -> fx.GraphModule:
@@ -131,14 +134,16 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     if not any(a.name == "tp_placements" for a in analyses):
         analyses = [*analyses, _no_placements()]
     distributed = [*DISTRIBUTED_PASSES, *extra_passes]
-    if train and opts.tp_size > 1:
+    if sharded:
         # Tensor parallelism: the planner reads this tp rank's program (its slices of the weights,
         # its share of the activations), before data parallelism rewrites it; and step_in_backward
         # must see the tp collectives that finish each gradient (a later program, compiled
-        # without a plan, too).
+        # without a plan, too). The fusion passes follow, on this rank's program.
         from fxspeed.passes import shard_tensors
 
         gm = run(gm, [shard_tensors], analyses)
+        if local:
+            gm = run(gm, local)
         distributed = [p for p in distributed if p is not shard_tensors]
     if train and opts.optimizer_store:
         # The optimizer steps inside backward (one replica only, so after tp's collectives and

@@ -33,7 +33,7 @@ arguments get the dtype, meta["val"] is recomputed (y's entry in the low dtype),
 retyped, each cast's readers read the getitem, and the casts are erased. Values are bit-identical.
 
 compile_step and compile_inference run it last where the fusion passes run (after
-fuse_residual_norms: it sees the op each norm ends as), without tensor parallelism. Disabled by
+fuse_residual_norms: it sees the op each norm ends as). Disabled by
 name ("fold_norm_casts"). Options read: none.
 """
 

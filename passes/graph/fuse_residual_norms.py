@@ -17,9 +17,10 @@ recompute the norm's output from what backward keeps; fused first, every norm's 
 kept until backward (planned activations +18% on a 4-layer GPT, measured). Run after it, the
 recomputed norm copies in backward read h, and the forward norm is fused with its add.
 
-compile_step and compile_inference add it where fuse_kernels runs, and only without tensor
-parallelism (the placement solver has no rule for the fused ops: it would replicate the residual
-stream). Disabled by name ("fuse_residual_norms"). Options read: none.
+compile_step and compile_inference add it where fuse_kernels runs; under tensor parallelism on
+each rank's program, after shard_tensors (the residual stream whole, or this rank's tokens under
+sequence parallelism: docs/decisions/fuse-after-sharding.md). Disabled by name
+("fuse_residual_norms"). Options read: none.
 """
 
 from __future__ import annotations

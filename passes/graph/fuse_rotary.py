@@ -8,9 +8,9 @@
 
 Bit-identical to the ops it replaces (fp32 and bf16; the cast after it folded in). Runs after
 fuse_kernels, before recompute_pointwise (which recomputes the fused forward in backward like the
-elementwise ops it replaces). compile_step and compile_inference add it where fuse_kernels runs,
-and only without tensor parallelism: the placement solver (planner/placement.py) has no rule for
-the fused ops and would replicate their values. Disabled by name ("fuse_rotary"). Options read: none.
+elementwise ops it replaces). compile_step and compile_inference add it where fuse_kernels runs;
+under tensor parallelism on each rank's program, after shard_tensors (on this rank's heads:
+docs/decisions/fuse-after-sharding.md). Disabled by name ("fuse_rotary"). Options read: none.
 """
 
 from __future__ import annotations

@@ -26,10 +26,11 @@ A forward node is recomputed when
 Clones go before the first backward reader or the first clone reading them, so each lives only
 as long as backward needs it. Random ops (dropout) never qualify: their mask is kept.
 
-compile_step runs it on training programs without tensor parallelism: under sequence
-parallelism a clone reading a token-sharded value made the placement solver all-gather it again
-in backward (10 backward all-gathers instead of 5 on a 2-layer Llama), a trade of memory for
-communication this rule does not weigh. Options read: none. Disabled by name ("recompute_pointwise").
+compile_step runs it on training programs; under tensor parallelism on each rank's program,
+after shard_tensors. Run before the placement solver, a clone reading a token-sharded value made
+the solver all-gather it again in backward (10 backward all-gathers instead of 5 on a 2-layer
+Llama); on the rank's program every input is local, so no collective is added
+(docs/decisions/fuse-after-sharding.md). Options read: none. Disabled by name ("recompute_pointwise").
 why: docs/decisions/recompute-pointwise.md
 """
 

@@ -11,6 +11,9 @@ in this process (one device, whole weights):
                             cache holds kv_heads / T heads per rank (the program is cut by heads,
                             not left replicated), the embedding/head is split by vocabulary rows,
                             and the plan counts tp collectives
+    llama_fused             llama with the fusion passes on (FXSPEED_FUSE_ON_CPU=1: the fused ops run
+                            their torch fallback): the same checks, and each rank's programs hold the
+                            fused norms, rotaries, SwiGLU and residual norms on its own heads
     sampling                temperature / top_k sampling with no seed (each rank would draw its own):
                             every rank returns the same tokens
     bad_request             an empty prompt and an out-of-vocabulary id fail alone; the other
@@ -87,23 +90,44 @@ _SERVED: dict[str, tuple[fxspeed.Engine, torch.nn.Module]] = {}
 
 def served(name: str) -> tuple[fxspeed.Engine, torch.nn.Module]:
     """(the TP engine of model `name`, an eager copy with the whole weights); made once per launch
-    and shared by the cases (compiling the buckets is most of a case's time)."""
+    and shared by the cases (compiling the buckets is most of a case's time). "<model>_fused":
+    compiled with the fusion passes on."""
     if name not in _SERVED:
         T = int(os.environ["WORLD_SIZE"])
-        model = build(name)
+        model = build(name.removesuffix("_fused"))
         eager = copy.deepcopy(model)
-        engine = fxspeed.serve(model, devices=T, config=fxspeed.Config(tensor=T), token_budget=8, max_batch=3,
-                               block_size=4, cache_tokens=96)
+        fused = name.endswith("_fused")
+        if fused:
+            os.environ["FXSPEED_FUSE_ON_CPU"] = "1"  # read once, where serve derives the pass options
+        try:
+            engine = fxspeed.serve(model, devices=T, config=fxspeed.Config(tensor=T), token_budget=8, max_batch=3,
+                                   block_size=4, cache_tokens=96)
+        finally:
+            os.environ.pop("FXSPEED_FUSE_ON_CPU", None)
         _SERVED[name] = engine, eager
     return _SERVED[name]
+
+
+FUSED_OPS = ("rms_norm_fwd", "add_rms_norm_fwd", "rotary_fwd", "swiglu_fwd")
+
+
+def case_fused(name: str) -> str:
+    engine, _ = served(name)
+    for bucket in engine._serving.programs.values():
+        ops = {n.target._opname for n in bucket.program.gm.graph.nodes
+               if n.op == "call_function" and getattr(n.target, "namespace", "") == "fxspeed"}
+        if missing := [op for op in FUSED_OPS if op not in ops]:
+            return f"not fused on this tp rank: {missing}"
+    return case_model(name)
 
 
 def case_model(name: str) -> str:
     T = int(os.environ["WORLD_SIZE"])
     engine, eager = served(name)
+    family = name.removesuffix("_fused")
     heads = engine._serving.cache.tensors["0.k"].shape[2]
-    if heads != KV_HEADS[name] // T:
-        return f"the cache holds {heads} key/value heads per rank, expected {KV_HEADS[name]} / {T}: not cut by heads"
+    if heads != KV_HEADS[family] // T:
+        return f"the cache holds {heads} key/value heads per rank, expected {KV_HEADS[family]} / {T}: not cut by heads"
     by_rows = [full for p, d, b, full in engine._tp.layout.values() if d == 0 and full[0] == V]
     if not by_rows:
         return "the embedding/head is not split by vocabulary rows (vocabulary-parallel) on this rank"
@@ -113,7 +137,7 @@ def case_model(name: str) -> str:
     outs = engine.generate(PROMPTS, max_new_tokens=NEW)
     recorded, engine._serving.record_logits = engine._serving.record_logits, None
     for i, (p, n, o) in enumerate(zip(PROMPTS, NEW, outs)):
-        ref = greedy(eager, name, p, n)
+        ref = greedy(eager, family, p, n)
         if o != ref:
             return f"request {i}: tokens {o} != one device's {ref}"
         with torch.no_grad():
@@ -157,6 +181,7 @@ CASES = {
     "llama": lambda: case_model("llama"),
     "gpt": lambda: case_model("gpt"),
     "opt": lambda: case_model("opt"),
+    "llama_fused": lambda: case_fused("llama_fused"),
     "sampling": case_sampling,
     "bad_request": case_bad_request,
 }
