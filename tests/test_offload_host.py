@@ -170,18 +170,39 @@ def test_host_offload_on_a_cpu_device_and_files_without_a_path_are_errors_that_n
                         example_inputs=batch)
 
 
-def test_the_plan_of_a_cuda_device_shows_the_states_in_host_memory_and_no_disk_time(tmp_path: Path) -> None:
+def test_the_plan_of_a_cuda_device_shows_the_states_and_their_staging_in_host_memory_and_no_disk_time(
+        tmp_path: Path) -> None:
+    """Chunks of 20 KiB of moments (bucket_mb=0.01), so the staging slots are fewer bytes than the states."""
     model, _ = _gpt()
     ids = torch.zeros(2, 16, dtype=torch.long)
     gpus = fxspeed.devices("H100-80GB", 1)
-    host = fxspeed.plan(model, gpus, fxspeed.Config(offload="optimizer", offload_device="cpu"),
+    host = fxspeed.plan(model, gpus, fxspeed.Config(offload="optimizer", offload_device="cpu", bucket_mb=0.01),
                         example_inputs=(ids, ids))
-    files = fxspeed.plan(model, gpus, fxspeed.Config(offload="optimizer", offload_device="nvme",
+    files = fxspeed.plan(model, gpus, fxspeed.Config(offload="optimizer", offload_device="nvme", bucket_mb=0.01,
                                                      nvme_path=str(tmp_path)), example_inputs=(ids, ids))
-    auto = fxspeed.plan(model, gpus, fxspeed.Config(offload="optimizer"), example_inputs=(ids, ids))
+    auto = fxspeed.plan(model, gpus, fxspeed.Config(offload="optimizer", bucket_mb=0.01), example_inputs=(ids, ids))
     n = sum(p.numel() for p in model.parameters())
-    assert host.offloaded == auto.offloaded == {"host": 8 * n} and files.offloaded == {"disk": 8 * n}
+    # the chunks' staging slots are pinned host memory, not the GPU's: counted with the host's bytes
+    staging = files.offloaded["host"]
+    assert 0 < staging < 8 * n
+    assert host.offloaded == auto.offloaded == {"host": 8 * n + staging}
+    assert files.offloaded == {"disk": 8 * n, "host": staging}
+    assert host.memory()["optimizer_states"] == files.memory()["optimizer_states"] == 0
     assert "off the device: host" in host.summary() and "disk" not in host.time
+    staged = fxspeed.plan(model, 1, fxspeed.Config(offload="optimizer", nvme_path=str(tmp_path), bucket_mb=0.01),
+                          example_inputs=(ids, ids))  # on the CPU the staging is the device's memory
+    assert staged.memory()["optimizer_states"] == staging and "host" not in staged.offloaded
+
+
+def test_a_pipeline_plan_of_a_cuda_device_keeps_the_offloaded_states_in_host_memory(tmp_path: Path) -> None:
+    model, _ = _gpt()
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    cfg = dict(pipeline=2, microbatches=2, offload="optimizer")
+    gpus = fxspeed.plan(model, fxspeed.devices("H100-80GB", 2), fxspeed.Config(**cfg), example_inputs=(ids, ids))
+    files = fxspeed.plan(model, fxspeed.devices("H100-80GB", 2),
+                         fxspeed.Config(**cfg, offload_device="nvme", nvme_path=str(tmp_path)), example_inputs=(ids, ids))
+    moved = gpus.pipeline["ranks"][0]["offloaded"]
+    assert moved > 0 and gpus.offloaded == {"host": moved} and files.offloaded == {"disk": moved}
 
 
 @pytest.mark.parametrize("tier", ["host", "nvme"])

@@ -281,21 +281,25 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     peak_resident = max(sum(step_phase(costs.step, costs, config, dp, 0).values()),  # nothing offloaded
                         sum(_optimizer_phase(costs, config, devices, dp, 0).values()))
     in_file = masters_in_file(costs, config)
-    moved, budget_note = choose_offload(config, states, peak_resident, in_file)
+    staged_here = staging_on_device(devices[0])
+    moved, budget_note = choose_offload(config, states, peak_resident, in_file, staged_here)
     notes = [*(notes or []), *([budget_note] if budget_note else [])]
     if costs.stepped_grad_bytes:
         notes.append("the optimizer steps inside backward (step_in_backward): each bucket of gradients is freed "
                      "once its parameters are updated, so the gradients are never all held at once")
     on_disk = moved + (costs.param_bytes / dp if config.offloads_parameters else 0)
-    # a CUDA device keeps optimizer and parameter offload in pinned host memory unless told "nvme"
-    host_tier = devices[0].kind == "cuda" and config.offload_device != "nvme"
-    offloaded = {"host" if host_tier else "disk": int(round(on_disk))} if on_disk else {}
+    tier = offload_tier(devices[0], config)
+    host_tier = tier == "host"
+    offloaded = {tier: int(round(on_disk))} if on_disk else {}
+    if moved and not staged_here:  # the chunks' staging slots: pinned host memory beside the device
+        staging = min(moved, offload_staging(config, in_file))
+        offloaded["host"] = offloaded.get("host", 0) + int(round(staging))
     if costs.offloaded_activation_bytes:
         where = "host" if devices[0].kind == "cuda" else "disk"
         offloaded[f"activations ({where})"] = int(round(costs.offloaded_activation_bytes))
         notes.append("saved activations leave the device in forward and come back ahead of backward "
                      "(offload_activations): the memory above counts them gone in between")
-    step = step_phase(costs.step, costs, config, dp, moved)
+    step = step_phase(costs.step, costs, config, dp, moved, staged_here)
     comm = step[COMM_BUFFERS]
     opt_phase = _optimizer_phase(costs, config, devices, dp, moved)
     as_int = lambda d: {c: int(round(d.get(c, 0))) for c in CATEGORIES}  # noqa: E731
@@ -323,7 +327,8 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     timeline["resident"] = [int(step[OPTIMIZER_STATES] + comm)]
     model_states = {PARAMETERS: int(round(resident_parameters(costs, config, dp))),
                     GRADIENTS: int(round(shard(costs.grad_bytes or t_bytes, 2))),
-                    OPTIMIZER_STATES: int(round(resident_optimizer_states(config, states, moved, in_file) + masters))}
+                    OPTIMIZER_STATES: int(round(resident_optimizer_states(config, states, moved, in_file, staged_here)
+                                                          + masters))}
     return Plan(
         model=model_name, n_params=n_params, n_trainable=int(round(costs.n_trainable)),
         config=config.to_dict(), devices=[d.to_dict() for d in devices],
@@ -376,8 +381,8 @@ def _optimizer_phase(costs: GraphCosts, config: Config, devices: Sequence[Device
     if costs.stepped_grad_bytes:  # stepped (and freed) inside backward; one replica, fp32 working weights
         grads = max(0.0, grads - costs.stepped_grad_bytes)
     return {PARAMETERS: resident_parameters(costs, config, dp), GRADIENTS: grads,
-            OPTIMIZER_STATES: resident_optimizer_states(config, states, offloaded, masters_in_file(costs, config))
-            + masters,
+            OPTIMIZER_STATES: resident_optimizer_states(config, states, offloaded, masters_in_file(costs, config),
+                                                        staging_on_device(devices[0])) + masters,
             TEMPORARIES: optimizer_temporaries(config, devices[0], shard(t_bytes, 1), costs.largest_trainable),
             BUFFERS: costs.step.get(BUFFERS, 0), INPUTS: costs.step.get(INPUTS, 0)}
 
@@ -481,21 +486,35 @@ def offload_staging(config: Config, masters: bool = False) -> int:
     return 3 * slot + (4 * cap if masters else 0)
 
 
+def offload_tier(device: DeviceSpec, config: Config) -> str:
+    """Where optimizer and parameter offload put the states: "host" (a CUDA device keeps them in
+    pinned host memory unless told Config.offload_device="nvme") or "disk" (files)."""
+    return "host" if device.kind == "cuda" and config.offload_device != "nvme" else "disk"
+
+
+def staging_on_device(device: DeviceSpec) -> bool:
+    """Whether the offloaded optimizer's staging slots are this device's memory: on a CPU device
+    (the files tier stages in the process's memory), not on a CUDA one (pinned host buffers)."""
+    return device.kind != "cuda"
+
+
 def resident_optimizer_states(config: Config, states: float, offloaded: float | None = None,
-                              masters: bool = False) -> float:
-    """Optimizer-state bytes held in memory: all of them, or under Config.offload="optimizer" those
-    not offloaded (`offloaded`, default all) plus the staging the offloaded optimizer reads, steps
-    and writes chunks through (`offload_staging`; `masters`: the fp32 masters are in the file)."""
+                              masters: bool = False, staged_here: bool = True) -> float:
+    """Optimizer-state bytes held in the device's memory: all of them, or under
+    Config.offload="optimizer" those not offloaded (`offloaded`, default all) plus, where the
+    staging is device memory (`staged_here`, see staging_on_device), the staging the offloaded
+    optimizer reads, steps and writes chunks through (`offload_staging`; `masters`: the fp32
+    masters are in the file)."""
     if not config.offloads_optimizer:
         return states
     moved = states if offloaded is None else offloaded
     if not moved:
         return states
-    return states - moved + min(moved, offload_staging(config, masters))
+    return states - moved + (min(moved, offload_staging(config, masters)) if staged_here else 0)
 
 
 def choose_offload(config: Config, states: float, peak_resident: float,
-                   masters: bool = False) -> tuple[int, str | None]:
+                   masters: bool = False, staged_here: bool = True) -> tuple[int, str | None]:
     """Bytes of optimizer states to offload under Config.offload="optimizer": all of them, or with
     Config.memory_budget_gb just enough (in whole chunks) that the rank's peak fits the budget.
     Also a note when even offloading everything does not fit."""
@@ -507,7 +526,7 @@ def choose_offload(config: Config, states: float, peak_resident: float,
     chunk = offload_chunk_bytes(config)
 
     def peak(moved: float) -> float:
-        return peak_resident - states + resident_optimizer_states(config, states, moved, masters)
+        return peak_resident - states + resident_optimizer_states(config, states, moved, masters, staged_here)
 
     moved = 0.0
     while moved < states and peak(moved) > budget:
@@ -520,7 +539,7 @@ def choose_offload(config: Config, states: float, peak_resident: float,
 
 
 def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, n_devices: int,
-               offloaded: float | None = None) -> dict[str, float]:
+               offloaded: float | None = None, staged_here: bool = True) -> dict[str, float]:
     """Rank bytes by category while the graph runs, from the graph's live bytes at one node.
 
     The graph's own parameters and gradients are full-size; ZeRO shards what the rank keeps.
@@ -531,8 +550,8 @@ def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, 
     step[PARAMETERS] = resident_parameters(costs, config, dp)
     step[GRADIENTS] = shard(step.get(GRADIENTS, 0), 2)
     states, masters = partition_states(costs, config, dp)
-    step[OPTIMIZER_STATES] = resident_optimizer_states(config, states, offloaded, masters_in_file(costs, config)) \
-        + masters
+    step[OPTIMIZER_STATES] = resident_optimizer_states(config, states, offloaded, masters_in_file(costs, config),
+                                                       staged_here) + masters
     comm = 0.0
     bucket = largest_gradient_bucket(costs, config.bucket_mb * 2**20)
     if dp > 1:

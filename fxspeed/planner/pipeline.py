@@ -52,7 +52,7 @@ from fxspeed.devices import DeviceSpec
 from fxspeed.ir import (ACTIVATIONS, BUFFERS, CATEGORIES, COMM_BUFFERS, GRADIENTS, INPUTS, OPTIMIZER_STATES,
                         PARAMETERS, TEMPORARIES, StageProgram, tensor_bytes)
 from fxspeed.ir.schedule import OFFLOAD, RELOAD, B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Schedule
-from fxspeed.planner.estimate import choose_offload, reduce_elem, resident_optimizer_states
+from fxspeed.planner.estimate import choose_offload, offload_tier, reduce_elem, resident_optimizer_states
 from fxspeed.planner.memory import ProgramLiveness, program_liveness
 from fxspeed.planner.plan import Plan
 
@@ -456,7 +456,7 @@ def apply_pipeline(plan: Plan, report: dict[str, Any], world: int, pp: int) -> N
     plan.model_states = {c: int(max(v.get(c, 0) for v in plan.phase_memory.values()))
                          for c in (PARAMETERS, GRADIENTS, OPTIMIZER_STATES)}
     moved = report["ranks"][0].get("offloaded", 0)  # rank 0's, as every plan field without a rank is
-    plan.offloaded = {"disk": int(moved)} if moved else {}
+    plan.offloaded = {offload_tier(device, config): int(moved)} if moved else {}
     plan.notes = [n for n in plan.notes if "memory_budget_gb" not in n]  # the micro-batch plan's, not the pipeline's
     plan.notes += sorted({rk["offload_note"] for rk in report["ranks"] if rk.get("offload_note")})
 
