@@ -274,7 +274,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     dp = max(1, n // (pp * tp))
     z = config.zero
     state_f, _ = opt_factors(config)
-    p_bytes, t_bytes = costs.param_bytes, costs.trainable_bytes
+    t_bytes = costs.trainable_bytes
 
     shard = lambda b, stage: b / dp if z >= stage else b  # noqa: E731
     states, masters = partition_states(costs, config, dp)  # what offload may move; masters kept here
