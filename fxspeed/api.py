@@ -116,7 +116,7 @@ def plan(model: nn.Module, devices: Devices = 1, config: Config | dict | str | N
 
 def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | None = None, *,
           token_budget: int = 256, max_batch: int = 16, block_size: int = 16,
-          cache_tokens: int | None = None) -> Engine:
+          cache_tokens: int | None = None, cuda_graphs: bool | None = None) -> Engine:
     """Compile a causal LM for inference; returns the Engine, with `generate` and `stream`.
 
         engine = fxspeed.serve(model)
@@ -129,7 +129,8 @@ def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | 
     InferencePlan (`engine.plan.summary()`). `devices=N` with `Config(tensor=N)` serves
     tensor-parallel (every rank of a `fxspeed run -n N` launch calls serve and generate with the
     same prompts; heads and MLP split, the cache split by heads; every rank returns the same
-    tokens). Before
+    tokens). `cuda_graphs` (default: on for one CUDA device): the decode-sized buckets are
+    captured as CUDA graphs, each step one replay (runtime/serving.py `_Static`). Before
     returning, two short packed requests are served and checked against the model's own eager
     forward (a model the passes would serve wrongly is refused here). Puts the model in eval mode.
     """
@@ -143,6 +144,10 @@ def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | 
                           "devices=N with Config(tensor=N) (no data-parallel replicas or pipeline stages yet)")
     if any(p.is_meta for p in model.parameters()):
         raise ConfigError("serve: the model has parameters on the meta device; materialize and load it first")
+    if cuda_graphs and (cfg.tensor > 1 or not all(d.kind == "cuda" for d in devs)):
+        raise ConfigError(f"serve: cuda_graphs=True needs one CUDA device (devices: {[d.name for d in devs]}, "
+                          f"Config.tensor={cfg.tensor}); tensor-parallel steps are not captured yet. Leave "
+                          "cuda_graphs unset (on where it applies) or set it to False")
     set_attn = getattr(model, "set_attn_implementation", None)
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if impl is not None and impl != "sdpa":
@@ -159,5 +164,5 @@ def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | 
     mesh = Mesh.join(len(devs), cfg.dist_timeout_s, tp=cfg.tensor)
     engine = Engine(model, devs, cfg, None, compiler=Compiler(cfg, mesh, None, analyses=analyses), mesh=mesh)
     engine.setup_serving(token_budget=token_budget, max_batch=max_batch, block_size=block_size,
-                         cache_tokens=cache_tokens)
+                         cache_tokens=cache_tokens, cuda_graphs=cuda_graphs)
     return engine

@@ -129,6 +129,8 @@ class _Request:
 class _Bound:
     """One compiled bucket with its argument list built once; a step fills the per-step slots."""
 
+    static = False  # its per-step inputs take each step's own shapes
+
     def __init__(self, program: InferenceProgram, bind: Callable[[IOSpec], torch.Tensor], cache: KVCache):
         self.program = program
         self.run = direct_calls(program.gm)
@@ -143,6 +145,10 @@ class _Bound:
             else:
                 self.args.append(bind(s))
 
+    def shape(self, sequences: int, queries: int, blocks: int) -> tuple[int, int, int]:
+        """The (sequences, query slots per sequence, blocks per sequence) of a step's metadata."""
+        return sequences, queries, blocks
+
     def __call__(self, step: dict[str, torch.Tensor]) -> torch.Tensor:
         args = list(self.args)
         for k, i in self.slots.items():
@@ -151,15 +157,77 @@ class _Bound:
             return self.run(*args)[0]
 
 
+class _Static:
+    """A bucket of T tokens run at fixed shapes: every step's metadata padded to the most a step
+    can hold (min(T, max_batch) sequences, T query slots each, the blocks of a whole context; the
+    padding is the kernels' own: dummy query slots `query_index == T`, block 0, logits row 0), so
+    that on CUDA the program is captured once as a CUDA graph and a step is one replay instead of
+    a few hundred kernel launches from Python.
+
+        step:  copy the step's inputs into the static buffers -> graph.replay() -> the static logits
+
+    Capture: two warm-up runs on a side stream (allocator, Triton's JIT, cuBLAS workspaces) with
+    every query slot a dummy and every token writing block 0 (the cache's padding block), then the
+    capture itself. Without `capture` (a CPU device: tests) the same padded step runs directly.
+    """
+
+    static = True
+
+    def __init__(self, bound: _Bound, sequences: int, blocks: int, device: torch.device, capture: bool):
+        self.bound = bound
+        self.program = bound.program
+        T = bound.program.tokens
+        self.dims = (sequences, T, blocks)
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.long, device=device)
+
+        self.inputs = {"tokens": zeros(1, T), "positions": zeros(1, T), "slot_mapping": zeros(T),
+                       "block_table": zeros(sequences, blocks), "query_pos": zeros(sequences, T),
+                       "query_index": torch.full((sequences, T), T, dtype=torch.long, device=device),
+                       "logits_index": zeros(sequences)}
+        self.graph: Any = None
+        self.out: torch.Tensor | None = None
+        if capture:
+            self._capture(device)
+
+    def _capture(self, device: torch.device) -> None:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.bound(self.inputs)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.out = self.bound(self.inputs)
+        self.graph = graph
+
+    def shape(self, sequences: int, queries: int, blocks: int) -> tuple[int, int, int]:
+        return self.dims
+
+    def __call__(self, step: dict[str, torch.Tensor]) -> torch.Tensor:
+        for k, v in step.items():
+            self.inputs[k].copy_(v)
+        if self.graph is None:
+            return self.bound(self.inputs)
+        self.graph.replay()
+        assert self.out is not None
+        return self.out
+
+
 class ServingLoop:
     """Continuous batching for one Engine (see the module docstring)."""
 
     def __init__(self, compile_bucket: Callable[[int], InferenceProgram], bind: Callable[[IOSpec], torch.Tensor],
                  *, vocab_size: int, max_context: int, device: torch.device, token_budget: int = 256,
                  max_batch: int = 16, block_size: int = 16, cache_tokens: int | None = None,
-                 agree: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 agree: Callable[[torch.Tensor], torch.Tensor] | None = None, cuda_graphs: bool | None = None):
         """`agree`: tensor-parallel serving hands every step's sampled tokens to it and continues with
-        what it returns (tp rank 0's choice), so that every rank schedules the same requests."""
+        what it returns (tp rank 0's choice), so that every rank schedules the same requests.
+        `cuda_graphs`: the buckets up to the decode bucket run at fixed shapes (`_Static`),
+        captured as CUDA graphs on a CUDA device; None: on a CUDA device without tensor
+        parallelism. True on another device runs the fixed-shape steps without capture."""
         if token_budget < 1 or max_batch < 1 or block_size < 1:
             raise ConfigError(f"serve: token_budget ({token_budget}), max_batch ({max_batch}) and block_size "
                               f"({block_size}) must be >= 1")
@@ -183,16 +251,39 @@ class ServingLoop:
         # decode steps (about max_batch tokens) are most of serving, so their bucket goes first.
         # why: docs/decisions/serving-layout-on-the-decode-bucket.md
         decode = min((b for b in self.buckets if b >= max(2, max_batch)), default=self.buckets[-1])
+        if cuda_graphs is None:
+            cuda_graphs = device.type == "cuda" and agree is None
+        # decode-sized buckets, where launches are most of a step's time and padding costs little
+        self.static_buckets = {b for b in self.buckets if b <= decode} if cuda_graphs else set()
+        self._capture = device.type == "cuda"
         first = compile_bucket(decode if agree is not None else self.buckets[-1])
         tokens = cache_tokens if cache_tokens is not None else max_context * max_batch
         self.cache = KVCache(first.kv_layout, -(-tokens // block_size) + 1, block_size, device)
-        self.programs: dict[int, _Bound] = {first.tokens: _Bound(first, bind, self.cache)}
+        self.programs: dict[int, _Bound | _Static] = {}
+        self.programs[first.tokens] = self._bound(first)
         self.stats: dict[str, Any] = {"steps": 0, "tokens": 0, "padded_tokens": 0,
                                       "compile_s": first.capture_seconds + first.pass_seconds}
         self.record_logits: dict[int, list[torch.Tensor]] | None = None  # tests: logits per sampled token
         self._only_bucket: int | None = None  # check_against runs every step in one bucket
 
-    def program(self, T: int) -> _Bound:
+    def _bound(self, program: InferenceProgram) -> _Bound | _Static:
+        """Bucket `program` ready to run: at fixed shapes (captured on CUDA) where it is one of the
+        static buckets, else at each step's shapes. A capture that fails (an op that synchronizes
+        with the host, say) is logged and the bucket runs without a graph."""
+        bound = _Bound(program, self._bind, self.cache)
+        T = program.tokens
+        if T not in self.static_buckets:
+            return bound
+        try:
+            return _Static(bound, min(T, self.max_batch), -(-self.max_context // self.block_size), self.device,
+                           capture=self._capture)
+        except Exception as e:  # noqa: BLE001  any capture failure: run the bucket without a graph
+            log.warning("fxspeed: serve could not capture the %d-token program as a CUDA graph (%s: %s); it runs "
+                        "without one", T, type(e).__name__, e)
+            self.static_buckets.discard(T)
+            return bound
+
+    def program(self, T: int) -> _Bound | _Static:
         """The bound program of bucket T, compiled on first use."""
         if T not in self.programs:
             t0 = time.perf_counter()
@@ -203,7 +294,7 @@ class ServingLoop:
                 raise FxspeedError(f"serve: the program for {T} tokens lays out the KV cache as "
                                    f"{list(program.kv_layout)} (heads, head_dim, dtype per layer) but the cache holds "
                                    f"{self.cache.layout}; please report this with the model and Config")
-            self.programs[T] = _Bound(program, self._bind, self.cache)
+            self.programs[T] = self._bound(program)
             self.stats["compile_s"] += time.perf_counter() - t0
         return self.programs[T]
 
@@ -367,13 +458,13 @@ class ServingLoop:
     def _step(self, chunks: list[tuple[_Request, int]]) -> list[tuple[_Request, int]]:
         n = sum(c for _, c in chunks)
         T = self._bucket(n)
+        bound = self.program(T)
         bs = self.block_size
         tokens = torch.zeros(1, T, dtype=torch.long)
         positions = torch.zeros(1, T, dtype=torch.long)
         slots = torch.zeros(T, dtype=torch.long)  # padding writes block 0
-        S = len(chunks)
-        Q = max(c for _, c in chunks)
-        NB = max(-(-(r.cached + c) // bs) for r, c in chunks)
+        S, Q, NB = bound.shape(len(chunks), max(c for _, c in chunks),
+                               max(-(-(r.cached + c) // bs) for r, c in chunks))
         block_table = torch.zeros(S, NB, dtype=torch.long)
         query_index = torch.full((S, Q), T, dtype=torch.long)
         query_pos = torch.zeros(S, Q, dtype=torch.long)
@@ -395,18 +486,19 @@ class ServingLoop:
                 last.append((r, at + c - 1))
             at += c
         rows_at = torch.tensor([i for _, i in last], dtype=torch.long)
+        # a static bucket selects S rows (the extra ones read row 0 and are dropped below)
+        select = torch.cat([rows_at, rows_at.new_zeros(S - len(last))]) if bound.static else rows_at
         step = {k: v.to(self.device) for k, v in (("tokens", tokens), ("positions", positions),
                                                   ("slot_mapping", slots), ("block_table", block_table),
                                                   ("query_index", query_index), ("query_pos", query_pos),
-                                                  ("logits_index", rows_at))}
-        bound = self.program(T)
+                                                  ("logits_index", select))}
         logits = bound(step)
         self.stats["steps"] += 1
         self.stats["tokens"] += n
         self.stats["padded_tokens"] += T - n
         if not last:
             return []
-        rows = (logits[0] if bound.program.selects_logits else logits[0, rows_at.to(logits.device)]).float()
+        rows = (logits[0, :len(last)] if bound.program.selects_logits else logits[0, rows_at.to(logits.device)]).float()
         picked = torch.tensor([_sample(row, r) for (r, _), row in zip(last, rows)], dtype=torch.long)
         if self._agree is not None:
             picked = self._agree(picked)

@@ -410,3 +410,62 @@ def test_bf16_attention_runs_flash_and_trains_like_the_memory_efficient_kernel(k
     assert any(r["name"] == "select_attention_kernel" and r["modified"] for r in on.plan.passes)
     for i, (a, b) in enumerate(zip(got, want)):
         assert_close_rel(a, b, f"loss at step {i}", 2e-2)
+
+
+# --------------------------------------------------------------------------------------------
+# Serving on CUDA: the fused serving programs, the Triton paged attention, CUDA graphs
+# --------------------------------------------------------------------------------------------
+
+SERVE_PROMPTS = [[5, 17, 3], list(range(10, 30)), [7], [40, 41, 42, 43, 44, 45, 46, 47, 48], list(range(60, 72))]
+SERVE_NEW = [6, 5, 7, 4, 6]
+SERVE_OPTIONS = dict(token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
+
+
+def _served_model() -> nn.Module:
+    model, _ = build("hf_llama")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(8.0)  # away from near-uniform logits, so greedy choices are not ties
+    return model.eval()
+
+
+def test_fp32_serving_with_cuda_graphs_gives_hugging_faces_greedy_tokens() -> None:
+    """HF Llama (GQA) served on the device: the fusion passes and the Triton paged attention run,
+    the decode buckets are replayed as CUDA graphs (not in the CPU dry run), and every request's
+    greedy tokens are those of HF `generate` on the same device."""
+    from fxspeed.runtime.serving import _Static
+
+    model = _served_model()
+    engine = fxspeed.serve(model, **SERVE_OPTIONS)
+    outs = engine.generate(SERVE_PROMPTS, max_new_tokens=SERVE_NEW)
+    with torch.no_grad():
+        for p, n, o in zip(SERVE_PROMPTS, SERVE_NEW, outs):
+            ref = model.generate(torch.tensor([p], device=DEVICE), max_new_tokens=n, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            assert o == ref, (p, o, ref)
+    static = [b for b in engine._serving.programs.values() if isinstance(b, _Static)]
+    if not _DRY_RUN:
+        assert static and all(b.graph is not None for b in static), "no decode bucket was captured"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cuda_graph_replays_give_the_logits_of_steps_launched_one_by_one(precision: str) -> None:
+    """The same engine options with cuda_graphs on and off: logits within rounding (up to the first
+    differing token in bf16, where a near tie may break either way), fp32 tokens equal."""
+    model = _served_model()
+    cfg = fxspeed.Config(precision=precision)
+    graphed = fxspeed.serve(model, config=cfg, **SERVE_OPTIONS)
+    launched = fxspeed.serve(model, config=cfg, **SERVE_OPTIONS, cuda_graphs=False)
+    for e in (graphed, launched):
+        e._serving.record_logits = {}
+    a = graphed.generate(SERVE_PROMPTS, max_new_tokens=SERVE_NEW)
+    b = launched.generate(SERVE_PROMPTS, max_new_tokens=SERVE_NEW)
+    tol = 1e-4 if precision == "fp32" else 5e-2
+    for i in range(len(SERVE_PROMPTS)):
+        same = next((k for k, (u, v) in enumerate(zip(a[i], b[i])) if u != v), min(len(a[i]), len(b[i])))
+        n = min(same + 1, len(a[i]), len(b[i]))  # rows past a differing token read other sequences
+        x = torch.stack(graphed._serving.record_logits[i][:n])
+        y = torch.stack(launched._serving.record_logits[i][:n])
+        assert (x - y).abs().max() <= tol * (1 + y.abs().max()), i
+        if precision == "fp32":
+            assert a[i] == b[i], i

@@ -272,3 +272,34 @@ def test_serving_programs_run_the_fused_kernels_where_fusion_is_on_and_give_the_
     for i in range(len(PROMPTS)):
         torch.testing.assert_close(torch.stack(fused._serving.record_logits[i]),
                                    torch.stack(plain._serving.record_logits[i]), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_decode_buckets_at_the_fixed_shapes_of_a_cuda_graph_give_the_tokens_and_logits_of_per_step_shapes(name):
+    """cuda_graphs: the buckets up to the decode bucket run at fixed shapes (every step's metadata
+    padded to min(T, max_batch) sequences, T query slots, a whole context of blocks; the logits
+    rows to the sequences), which is what a CUDA graph replays. Here on the CPU the padded steps
+    run without the capture: with prompts split in chunks beside decode tokens, the tokens are
+    those of per-step shapes and the logits agree within float rounding."""
+    from fxspeed.runtime.serving import _Static
+
+    model = _hf(name)
+    options = dict(token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
+    plain = fxspeed.serve(model, **options)
+    fixed = fxspeed.serve(model, **options)
+    fixed.setup_serving(**options, cuda_graphs=True)  # the CPU dry run (serve refuses it without CUDA)
+    assert plain._serving.static_buckets == set() and fixed._serving.static_buckets == {1, 2, 4}
+    for e in (plain, fixed):
+        e._serving.record_logits = {}
+    assert fixed.generate(PROMPTS, max_new_tokens=NEW) == plain.generate(PROMPTS, max_new_tokens=NEW)
+    ran = {T: type(b) for T, b in fixed._serving.programs.items()}
+    assert ran.get(4) is _Static and ran.get(8) is not _Static, ran
+    assert fixed._serving.programs[4].graph is None  # no capture off CUDA
+    for i in range(len(PROMPTS)):
+        torch.testing.assert_close(torch.stack(fixed._serving.record_logits[i]),
+                                   torch.stack(plain._serving.record_logits[i]), rtol=0, atol=1e-4)
+
+
+def test_cuda_graphs_without_a_cuda_device_or_under_tensor_parallelism_are_refused_with_the_way_out():
+    with pytest.raises(ConfigError, match="cuda_graphs=True needs one CUDA device"):
+        fxspeed.serve(_gpt(), cuda_graphs=True)
