@@ -5,14 +5,21 @@
     python benchmarks/bench_inference.py --workload 64 --out w.json            # + the mixed workload
     python -m fxspeed run -n 2 benchmarks/bench_inference.py --tensor 2 --threads 1 --out t.json
                                                     # tensor-parallel serving (fxspeed only)
+    python benchmarks/bench_inference.py --device cuda --model llama-0.94b --precision bf16 \
+        --batches 1 16 --prompt 32 --new 128 --workload 64 --prompt-range 32 512 --new-range 32 256
+                                                    # the GPU tier (issue 16): + a row without CUDA graphs
 
-HF GPT2LMHeadModel from its config (random init), fp32, `--threads` CPU threads, prompts of
+HF GPT2LMHeadModel (or `--model llama-0.94b`: HF Llama, 16 x 2048, 0.94B) from its config
+(random init), fp32 (`--precision bf16`: the model converted, as serving in bf16 is meant to
+be), on `--device` (cpu, `--threads` CPU threads; or cuda), prompts of
 `--prompt` random tokens, `--new` new tokens, greedy, at batch 8 and 1. Both generate exactly
 `--new` tokens per request (no eos). Tokens/s = batch x new tokens / wall seconds of the whole
 call (prefill included), and per CPU second of this process (fairer on a shared machine with
 one thread), medians of `--repeats` runs after one warm-up run (fxspeed compiles its
 token buckets in the warm-up; its compile seconds are reported separately). The tokens of both
-are compared: greedy fp32 must agree.
+are compared: greedy fp32 must agree. On CUDA each batch also runs fxspeed with
+`cuda_graphs=False` (steps launched op by op), and the rows give the memory-bandwidth limit of
+one decode step (weight bytes / the device preset's bandwidth) as tokens/s x batch.
 
 `--tensor T` (under `fxspeed run -n T`): fxspeed serves with Config(tensor=T) and HF is not run
 (`--no-hf` skips it at T=1 too, the anchor for a TP run); the RSS of every rank is
@@ -49,9 +56,26 @@ def timed(fn, repeats: int) -> tuple[float, float, object]:  # noqa: ANN001
     return statistics.median(ts), statistics.median(cs), out
 
 
+def build(name: str, layers: int | None):  # noqa: ANN201
+    import transformers
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=layers or 12, attn_implementation="sdpa")
+        return transformers.GPT2LMHeadModel(cfg), cfg.vocab_size
+    # issue 16's GPU model: 0.94B parameters, 1.88 GB of bf16 weights
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5504,
+                                   num_hidden_layers=layers or 16, num_attention_heads=16, num_key_value_heads=16,
+                                   max_position_embeddings=2048, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg), cfg.vocab_size
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--model", choices=("gpt2", "llama-0.94b"), default="gpt2")
+    ap.add_argument("--layers", type=int, default=None, help="default: the model's (12 / 16)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 1])
@@ -79,21 +103,24 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     baseline_mb = rss_mb()["end_mb"]  # torch, transformers, the process group: before the model
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=args.layers, attn_implementation="sdpa")
-    model = transformers.GPT2LMHeadModel(cfg).eval()
+    device = torch.device(args.device)
+    model, vocab = build(args.model, args.layers)
+    model = model.to(device, torch.bfloat16 if args.precision == "bf16" else torch.float32).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = fxspeed.devices("auto")[0].mem_bandwidth if device.type == "cuda" else None
     t = time.perf_counter()
     max_batch = max(*args.batches, 16 if args.workload else 1)
     context = max(args.prompt + args.new, sum(args.prompt_range[1:]) + args.new_range[1] if args.workload else 0)
-    engine = fxspeed.serve(model, devices=args.tensor, config=fxspeed.Config(tensor=args.tensor),
-                           token_budget=args.token_budget, max_batch=max_batch, block_size=16,
-                           cache_tokens=max_batch * context)
+    options = dict(devices=args.tensor, config=fxspeed.Config(tensor=args.tensor), token_budget=args.token_budget,
+                   max_batch=max_batch, block_size=16, cache_tokens=max_batch * context)
+    engine = fxspeed.serve(model, **options)
+    launched = fxspeed.serve(model, **options, cuda_graphs=False) if device.type == "cuda" else None
     rank0 = int(os.environ.get("RANK", "0")) == 0
     serve_s = time.perf_counter() - t
     rows = []
     g = torch.Generator().manual_seed(1)
     for b in args.batches:
-        prompts = torch.randint(0, cfg.vocab_size, (b, args.prompt), generator=g)
+        prompts = torch.randint(0, vocab, (b, args.prompt), generator=g).to(device)
 
         def hf() -> list[list[int]]:
             with torch.no_grad():
@@ -109,6 +136,13 @@ def main() -> None:
         tokens = b * args.new
         row = {"batch": b, "fxspeed_tok_s": tokens / fx_s, "fxspeed_tok_per_cpu_s": tokens / fx_c,
                "fxspeed_compile_s_this_batch": engine._serving.stats["compile_s"] - c0}
+        if bandwidth:  # every decode step reads every weight once
+            row["bandwidth_limit_tok_s"] = b * bandwidth / weight_bytes
+            row["share_of_bandwidth_limit"] = row["fxspeed_tok_s"] / row["bandwidth_limit_tok_s"]
+        if launched is not None:
+            l_s, _, l_out = timed(lambda: launched.generate(prompts.tolist(), max_new_tokens=args.new), args.repeats)
+            row.update({"fxspeed_no_cuda_graphs_tok_s": tokens / l_s, "cuda_graphs_speedup": l_s / fx_s,
+                        "same_tokens_without_graphs": l_out == fx_out})
         if run_hf:
             hf_s, hf_c, hf_out = timed(hf, args.repeats)
             row.update({"hf_eager_tok_s": tokens / hf_s, "speedup": hf_s / fx_s, "hf_eager_tok_per_cpu_s": tokens / hf_c,
@@ -116,8 +150,9 @@ def main() -> None:
         rows.append(row)
         if rank0:
             print(json.dumps(rows[-1]), flush=True)
-    workload = run_workload(args, model, engine, cfg.vocab_size) if args.workload else None
-    result = {"model": f"GPT2LMHeadModel n_layer={args.layers} fp32", "threads": args.threads, "workload": workload,
+    workload = run_workload(args, model, engine, vocab) if args.workload else None
+    result = {"model": f"{type(model).__name__} {args.model} layers={args.layers or 'default'} {args.precision}",
+              "device": args.device, "weight_bytes": weight_bytes, "threads": args.threads, "workload": workload,
               "tensor": args.tensor, "prompt": args.prompt, "new": args.new, "serve_s": serve_s,
               "compile_s_total": engine._serving.stats["compile_s"], "rows": rows,
               "plan": engine.plan.to_dict(), "rss_per_rank": rss_per_rank(baseline_mb)}
@@ -186,8 +221,8 @@ def run_workload(args: argparse.Namespace, model: torch.nn.Module, engine: objec
     for i in range(0, n, 16):
         ps, ns = prompts[i:i + 16], news[i:i + 16]
         width = max(len(p) for p in ps)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in ps])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in ps], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=model.device)
         with torch.no_grad():
             model.generate(ids, attention_mask=mask, max_new_tokens=max(ns), min_new_tokens=max(ns), do_sample=False,
                            pad_token_id=0)

@@ -10,10 +10,14 @@
 #
 #     tests/test_cuda.py and the kernel tests   (pytest -m cuda, capped at TEST_TIMEOUT_S, junit XML in $OUT)
 #     benchmarks/bench_gpu.py --quick --out $OUT/bench_gpu.json   (capped at BENCH_TIMEOUT_S)
+#     benchmarks/bench_inference.py on HF Llama 0.94B bf16          (capped at SERVE_TIMEOUT_S; issue 16:
+#         batch 1 and 16 against HF eager and the bandwidth limit, with and without CUDA graphs,
+#         then the 64-request workload against HF generate in batches of 16 and generate_batch)
 #
 # Everything is logged to $OUT/gpu_check.log. Each step runs even if an earlier one failed; the
-# exit status is non-zero if any failed. Expected wall time on one H200: about 4-5 minutes
-# (worst case, every step hitting its cap, under 8 minutes plus the installs).
+# exit status is non-zero if any failed. Expected wall time on one H200: about 7-8 minutes
+# (worst case, every step hitting its cap, under 12 minutes plus the installs). Under a 10-minute
+# limit per command, lower the caps: TEST_TIMEOUT_S=200 BENCH_TIMEOUT_S=150 SERVE_TIMEOUT_S=180.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -24,6 +28,7 @@ LOG=$OUT/gpu_check.log
 : > "$LOG"
 TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-240}
 BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-240}
+SERVE_TIMEOUT_S=${SERVE_TIMEOUT_S:-240}
 PY=${PYTHON:-$(command -v python || command -v python3)}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 export TOKENIZERS_PARALLELISM=false
@@ -116,6 +121,15 @@ log "bench_gpu.py --quick (cap ${BENCH_TIMEOUT_S}s)"
 run timeout -k 10 "$BENCH_TIMEOUT_S" "$PY" benchmarks/bench_gpu.py --quick --out "$OUT/bench_gpu.json"
 rc=$?
 log "bench_gpu.py exit status $rc"
+((rc == 0)) || status=1
+
+# --- serving (issue 16): each row is printed as it is measured, so a capped run keeps its rows ---
+log "bench_inference.py --device cuda --model llama-0.94b --precision bf16 (cap ${SERVE_TIMEOUT_S}s)"
+run timeout -k 10 "$SERVE_TIMEOUT_S" "$PY" benchmarks/bench_inference.py --device cuda --model llama-0.94b \
+    --precision bf16 --batches 1 16 --prompt 32 --new 64 --repeats 2 --token-budget 512 \
+    --workload 64 --prompt-range 32 512 --new-range 32 256 --out "$OUT/bench_inference_gpu.json"
+rc=$?
+log "bench_inference.py exit status $rc"
 ((rc == 0)) || status=1
 
 log "done in $((SECONDS - START))s, status $status; files: $(ls "$OUT" | tr '\n' ' ')"
