@@ -475,6 +475,17 @@ def _lockstep_outputs(programs: list, inputs: list, sigs: list) -> tuple[list, d
     return losses, grads
 
 
+def _assert_the_single_device_step(losses: list, grads: dict, loss: torch.Tensor, full: dict[str, torch.Tensor]) -> None:
+    """Every rank's loss is the single-device `loss`; every joined gradient is the single-device
+    one within 1e-5 of its norm."""
+    for got in losses:
+        torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)
+    for target, (g, _, _) in grads.items():
+        want_g = full[target].grad
+        err = float((g - want_g).norm() / want_g.norm().clamp_min(1e-12))
+        assert err <= 1e-5, f"gradient of {target}: relative error {err:.1e}"
+
+
 def test_the_collectives_per_block_are_megatrons_two_forward_two_backward() -> None:
     """GPT-2 at width 256 on the cpu device model: 2 blocks -> 4 all-reduces forward, 4 backward,
     no all-gather; QKV split in three blocks (q, k and v each by heads)."""
@@ -550,12 +561,8 @@ def test_fewer_key_value_heads_than_ranks_replicate_each_over_its_group_with_meg
     k0 = "m.model.layers.0.self_attn.k_proj.weight"
     assert layout.get(k0) == ((0, (1, rep)) if rep < T else None), layout  # MQA: whole, not a slice
     losses, grads = _lockstep_outputs(programs, inputs, sigs)
-    for got in losses:
-        torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)
-    for target, (g, parts, lay) in grads.items():
-        want_g = full[target].grad
-        err = float((g - want_g).norm() / want_g.norm().clamp_min(1e-12))
-        assert err <= 1e-5, f"gradient of {target}: relative error {err:.1e}"
+    _assert_the_single_device_step(losses, grads, loss, full)
+    for target, (_, parts, lay) in grads.items():
         group = lay[1][1] if lay and isinstance(lay[1], tuple) else (T if not lay else 1)
         for r in range(T):  # a shared slice (or a whole weight) has the same gradient on its ranks
             torch.testing.assert_close(parts[r], parts[r - r % group], rtol=0, atol=0, msg=f"{target} rank {r}")
@@ -628,12 +635,7 @@ def test_fused_kernels_run_on_each_tensor_rank_s_shards_and_the_ranks_together_e
     if sequence_parallel:  # the norms run on the rank's tokens: no gather of the residual stream for them
         assert any(n.target == c10d.reduce_scatter_tensor.default for n in programs[0].graph.nodes)
     losses, grads = _lockstep_outputs(programs, inputs, sigs)
-    for got in losses:
-        torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)
-    for target, (g, _, _) in grads.items():
-        want_g = full[target].grad
-        err = float((g - want_g).norm() / want_g.norm().clamp_min(1e-12))
-        assert err <= 1e-5, f"gradient of {target}: relative error {err:.1e}"
+    _assert_the_single_device_step(losses, grads, loss, full)
 
 
 def test_the_layout_is_a_cost_decision_slow_links_keep_weights_whole_slow_compute_shards_them() -> None:
