@@ -39,6 +39,7 @@ import torch.nn as nn
 from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.ir import IOSpec
 from fxspeed.ir.program import InferenceProgram
+from fxspeed.runtime.kernels.packed_linear import PACKED_KINDS, PackedWeights
 from fxspeed.runtime.kernels.paged_attention import direct_calls
 
 log = logging.getLogger("fxspeed")
@@ -131,7 +132,8 @@ class _Bound:
 
     static = False  # its per-step inputs take each step's own shapes
 
-    def __init__(self, program: InferenceProgram, bind: Callable[[IOSpec], torch.Tensor], cache: KVCache):
+    def __init__(self, program: InferenceProgram, bind: Callable[[IOSpec], torch.Tensor], cache: KVCache,
+                 packed: PackedWeights):
         self.program = program
         self.run = direct_calls(program.gm)
         self.args: list[Any] = []
@@ -142,6 +144,8 @@ class _Bound:
                 self.args.append(None)
             elif s.kind == "kv_cache":
                 self.args.append(cache.tensors[s.target])
+            elif s.kind in PACKED_KINDS:
+                self.args.append(packed.get(s, bind))
             else:
                 self.args.append(bind(s))
 
@@ -256,6 +260,9 @@ class ServingLoop:
         # decode-sized buckets, where launches are most of a step's time and padding costs little
         self.static_buckets = {b for b in self.buckets if b <= decode} if cuda_graphs else set()
         self._capture = device.type == "cuda"
+        # pre-packed linear weights of the CPU's small buckets, one copy shared by every bucket,
+        # laid out for the decode bucket's rows (runtime/kernels/packed_linear.py)
+        self.packed = PackedWeights(decode)
         first = compile_bucket(decode if agree is not None else self.buckets[-1])
         tokens = cache_tokens if cache_tokens is not None else max_context * max_batch
         self.cache = KVCache(first.kv_layout, -(-tokens // block_size) + 1, block_size, device)
@@ -270,7 +277,7 @@ class ServingLoop:
         """Bucket `program` ready to run: at fixed shapes (captured on CUDA) where it is one of the
         static buckets, else at each step's shapes. A capture that fails (an op that synchronizes
         with the host, say) is logged and the bucket runs without a graph."""
-        bound = _Bound(program, self._bind, self.cache)
+        bound = _Bound(program, self._bind, self.cache, self.packed)
         T = program.tokens
         if T not in self.static_buckets:
             return bound
@@ -404,6 +411,10 @@ class ServingLoop:
         """Yield (req_id, token) as tokens are produced, (req_id, RequestError) for a refused request.
         `eos_token_id` (an id or a list of ids) stops every request; `eos_token_ids` gives one per request."""
         reqs = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, eos_token_ids)
+        stale = self.packed.refresh()  # weights written since they were packed (an optimizer step, a load)
+        if stale:
+            log.info("fxspeed: serve packed %d weights again (changed since packing: %s)", len(stale),
+                     ", ".join(stale[:3]) + (" ..." if len(stale) > 3 else ""))
         waiting: list[_Request] = []
         for r in reqs:
             if isinstance(r, RequestError):

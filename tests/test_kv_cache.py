@@ -16,6 +16,7 @@ from fxspeed.compiler.capture_inference import compile_inference
 from fxspeed.config import Config
 from fxspeed.errors import PassError
 from fxspeed.models.gpt import GPT, GPTConfig
+from fxspeed.runtime.kernels.packed_linear import PACKED_KINDS
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -39,14 +40,15 @@ def test_the_pass_replaces_every_attention_by_paged_attention_and_adds_the_cache
     ts = targets(prog.gm)
     assert not SDPA & set(ts)
     assert ts.count(torch.ops.fxspeed.paged_attention.default) == 2
-    kinds = [s.kind for s in prog.signature.inputs if s.kind not in ("param", "buffer")]
+    kinds = [s.kind for s in prog.signature.inputs if s.kind not in ("param", "buffer", *PACKED_KINDS)]
     assert sorted(kinds) == sorted(["tokens", "positions", "slot_mapping", "block_table", "query_index", "query_pos",
                                     *["kv_cache"] * 4, "logits_index"])
     # fxspeed's GPT makes its positions with arange(T): replaced by the positions input
     assert aten.arange.start not in ts and aten.arange.default not in ts
     assert prog.kv_layout == [(4, 8, torch.float32)] * 2
     assert prog.kv_bytes_per_token() == 2 * 2 * 4 * 8 * 4
-    assert [r.name for r in prog.records if r.name != "annotate"][-3:] == ["kv_cache", "select_logits", "eliminate_dead_code"]
+    assert [r.name for r in prog.records if r.name != "annotate"][-4:] == ["kv_cache", "select_logits",
+                                                                           "eliminate_dead_code", "pack_linear_weights"]
 
 
 def test_grouped_query_attention_caches_the_kv_heads_not_the_repeated_ones():
@@ -95,13 +97,29 @@ def test_a_model_without_scaled_dot_product_attention_is_refused_with_the_fix():
         compile_inference(_Handwritten().eval(), 4, config=Config())
 
 
+class _MaskedCausalLM(nn.Module):
+    """Attention through SDPA's math form with its own causal mask (how HF Falcon traced before
+    transformers 5.2x)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.qkv, self.head = nn.Embedding(64, 32), nn.Linear(32, 96), nn.Linear(32, 64)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(input_ids)
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):  # the math form, as traced
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(y.transpose(1, 2).reshape(B, T, 32))
+
+
 def test_attention_traced_to_its_masked_math_form_is_refused_naming_the_mask():
-    # Falcon calls SDPA with its own causal mask; it traces to matmul + softmax (no attention op)
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.FalconConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64,
-                                    attn_implementation="sdpa")
+    # matmul + softmax: no attention op to thread the cache through
+    torch.manual_seed(0)
     with pytest.raises(PassError, match="explicit attn_mask.*is_causal=True"):
-        compile_inference(transformers.FalconForCausalLM(cfg).eval(), 4, config=Config())
+        compile_inference(_MaskedCausalLM().eval(), 4, config=Config())
 
 
 _ENGINE: dict = {}

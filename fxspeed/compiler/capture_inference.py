@@ -13,7 +13,8 @@ outputs cut to the logits, then the inference passes run under the pass manager:
     keep_activations_low (bf16/fp16 unless Config.low_activations=False), [shard_tensors],
     kv_cache, select_logits, [fuse_kernels, fuse_rotary, fuse_activations, fuse_residual_norms,
     fold_norm_casts (CUDA programs; after shard_tensors, so on this tp rank's heads and columns)],
-    eliminate_dead_code, annotate
+    eliminate_dead_code, pack_linear_weights (CPU programs of at most pack_linear_tokens tokens:
+    fp32 linear weights pre-packed for oneDNN), annotate
 
 Tensor parallelism (options.tp_size > 1): `shard_tensors` cuts the program for this tp rank
 before `kv_cache`, with the parameter layout of the engine's "tp_placements" analysis (solved
@@ -85,6 +86,7 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     from fxspeed.passes.graph.fold_norm_casts import fold_norm_casts
     from fxspeed.passes.graph.fuse_rotary import fuse_rotary
     from fxspeed.passes.inference.kv_cache import kv_cache
+    from fxspeed.passes.inference.pack_linear_weights import pack_linear_weights
     from fxspeed.passes.inference.select_logits import select_logits
 
     opts = options or PassOptions.single_device(config)
@@ -122,7 +124,7 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     fusion = [fuse_kernels, fuse_rotary, fuse_activations, fuse_residual_norms, fold_norm_casts]
     fuse = fusion if fusion_wanted(gm, opts) else []
     passes = [dedupe_tied_parameters, normalize_graph, insert_casts, keep_activations_low, *tp, kv_cache, select_logits,
-              *fuse, eliminate_dead_code]
+              *fuse, eliminate_dead_code, pack_linear_weights]
     pm = PassManager(passes, analyses=[make_annotate_pass(), *analyses], disabled=config.disable_passes,
                      known=[*ALL_PASSES, *STAGE_PASS_NAMES, *TRAINING_ONLY, *FUSION_PASS_NAMES,
                             *(p.name for p in passes)])

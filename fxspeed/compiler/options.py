@@ -98,6 +98,10 @@ class PassOptions:
     # would take at least chunk_cross_entropy_min_bytes, "always", "off".
     chunk_cross_entropy: str = "auto"
     chunk_cross_entropy_min_bytes: int = 64 * MIB
+    # pack_linear_weights (serving programs on the CPU): buckets of at most this many tokens read
+    # their fp32 linear weights pre-packed for oneDNN (0: none). Past about 128 rows MKL's GEMM is
+    # as fast. why: runtime/kernels/packed_linear.py
+    pack_linear_tokens: int = 128
 
     def __post_init__(self) -> None:
         for name in ("fp32_modules", "split_points", "positions"):
@@ -111,7 +115,7 @@ class PassOptions:
         _one_of("schedule", self.schedule, SCHEDULES)
         for name in ("world_size", "pipeline", "microbatches", "pipeline_chunks", "bucket_bytes"):
             _int(name, getattr(self, name), 1)
-        for name in ("rank", "reuse_min_bytes", "tp_rank", "activation_offload_min_bytes"):
+        for name in ("rank", "reuse_min_bytes", "tp_rank", "activation_offload_min_bytes", "pack_linear_tokens"):
             _int(name, getattr(self, name), 0)
         _int("tp_size", self.tp_size, 1)
         if self.tp_rank >= self.tp_size:

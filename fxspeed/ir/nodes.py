@@ -68,7 +68,9 @@ class IOSpec:
              gradients into, ZeRO-0), "loss_scale" (fp16: the dynamic loss scale)
              inference programs (passes/inference/): "tokens", "positions", "slot_mapping",
              "block_table", "query_index", "query_pos", "logits_index" (per serving step),
-             "kv_cache" (target "<layer>.k" / "<layer>.v"; the paged cache, written in place)
+             "kv_cache" (target "<layer>.k" / "<layer>.v"; the paged cache, written in place),
+             "packed_weight" / "packed_weight_t" (target: parameter name; the parameter [out, in] /
+             transposed, in oneDNN's packed layout: passes/inference/pack_linear_weights.py)
     outputs: "buffer_update", "loss", "output", "grad", "grad_bucket" (target: bucket index;
              the reduced flat bucket, or this rank's shard of it under ZeRO-2/3)
     `target` is the parameter/buffer name (user's original name) or the input's position.

@@ -1,0 +1,111 @@
+"""pack_linear_weights: in a CPU serving program of a few tokens, every fp32 linear layer reads its
+weight pre-packed for oneDNN instead of multiplying through MKL's GEMM, which is slow at a few
+rows (runtime/kernels/packed_linear.py has the measurements).
+
+    before:  w: param [out, in];  y = addmm(b, x, t(w))        # nn.Linear
+             c: param [in, out];  z = addmm(b2, x2, c)          # GPT-2's Conv1D
+             (lm head)            l = mm(r, t(E))               # E also read by the embedding
+    after:   wp: packed_weight(w);   y = mkldnn._linear_pointwise(x, wp, b)
+             cp: packed_weight_t(c); z = mkldnn._linear_pointwise(x2, cp, b2)
+             Ep: packed_weight(E);   l = mkldnn._linear_pointwise(r, Ep, None)
+
+The new inputs (IOSpec kinds "packed_weight", "packed_weight_t", target: the parameter's name)
+are the parameter as [out, in], packed by the serving loop once for every bucket
+(runtime/kernels/packed_linear.PackedWeights); a parameter no other node reads leaves the
+program's inputs. Only 2-D fp32 products whose weight is a parameter (directly or through one
+transpose) and whose bias, if any, is a 1-D vector of the output size are rewritten.
+
+Runs in programs on the CPU of at most `pack_linear_tokens` tokens (the decode buckets; at a
+full prefill bucket MKL is as fast, so those keep reading the parameters). Where it does not
+rewrite it still records the bytes it would pack (`gm.meta["packed_weight_bytes"]`), so the
+inference plan can count the copies the decode buckets will hold.
+Options read: pack_linear_tokens (0: never).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
+from fxspeed.compiler.rewrite import call
+from fxspeed.ir import IOSpec
+from fxspeed.runtime.kernels.packed_linear import LINEAR, available
+
+aten = torch.ops.aten
+WEIGHT_KINDS = ("param", "param_tp")
+
+
+@graph_pass("pack_linear_weights", invalidates=("annotate",))
+def pack_linear_weights(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    g = gm.graph
+    sig = ctx.signature
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    spec_of = dict(zip(placeholders, sig.inputs))
+    tokens = next((n.meta["val"].shape[-1] for n, s in spec_of.items() if s.kind == "tokens"), None)
+    found = [(n, *m) for n in g.nodes if (m := _match(n, spec_of)) is not None]
+    # one packed copy per (parameter, orientation), however many products read it
+    gm.meta["packed_weight_bytes"] = sum(p.meta["val"].numel() * 4 for p in {(m[1], m[2]): m[1] for m in found}.values())
+    on_cpu = all(v.device.type == "cpu" for n in placeholders if isinstance(v := n.meta.get("val"), torch.Tensor))
+    if not found or not on_cpu or not available() or tokens is None or tokens > ctx.options.pack_linear_tokens:
+        return PassResult(gm, modified=False)
+    packed: dict[tuple[fx.Node, bool], fx.Node] = {}
+    new_specs: list[IOSpec] = []
+    last = placeholders[-1]
+    for node, param, transposed, x, bias in found:
+        key = (param, transposed)
+        if key not in packed:
+            with g.inserting_after(last):
+                ph = g.placeholder(f"{param.name}_packed{'_t' if transposed else ''}")
+            val = param.meta["val"]
+            ph.meta["val"] = val.t() if transposed else val  # [out, in]; the runtime's is oneDNN's opaque layout
+            packed[key] = last = ph
+            new_specs.append(IOSpec("packed_weight_t" if transposed else "packed_weight", spec_of[param].target))
+        with g.inserting_before(node):
+            new = call(g, LINEAR, (x, packed[key], bias, "none", [], ""))
+        node.replace_all_uses_with(new)
+        weight = node.args[-1]
+        g.erase_node(node)
+        if weight is not param and not weight.users:
+            g.erase_node(weight)
+    # parameters only the rewritten products read are inputs no longer
+    unread = {ph for ph in placeholders if spec_of[ph].kind in WEIGHT_KINDS and not ph.users}
+    for ph in unread:
+        g.erase_node(ph)
+    sig.inputs = [spec_of[n] for n in placeholders if n not in unread] + new_specs
+    return PassResult(gm, modified=True)
+
+
+def _match(node: fx.Node, spec_of: dict[fx.Node, IOSpec]) -> tuple[fx.Node, bool, fx.Node, fx.Node | None] | None:
+    """(parameter, transposed, x, bias) of an fp32 `mm(x, W)` / `addmm(bias, x, W)` whose W is a
+    parameter [in, out] (transposed: it is packed as W.t()) or `t(P)` of one [out, in]; else None."""
+    if node.op != "call_function" or node.kwargs:
+        return None
+    if node.target == aten.mm.default:
+        (x, w), bias = node.args, None
+    elif node.target == aten.addmm.default and len(node.args) == 3:
+        bias, x, w = node.args
+    else:
+        return None
+    if not isinstance(w, fx.Node) or not isinstance(x, fx.Node):
+        return None
+    if w.op == "placeholder":
+        param, transposed = w, True
+    elif w.op == "call_function" and (w.target == aten.t.default or
+                                      w.target == aten.permute.default and list(w.args[1]) == [1, 0]):
+        param, transposed = w.args[0], False
+    else:
+        return None
+    if not isinstance(param, fx.Node) or param.op != "placeholder" or spec_of[param].kind not in WEIGHT_KINDS:
+        return None
+    xv, pv = x.meta.get("val"), param.meta.get("val")
+    if not isinstance(xv, torch.Tensor) or not isinstance(pv, torch.Tensor):
+        return None
+    if xv.dim() != 2 or pv.dim() != 2 or xv.dtype != torch.float32 or pv.dtype != torch.float32:
+        return None
+    out = pv.shape[1] if transposed else pv.shape[0]
+    if bias is not None:
+        bv = bias.meta.get("val") if isinstance(bias, fx.Node) else None
+        if not isinstance(bv, torch.Tensor) or bv.dim() != 1 or bv.shape[0] != out or bv.dtype != torch.float32:
+            return None
+    return param, transposed, x, bias
