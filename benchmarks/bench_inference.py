@@ -21,6 +21,9 @@ are compared: greedy fp32 must agree. On CUDA each batch also runs fxspeed with
 `cuda_graphs=False` (steps launched op by op), and the rows give the memory-bandwidth limit of
 one decode step (weight bytes / the device preset's bandwidth) as tokens/s x batch.
 
+`--compile`: also HF `generate` with a static KV cache and its forward through `torch.compile`
+(the gpt-fast recipe; compiled in an untimed warm-up run per batch, whose seconds are reported).
+
 `--tensor T` (under `fxspeed run -n T`): fxspeed serves with Config(tensor=T) and HF is not run
 (`--no-hf` skips it at T=1 too, the anchor for a TP run); the RSS of every rank is
 reported (peak and at the end), measured from outside fxspeed's own counters.
@@ -87,6 +90,8 @@ def main() -> None:
     ap.add_argument("--new-range", type=int, nargs=2, default=[32, 64])
     ap.add_argument("--tensor", type=int, default=1)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--compile", action="store_true",
+                    help="also HF generate with a static cache and torch.compile'd forward (minutes to compile)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     run_hf = not args.no_hf and args.tensor == 1
@@ -147,6 +152,8 @@ def main() -> None:
             hf_s, hf_c, hf_out = timed(hf, args.repeats)
             row.update({"hf_eager_tok_s": tokens / hf_s, "speedup": hf_s / fx_s, "hf_eager_tok_per_cpu_s": tokens / hf_c,
                         "speedup_cpu": hf_c / fx_c, "same_tokens": hf_out == fx_out})
+        if args.compile and run_hf:
+            row.update(hf_compiled(model, prompts, args, fx_s, fx_out))
         rows.append(row)
         if rank0:
             print(json.dumps(rows[-1]), flush=True)
@@ -163,6 +170,39 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def hf_compiled(model: torch.nn.Module, prompts: torch.Tensor, args: argparse.Namespace, fx_s: float,
+                fx_out: list[list[int]]) -> dict:
+    """HF generate with a static KV cache and its forward through torch.compile (the compile
+    happens in the warm-up run, timed apart), greedy as the other rows; a fresh compile per batch."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, dynamic=False)
+
+    def run() -> list[list[int]]:
+        with torch.no_grad():
+            out = _static_generate(model, compiled, prompts, args)
+        return out[:, args.prompt:].tolist()
+
+    t = time.perf_counter()
+    run()
+    compile_s = time.perf_counter() - t
+    c_s, _, c_out = timed(run, args.repeats)
+    tokens = prompts.shape[0] * args.new
+    return {"hf_compile_tok_s": tokens / c_s, "hf_compile_s": compile_s, "speedup_vs_compile": c_s / fx_s,
+            "same_tokens_compile": c_out == fx_out}
+
+
+def _static_generate(model: torch.nn.Module, forward: object, prompts: torch.Tensor,
+                     args: argparse.Namespace) -> torch.Tensor:
+    """HF generate with cache_implementation="static", its forward swapped for `forward`."""
+    plain = model.forward
+    model.forward = forward
+    try:
+        return model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.new,
+                              min_new_tokens=args.new, do_sample=False, pad_token_id=0, cache_implementation="static")
+    finally:
+        model.forward = plain
 
 
 def rss_mb() -> dict[str, float]:

@@ -211,9 +211,10 @@ class Engine:
         if self.dist.active:
             # Every step: a rank meeting a new shape alone would otherwise trace and run
             # collectives the others never join.
-            check_same_everywhere(self.dist, "the batch signature (shapes, dtypes, structure)", fingerprint(key),
-                                  "every rank must pass local batches of the same shapes; split the global batch "
-                                  "evenly with fxspeed.data.local_batch")
+            check_same_everywhere(self.dist, "the step (train_step or eval_step) and its batch signature (shapes, "
+                                  "dtypes, structure)", fingerprint(key),
+                                  "every rank must call the same step, in the same order, with local batches of the "
+                                  "same shapes; split the global batch evenly with fxspeed.data.local_batch")
         ex = self._executors.get(key)
         if ex is not None:
             return ex
@@ -231,7 +232,7 @@ class Engine:
                                           analyze=costs_reader(self.config, self.devices) if want_plan else None)
         after = self._python_state(train)
         if after != key[2]:
-            _warn_python_state_changed(self.model, key[2], after)
+            _warn_python_state_changed(self.model, key[2][0], after[0])
             # Keyed under what the next step will see, or every step would trace again.
             key = (train, key[1], after)
         cap = compiled.captured
@@ -326,17 +327,31 @@ class Engine:
 
         self._release_hook = self.model.register_forward_pre_hook(refuse)
 
-    def gathered(self) -> Any:
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
         """Context manager: inside it, the user's module holds the full fp32 weights (ZeRO-3 and
         master weights gather them over dp, tensor parallelism over tp; collective, call it on
-        every rank). Where every rank already holds them it does nothing."""
+        every rank). Where every rank already holds them it does nothing.
+
+        Writes to the weights inside are kept: at a normal exit each rank takes its shard / slice
+        of what the module holds into the engine's state (the fp32 masters and working copies
+        under master weights), as `load_state_dict` does, so edit them the same way on every
+        rank. An exception inside leaves the engine's weights as they were."""
         self.synchronize()
-        return self._full_weights()
+        with self._gathered():
+            with self._tp.gathered(write_back=True) if self._tp is not None else contextlib.nullcontext():
+                yield
+            if self._flat is not None:  # still gathered over dp; the tp slices were written back above
+                self._flat.capture_from_parameters()
 
     def _python_state(self, train: bool) -> tuple:
         """What a trace baked in besides the batch: each module's train/eval mode (train steps) and
-        its plain Python attributes (numbers, strings). A change retraces, as torch.compile's
+        its plain Python attributes (numbers, strings), and the numbers and strings loss_fn reads
+        from its closure or globals (`_function_scalars`). A change retraces, as torch.compile's
         guards would; computing it costs microseconds per module."""
+        return self._module_state(train), _function_scalars(self.loss_fn)
+
+    def _module_state(self, train: bool) -> tuple:
         snap = self._state_snapshots.get(train)
         if snap is not None and snap.unchanged():
             return snap.key
@@ -344,9 +359,24 @@ class Engine:
         self._state_snapshots[train] = _StateSnapshot(self.model, key)
         return key
 
+    def _check_parameters_not_replaced(self) -> None:
+        """The model's Parameters are the objects the engine bound at compile: a Parameter object
+        put in place of one (module.weight = nn.Parameter(...), load_state_dict(assign=True))
+        would be ignored by the programs, which read the old one."""
+        current = list(self.model.named_parameters(remove_duplicate=False))
+        replaced = [n for n, p in current if self._params.get(n) is not p]
+        if replaced or len(current) != len(self._params):
+            raise FxspeedError(f"{type(self.model).__name__}'s Parameter(s) {replaced[:5] or '(set changed)'} were "
+                               "replaced or added after compile (module.weight = nn.Parameter(...), "
+                               "load_state_dict(assign=True)); the engine's programs read the Parameters it compiled, "
+                               "so the new ones would be ignored. Change values in place (with torch.no_grad(): "
+                               "p.copy_(...)), use engine.load_state_dict(state) or load_state_dict without "
+                               "assign=True, or compile a new engine")
+
     def _check_parameters_unchanged(self) -> None:
         """requires_grad and Parameter hooks as at compile: the optimizer and gradient buffers are
         built once, and the captured graph runs no Python hooks on Parameters."""
+        self._check_parameters_not_replaced()
         now = [(n, p.requires_grad) for n, p in self._params.items()]
         if self._requires_grad is None:
             self._requires_grad = now
@@ -472,8 +502,8 @@ class Engine:
                                   "shapes given as example_inputs (a new shape would re-split the model across ranks)")
             if self._python_state(True) != self._traced_state:
                 raise ConfigError(f"a module's train/eval mode or a Python attribute of {type(self.model).__name__} "
-                                  "changed after the pipeline was compiled; its stages cannot be traced again. Set "
-                                  "modes and attributes before fxspeed.compile")
+                                  "(or a number loss_fn reads) changed after the pipeline was compiled; its stages "
+                                  "cannot be traced again. Set modes and attributes before fxspeed.compile")
             return
         self._check_parameters_unchanged()
         check_agreement(self.dist, "the batch signature (shapes, dtypes, structure)", fingerprint(key),
@@ -717,6 +747,7 @@ class Engine:
     def _serving_loop(self) -> Any:
         if self._serving is None:
             raise ConfigError("generate/stream need an engine compiled for inference: engine = fxspeed.serve(model, ...)")
+        self._check_parameters_not_replaced()
         return self._serving
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16,
@@ -1584,6 +1615,35 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 _SCALARS = (bool, int, float, str)
+
+
+def _function_scalars(fn: Any) -> tuple:
+    """The numbers and strings function `fn` (a loss_fn) reads from its closure cells or its
+    module's globals, directly or one level into a list, tuple or dict of them: a trace bakes
+    them in (SCALE = {"s": 1.0}; loss_fn = lambda out, *b: out * SCALE["s"]). Functions it calls
+    and other objects are not followed. A callable object's own scalar attributes count too."""
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:  # None, or a callable object (an nn.Module loss, say)
+        return _scalars(fn) if fn is not None and hasattr(fn, "__dict__") else ()
+    cells = [(n, c) for n, c in zip(code.co_freevars, fn.__closure__ or ())]
+    read = []
+    for name, cell in cells:
+        try:
+            read.append((name, cell.cell_contents))
+        except ValueError:  # an empty cell: not bound yet
+            continue
+    g = getattr(fn, "__globals__", {})
+    read += [(name, g[name]) for name in code.co_names if name in g]
+    out = []
+    for name, v in read:
+        if type(v) in _SCALARS:
+            out.append((name, v))
+        elif isinstance(v, (list, tuple)) and len(v) <= 64 and all(type(x) in _SCALARS for x in v):
+            out.append((name, tuple(v)))
+        elif isinstance(v, dict) and len(v) <= 64 and all(type(x) in _SCALARS for x in v.values()):
+            out.append((name, tuple(sorted(((repr(k), x) for k, x in v.items())))))
+    return tuple(out)
 
 
 def _scalars(m: nn.Module) -> tuple:

@@ -131,8 +131,10 @@ class TensorParallelParameters:
         return take_slice(full, e[1], e[2], self.rank, self.size)
 
     @contextlib.contextmanager
-    def gathered(self) -> Iterator[None]:
-        """Inside: every sliced Parameter holds its full value (collective); restored on exit."""
+    def gathered(self, write_back: bool = False) -> Iterator[None]:
+        """Inside: every sliced Parameter holds its full value (collective); restored on exit.
+        `write_back`: what the full values hold at a normal exit goes into this rank's slices
+        (writes inside are kept)."""
         if not self.layout:
             yield
             return
@@ -141,11 +143,16 @@ class TensorParallelParameters:
             saved[pid] = p.data
             full = self.full(p)
             p.data = full
+        done = False
         try:
             yield
+            done = True
         finally:
-            for pid, (p, *_rest) in self.layout.items():
-                p.data = saved[pid]
+            with torch.no_grad():
+                for pid, (p, *_rest) in self.layout.items():
+                    if done and write_back:
+                        saved[pid].copy_(self.local(p, p.data))
+                    p.data = saved[pid]
             del saved
             if any(p.device.type == "cpu" for p, *_rest in self.layout.values()):
                 release_freed_host_memory()  # the gathered copies

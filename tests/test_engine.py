@@ -211,3 +211,64 @@ def test_load_state_dict_restores_parameters_used_by_the_next_step() -> None:
     assert engine.eval_step(x, y) != first
     engine.load_state_dict(saved)
     assert engine.eval_step(x, y) == first
+
+
+# --------------------------------------------------------------------------------------------
+# what a trace baked in: replaced Parameters, loss_fn's numbers, edits inside gathered()
+# --------------------------------------------------------------------------------------------
+
+def test_a_parameter_replaced_after_compile_is_refused_naming_it_rather_than_silently_ignored() -> None:
+    model = Classifier()
+    engine = fxspeed.compile(model, 1, example_inputs=batch())
+    engine.train_step(*batch())
+    model.fc2.weight = nn.Parameter(model.fc2.weight.detach() * 0.5)
+    with pytest.raises(fxspeed.FxspeedError, match=r"\['fc2.weight'\] were replaced.*load_state_dict"):
+        engine.train_step(*batch())
+    fresh = Classifier()
+    model.load_state_dict(fresh.state_dict(), assign=True)
+    with pytest.raises(fxspeed.FxspeedError, match="assign=True"):
+        engine.eval_step(*batch())
+
+
+def test_a_number_loss_fn_reads_from_its_closure_or_globals_retraces_when_it_changes() -> None:
+    """A trace bakes loss_fn's Python numbers in (as module attributes); changing one retraces."""
+    scale = {"s": 1.0}
+    model = Classifier().eval()  # no dropout: eager and compiled see the same function
+    ref = copy.deepcopy(model)
+
+    def scaled(out: torch.Tensor, *batch: torch.Tensor) -> torch.Tensor:
+        return out * scale["s"]  # the model returns its cross-entropy when given labels
+
+    x, y = batch()
+    engine = fxspeed.compile(model, 1, fxspeed.Config(optimizer="sgd", lr=0.1), example_inputs=(x, y), loss_fn=scaled)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for s in (1.0, 3.0, 3.0, 0.5):
+        scale["s"] = s
+        got = engine.train_step(x, y)
+        opt.zero_grad()
+        want = scaled(ref(x, y))
+        want.backward()
+        opt.step()
+        assert got == pytest.approx(want.item(), rel=1e-6), s
+    assert_models_match(model, ref, rtol=1e-5)
+    assert engine.stats["compiles"] == 3  # scales 1, 3 and 0.5; the second 3 reused its program
+
+
+def test_weights_edited_inside_gathered_are_kept_under_master_weights(tmp_path) -> None:
+    """Under master weights (bf16, the fp32 masters in the optimizer's offload file) the module
+    inside gathered() holds gathered fp32 copies: an edit there goes into the masters and the
+    working copies, as load_state_dict would."""
+    model = Classifier().eval()
+    x, y = batch()
+    config = fxspeed.Config(optimizer="adamw", lr=1e-2, precision="bf16", zero=1, offload="optimizer",
+                            offload_device="nvme", nvme_path=str(tmp_path))
+    engine = fxspeed.compile(model, 1, config, example_inputs=(x, y))
+    engine.train_step(x, y)
+    with engine.gathered(), torch.no_grad():
+        model.fc1.weight.mul_(0.5)
+        halved = model.fc1.weight.clone()
+    with engine.gathered():
+        torch.testing.assert_close(model.fc1.weight, halved, rtol=0, atol=0)
+    other = fxspeed.compile(Classifier().eval(), 1, config, example_inputs=(x, y))  # loaded with the edited state
+    other.load_state_dict(engine.state_dict())
+    assert engine.eval_step(x, y) == other.eval_step(x, y)

@@ -18,6 +18,7 @@ from fxspeed.compiler.annotate import make_annotate_pass
 from fxspeed.compiler.capture import capture_step
 from fxspeed.compiler.options import PassOptions
 from fxspeed.compiler.pass_manager import PassContext, PassManager
+from tests.workers.master_weights_worker import EDITED
 from fxspeed.models.gpt import GPT, GPTConfig
 from fxspeed.passes import dedupe_tied_parameters, eliminate_dead_code, insert_casts, keep_weights_low, normalize_graph
 from fxspeed.planner.estimate import finish_plan, trace_costs, zero_paper_bytes
@@ -167,6 +168,14 @@ def test_zero_1_2_3_with_master_weights_train_like_the_fp32_weight_layout_and_re
             assert abs(got - want) <= 2e-3 * abs(want), (name, r0[name]["losses"], r0[old]["losses"])
         assert err(name) <= 1.25 * err(old) + 0.01, (name, err(name), err(old))
         assert err(name, old) <= 0.15, (name, err(name, old))
+    # A weight edited inside engine.gathered() is kept by every layout (masters and working
+    # copies, shards, fp32 weights), and only that weight changed.
+    for name in r0:
+        if isinstance(r0[name], dict):
+            for k, v in r0[name]["state"].items():
+                want = v * 0.5 if k == EDITED else v
+                assert torch.equal(r0[name]["edited"][k], want), (name, k)
+            assert r0[name]["edited_loss"] != r0[name]["eval"], name
     # Every rank holds the same full fp32 state.
     for name in r0:
         if isinstance(r0[name], dict):

@@ -54,7 +54,8 @@ def config_errors(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.
 @pytest.mark.parametrize("case,what", [
     ("model", "ranks disagree on the model and config: rank(s) [1] differ from rank 0"),
     ("config", "ranks disagree on the model and config: rank(s) [1] differ from rank 0"),
-    ("shapes", "ranks disagree on the batch signature (shapes, dtypes, structure): rank(s) [1] differ from rank 0"),
+    ("shapes", "ranks disagree on the step (train_step or eval_step) and its batch signature (shapes, dtypes, "
+               "structure): rank(s) [1] differ from rank 0"),
     ("indivisible", "a global batch of 5 rows cannot be split evenly across 2 ranks"),
 ], ids=["model", "config", "shapes", "indivisible"])
 def test_ranks_that_disagree_or_a_batch_that_cannot_be_split_raise_a_config_error_on_every_rank(

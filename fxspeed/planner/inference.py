@@ -6,8 +6,8 @@ and values, and does about 2 x parameters FLOPs per token, so
     step seconds(B, L) = max(2 * P * B / peak_flops, (weight_bytes + B * L * kv_bytes_per_token) / bandwidth)
     tokens/s(B, L)     = B / step seconds
 
-The largest batch x context that fits: (device memory - weights - workspace) / kv_bytes_per_token
-tokens of cache, shared by the batch.
+The largest batch x context that fits: (device memory - weights - packed weight copies - workspace)
+/ kv_bytes_per_token tokens of cache, shared by the batch.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ class InferencePlan:
     predicted_tokens_per_s: dict[str, float] = field(default_factory=dict)  # "batch=B,context=L" -> tokens/s
     tensor: int = 1  # tp ranks; weights, cache and "fits" are per rank
     tp_collectives_per_step: int = 0
+    # copies of the linear weights pre-packed for oneDNN (CPU decode buckets;
+    # passes/inference/pack_linear_weights.py), held beside the model's own
+    packed_weight_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,7 +61,9 @@ class InferencePlan:
             if self.tensor > 1 else ""
         lines = [
             f"inference plan: {self.model} on {self.device}{per}",
-            f"  weights            {self.parameters / 1e6:.2f}M parameters, {self.weight_bytes / mb:.1f} MiB",
+            f"  weights            {self.parameters / 1e6:.2f}M parameters, {self.weight_bytes / mb:.1f} MiB"
+            + (f" + {self.packed_weight_bytes / mb:.1f} MiB packed for the decode buckets"
+               if self.packed_weight_bytes else ""),
             f"  KV cache           {self.kv_bytes_per_token} bytes/token ({self.layers} layers, keys + values)",
             f"  cache allocated    {self.cache_tokens} tokens ({self.cache_bytes / mb:.1f} MiB) in blocks of "
             f"{self.block_size}",
@@ -90,7 +95,8 @@ def plan_inference(model: nn.Module, program: Any, serving: Any, device: DeviceS
     params = sum(p.numel() for p in unique.values())
     wbytes = sum(p.numel() * p.element_size() for p in unique.values())
     kvb = program.kv_bytes_per_token()
-    free = device.memory * (1 - WORKSPACE_FRACTION) - wbytes
+    packed = int(program.gm.meta.get("packed_weight_bytes", 0))
+    free = device.memory * (1 - WORKSPACE_FRACTION) - wbytes - packed
     max_tokens = max(int(free // kvb), 0) if kvb else 0
     ctx = serving.max_context
     dtype = {"bf16": "bf16", "fp16": "fp16"}.get(config.precision, "fp32")
@@ -108,7 +114,7 @@ def plan_inference(model: nn.Module, program: Any, serving: Any, device: DeviceS
                          cache_bytes=serving.cache.nbytes(), max_cache_tokens=max_tokens,
                          max_batch_at_context=max_tokens // ctx if ctx else 0, token_budget=serving.token_budget,
                          block_size=serving.block_size, predicted_tokens_per_s=pred, tensor=tensor,
-                         tp_collectives_per_step=len(collectives))
+                         tp_collectives_per_step=len(collectives), packed_weight_bytes=packed)
 
 
 def _tp_collectives(gm: Any, tokens: int) -> list[tuple[bool, float]]:

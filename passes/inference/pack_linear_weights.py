@@ -16,9 +16,9 @@ program's inputs. Only 2-D fp32 products whose weight is a parameter (directly o
 transpose) and whose bias, if any, is a 1-D vector of the output size are rewritten.
 
 Runs in programs on the CPU of at most `pack_linear_tokens` tokens (the decode buckets; at a
-full prefill bucket MKL is as fast, so those keep reading the parameters). Where it does not
-rewrite it still records the bytes it would pack (`gm.meta["packed_weight_bytes"]`), so the
-inference plan can count the copies the decode buckets will hold.
+full prefill bucket MKL is as fast, so those keep reading the parameters). In a larger CPU
+program it still records the bytes it would pack (`gm.meta["packed_weight_bytes"]`), so the
+inference plan, made from the first (largest) bucket, counts the copies the decode buckets hold.
 Options read: pack_linear_tokens (0: never).
 """
 
@@ -44,10 +44,13 @@ def pack_linear_weights(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     spec_of = dict(zip(placeholders, sig.inputs))
     tokens = next((n.meta["val"].shape[-1] for n, s in spec_of.items() if s.kind == "tokens"), None)
     found = [(n, *m) for n in g.nodes if (m := _match(n, spec_of)) is not None]
+    on_cpu = all(v.device.type == "cpu" for n in placeholders if isinstance(v := n.meta.get("val"), torch.Tensor))
+    limit = ctx.options.pack_linear_tokens
+    if not found or not on_cpu or not available() or limit <= 0 or tokens is None:
+        return PassResult(gm, modified=False)
     # one packed copy per (parameter, orientation), however many products read it
     gm.meta["packed_weight_bytes"] = sum(p.meta["val"].numel() * 4 for p in {(m[1], m[2]): m[1] for m in found}.values())
-    on_cpu = all(v.device.type == "cpu" for n in placeholders if isinstance(v := n.meta.get("val"), torch.Tensor))
-    if not found or not on_cpu or not available() or tokens is None or tokens > ctx.options.pack_linear_tokens:
+    if tokens > limit:
         return PassResult(gm, modified=False)
     packed: dict[tuple[fx.Node, bool], fx.Node] = {}
     new_specs: list[IOSpec] = []

@@ -14,6 +14,9 @@ import fxspeed
 from fxspeed.models.gpt import GPT, GPTConfig
 
 
+EDITED = "blocks.0.mlp.fc.weight"
+
+
 def model() -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig.preset("tiny"))
@@ -42,6 +45,11 @@ def run(cfg: fxspeed.Config, world: int, rank: int, save: str | None = None) -> 
     out["state"] = {k: v.detach().clone() for k, v in engine.state_dict().items()}
     with engine.gathered():
         out["gathered_dtypes"] = sorted({str(p.dtype) for p in engine.model.parameters()})
+    # an edit inside gathered() (the same on every rank) is kept: halving is exact in any precision
+    with engine.gathered(), torch.no_grad():
+        dict(engine.model.named_parameters())[EDITED].mul_(0.5)
+    out["edited"] = {k: v.detach().clone() for k, v in engine.state_dict().items()}
+    out["edited_loss"] = engine.eval_step(*data[0])
     return out
 
 

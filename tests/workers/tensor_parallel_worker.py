@@ -242,6 +242,15 @@ def gpt() -> str:
                 return f"{n} holds {tuple(p.shape)} of {tuple(full[n].shape)} on this rank, not 1/{T}"
         if "tensor parallel placements" not in engine.plan.summary():
             return "plan.summary() does not show the placements"
+        # an edit of a sliced weight inside gathered() goes into each rank's slice; so does undoing it
+        name = "blocks.0.mlp.fc.weight"
+        with engine.gathered(), torch.no_grad():
+            before = dict(model.named_parameters())[name].clone()
+            dict(model.named_parameters())[name].mul_(0.5)
+        if not torch.equal(engine.state_dict()[name], before * 0.5):
+            return f"{name} halved inside engine.gathered() is not halved in engine.state_dict()"
+        with engine.gathered(), torch.no_grad():
+            dict(model.named_parameters())[name].copy_(before)
         return save_and_step(engine, model, ref, bs, tag="gpt")
 
     return parity("gpt", fxspeed.Config(tensor=T, **CLIPPED), layout)

@@ -1,0 +1,190 @@
+"""pack_linear_weights: the CPU serving programs of small buckets read their fp32 linear weights
+pre-packed for oneDNN; tokens and logits stay those of the unpacked programs, larger buckets keep
+the parameters, the plan counts the packed copies, and a weight changed after serve is packed
+again before the next generate."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fxspeed
+from fxspeed.runtime.kernels.packed_linear import LINEAR, PACKED_KINDS, available
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+pytestmark = pytest.mark.skipif(not available(), reason="this torch build has no oneDNN")
+
+aten = torch.ops.aten
+V = 96
+PROMPTS = [[5, 17, 3], list(range(10, 30)), [7], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
+NEW = [6, 5, 7, 4]
+SMALL = dict(token_budget=8, max_batch=3, block_size=4, cache_tokens=96)  # every bucket packed
+UNPACKED = fxspeed.Config(disable_passes=("pack_linear_weights",))
+
+
+def _hf(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    if name == "gpt2":  # Conv1D weights [in, out] through addmm; the head tied to the embedding
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=V,
+                                      attn_implementation="sdpa", initializer_range=0.2)
+        return transformers.GPT2LMHeadModel(cfg).eval()
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, initializer_range=0.2, vocab_size=V,
+                                   max_position_embeddings=64, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _params_read_by_products(gm: torch.fx.GraphModule, inputs: list) -> list[str]:
+    """Parameters an mm/addmm still reads (directly or through one transpose)."""
+    spec = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs))
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in (aten.mm.default, aten.addmm.default):
+            w = n.args[-1]
+            w = w.args[0] if w.op == "call_function" and w.target in (aten.t.default, aten.permute.default) else w
+            if w.op == "placeholder" and spec[w].kind in ("param", "param_tp"):
+                out.append(spec[w].target)
+    return out
+
+
+def _same_generation(packed: fxspeed.Engine, plain: fxspeed.Engine, prompts=PROMPTS, new=NEW) -> None:
+    for e in (packed, plain):
+        e._serving.record_logits = {}
+    assert packed.generate(prompts, max_new_tokens=new) == plain.generate(prompts, max_new_tokens=new)
+    for i in range(len(prompts)):
+        # oneDNN sums in another order than MKL: float rounding, not a different computation
+        torch.testing.assert_close(torch.stack(packed._serving.record_logits[i]),
+                                   torch.stack(plain._serving.record_logits[i]), rtol=2e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("name,linears,transposed", [("gpt2", 2 * 4 + 1, 2 * 4), ("llama", 2 * 7 + 1, 0)])
+def test_every_linear_of_a_small_bucket_reads_a_packed_weight_and_the_tokens_are_those_of_the_parameters(
+        name, linears, transposed):
+    """GPT-2's Conv1D weights ([in, out], read by addmm) are packed transposed, nn.Linear's as
+    they are; GPT-2's head, tied to the embedding, is packed while the embedding keeps reading
+    the parameter; no product reads a parameter any more."""
+    model = _hf(name)
+    packed, plain = fxspeed.serve(model, **SMALL), fxspeed.serve(model, config=UNPACKED, **SMALL)
+    _same_generation(packed, plain)
+    for T, bound in packed._serving.programs.items():
+        prog = bound.program
+        kinds = [s.kind for s in prog.signature.inputs]
+        targets = [n.target for n in prog.gm.graph.nodes if n.op == "call_function"]
+        assert targets.count(LINEAR) == linears, T
+        assert (kinds.count("packed_weight_t"), kinds.count("packed_weight")) == (transposed, linears - transposed)
+        assert _params_read_by_products(prog.gm, prog.signature.inputs) == []
+        assert "pack_linear_weights" in [r.name for r in prog.records if r.modified]
+    params = [s.target for s in bound.program.signature.inputs if s.kind == "param"]
+    assert ("transformer.wte.weight" in params) == (name == "gpt2")  # the embedding still reads it
+    for bound in plain._serving.programs.values():
+        assert LINEAR not in [n.target for n in bound.program.gm.graph.nodes]
+    assert packed._serving.packed.nbytes() == 4 * sum(  # one copy per weight, shared by the buckets
+        p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "wpe" not in n
+        and (name == "gpt2" or "embed_tokens" not in n))
+
+
+def test_a_bucket_above_pack_linear_tokens_reads_the_parameters_and_the_plan_counts_the_copies_to_come():
+    model = _hf("gpt2")
+    engine = fxspeed.serve(model, token_budget=256, max_batch=2, block_size=16, cache_tokens=128)
+    big = engine._serving.programs[256].program
+    assert LINEAR not in [n.target for n in big.gm.graph.nodes]
+    assert not [s for s in big.signature.inputs if s.kind in PACKED_KINDS]
+    expected = 4 * sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "wpe" not in n)
+    assert engine.plan.packed_weight_bytes == expected
+    assert "packed for the decode buckets" in engine.plan.summary()
+    assert engine._serving.packed.nbytes() == 0  # made when a decode bucket first runs
+    engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=3)
+    assert engine._serving.packed.nbytes() == expected
+    plain = fxspeed.serve(model, config=UNPACKED, token_budget=256, max_batch=2, block_size=16, cache_tokens=128)
+    assert plain.plan.packed_weight_bytes == 0
+
+
+def test_weights_changed_after_serve_are_packed_again_before_the_next_generate(caplog):
+    """An optimizer step or load_state_dict writes the Parameters in place: the packed copies
+    must follow (the programs of larger buckets read the Parameters themselves)."""
+    model = _hf("llama")
+    packed = fxspeed.serve(model, **SMALL)
+    before = packed.generate(PROMPTS, max_new_tokens=NEW)
+    torch.manual_seed(1)
+    other = _hf("llama")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    model.load_state_dict(other.state_dict())
+    with caplog.at_level("INFO", logger="fxspeed"):
+        _same_generation(packed, fxspeed.serve(model, config=UNPACKED, **SMALL))
+    assert "packed 15 weights again" in caplog.text
+    assert packed.generate(PROMPTS, max_new_tokens=NEW) != before  # the new weights, not the old copies
+
+
+class _TinyLM(nn.Module):
+    """A causal LM of drawn shapes: nn.Linear or Conv1D-style ([in, out] through addmm) layers,
+    with or without biases, the head tied to the embedding or not."""
+
+    def __init__(self, layers: int, width: int, bias: bool, conv1d: bool, tied: bool) -> None:
+        super().__init__()
+        self.config = types.SimpleNamespace(vocab_size=V, max_position_embeddings=64)
+        self.emb, self.pos = nn.Embedding(V, width), nn.Embedding(64, width)
+        self.conv1d, self.width = conv1d, width
+
+        def proj(i: int, o: int) -> nn.Module:
+            if not conv1d:
+                return nn.Linear(i, o, bias=bias)
+            m = nn.Module()
+            m.weight = nn.Parameter(torch.randn(i, o) / i ** 0.5)
+            m.bias = nn.Parameter(torch.randn(o) * 0.1) if bias else None
+            return m
+
+        self.blocks = nn.ModuleList(nn.ModuleDict({"qkv": proj(width, 3 * width), "out": proj(width, width),
+                                                   "up": proj(width, 2 * width), "down": proj(2 * width, width)})
+                                    for _ in range(layers))
+        self.head = nn.Linear(width, V, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def _apply_proj(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not self.conv1d:
+            return m(x)
+        flat = x.reshape(-1, x.shape[-1])
+        y = torch.addmm(m.bias, flat, m.weight) if m.bias is not None else flat @ m.weight
+        return y.view(*x.shape[:-1], -1)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        x = self.emb(input_ids) + self.pos(position_ids)
+        B, T, D = x.shape
+        for b in self.blocks:
+            q, k, v = self._apply_proj(b["qkv"], x).view(B, T, 3, 2, D // 2).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, D)
+            x = x + self._apply_proj(b["out"], a)
+            x = x + self._apply_proj(b["down"], F.gelu(self._apply_proj(b["up"], x)))
+        return self.head(x)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layers=st.integers(1, 2), width=st.sampled_from([8, 16]), bias=st.booleans(), conv1d=st.booleans(),
+       tied=st.booleans(), seed=st.integers(0, 2**16))
+def test_packing_any_drawn_stack_of_linears_keeps_its_tokens_and_logits_and_leaves_no_product_on_a_parameter(
+        layers, width, bias, conv1d, tied, seed):
+    torch.manual_seed(seed)
+    model = _TinyLM(layers, width, bias, conv1d, tied).eval()
+    with torch.no_grad():
+        model.emb.weight.mul_(4.0)  # away from near-uniform logits, so greedy choices are not ties
+    packed, plain = fxspeed.serve(model, **SMALL), fxspeed.serve(model, config=UNPACKED, **SMALL)
+    _same_generation(packed, plain, PROMPTS[:3], NEW[:3])
+    names = {n for n, _ in model.named_parameters()}
+    for bound in packed._serving.programs.values():
+        prog = bound.program
+        assert _params_read_by_products(prog.gm, prog.signature.inputs) == []
+        packed_inputs = [s for s in prog.signature.inputs if s.kind in PACKED_KINDS]
+        assert len(packed_inputs) == 4 * layers + 1 and {s.target for s in packed_inputs} <= names
+        head = {"head.weight", "emb.weight"}  # the head's weight (the embedding's where tied): [out, in] as is
+        assert all((s.kind == "packed_weight_t") == (conv1d and s.target not in head) for s in packed_inputs)
