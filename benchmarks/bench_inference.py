@@ -21,6 +21,9 @@ are compared: greedy fp32 must agree. On CUDA each batch also runs fxspeed with
 `cuda_graphs=False` (steps launched op by op), and the rows give the memory-bandwidth limit of
 one decode step (weight bytes / the device preset's bandwidth) as tokens/s x batch.
 
+`--unpacked-row`: also fxspeed with `pack_linear_weights` disabled (the CPU decode buckets through
+MKL's GEMM instead of oneDNN's packed weights), to measure that pass side by side.
+
 `--compile`: also HF `generate` with a static KV cache and its forward through `torch.compile`
 (the gpt-fast recipe; compiled in an untimed warm-up run per batch, whose seconds are reported).
 
@@ -90,6 +93,8 @@ def main() -> None:
     ap.add_argument("--new-range", type=int, nargs=2, default=[32, 64])
     ap.add_argument("--tensor", type=int, default=1)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--unpacked-row", action="store_true",
+                    help="also fxspeed with pack_linear_weights disabled (MKL's GEMM on the CPU), side by side")
     ap.add_argument("--compile", action="store_true",
                     help="also HF generate with a static cache and torch.compile'd forward (minutes to compile)")
     ap.add_argument("--out", default="")
@@ -120,6 +125,8 @@ def main() -> None:
                    max_batch=max_batch, block_size=16, cache_tokens=max_batch * context)
     engine = fxspeed.serve(model, **options)
     launched = fxspeed.serve(model, **options, cuda_graphs=False) if device.type == "cuda" else None
+    unpacked = fxspeed.serve(model, **{**options, "config": fxspeed.Config(
+        tensor=args.tensor, disable_passes=("pack_linear_weights",))}) if args.unpacked_row else None
     rank0 = int(os.environ.get("RANK", "0")) == 0
     serve_s = time.perf_counter() - t
     rows = []
@@ -144,6 +151,10 @@ def main() -> None:
         if bandwidth:  # every decode step reads every weight once
             row["bandwidth_limit_tok_s"] = b * bandwidth / weight_bytes
             row["share_of_bandwidth_limit"] = row["fxspeed_tok_s"] / row["bandwidth_limit_tok_s"]
+        if unpacked is not None:
+            u_s, _, u_out = timed(lambda: unpacked.generate(prompts.tolist(), max_new_tokens=args.new), args.repeats)
+            row.update({"fxspeed_unpacked_tok_s": tokens / u_s, "packing_speedup": u_s / fx_s,
+                        "same_tokens_unpacked": u_out == fx_out})
         if launched is not None:
             l_s, _, l_out = timed(lambda: launched.generate(prompts.tolist(), max_new_tokens=args.new), args.repeats)
             row.update({"fxspeed_no_cuda_graphs_tok_s": tokens / l_s, "cuda_graphs_speedup": l_s / fx_s,

@@ -20,6 +20,7 @@ full prefill bucket MKL is as fast, so those keep reading the parameters). In a 
 program it still records the bytes it would pack (`gm.meta["packed_weight_bytes"]`), so the
 inference plan, made from the first (largest) bucket, counts the copies the decode buckets hold.
 Options read: pack_linear_tokens (0: never).
+why: docs/decisions/pack-linear-weights-on-cpu.md
 """
 
 from __future__ import annotations
