@@ -336,7 +336,9 @@ class Engine:
         Writes to the weights inside are kept: at a normal exit each rank takes its shard / slice
         of what the module holds into the engine's state (the fp32 masters and working copies
         under master weights), as `load_state_dict` does, so edit them the same way on every
-        rank. An exception inside leaves the engine's weights as they were."""
+        rank. An exception inside leaves the engine's weights as they were. The write-back runs
+        at every exit (a write through `.data` would escape a version check): a copy of this
+        rank's shard, and with the masters in the offload file one write of them."""
         self.synchronize()
         with self._gathered():
             with self._tp.gathered(write_back=True) if self._tp is not None else contextlib.nullcontext():
