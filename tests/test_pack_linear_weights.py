@@ -59,9 +59,12 @@ def _same_generation(packed: fxspeed.Engine, plain: fxspeed.Engine, prompts=PROM
         e._serving.record_logits = {}
     assert packed.generate(prompts, max_new_tokens=new) == plain.generate(prompts, max_new_tokens=new)
     for i in range(len(prompts)):
-        # oneDNN sums in another order than MKL: float rounding, not a different computation
-        torch.testing.assert_close(torch.stack(packed._serving.record_logits[i]),
-                                   torch.stack(plain._serving.record_logits[i]), rtol=2e-5, atol=1e-4)
+        # oneDNN sums in another order than MKL: float rounding, not a different computation. The
+        # rounding grows with the logits' scale (tied heads over a scaled embedding reach ~1000, where
+        # 2.8e-3 apart was seen, 3e-6 of the scale), so the bound is relative to each prompt's
+        # largest logit; a wrong product is off by O(1) of it.
+        got, want = torch.stack(packed._serving.record_logits[i]), torch.stack(plain._serving.record_logits[i])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * max(1.0, want.abs().max().item()))
 
 
 @pytest.mark.parametrize("name,linears,transposed", [("gpt2", 2 * 4 + 1, 2 * 4), ("llama", 2 * 7 + 1, 0)])
