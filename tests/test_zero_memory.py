@@ -20,6 +20,13 @@ from tests.multiprocess import launch_worker
 
 
 
+# 105M parameters in 6 blocks 1152 wide rather than the preset's 14 of 768: tracing costs per
+# block. 2 x 16 tokens: activations are a few MB next to GBs of model states at any of these
+# sizes, and a bf16 matmul on a CPU without AVX512-BF16 runs about 10x slower than fp32 (the
+# bf16 cases were 37 s a step at 2 x 64 tokens, three quarters of the module's time).
+SHAPE = ("--layers", "6", "--width", "1152", "--seq", "16")
+
+
 def measure(world: int, zero: str, out: Path, *extra: str) -> dict[tuple, dict]:
     launch_worker("tests.workers.memory_worker", world, out, "--zero", zero, *extra,
                   env={"MALLOC_MMAP_THRESHOLD_": "65536"})
@@ -38,13 +45,11 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict]:
     configuration): every ZeRO stage in fp32, ZeRO-1 in bf16, ZeRO-1/2 in fp32 and bf16 with the
     optimizer stepped after the program (the ZeRO paper's accounting), and tensor parallelism 2.
 
-    105M parameters in 6 blocks 1152 wide rather than the preset's 14 of 768: tracing costs per
-    block. (Measured plan-vs-RSS errors, docs/decisions/plan-gradient-buckets.md: within 8% here
-    for every configuration; the 4-rank test's ZeRO-3 within 7% at the preset's shape and at
-    10 x 896.)"""
+    (Measured plan-vs-RSS errors at 2 x 64 tokens, docs/decisions/plan-gradient-buckets.md: within
+    8% here for every configuration; the 4-rank test's ZeRO-3 within 7% at the preset's shape and
+    at 10 x 896.)"""
     return measure(2, "0,1,2,3,bf16:1,end:1,end:2,end:bf16:1,end:bf16:2,tp2:0",
-                   tmp_path_factory.mktemp("zero_memory_2_ranks"),
-                   "--layers", "6", "--width", "1152")
+                   tmp_path_factory.mktemp("zero_memory_2_ranks"), *SHAPE)
 
 
 def check_plan(rec: dict) -> float:
@@ -86,7 +91,7 @@ def test_each_zero_stage_cuts_peak_rss_on_two_ranks_as_the_zero_paper_says_and_b
 
 @pytest.mark.slow
 def test_zero3_on_four_ranks_needs_at_most_a_third_of_data_parallel_memory_in_fp32_and_bf16(tmp_path: Path) -> None:
-    recs = measure(4, "0,3,bf16:3", tmp_path)
+    recs = measure(4, "0,3,bf16:3", tmp_path, *SHAPE)
     for rank in range(4):
         assert recs[(3, rank)]["growth_bytes"] <= 0.35 * recs[(0, rank)]["growth_bytes"]
         assert recs[("bf16", 3, rank)]["growth_bytes"] <= 0.35 * recs[(0, rank)]["growth_bytes"]
