@@ -60,7 +60,7 @@ import math
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -166,6 +166,12 @@ _PREFER_REP: dict[fx.Node, int] = {}
 # gathered again). Set by propagate.
 _VOCAB_BACKWARD: set[fx.Node] = set()
 _SHAPES: dict[fx.Node, Any] = {}  # memo for one solve (cleared by solve): shapes are read many times
+# Memo for one solve (None outside it): a node's cheapest strategy, keyed by what the choice reads
+# that changes between the search's trial layouts: its inputs' placements, which inputs are
+# derived from parameters alone, and whether it runs vocabulary-parallel. The search propagates
+# the whole graph once per trial (T5 at TP=4: 135 times over ~1100 nodes) while a trial moves
+# one block's weights, so most nodes see the inputs they saw before.
+_CHOICES: dict[tuple, Any] | None = None
 
 
 def _shape(n: Any) -> tuple[int, ...] | None:
@@ -804,33 +810,14 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
         if all(i in derived for i in ins):
             derived.add(n)
         pl = [of(i) if not isinstance(place.get(i), tuple) else R for i in ins]
-        val = n.meta.get("val")
-        n_out = len(val) if isinstance(val, (tuple, list)) else 0
-        fallback = Strategy([R] * len(ins), tuple(R for _ in range(n_out)) if n_out else R)
-        options = [] if n.target in RANDOM_OPS else _strategies(n, ins, pl, T, cm.sequence_parallel)
-        # A partial sum read by several ops is reduced once, where it is made, rather than
-        # carried into each reader (each would need its own all-reduce later).
-        options = [st for st in options if all(w.kind != "P" or len(i.users) == 1 for w, i in zip(st.want, ins))]
-        best, best_cost = fallback, math.inf
-        # A partial sum only ever added to others (the input gradients of q, k and v; of gate and
-        # up) is reduced once, after the sum: its reduction is charged there, not here, or each
-        # term would look as if it paid a whole all-reduce (at TP=8 with GQA the small k/v terms
-        # then gathered their operands instead).
-        summed = any(st.out == P for st in options) and _only_summed(n)
-        for st in [*options, fallback]:
-            # A pointwise op may slice a replicated broadcast (expand of size 1 along the dim) to
-            # the shard another input has (label smoothing's gradient added to vocabulary-sharded
-            # logits): it holds no per-element data there, so no activation is split anew.
-            matched = n.target in _POINTWISE and any(p.kind == "S" and p == w for p, w in zip(pl, st.want))
-            c = sum(reads(p, w, i) if p.kind != "R" or w.kind != "S" or i in derived or
-                    (matched and (w.rep >= T or _broadcast_along(i, w.dim))) else math.inf for p, w, i in zip(pl, st.want, ins))
-            c += cm.node(n, _div(st, T), _whole_bytes(cm, st, ins)) + sum(cm.move(P, R, b) for b in st.inner)
-            if st.reduce_before_bias:
-                c += cm.move(P, st.out, _nbytes(n))  # the product is reduced before the bias
-            elif st.out == P and not summed:
-                c += cm.move(P, R, _nbytes(n))  # a partial sum is reduced somewhere
-            if c < best_cost:
-                best, best_cost = st, c
+        # Under sequence parallelism a read's cost also depends on what was gathered before (not keyed)
+        key = None if cm.sequence_parallel or _CHOICES is None else (
+            n, tuple(pl), tuple(i in derived for i in ins), n in _VOCAB_BACKWARD)
+        best = _CHOICES.get(key) if key is not None else None
+        if best is None:
+            best = _cheapest(n, ins, pl, derived, T, cm, reads)
+            if key is not None:
+                _CHOICES[key] = best
         for p, w, i in zip(pl, best.want, ins):
             if reads(p, w, i) == 0.0 and p != w and w == R:
                 continue  # gathered once already: shard_tensors reuses it
@@ -851,6 +838,40 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
     for ph, name in param_of.items():
         total += cm.memory(_nbytes(ph) / (of(ph).pieces(T) if of(ph).kind == "S" else 1))
     return Result(total, nodes, wants, comm)
+
+
+def _cheapest(n: fx.Node, ins: list[fx.Node], pl: list[Placement], derived: set[fx.Node], T: int,
+              cm: CostModel, reads: Callable[[Placement, Placement, fx.Node], float]) -> Strategy:
+    """The strategy of `n` (all-replicated when nothing else is possible) that costs least given
+    its inputs' placements `pl`: their reads, its compute and the reductions it leaves."""
+    val = n.meta.get("val")
+    n_out = len(val) if isinstance(val, (tuple, list)) else 0
+    fallback = Strategy([R] * len(ins), tuple(R for _ in range(n_out)) if n_out else R)
+    options = [] if n.target in RANDOM_OPS else _strategies(n, ins, pl, T, cm.sequence_parallel)
+    # A partial sum read by several ops is reduced once, where it is made, rather than
+    # carried into each reader (each would need its own all-reduce later).
+    options = [st for st in options if all(w.kind != "P" or len(i.users) == 1 for w, i in zip(st.want, ins))]
+    best, best_cost = fallback, math.inf
+    # A partial sum only ever added to others (the input gradients of q, k and v; of gate and
+    # up) is reduced once, after the sum: its reduction is charged there, not here, or each
+    # term would look as if it paid a whole all-reduce (at TP=8 with GQA the small k/v terms
+    # then gathered their operands instead).
+    summed = any(st.out == P for st in options) and _only_summed(n)
+    for st in [*options, fallback]:
+        # A pointwise op may slice a replicated broadcast (expand of size 1 along the dim) to
+        # the shard another input has (label smoothing's gradient added to vocabulary-sharded
+        # logits): it holds no per-element data there, so no activation is split anew.
+        matched = n.target in _POINTWISE and any(p.kind == "S" and p == w for p, w in zip(pl, st.want))
+        c = sum(reads(p, w, i) if p.kind != "R" or w.kind != "S" or i in derived or
+                (matched and (w.rep >= T or _broadcast_along(i, w.dim))) else math.inf for p, w, i in zip(pl, st.want, ins))
+        c += cm.node(n, _div(st, T), _whole_bytes(cm, st, ins)) + sum(cm.move(P, R, b) for b in st.inner)
+        if st.reduce_before_bias:
+            c += cm.move(P, st.out, _nbytes(n))  # the product is reduced before the bias
+        elif st.out == P and not summed:
+            c += cm.move(P, R, _nbytes(n))  # a partial sum is reduced somewhere
+        if c < best_cost:
+            best, best_cost = st, c
+    return best
 
 
 def _div(st: Strategy, T: int) -> int:
@@ -1001,13 +1022,16 @@ def solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
     `groups`: parameters may be split over groups of ranks (S with 1 < rep < T; see
     `group_sizes`); where the runtime cannot count such slices yet, only rep T (MQA's whole
     key/value weights) is tried."""
+    global _CHOICES
     _SHAPES.clear()
     _NBYTES.clear()
     _PREFER.clear()
     _PREFER_REP.clear()
+    _CHOICES = {}
     try:
         return _solve(gm, signature, device, T, fixed, sequence_parallel, groups)
     finally:
+        _CHOICES = None
         _SHAPES.clear()
         _NBYTES.clear()
         _PREFER.clear()

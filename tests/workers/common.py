@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import time
 import traceback
 from typing import Callable
 
@@ -91,12 +93,15 @@ def run_cases(cases: dict[str, Callable[[], str]], argv: list[str] | None = None
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     for name in names:
+        start = time.perf_counter()
         try:
             msg = cases[name]()
         except Exception as e:  # noqa: BLE001 - reported per case, the launch goes on
             msg = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
         with open(os.path.join(a.out, f"{name}_rank{rank}.txt"), "w") as f:
             f.write(msg)
+        if rank == 0:  # where a launch's time goes, in the failing test's captured stderr
+            print(f"case {name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 
