@@ -743,8 +743,8 @@ def _signature(gm: fx.GraphModule, sig: Any, n_user: int, train: bool, loss_out:
 
 def _has_aliases(module: nn.Module) -> bool:
     """Whether a trainable Parameter is reachable under more than one name (tied weights)."""
-    names = [p for _, p in module.named_parameters(remove_duplicate=False) if p.requires_grad]
-    return len({id(p) for p in names}) < len(names)
+    params = [p for _, p in module.named_parameters(remove_duplicate=False) if p.requires_grad]
+    return len({id(p) for p in params}) < len(params)
 
 
 def _names_without_grad(wrapper: _StepModule, tensors: list[torch.Tensor]

@@ -171,7 +171,7 @@ _SHAPES: dict[fx.Node, Any] = {}  # memo for one solve (cleared by solve): shape
 # derived from parameters alone, and whether it runs vocabulary-parallel. The search propagates
 # the whole graph once per trial (T5 at TP=4: 135 times over ~1100 nodes) while a trial moves
 # one block's weights, so most nodes see the inputs they saw before.
-_CHOICES: dict[tuple, Any] | None = None
+_CHOICES: dict[tuple, Strategy] | None = None
 
 
 def _shape(n: Any) -> tuple[int, ...] | None:
