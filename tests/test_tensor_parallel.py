@@ -143,6 +143,31 @@ def _compile(model: nn.Module, args: tuple, kwargs: dict, T: int, rank: int = 0,
     return cs, analysis
 
 
+def test_the_solver_s_memo_of_each_node_s_choice_changes_no_layout_cost_or_collective(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each solve is run with the per-node memo and without it: the same placements, total cost,
+    collective bytes and per-node strategies (Llama's GQA and BERT's tied decoder at TP=4)."""
+    import fxspeed.planner.placement as placement
+    from tests.workers.tensor_parallel_worker import batches, build
+
+    solve = placement._solve
+
+    def both(*args):  # noqa: ANN002, ANN202
+        placement._CHOICES = {}
+        assign, res = solve(*args)
+        memo, placement._CHOICES = placement._CHOICES, None
+        assign0, res0 = solve(*args)
+        placement._CHOICES = memo
+        assert memo and assign == assign0 and res.cost == res0.cost and res.comm == res0.comm
+        assert ({n: (p.out, p.want) for n, p in res.nodes.items()}
+                == {n: (p.out, p.want) for n, p in res0.nodes.items()})
+        return assign, res
+
+    monkeypatch.setattr(placement, "_solve", both)
+    for name in ("llama", "bert"):
+        _compile(build(name), (), batches(name)[0], 4, device=SLOW_COMPUTE)
+
+
 def test_heads_not_divisible_by_tensor_name_the_tensor_sizes_that_work() -> None:
     import transformers
 
