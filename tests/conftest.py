@@ -158,3 +158,12 @@ def needs_compiled_kernels() -> None:
     pytest.importorskip("triton")
     if INTERPRETING:
         pytest.skip("TRITON_INTERPRET=1: this test checks the compiled kernels")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files holding `slow` tests (multi-process launches, mostly) run first, the rest after in
+    their usual order. README's command runs the suite on two pytest-xdist workers, a file to a
+    worker (`--dist loadfile --no-loadscope-reorder`): started last, a 5-minute file would run
+    alone at the end while the other worker sat idle."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: order kept within each group

@@ -7,10 +7,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = ["ddp", "fx0", "fx1", "fx2", "fx3", "fsdp2"]
 
 
+@pytest.mark.slow
 def test_tiny_data_parallel_benchmark_writes_every_row_with_times_memory_and_matching_losses(tmp_path) -> None:
     out = tmp_path / "dp.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -61,6 +61,7 @@ RUNS = {world: [(m, z, ("adamw", "sgd")[(z + (m == "gpt2") + (world == 2)) % 2])
                 for z in range(4)] for world in (2, 4)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_zero_stage_matches_one_process_on_the_global_batch(world: int, tmp_path: Path) -> None:
     runs = RUNS[world]

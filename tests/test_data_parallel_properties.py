@@ -218,6 +218,7 @@ def check_case(case: dict[str, Any], world: int, results: list[dict[str, Any]]) 
     return bad
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_random_data_parallel_cases_match_one_process_and_shards_tile_the_parameters(world: int, tmp_path: Path):
     cases = [json.loads(s) for s in drawn_cases()]

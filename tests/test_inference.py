@@ -172,6 +172,7 @@ def test_the_inference_plan_counts_cache_bytes_per_token_and_a_serving_engine_re
         engine.train_step(torch.zeros(1, 4, dtype=torch.long))
 
 
+@pytest.mark.slow
 def test_two_tensor_parallel_ranks_serve_the_tokens_and_logits_of_one_device(tmp_path):
     """tests/workers/serving_worker.py, one launch of 2 ranks: GPT-2, Llama (GQA), fxspeed's GPT and
     OPT cut by heads (the cache holds kv_heads / 2 per rank) give HF's greedy tokens and logits

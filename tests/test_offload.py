@@ -196,6 +196,7 @@ def test_a_checkpoint_written_with_offload_loads_without_it_and_back(tmp_path: P
     assert fresh_plain.train_step(x, y) == fresh_off.train_step(x, y) == plain.train_step(x, y)
 
 
+@pytest.mark.slow
 def test_optimizer_offload_on_two_ranks_equals_no_offload_under_zero_1_and_3_and_a_pipeline(tmp_path: Path) -> None:
     check_swap_worker("tests.workers.offload_worker", tmp_path)
 

@@ -281,6 +281,7 @@ def test_small_activations_and_ones_read_back_at_once_stay_on_the_device() -> No
     assert n["all"] > n["cpu"] > 0 and n["big"] == 0 and n["slow"] < n["cpu"]
 
 
+@pytest.mark.slow
 def test_zero2_tensor_parallel_and_pipeline_ranks_offload_their_activations_and_train_the_same(
         tmp_path: Path) -> None:
     """2 gloo ranks (tests/workers/offload_activations_worker.py); no swap directory left behind."""

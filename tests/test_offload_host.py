@@ -153,6 +153,7 @@ def test_under_bf16_zero_3_masters_moments_and_working_shards_on_the_host_train_
     assert fresh.train_step(x, y) == engines["all"].train_step(x, y)
 
 
+@pytest.mark.slow
 def test_optimizer_and_parameter_offload_on_the_host_tier_of_two_ranks_equal_no_offload(
         tmp_path: Path) -> None:
     check_swap_worker("tests.workers.offload_host_worker", tmp_path)

@@ -132,6 +132,7 @@ def _measure_phases(tmp_path: Path, in_backward: bool = False) -> list[tuple[str
         err.close()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
 def test_predicted_peak_memory_of_a_100m_gpt_is_within_15_percent_of_the_measured_rss_growth(tmp_path):
     t0 = time.perf_counter()
@@ -167,6 +168,7 @@ def test_predicted_peak_memory_of_a_100m_gpt_is_within_15_percent_of_the_measure
     assert abs(peak_pred - peak_meas) <= TOLERANCE * peak_meas, report
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
 def test_predicted_peak_memory_with_the_optimizer_stepped_inside_backward_is_within_15_percent_and_lower(tmp_path):
     with torch.device("meta"):

@@ -313,6 +313,7 @@ def test_every_bucket_of_a_gpt_is_stepped_right_after_the_next_buckets_collectiv
         assert all(is_collective(nodes[nodes.index(c) - 1]) for c in calls[:-1]), zero
 
 
+@pytest.mark.slow
 def test_on_two_ranks_stepping_each_reduced_bucket_inside_backward_trains_bit_for_bit_like_the_step_at_the_end(
         tmp_path):
     """ZeRO-0/1/2/3, bf16 master weights, and the offloaded optimizer (masters and moments in the
