@@ -192,3 +192,22 @@ def test_serve_refuses_a_model_whose_positions_the_passes_cannot_follow():
         model.wpe.weight.mul_(50.0)  # make positions matter
     with pytest.raises(fxspeed.ConfigError, match="disagrees with its eager forward"):
         fxspeed.serve(model, token_budget=8, max_batch=2, block_size=4, cache_tokens=64)
+
+
+def test_the_torch_path_makes_a_step_s_slots_and_mask_once_and_again_when_the_metadata_is_refilled_in_place():
+    """Every layer of a step reads the same metadata tensors: the slots and mask are made once.
+    A static bucket refills the same tensors for the next step: they must be made again."""
+    from fxspeed.runtime.kernels.paged_attention import _step_index
+
+    bt = torch.tensor([[1, 2], [3, 0]])
+    qp = torch.tensor([[5], [2]])
+    first = _step_index(bt, qp, 4)
+    assert _step_index(bt, qp, 4)[0] is first[0]  # the second layer: the same tensors
+    assert first[0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3]
+    assert first[1][:, 0, 0].tolist() == [[j <= 5 for j in range(8)], [j <= 2 for j in range(8)]]
+    bt[1, 0] = 2  # the next step, refilled in place
+    qp.copy_(torch.tensor([[6], [3]]))
+    slots, mask = _step_index(bt, qp, 4)
+    assert slots[8:12].tolist() == [8, 9, 10, 11]
+    assert mask[:, 0, 0].tolist() == [[j <= 6 for j in range(8)], [j <= 3 for j in range(8)]]
+    assert _step_index(bt.clone(), qp, 4)[0] is not slots  # another tensor, however equal: made again
