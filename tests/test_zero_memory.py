@@ -21,10 +21,11 @@ from tests.multiprocess import launch_worker
 
 
 # 105M parameters in 6 blocks 1152 wide rather than the preset's 14 of 768: tracing costs per
-# block. 2 x 16 tokens: activations are a few MB next to GBs of model states at any of these
+# block. 2 x 8 tokens: activations are a few MB next to GBs of model states at any of these
 # sizes, and a bf16 matmul on a CPU without AVX512-BF16 runs about 10x slower than fp32 (the
-# bf16 cases were 37 s a step at 2 x 64 tokens, three quarters of the module's time).
-SHAPE = ("--layers", "6", "--width", "1152", "--seq", "16")
+# bf16 cases were 37 s a step at 2 x 64 tokens, three quarters of the module's time; a 2-rank
+# bf16 ZeRO-1 launch took 59 CPU-s at 2 x 16 tokens, 42 at 2 x 8, with the same plan error).
+SHAPE = ("--layers", "6", "--width", "1152", "--seq", "8")
 
 
 def measure(world: int, zero: str, out: Path, *extra: str) -> dict[tuple, dict]:
