@@ -75,10 +75,11 @@ def paged_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
 
 # The last step's (block_table, query_pos, (their versions, block size), (slots, mask)): every
 # layer of a step calls the op with the same metadata tensors, so the torch path makes its slot
-# list and mask once per step, not once per layer (5 ops in each layer but the first: 55 of the ~520
-# of a GPT-2 decode step; 12 layers at one token went from 3.7-3.8 to 2.8-2.9 ms). Holding the tensors keeps their identity from
-# being reused; their version counters catch a step that refills them in place (_Static buckets).
-# CPU only: under CUDA graph capture a memo made by the warm-up runs would be baked into the graph.
+# list and mask once per step, not once per layer (5 ops in each layer but the first: 55 of the
+# ~520 of a GPT-2 decode step; 12 layers at one token went from 3.7-3.8 to 2.8-2.9 ms). Holding
+# the tensors keeps their identity from being reused; their version counters catch a step that
+# refills them in place (_Static buckets). CPU only: under CUDA graph capture a memo made by the
+# warm-up runs would be baked into the graph.
 _last_step: tuple | None = None
 
 
@@ -86,16 +87,17 @@ def _step_index(block_table: torch.Tensor, query_pos: torch.Tensor, bs: int) -> 
     """The cache slots of every sequence's blocks, flat [S * NB * bs], and the causal mask
     [S, 1, Q, NB * bs] (key j visible to a query at position p when j <= p)."""
     global _last_step
-    memo = _last_step if block_table.device.type == "cpu" else None
+    on_cpu = block_table.device.type == "cpu"
     stamp = (block_table._version, query_pos._version, bs)
-    if memo is not None and memo[0] is block_table and memo[1] is query_pos and memo[2] == stamp:
+    memo = _last_step
+    if on_cpu and memo is not None and memo[0] is block_table and memo[1] is query_pos and memo[2] == stamp:
         return memo[3]
     S, NB = block_table.shape
     slots = (block_table[:, :, None] * bs + torch.arange(bs, device=block_table.device)).reshape(-1)
-    mask = torch.arange(NB * bs, device=query_pos.device)[None, None, :] <= query_pos[:, :, None]  # [S, Q, L]
-    if block_table.device.type == "cpu":
-        _last_step = (block_table, query_pos, stamp, (slots, mask[:, None]))
-    return slots, mask[:, None]
+    mask = (torch.arange(NB * bs, device=query_pos.device)[None, None, :] <= query_pos[:, :, None])[:, None]
+    if on_cpu:
+        _last_step = (block_table, query_pos, stamp, (slots, mask))
+    return slots, mask
 
 
 def _write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -118,14 +120,12 @@ def kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """Whether this call goes to the Triton kernel: q on CUDA (or the CPU under TRITON_INTERPRET=1),
     q and the caches fp32/bf16/fp16 on one device, contiguous caches, H a multiple of Hkv,
     D <= MAX_HEAD_DIM, and a non-empty step (at least one sequence, query slot and cache block)."""
-    if q.device.type == "cpu" and not interpreting():  # first: the CPU decode path asks every layer
+    if not use_triton(q, k_cache, v_cache):  # first: the CPU decode path asks it in every layer
         return False
     H, D, Hkv = q.shape[1], q.shape[3], k_cache.shape[2]
     if D > MAX_HEAD_DIM or H % Hkv or block_table.shape[1] == 0 or query_index.numel() == 0 or q.shape[2] == 0:
         return False
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):  # the kernel computes slot offsets itself
-        return False
-    return use_triton(q, k_cache, v_cache)
+    return k_cache.is_contiguous() and v_cache.is_contiguous()  # the kernel computes slot offsets itself
 
 
 def _pow2(n: int) -> int:
