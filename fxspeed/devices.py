@@ -7,6 +7,8 @@ promises: `DeviceSpec` can be built by hand for any other accelerator.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import platform
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -106,3 +108,28 @@ def normalize_devices(value: int | str | DeviceSpec | Sequence[DeviceSpec]) -> l
 
 _ACCEPTED = ("accepted: a positive int (local devices), a preset name "
              f"({', '.join(map(repr, PRESETS))}), a DeviceSpec, or a non-empty list of DeviceSpec")
+
+
+@functools.cache
+def cpu_computes_natively(dtype: torch.dtype) -> bool:
+    """Whether this host's CPU runs `dtype` matmuls, convolutions and attention at a useful
+    speed in PyTorch. On x86, bf16 needs AVX-512 (oneDNN's bf16 kernels start at avx512_core,
+    native or emulated) or AMX; fp16 needs AVX512-FP16 or AMX-FP16. Without them PyTorch falls
+    back to reference loops 5-100x slower than fp32 (passes/graph/upcast_cpu_compute.py has the
+    numbers). Other architectures are assumed native: only x86 was measured."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return True
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True
+    has = lambda name: bool(getattr(torch.cpu, name, lambda: False)())  # noqa: E731 - older torch lacks some
+    if dtype == torch.bfloat16:
+        return has("_is_avx512_supported") or has("_is_amx_tile_supported")
+    return has("_is_amx_fp16_supported") or "avx512_fp16" in _cpu_flags()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()

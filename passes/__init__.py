@@ -58,6 +58,13 @@ and last, where fuse_kernels runs (not under tensor parallelism):
                              accumulating the stream's gradient -> Triton kernels
     fold_norm_casts          a fused norm whose output is only cast to bf16/fp16 writes it in that dtype
 
+and after those, on bf16/fp16 programs on a CPU without native arithmetic for that dtype (x86
+without AVX-512 for bf16; without AVX512-FP16/AMX-FP16 for fp16; training and serving programs):
+
+    upcast_cpu_compute       low-precision matmuls, convolutions and attention compute in fp32 from
+                             the same rounded values and round their results back (5-100x faster
+                             there than PyTorch's reference kernels)
+
 The distributed passes read ctx.options (PassOptions: world_size, zero, group_name, ...) and do
 nothing on one device.
 

@@ -22,6 +22,10 @@ FP32_OPS = {aten.native_layer_norm.default, aten.native_layer_norm_backward.defa
             aten._softmax.default, aten.nll_loss_forward.default, aten.nll_loss_backward.default,
             aten.sum.dim_IntList, aten.mean.dim}
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# The tests of the cast policy read the graph insert_casts leaves: on a CPU without native
+# bf16/fp16 arithmetic upcast_cpu_compute would then compute those ops in fp32 from the same
+# rounded values (tests/test_upcast_cpu_compute.py).
+POLICY = dict(disable_passes=("upcast_cpu_compute",))
 
 
 def tiny_gpt() -> GPT:
@@ -44,7 +48,7 @@ def out_dtypes(n: torch.fx.Node) -> list[torch.dtype]:
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_matmuls_and_attention_run_in_low_precision_while_norms_softmax_and_loss_stay_fp32(precision: str) -> None:
     x, y = batch()
-    engine = fxspeed.compile(tiny_gpt(), 1, fxspeed.Config(precision=precision), example_inputs=(x, y))
+    engine = fxspeed.compile(tiny_gpt(), 1, fxspeed.Config(precision=precision, **POLICY), example_inputs=(x, y))
     nodes = [n for n in engine.graph().graph.nodes if n.op == "call_function"]
     low_ops = [n for n in nodes if n.target in LOW_OPS]
     assert len(low_ops) >= 10
@@ -80,7 +84,7 @@ def test_each_parameter_is_cast_to_low_precision_once_for_forward_and_backward()
 
 def test_modules_named_in_fp32_modules_keep_their_matmuls_in_fp32() -> None:
     x, y = batch()
-    cfg = fxspeed.Config(precision="bf16", fp32_modules=("blocks.1.mlp",))
+    cfg = fxspeed.Config(precision="bf16", fp32_modules=("blocks.1.mlp",), **POLICY)
     engine = fxspeed.compile(tiny_gpt(), 1, cfg, example_inputs=(x, y))
     for n in engine.graph().graph.nodes:
         inf = n.meta.get(META_KEY)
@@ -223,7 +227,7 @@ def test_a_padded_hf_models_attention_mask_is_cast_to_the_querys_dtype(kind: str
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[0, 12:] = 0  # padding: the model builds a floating mask rather than is_causal=True
     b = {"input_ids": ids, "attention_mask": mask, "labels": ids}
-    engine = fxspeed.compile(_hf_lm(kind), 1, fxspeed.Config(precision=precision), example_inputs=b)
+    engine = fxspeed.compile(_hf_lm(kind), 1, fxspeed.Config(precision=precision, **POLICY), example_inputs=b)
     masks = _attention_masks(engine.graph())
     assert len(masks) >= 4, "no attention node with a mask: the test would prove nothing"  # 2 layers x fwd+bwd
     for n, q, m in masks:

@@ -50,6 +50,8 @@ from fxspeed.ir.program import InferenceProgram
 # Passes of training programs a Config may disable by name; they do not run here.
 TRAINING_ONLY = ("recompute_checkpointed", "chunk_cross_entropy", "step_in_backward",
                  "offload_activations", "select_attention_kernel", "recompute_pointwise")
+# Device-dependent passes a Config may disable by name whether or not this program runs them.
+DEVICE_ONLY = ("upcast_cpu_compute",)
 
 
 def _inputs(model: nn.Module, T: int, device: torch.device) -> tuple[tuple, dict, list[str]]:
@@ -88,6 +90,7 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     from fxspeed.passes.inference.kv_cache import kv_cache
     from fxspeed.passes.inference.pack_linear_weights import pack_linear_weights
     from fxspeed.passes.inference.select_logits import select_logits
+    from fxspeed.passes.graph.upcast_cpu_compute import upcast_cpu_compute, wanted as upcast_wanted
 
     opts = options or PassOptions.single_device(config)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -123,10 +126,11 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     # parallelism, after shard_tensors, so each fused region is local to this rank.
     fusion = [fuse_kernels, fuse_rotary, fuse_activations, fuse_residual_norms, fold_norm_casts]
     fuse = fusion if fusion_wanted(gm, opts) else []
+    upcast = [upcast_cpu_compute] if upcast_wanted(gm, opts.precision) else []
     passes = [dedupe_tied_parameters, normalize_graph, insert_casts, keep_activations_low, *tp, kv_cache, select_logits,
-              *fuse, eliminate_dead_code, pack_linear_weights]
+              *fuse, *upcast, eliminate_dead_code, pack_linear_weights]
     pm = PassManager(passes, analyses=[make_annotate_pass(), *analyses], disabled=config.disable_passes,
-                     known=[*ALL_PASSES, *STAGE_PASS_NAMES, *TRAINING_ONLY, *FUSION_PASS_NAMES,
+                     known=[*ALL_PASSES, *STAGE_PASS_NAMES, *TRAINING_ONLY, *DEVICE_ONLY, *FUSION_PASS_NAMES,
                             *(p.name for p in passes)])
     gm = pm.ensure("annotate", pm.run(gm, ctx), ctx)
     t2 = time.perf_counter()

@@ -83,6 +83,7 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     from fxspeed.passes.memory.chunk_cross_entropy import chunk_cross_entropy, wanted as chunking_wanted
     from fxspeed.passes.graph.select_attention_kernel import on_cuda, select_attention_kernel
     from fxspeed.passes.memory.recompute_pointwise import recompute_pointwise
+    from fxspeed.passes.graph.upcast_cpu_compute import upcast_cpu_compute, wanted as upcast_wanted
 
     opts = PassOptions.coerce(options, config)
     _check_derived(opts, config, ("precision", "fp32_modules", "reduce_dtype"))
@@ -91,7 +92,8 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     t1 = time.perf_counter()
     annotate = make_annotate_pass()
     known = [*ALL_PASSES, recompute_checkpointed.name, *FUSION_PASS_NAMES, chunk_cross_entropy.name,
-             "step_in_backward", "offload_activations", select_attention_kernel.name, recompute_pointwise.name, *STAGE_PASS_NAMES,
+             "step_in_backward", "offload_activations", select_attention_kernel.name, recompute_pointwise.name,
+             upcast_cpu_compute.name, *STAGE_PASS_NAMES,
              *(p.name for p in extra_passes)]
     ctx = PassContext(signature=cap.signature, module_of=cap.module_of, options=opts,
                       model_name=type(model).__name__)
@@ -115,7 +117,8 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     fuse = fusion_wanted(cap.gm, opts)
     local = [*([fuse_kernels, fuse_rotary, fuse_activations] if fuse else []),
              *([recompute_pointwise] if train else []),
-             *([fuse_residual_norms, fold_norm_casts] if fuse else [])]
+             *([fuse_residual_norms, fold_norm_casts] if fuse else []),
+             *([upcast_cpu_compute] if upcast_wanted(cap.gm, opts.precision) else [])]
     sharded = opts.tp_size > 1
     single = [*SINGLE_DEVICE_PASSES, *([recompute_checkpointed] if has_checkpointed_regions(cap.gm) else []),
               *([chunk_cross_entropy] if chunking_wanted(cap.gm, opts) else []),
@@ -301,7 +304,7 @@ def compile_program(model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, 
     pm = PassManager(PROGRAM_PASSES, disabled=config.disable_passes,
                      known=[*ALL_PASSES, recompute_checkpointed.name, *FUSION_PASS_NAMES, "chunk_cross_entropy",
                             "step_in_backward", "offload_activations", "select_attention_kernel", "recompute_pointwise",
-                            *(p.name for p in PROGRAM_PASSES)])
+                            "upcast_cpu_compute", *(p.name for p in PROGRAM_PASSES)])
     t0 = time.perf_counter()
     program = pm.run(DistributedProgram(cap.gm, cap.signature), ctx)
     if not program.stages or program.schedule is None:

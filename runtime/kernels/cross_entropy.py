@@ -12,7 +12,8 @@ a time: the [N, V] logits, log-probabilities and their gradient never exist, onl
 block (the trick of Liger's fused linear cross-entropy; the code is ours).
 
 Numerics: the matmuls run in the inputs' dtype (bf16 under mixed precision, as the unfused graph's
-casts make them), the softmax in fp32, the weight gradient accumulates over chunks in fp32 and is
+casts make them; on a CPU without native bf16/fp16 arithmetic in fp32 from the same values, rounded
+once, as upcast_cpu_compute makes the unfused graph's), the softmax in fp32, the weight gradient accumulates over chunks in fp32 and is
 rounded once. `passes/memory/chunk_cross_entropy.py` puts this op into graphs.
 
 The softmax part of a chunk (`chunk_loss_and_grad`: each row's loss and its logits' gradient d from
@@ -35,11 +36,22 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from fxspeed.devices import cpu_computes_natively
+
 from .launch import interpreting, use_triton
 
 Tensor = torch.Tensor
 
 BLOCK_V = 4096  # the kernel's slice of a row (elements); a row of any length loops over slices
+
+
+def _mm(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b. On a CPU without native arithmetic for a bf16/fp16 `a`, in fp32 from the same values
+    and rounded once, as passes/graph/upcast_cpu_compute.py does in graphs (PyTorch's reference
+    GEMM there is 5-100x slower than fp32; the copies cost far less than the product of a chunk)."""
+    if a.device.type == "cpu" and a.dtype in (torch.bfloat16, torch.float16) and not cpu_computes_natively(a.dtype):
+        return (a.float() @ b.float()).to(a.dtype)
+    return a @ b
 
 
 @torch.library.custom_op("fxspeed::linear_cross_entropy", mutates_args=())
@@ -56,13 +68,13 @@ def linear_cross_entropy(h: Tensor, wt: Tensor, target: Tensor, ignore_index: in
         stop = min(n, start + chunk_rows)
         hc = h[start:stop]
         ok = valid[start:stop]
-        row_loss, d = chunk_loss_and_grad(hc @ wt, target[start:stop], ok, scale, h.dtype)
+        row_loss, d = chunk_loss_and_grad(_mm(hc, wt), target[start:stop], ok, scale, h.dtype)
         loss += row_loss.sum()
-        grad_h[start:stop] = d @ wt.t()
+        grad_h[start:stop] = _mm(d, wt.t())
         if d.dtype == torch.float32:
             grad_wt_t.addmm_(d.t(), hc)
         else:  # the product in the compute dtype (as the unfused backward's matmul), summed in fp32
-            grad_wt_t.add_(d.t() @ hc)
+            grad_wt_t.add_(_mm(d.t(), hc))
     if reduction == 1:
         loss = loss / count
     return loss, grad_h, grad_wt_t.to(h.dtype)
