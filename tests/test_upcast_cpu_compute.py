@@ -100,7 +100,7 @@ def test_each_low_precision_op_and_its_backward_computes_in_fp32_within_one_roun
     traced = {n.name: n.meta["val"].dtype for n in gm.graph.nodes
               if isinstance(n.meta.get("val"), torch.Tensor) and not computing(n)}
     native = gm(*ins)
-    assert wanted(gm, "fp32") and _rewrite(gm)
+    assert wanted(gm, PassOptions()) and _rewrite(gm)
     gm.graph.lint()
     # no op of insert_casts' list reads a low-precision value any more
     for n in gm.graph.nodes:
@@ -132,11 +132,11 @@ def test_an_fp32_graph_and_a_cpu_with_native_low_precision_arithmetic_are_left_a
         monkeypatch: pytest.MonkeyPatch) -> None:
     ins = _inputs("linear", (4, 8, 6), torch.float32, 0)
     gm = make_fx(_step("linear"), tracing_mode="fake")(*ins)
-    assert not wanted(gm, "fp32") and not _rewrite(gm)
+    assert not wanted(gm, PassOptions()) and not _rewrite(gm)
     monkeypatch.setattr(upcast_module, "cpu_computes_natively", lambda dtype: True)
     low = _inputs("linear", (4, 8, 6), torch.bfloat16, 0)
     gm = make_fx(_step("linear"), tracing_mode="fake")(*low)
-    assert not wanted(gm, "bf16") and not _rewrite(gm)
+    assert not wanted(gm, PassOptions(precision="bf16")) and not _rewrite(gm)
 
 
 def test_the_cpu_check_follows_the_instruction_sets_pytorchs_low_precision_kernels_need() -> None:
@@ -172,3 +172,13 @@ def test_a_gpt_with_its_low_precision_ops_upcast_trains_as_close_to_fp32_as_with
     upcast, native = _distance(_train(precision), fp32), _distance(_train(precision, ("upcast_cpu_compute",)), fp32)
     for got, want in zip(upcast, native):
         assert got <= 1.5 * want + 1e-6, (upcast, native)
+
+
+def test_a_plan_for_this_cpu_counts_the_fp32_copies_and_a_plan_for_a_gpu_traced_here_does_not(slow_low_cpu: None) -> None:
+    from fxspeed.devices import devices
+
+    ran = {}
+    for target in ("cpu", "H100-80GB"):
+        plan = fxspeed.plan(tiny_gpt(), devices(target, 1), fxspeed.Config(precision="bf16"), example_inputs=batch())
+        ran[target] = {p["name"] for p in plan.passes if p.get("modified", True)}
+    assert "upcast_cpu_compute" in ran["cpu"] and "upcast_cpu_compute" not in ran["H100-80GB"], ran

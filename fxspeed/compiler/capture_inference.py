@@ -126,7 +126,7 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     # parallelism, after shard_tensors, so each fused region is local to this rank.
     fusion = [fuse_kernels, fuse_rotary, fuse_activations, fuse_residual_norms, fold_norm_casts]
     fuse = fusion if fusion_wanted(gm, opts) else []
-    upcast = [upcast_cpu_compute] if upcast_wanted(gm, opts.precision) else []
+    upcast = [upcast_cpu_compute] if upcast_wanted(gm, opts) else []
     passes = [dedupe_tied_parameters, normalize_graph, insert_casts, keep_activations_low, *tp, kv_cache, select_logits,
               *fuse, *upcast, eliminate_dead_code, pack_linear_weights]
     pm = PassManager(passes, analyses=[make_annotate_pass(), *analyses], disabled=config.disable_passes,

@@ -98,6 +98,11 @@ class PassOptions:
     # would take at least chunk_cross_entropy_min_bytes, "always", "off".
     chunk_cross_entropy: str = "auto"
     chunk_cross_entropy_min_bytes: int = 64 * MIB
+    # upcast_cpu_compute (passes/graph/upcast_cpu_compute.py: bf16/fp16 matmuls, convolutions and
+    # attention computed in fp32 where PyTorch's CPU kernels for them are slow): "auto" where the
+    # program's tensors are on such a CPU, "off" never (the planner's programs for a CUDA target,
+    # which it traces on the host's CPU).
+    upcast_cpu_compute: str = "auto"
     # pack_linear_weights (serving programs on the CPU): buckets of at most this many tokens read
     # their fp32 linear weights pre-packed for oneDNN (0: none). Past about 128 rows MKL's GEMM is
     # as fast. why: runtime/kernels/packed_linear.py
@@ -137,6 +142,7 @@ class PassOptions:
                               "is invalid; give a number >= 0")
         _one_of("fuse_kernels", self.fuse_kernels, FUSE_MODES)
         _one_of("chunk_cross_entropy", self.chunk_cross_entropy, ("auto", "always", "off"))
+        _one_of("upcast_cpu_compute", self.upcast_cpu_compute, ("auto", "off"))
         _int("chunk_cross_entropy_min_bytes", self.chunk_cross_entropy_min_bytes, 0)
         for name in ("scatter_via_all_reduce", "gather_via_all_reduce", "scatter_via_exchange", "gather_via_exchange",
                      "reuse_grad_buckets", "master_weights", "sequence_parallel"):

@@ -118,7 +118,7 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     local = [*([fuse_kernels, fuse_rotary, fuse_activations] if fuse else []),
              *([recompute_pointwise] if train else []),
              *([fuse_residual_norms, fold_norm_casts] if fuse else []),
-             *([upcast_cpu_compute] if upcast_wanted(cap.gm, opts.precision) else [])]
+             *([upcast_cpu_compute] if upcast_wanted(cap.gm, opts) else [])]
     sharded = opts.tp_size > 1
     single = [*SINGLE_DEVICE_PASSES, *([recompute_checkpointed] if has_checkpointed_regions(cap.gm) else []),
               *([chunk_cross_entropy] if chunking_wanted(cap.gm, opts) else []),

@@ -21,9 +21,10 @@ why: docs/decisions/repeated-block-extrapolation.md,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch.fx as fx
 import torch.nn as nn
@@ -636,6 +637,17 @@ def costs_reader(config: Config, devices: Sequence[DeviceSpec]) -> Any:
     return lambda gm, sig: graph_costs(gm, sig, devices[0], grad_scale(config, dp), tp=config.tensor)
 
 
+def for_target(options: Any, device: DeviceSpec) -> Any:
+    """Pass options (None, a mapping or a PassOptions) for a program planned for `device`: a CUDA
+    target's program is traced on this host's CPU, where upcast_cpu_compute would otherwise lower
+    its bf16/fp16 ops for this CPU (fp32 copies, fp32 FLOP/s) -- not what the GPU runs."""
+    if device.kind == "cpu":
+        return options
+    if options is not None and not isinstance(options, Mapping):
+        return dataclasses.replace(options, upcast_cpu_compute="off")
+    return {**(options or {}), "upcast_cpu_compute": "off"}
+
+
 def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, devices: Sequence[DeviceSpec],
                 loss_fn: Any = None) -> tuple[GraphCosts, list[dict], list[str]]:
     """Costs of `model`'s step on this batch: one trace, or 1/2/3-block traces extrapolated to
@@ -661,6 +673,8 @@ def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, 
         options = {**(options.to_dict() if hasattr(options, "to_dict") else options or {}),
                    "activation_store": "(planned)",
                    "activation_offload_flops_per_byte": offload_flops_per_byte(config, devices[0])}
+
+    options = for_target(options, devices[0])
 
     def one() -> tuple[GraphCosts, list[dict]]:
         if config.tensor > 1:

@@ -503,7 +503,7 @@ def plan_pipeline(model: Any, args: tuple, kwargs: dict, *, config: Config, devi
     from fxspeed.compiler.pipelines import compile_program, micro_config
     from fxspeed.errors import ConfigError
     from fxspeed.ir.batch import split_batch
-    from fxspeed.planner.estimate import _extrapolation_wanted, costs_reader, finish_plan, repeated_blocks
+    from fxspeed.planner.estimate import _extrapolation_wanted, costs_reader, finish_plan, for_target, repeated_blocks
 
     P, tp, world = config.pipeline, config.tensor, len(devices)
     if world % (P * tp):
@@ -525,6 +525,8 @@ def plan_pipeline(model: Any, args: tuple, kwargs: dict, *, config: Config, devi
         from fxspeed.compiler.options import PassOptions
 
         options = dataclasses.replace(options or PassOptions.single_device(config), activation_store="(planned)")
+
+    options = for_target(options, devices[0])
 
     def program(split_points: Sequence[str] | None) -> Any:
         # Every position's stages as that position compiles them (gradient accumulation included).

@@ -22,7 +22,8 @@ Ops: the ones insert_casts runs in low precision (insert_casts.LOW_OPS: mm, addm
 baddbmm, convolution and its backward, the attention kernels and their backward). Every
 floating input of such a node in bf16/fp16 is upcast; every bf16/fp16 output (or tuple
 element) is rounded back, so the rest of the graph sees the dtypes it was traced with.
-compile_step and compile_inference run it where `wanted` says so; disabled by name
+compile_step and compile_inference run it where `wanted` says so (PassOptions.upcast_cpu_compute
+"auto", the default; the planner's programs for a CUDA target say "off"); disabled by name
 ("upcast_cpu_compute").
 """
 
@@ -33,6 +34,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from fxspeed.compiler.options import PassOptions
 from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
 from fxspeed.compiler.rewrite import call, fake_value
 from fxspeed.devices import cpu_computes_natively
@@ -56,10 +58,14 @@ def _slow_here(n: fx.Node) -> bool:
         not all(cpu_computes_natively(v.dtype) for v in vals)
 
 
-def wanted(gm: fx.GraphModule, precision: str) -> bool:
+def wanted(gm: fx.GraphModule, options: PassOptions) -> bool:
     """Whether the program (before insert_casts) will have a low-precision matmul, convolution or
-    attention on a CPU that computes it slowly: its inputs are on the CPU and `precision` is such
-    a dtype, or it has such ops already (a model built in bf16)."""
+    attention on a CPU that computes it slowly: its inputs are on the CPU and options.precision is
+    such a dtype, or it has such ops already (a model built in bf16); options.upcast_cpu_compute
+    "off" (a plan for a CUDA target, traced on the host's CPU) never."""
+    if options.upcast_cpu_compute == "off":
+        return False
+    precision = options.precision
     on_cpu = all(v.device.type == "cpu" for n in gm.graph.nodes
                  if n.op == "placeholder" and isinstance(v := n.meta.get("val"), torch.Tensor))
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
