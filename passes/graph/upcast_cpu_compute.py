@@ -25,6 +25,7 @@ element) is rounded back, so the rest of the graph sees the dtypes it was traced
 compile_step and compile_inference run it where `wanted` says so (PassOptions.upcast_cpu_compute
 "auto", the default; the planner's programs for a CUDA target say "off"); disabled by name
 ("upcast_cpu_compute").
+why: docs/decisions/upcast-low-precision-on-cpu.md
 """
 
 from __future__ import annotations
