@@ -53,6 +53,15 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def operand_dtype(a: torch.fx.Node) -> torch.dtype:
+    """The dtype of the values a matmul multiplies: on a CPU without native bf16/fp16 arithmetic,
+    upcast_cpu_compute feeds it fp32 copies of the low-precision values (so it reports theirs)."""
+    src = a.args[0] if a.target is torch.ops.aten._to_copy.default and a.kwargs.get("dtype") == torch.float32 else None
+    if isinstance(src, torch.fx.Node) and src.meta["val"].dtype in (torch.bfloat16, torch.float16):
+        return src.meta["val"].dtype
+    return a.meta["val"].dtype
+
+
 def main() -> None:
     ap = parser()
     a = ap.parse_args()
@@ -94,7 +103,7 @@ def run(a: argparse.Namespace) -> None:
         eval_loss = None
         if a.eval:
             eval_loss = engine.eval_step(*ev) if isinstance(ev, tuple) else engine.eval_step(**ev)
-        low = {n.meta["val"].dtype for p in engine.programs for n in p.forward.graph.nodes
+        low = {operand_dtype(n.args[-1]) for p in engine.programs for n in p.forward.graph.nodes
                if n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)}
         torch.save({"losses": losses, "state": state, "stages": engine.stages, "stats": dict(engine.stats),
                     "matmul_dtypes": sorted(str(d) for d in low), "plan": engine.plan.pipeline,
