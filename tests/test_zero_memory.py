@@ -91,13 +91,14 @@ def test_each_zero_stage_cuts_peak_rss_on_two_ranks_as_the_zero_paper_says_and_b
 
 
 @pytest.mark.slow
-def test_zero3_on_four_ranks_needs_at_most_a_third_of_data_parallel_memory_in_fp32_and_bf16(tmp_path: Path) -> None:
-    recs = measure(4, "0,3,bf16:3", tmp_path, *SHAPE)
+def test_zero3_on_four_ranks_needs_at_most_a_third_of_data_parallel_memory_in_bf16(tmp_path: Path) -> None:
+    """bf16 ZeRO-3 (working shards, gradients and fp32 masters all in the partition) against fp32
+    data parallelism. fp32 ZeRO-3 ran here too until the suite needed the time (a third of this
+    launch); its ratio (<= 0.55 at N=2) and plan are checked in the 2-rank launch."""
+    recs = measure(4, "0,bf16:3", tmp_path, *SHAPE)
     for rank in range(4):
-        assert recs[(3, rank)]["growth_bytes"] <= 0.35 * recs[(0, rank)]["growth_bytes"]
         assert recs[("bf16", 3, rank)]["growth_bytes"] <= 0.35 * recs[(0, rank)]["growth_bytes"]
         check_plan(recs[(0, rank)])
-        check_plan(recs[(3, rank)])
         check_plan(recs[("bf16", 3, rank)])
 
 
