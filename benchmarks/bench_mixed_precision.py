@@ -7,17 +7,18 @@
     trained for --steps steps on the `fxspeed demo` corpus (Python standard library source,
     fxspeed.demo.load_corpus / get_batch; the same seeded batches for every precision) with
     fxspeed.compile(..., Config(precision=P, optimizer="adamw", lr=--lr, linear warmup of
-    --warmup-steps, grad_clip=1.0)) for P in fp32 and bf16 (--precisions). Reported per precision: the final
+    --warmup-steps, grad_clip=1.0)) for P in fp32, bf16 and fp16 (--precisions). Reported per precision: the final
     loss (mean of the last 10 steps), its relative difference to fp32 (target |diff| <= 2%),
     whether any loss was NaN/inf, fp16 skipped steps and the final loss scale, the median step
     time, and which ops the compiled graph runs in low precision. CPU bf16/fp16 speed is not a
     target (CPU kernels for half types are not tuned like GPU tensor cores); it is reported only.
-(1b) fp16. torch's CPU fp16 GEMM has no fast kernel (~0.2 GFLOPS on one thread vs ~30 fp32 and
-    ~50 bf16 with AVX512-BF16), so one fp16 step of the 22M model takes ~2 minutes and 200 steps
-    would take hours. By default fp16 (dynamic loss scaling, initial scale 2**16) is therefore
-    compared on SMALL_MODEL (0.12M params, batch --small-batch x --small-seq, --fp16-small-steps
-    steps) against fp32 and bf16 on that same model; `--precisions fp32,bf16,fp16` forces fp16
-    on the main model. --tiny trains all three on the tiny model.
+(1b) fp16 (dynamic loss scaling, initial scale 2**16) trains on the main model too. On a CPU
+    without native fp16/bf16 arithmetic (x86 without AVX512-FP16 / AVX-512) PyTorch's own kernels
+    are 20-40x slower than fp32 (a bf16 step of this model at 8 x 128: 73.7 s against 2.0 s fp32);
+    fxspeed's upcast_cpu_compute pass computes those ops in fp32 from the rounded values there
+    (bf16 2.33 s, fp16 2.38 s). --fp16-small-steps N adds the older comparison of all three on
+    SMALL_MODEL (0.12M params, batch --small-batch x --small-seq). --tiny trains all three on
+    the tiny model.
 (2) Activation memory. For a configuration where activations dominate (--mem-batch x
     --mem-seq, default 16 x 256 on the same model) each precision runs in its own process with
     MALLOC_MMAP_THRESHOLD_=65536 (large frees go back to the OS, so RSS follows live tensors).
@@ -55,9 +56,8 @@ TARGET_REL = 0.02  # |final loss / fp32 final loss - 1|
 LAST = 10  # final loss = mean of the last LAST steps
 
 FULL_MODEL = dict(vocab_size=256, block_size=256, n_layer=7, n_head=8, n_embd=512)
-# CPU fp16 GEMM has no fast kernel (~0.2 GFLOPS vs ~30 fp32 on one thread): fp16 on FULL_MODEL
-# takes ~2 min per step, so by default fp16 convergence runs on this small model (with its own
-# fp32 and bf16 reference); --precisions fp32,bf16,fp16 forces fp16 on the full model.
+# --fp16-small-steps: all three precisions on this small model as well (from when fp16 on the
+# full model took minutes a step on CPUs without fp16 kernels; see (1b)).
 SMALL_MODEL = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)
 TINY_MODEL = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)
 
@@ -243,9 +243,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="write results as JSON here")
     ap.add_argument("--tiny", action="store_true", help="tiny model, few steps (a smoke test, seconds)")
     ap.add_argument("--precisions", default=None,
-                    help="precisions trained on the main model (default fp32,bf16; tiny fp32,bf16,fp16). fp16 on the "
-                         "full model is very slow on CPU (~2 min/step: no fast fp16 GEMM), see --fp16-small-steps")
-    ap.add_argument("--fp16-small-steps", type=int, default=200,
+                    help="precisions trained on the main model (default fp32,bf16,fp16)")
+    ap.add_argument("--fp16-small-steps", type=int, default=0,
                     help="steps of the fp32/bf16/fp16 comparison on the small model (not in --tiny; 0 skips it)")
     ap.add_argument("--small-batch", type=int, default=8)
     ap.add_argument("--small-seq", type=int, default=64)
@@ -285,7 +284,7 @@ def main() -> int:
         return 0
 
     if a.precisions is None:
-        a.precisions = ",".join(PRECISIONS) if a.tiny else "fp32,bf16"
+        a.precisions = ",".join(PRECISIONS)
     precs = [p.strip() for p in a.precisions.split(",") if p.strip()]
     bad = [p for p in precs if p not in PRECISIONS]
     if bad or "fp32" not in precs:
