@@ -39,7 +39,7 @@ from fxspeed.compiler.annotate import make_annotate_pass
 from fxspeed.compiler.capture import capture_step
 from fxspeed.compiler.options import PassOptions
 from fxspeed.compiler.pass_manager import PassContext, PassManager
-from fxspeed.compiler.pipelines import FUSION_PASS_NAMES
+from fxspeed.compiler.pipelines import FUSION_PASS_NAMES, OPTIONAL_PASS_NAMES
 from fxspeed.compiler.rewrite import output_node
 from fxspeed.config import Config
 from fxspeed.errors import CaptureError
@@ -47,11 +47,6 @@ from fxspeed.ir import IOSpec
 from fxspeed.ir.program import InferenceProgram
 
 
-# Passes of training programs a Config may disable by name; they do not run here.
-TRAINING_ONLY = ("recompute_checkpointed", "chunk_cross_entropy", "step_in_backward",
-                 "offload_activations", "select_attention_kernel", "recompute_pointwise")
-# Device-dependent passes a Config may disable by name whether or not this program runs them.
-DEVICE_ONLY = ("upcast_cpu_compute",)
 
 
 def _inputs(model: nn.Module, T: int, device: torch.device) -> tuple[tuple, dict, list[str]]:
@@ -130,7 +125,7 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     passes = [dedupe_tied_parameters, normalize_graph, insert_casts, keep_activations_low, *tp, kv_cache, select_logits,
               *fuse, *upcast, eliminate_dead_code, pack_linear_weights]
     pm = PassManager(passes, analyses=[make_annotate_pass(), *analyses], disabled=config.disable_passes,
-                     known=[*ALL_PASSES, *STAGE_PASS_NAMES, *TRAINING_ONLY, *DEVICE_ONLY, *FUSION_PASS_NAMES,
+                     known=[*ALL_PASSES, *STAGE_PASS_NAMES, *OPTIONAL_PASS_NAMES, *FUSION_PASS_NAMES,
                             *(p.name for p in passes)])
     gm = pm.ensure("annotate", pm.run(gm, ctx), ctx)
     t2 = time.perf_counter()

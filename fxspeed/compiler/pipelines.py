@@ -39,13 +39,17 @@ from fxspeed.ir.schedule import Schedule
 
 log = logging.getLogger("fxspeed")
 
-__all__ = ["CompiledProgram", "CompiledStep", "Compiler", "PassOptions", "compile_program", "compile_step",
+__all__ = ["CompiledProgram", "CompiledStep", "Compiler", "OPTIONAL_PASS_NAMES", "PassOptions", "compile_program", "compile_step",
            "derive_options", "micro_config"]
 
 # The fusion passes (passes/graph/fuse_*.py): compile_step and compile_inference add them where
 # fusion is wanted (PassOptions.fuse_kernels), so every pipeline must know their names to
 # accept them in Config.disable_passes.
 FUSION_PASS_NAMES = ("fuse_kernels", "fuse_rotary", "fuse_activations", "fuse_residual_norms", "fold_norm_casts")
+# The other graph passes that join a pipeline only where they have work (or only for training):
+# every pipeline accepts their names in Config.disable_passes too.
+OPTIONAL_PASS_NAMES = ("recompute_checkpointed", "chunk_cross_entropy", "step_in_backward", "offload_activations",
+                       "select_attention_kernel", "recompute_pointwise", "upcast_cpu_compute")
 
 
 @dataclass
@@ -91,10 +95,7 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     cap = capture_step(model, args, kwargs, loss_fn=loss_fn, train=train)
     t1 = time.perf_counter()
     annotate = make_annotate_pass()
-    known = [*ALL_PASSES, recompute_checkpointed.name, *FUSION_PASS_NAMES, chunk_cross_entropy.name,
-             "step_in_backward", "offload_activations", select_attention_kernel.name, recompute_pointwise.name,
-             upcast_cpu_compute.name, *STAGE_PASS_NAMES,
-             *(p.name for p in extra_passes)]
+    known = [*ALL_PASSES, *OPTIONAL_PASS_NAMES, *FUSION_PASS_NAMES, *STAGE_PASS_NAMES, *(p.name for p in extra_passes)]
     ctx = PassContext(signature=cap.signature, module_of=cap.module_of, options=opts,
                       model_name=type(model).__name__)
     # torch.utils.checkpoint regions (tagged at capture) are recomputed in backward: after the
@@ -278,7 +279,6 @@ def compile_program(model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, 
     stages are this tp rank's share of each boundary value.
     """
     from fxspeed.passes import ALL_PASSES, PROGRAM_PASSES
-    from fxspeed.passes.memory.recompute_checkpointed import recompute_checkpointed
 
     opts = PassOptions.coerce(options, config)
     _check_derived(opts, config, ("precision", "fp32_modules", "reduce_dtype", "pipeline", "microbatches",
@@ -302,9 +302,7 @@ def compile_program(model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, 
     ctx = PassContext(signature=cap.signature, options=opts, module_of=cap.module_of,
                       model_name=type(model).__name__)
     pm = PassManager(PROGRAM_PASSES, disabled=config.disable_passes,
-                     known=[*ALL_PASSES, recompute_checkpointed.name, *FUSION_PASS_NAMES, "chunk_cross_entropy",
-                            "step_in_backward", "offload_activations", "select_attention_kernel", "recompute_pointwise",
-                            "upcast_cpu_compute", *(p.name for p in PROGRAM_PASSES)])
+                     known=[*ALL_PASSES, *OPTIONAL_PASS_NAMES, *FUSION_PASS_NAMES, *(p.name for p in PROGRAM_PASSES)])
     t0 = time.perf_counter()
     program = pm.run(DistributedProgram(cap.gm, cap.signature), ctx)
     if not program.stages or program.schedule is None:

@@ -39,10 +39,10 @@ from fxspeed.compiler.options import PassOptions
 from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
 from fxspeed.compiler.rewrite import call, fake_value
 from fxspeed.devices import cpu_computes_natively
-from fxspeed.passes.graph.insert_casts import LOW_OPS
+from fxspeed.passes.graph.insert_casts import LOW_DTYPES, LOW_OPS
 
 aten = torch.ops.aten
-LOW = (torch.bfloat16, torch.float16)
+LOW = tuple(LOW_DTYPES.values())
 
 
 def _low_inputs(n: fx.Node) -> list[fx.Node]:
@@ -66,10 +66,9 @@ def wanted(gm: fx.GraphModule, options: PassOptions) -> bool:
     "off" (a plan for a CUDA target, traced on the host's CPU) never."""
     if options.upcast_cpu_compute == "off":
         return False
-    precision = options.precision
     on_cpu = all(v.device.type == "cpu" for n in gm.graph.nodes
                  if n.op == "placeholder" and isinstance(v := n.meta.get("val"), torch.Tensor))
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    low = LOW_DTYPES.get(options.precision)
     return on_cpu and (low is not None and not cpu_computes_natively(low) or any(_slow_here(n) for n in gm.graph.nodes))
 
 

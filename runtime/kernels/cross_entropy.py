@@ -49,7 +49,7 @@ def _mm(a: Tensor, b: Tensor) -> Tensor:
     """a @ b. On a CPU without native arithmetic for a bf16/fp16 `a`, in fp32 from the same values
     and rounded once, as passes/graph/upcast_cpu_compute.py does in graphs (PyTorch's reference
     GEMM there is 5-100x slower than fp32; the copies cost far less than the product of a chunk)."""
-    if a.device.type == "cpu" and a.dtype in (torch.bfloat16, torch.float16) and not cpu_computes_natively(a.dtype):
+    if a.device.type == "cpu" and not cpu_computes_natively(a.dtype):  # True for fp32 and other dtypes
         return (a.float() @ b.float()).to(a.dtype)
     return a @ b
 
