@@ -167,3 +167,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     alone at the end while the other worker sat idle."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)  # stable: order kept within each group
+
+
+# FXSPEED_CPU_REPORT=FILE: one line per test, "nodeid<TAB>cpu s of the test process<TAB>cpu s of
+# the processes it launched and waited for" (rank processes included). CPU seconds, unlike the
+# --durations wall times, do not grow when the other xdist worker competes for the cores, so
+# they say what the suite's wall time is made of: on 2 cores it is about their sum / 2.
+if os.environ.get("FXSPEED_CPU_REPORT"):
+    import resource
+    import time
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        own = time.process_time()
+        yield
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        kid_s = (after.ru_utime + after.ru_stime) - (kids.ru_utime + kids.ru_stime)
+        with open(os.environ["FXSPEED_CPU_REPORT"], "a") as f:
+            f.write(f"{item.nodeid}\t{time.process_time() - own:.2f}\t{kid_s:.2f}\n")

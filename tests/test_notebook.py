@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,13 +26,22 @@ def _kernel_name() -> str:
 
 
 @pytest.mark.slow
-def test_plan_inspection_notebook_runs_without_errors() -> None:
+def test_plan_inspection_notebook_runs_without_errors(tmp_path: Path) -> None:
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("matplotlib")
     pytest.importorskip("transformers")
+    from traitlets.config import Config
+
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name=_kernel_name(),
+    # The kernel talks over Unix sockets, not TCP: jupyter_client picks free TCP ports and binds
+    # them later, and in a full suite a rank's gloo or rendezvous socket took one in between
+    # ("ZMQError: Address already in use", the kernel died before replying). The socket paths
+    # are absolute: the kernel runs in the notebook's folder, the client here.
+    ipc = Config()
+    ipc.KernelManager.transport = "ipc"
+    ipc.KernelManager.ip = str(tmp_path / "kernel")
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name=_kernel_name(), config=ipc,
                                      resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}})
     client.execute()  # raises CellExecutionError naming the cell on the first error
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
