@@ -491,7 +491,8 @@ def _typed(key: str, value: Any, tp: Any, what: str | None = None) -> Any:
             return int(value)
         if isinstance(value, bool) or (isinstance(value, float) and value.is_integer()):
             raise bad(f" (use {key}={int(value)})")
-        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        # isdecimal, not isdigit: '²' is a digit that int() refuses (found by hypothesis)
+        if isinstance(value, str) and value.strip().lstrip("+-").isdecimal():
             raise bad(f" (use {key}={int(value)})")
         raise bad()
     if tp is float:

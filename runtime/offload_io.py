@@ -146,7 +146,7 @@ def remove_stale_swap_dirs(root: Path) -> list[str]:
     head = f"{_PREFIX}{socket.gethostname()}-pid"
     for entry in root.glob(f"{head}*"):
         pid = entry.name[len(head):].split("-", 1)[0]
-        if not pid.isdigit() or not entry.is_dir():
+        if not (pid.isascii() and pid.isdigit()) or not entry.is_dir():
             continue
         try:
             os.kill(int(pid), 0)

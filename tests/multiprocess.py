@@ -9,18 +9,87 @@ that signature is retried once, loudly; any other failure fails the test at once
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 GLOO_ABORT = "terminate called without an active exception"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_ranks(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, **kwargs)
+    """subprocess.run(cmd, **kwargs) for a launch of ranks; a launch that needs no fresh process
+    (see `_forkable`) has its ranks forked by this process's tests.rank_forker instead."""
+    run = _forked if _forkable(cmd, kwargs) else subprocess.run
+    proc = run(cmd, **kwargs)
     if proc.returncode != 0 and GLOO_ABORT in f"{proc.stdout}{proc.stderr}":
         print(f"retrying once after a gloo abort in a rank ({GLOO_ABORT!r}):\n{str(proc.stderr)[-2000:]}")
-        proc = subprocess.run(cmd, **kwargs)
+        proc = run(cmd, **kwargs)
     return proc
+
+
+def _parse_launch(cmd: list[str]) -> tuple[int, str, list[str]] | None:
+    """(ranks, module, its args) of `python -m fxspeed run -n N -m MOD ...` or
+    `python -m torch.distributed.run --standalone --nproc-per-node=N -m MOD ...`; else None."""
+    if len(cmd) < 7 or cmd[0] != sys.executable or cmd[1] != "-m":
+        return None
+    if cmd[2:4] == ["fxspeed", "run"] and cmd[4] == "-n" and cmd[6] == "-m" and len(cmd) > 7:
+        return int(cmd[5]), cmd[7], cmd[8:]
+    if (cmd[2:4] == ["torch.distributed.run", "--standalone"] and cmd[4].startswith("--nproc-per-node=")
+            and cmd[5] == "-m"):
+        return int(cmd[4].split("=")[1]), cmd[6], cmd[7:]
+    return None
+
+
+def _forkable(cmd: list[str], kwargs: dict[str, Any]) -> bool:
+    """A launch of worker ranks, one thread each, that measures no memory (no MALLOC_ settings:
+    a forked rank's RSS and malloc are the server's), captured as text; FXSPEED_TEST_FORK=0: none."""
+    env = kwargs.get("env") or os.environ
+    return (os.environ.get("FXSPEED_TEST_FORK", "1") != "0" and _parse_launch(cmd) is not None
+            and kwargs.get("capture_output") is True and kwargs.get("text") is True
+            and env.get("OMP_NUM_THREADS") == "1" and not any(k.startswith("MALLOC_") for k in env)
+            and set(kwargs) <= {"cwd", "env", "capture_output", "text", "timeout"})
+
+
+_server: subprocess.Popen | None = None
+# CPU seconds of the ranks forked so far (their server is not this process's child to wait for,
+# so RUSAGE_CHILDREN does not see them; FXSPEED_CPU_REPORT in conftest adds this)
+forked_cpu_s = [0.0]
+
+
+def _forker() -> subprocess.Popen:
+    global _server
+    if _server is None or _server.poll() is not None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        _server = subprocess.Popen([sys.executable, "-m", "tests.rank_forker"], cwd=ROOT, env=env, text=True,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        ready = _server.stdout.readline()
+        if not ready or not json.loads(ready).get("ready"):
+            raise RuntimeError("tests.rank_forker did not start (its stderr is above)")
+    return _server
+
+
+def _forked(cmd: list[str], cwd: Any = None, env: dict[str, str] | None = None, timeout: float | None = None,
+            **_: Any) -> subprocess.CompletedProcess:
+    nproc, module, args = _parse_launch(cmd)
+    server = _forker()
+    req = {"nproc": nproc, "module": module, "args": list(map(str, args)), "cwd": str(cwd or os.getcwd()),
+           "env": dict(env or os.environ), "timeout": timeout}
+    server.stdin.write(json.dumps(req) + "\n")
+    server.stdin.flush()
+    line = server.stdout.readline()
+    if not line:
+        raise RuntimeError(f"tests.rank_forker died during {cmd}")
+    ans = json.loads(line)
+    forked_cpu_s[0] += ans.get("cpu_s", 0.0)
+    if "error" in ans:
+        raise RuntimeError(f"tests.rank_forker could not launch {cmd}:\n{ans['error']}")
+    if ans["timed_out"]:
+        raise subprocess.TimeoutExpired(cmd, timeout, ans["stdout"], ans["stderr"])
+    return subprocess.CompletedProcess(cmd, ans["rc"], ans["stdout"], ans["stderr"])
 
 
 def launch_worker(module: str, n: int, out: Any, *args: str, timeout: int = 900,
@@ -28,11 +97,7 @@ def launch_worker(module: str, n: int, out: Any, *args: str, timeout: int = 900,
     """Run `python -m <module> --out OUT *args` on `n` local ranks (torch.distributed.run, one
     thread each, the repository on PYTHONPATH) and fail the test with the ranks' stderr unless
     every rank exits 0."""
-    import os
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", module, "--out", str(out), *args]
@@ -45,11 +110,7 @@ def check_swap_worker(module: str, tmp_path: Any, timeout: int = 300) -> None:
     """Run a 2-rank worker that compares engines with and without files under `tmp_path`
     (`--swap DIR --out FILE`; rank 0 writes "ok" or the mismatches) and require "ok" and no swap
     directory left behind."""
-    import os
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     out = Path(tmp_path) / "result.txt"
     cmd = [sys.executable, "-m", "fxspeed", "run", "-n", "2", "-m", module, "--swap", str(tmp_path), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}

@@ -356,6 +356,14 @@ def test_every_field_has_wrong_values_to_try():
         wrong_values(key)
 
 
+def test_an_integer_field_given_a_unicode_digit_that_is_not_a_number_raises_a_config_error():
+    # '²'.isdigit() is True but int('²') raises ValueError (a hypothesis draw found it)
+    with pytest.raises(ConfigError, match=r"Config\.seed='²' is invalid; it must be an integer"):
+        Config(seed="²")
+    with pytest.raises(ConfigError, match=r"\(use seed=12\)"):
+        Config(seed=" 12")
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_a_wrong_typed_value_for_any_field_raises_a_config_error_naming_the_field(data: st.DataObject):
