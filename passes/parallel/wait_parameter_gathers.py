@@ -44,7 +44,8 @@ def wait_parameter_gathers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     order = {n: i for i, n in enumerate(g.nodes)}
     for spec, ph in zip(sig.inputs, placeholders):
-        if spec.kind != "param" or spec.target not in in_buckets or not ph.users:
+        # a tensor-parallel slice ("param_tp") lives in the buckets as a whole parameter does
+        if spec.kind not in ("param", "param_tp") or spec.target not in in_buckets or not ph.users:
             continue
         first = min(ph.users, key=order.__getitem__)
         with g.inserting_before(first):
