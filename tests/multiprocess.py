@@ -54,6 +54,12 @@ def _forkable(cmd: list[str], kwargs: dict[str, Any]) -> bool:
             and set(kwargs) <= {"cwd", "env", "capture_output", "text", "timeout"})
 
 
+def rank_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a launch of ranks: one thread each (two ranks share 2 cores)
+    and the repository importable (`tests.workers...` modules), plus `extra`."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
+
+
 _server: subprocess.Popen | None = None
 # CPU seconds of the ranks forked so far (their server is not this process's child to wait for,
 # so RUSAGE_CHILDREN does not see them; FXSPEED_CPU_REPORT in conftest adds this)
@@ -63,8 +69,7 @@ forked_cpu_s = [0.0]
 def _forker() -> subprocess.Popen:
     global _server
     if _server is None or _server.poll() is not None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        _server = subprocess.Popen([sys.executable, "-m", "tests.rank_forker"], cwd=ROOT, env=env, text=True,
+        _server = subprocess.Popen([sys.executable, "-m", "tests.rank_forker"], cwd=ROOT, env=rank_env(), text=True,
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         ready = _server.stdout.readline()
         if not ready or not json.loads(ready).get("ready"):
@@ -97,11 +102,9 @@ def launch_worker(module: str, n: int, out: Any, *args: str, timeout: int = 900,
     """Run `python -m <module> --out OUT *args` on `n` local ranks (torch.distributed.run, one
     thread each, the repository on PYTHONPATH) and fail the test with the ranks' stderr unless
     every rank exits 0."""
-    root = ROOT
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", module, "--out", str(out), *args]
-    proc = run_ranks(cmd, cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = run_ranks(cmd, cwd=ROOT, env=rank_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return proc
 
@@ -110,11 +113,9 @@ def check_swap_worker(module: str, tmp_path: Any, timeout: int = 300) -> None:
     """Run a 2-rank worker that compares engines with and without files under `tmp_path`
     (`--swap DIR --out FILE`; rank 0 writes "ok" or the mismatches) and require "ok" and no swap
     directory left behind."""
-    root = ROOT
     out = Path(tmp_path) / "result.txt"
     cmd = [sys.executable, "-m", "fxspeed", "run", "-n", "2", "-m", module, "--swap", str(tmp_path), "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    proc = run_ranks(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_ranks(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert out.read_text() == "ok"
     assert [p.name for p in Path(tmp_path).iterdir()] == ["result.txt"], "swap directories left behind"

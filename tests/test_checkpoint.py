@@ -21,7 +21,7 @@ import torch
 import fxspeed
 from tests.test_data_parallel import key_bias_masked
 from tests.workers.common import build_model, global_batches
-from tests.multiprocess import run_ranks
+from tests.multiprocess import rank_env, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = (0, 1, 2, 3)
@@ -29,7 +29,7 @@ STAGES = (0, 1, 2, 3)
 
 def fxspeed_run(n: int, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "fxspeed", "run", "-n", str(n), "-m", "tests.workers.checkpoint_worker", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = rank_env()
     proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
@@ -140,7 +140,7 @@ def test_a_missing_checkpoint_names_the_directory(tmp_path: Path) -> None:
 
 def _reshard_run(n: int, *args: str) -> None:
     cmd = [sys.executable, "-m", "fxspeed", "run", "-n", str(n), "-m", "tests.workers.reshard_worker", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = rank_env()
     proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 

@@ -17,7 +17,7 @@ from fxspeed.errors import FxspeedError
 from fxspeed.runtime import checkpoint as ckpt
 from fxspeed.runtime.checkpoint import (CanonicalState, export_hf, export_safetensors, load_checkpoint,
                                         save_checkpoint)
-from tests.multiprocess import run_ranks
+from tests.multiprocess import rank_env, run_ranks
 from tests.workers.checkpoint_format_worker import rank_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +83,7 @@ def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (base / "out").mkdir()
     cmd = [sys.executable, "-m", "fxspeed", "run", "-n", "2", "-m", "tests.workers.checkpoint_format_worker",
            "--ckpt", str(base / "ckpt"), "--out", str(base / "out")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = rank_env()
     proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return base

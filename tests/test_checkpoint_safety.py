@@ -24,7 +24,7 @@ from fxspeed.errors import FxspeedError
 from fxspeed import mesh
 from fxspeed.runtime import checkpoint as ckpt
 from fxspeed.runtime.checkpoint import CanonicalState, load_checkpoint, save_checkpoint
-from tests.multiprocess import run_ranks
+from tests.multiprocess import rank_env, run_ranks
 from tests.workers.checkpoint_kill_worker import kill_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -264,7 +264,7 @@ def _save_and_kill(tmp_path: Path, at: str, *extra: str) -> int:
     it at `at`; returns its exit code (-SIGKILL, or 0 when it never reached `at`)."""
     target, ready = tmp_path / "ck", tmp_path / "ready"
     save_checkpoint(target, kill_state(1))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = rank_env()
     proc = subprocess.Popen([sys.executable, "-m", "tests.workers.checkpoint_kill_worker", "--ckpt", str(target),
                              "--ready", str(ready), "--at", at, *extra], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -324,7 +324,7 @@ def test_expect_all_ranks_costs_nothing_without_a_process_group() -> None:
 
 def _run(*args: str, timeout: int = 240) -> None:
     cmd = [sys.executable, "-m", "fxspeed", "run", "-n", "2", "-m", "tests.workers.expect_all_ranks_worker", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = rank_env()
     proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 

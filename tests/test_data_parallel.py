@@ -12,7 +12,6 @@ whose signs depend on summation order. Under AdamW those entries are excluded; t
 from __future__ import annotations
 
 import functools
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multiprocess import run_ranks
+from tests.multiprocess import rank_env, run_ranks
 from tests.workers.common import build_model, global_batches, key_bias_masked
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +29,7 @@ TOL = 1e-5
 def launch(n: int, out: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", "tests.workers.data_parallel_worker", "--out", str(out), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = rank_env()
     proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
@@ -105,7 +104,7 @@ def deferred_gathers(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("deferred_gather")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "tests.workers.deferred_gather_worker", "--out", str(out), "--zero", "0,1,2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "FXSPEED_BACKEND": "gloo"}
+    env = rank_env(FXSPEED_BACKEND="gloo")
     proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return out

@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from tests.workers.property_worker import LR, MOMENTUM, build, global_batches
-from tests.multiprocess import run_ranks
+from tests.multiprocess import rank_env, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -110,7 +110,7 @@ def drawn_cases() -> tuple[str, ...]:
 def launch(world: int, cases_path: Path, out: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            "-m", "tests.workers.property_worker", "--cases", str(cases_path), "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = rank_env()
     proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 

@@ -4,14 +4,13 @@ uses on gloo: the same results as torch's collectives, bit for bit for fp32 and 
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.multiprocess import run_ranks
+from tests.multiprocess import rank_env, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_exchange_scatter_and_gather_equal_torchs_reduce_scatter_and_all_gather(world: int, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            "-m", "tests.workers.exchange_worker", "--out", str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = rank_env()
     proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     for rank in range(world):

@@ -11,7 +11,6 @@ turns its float noise into ±lr steps) is masked.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from fxspeed.devices import normalize_devices
 from fxspeed.errors import ConfigError
 from fxspeed.passes.program.split_stages import split_stages
 from tests.workers.common import build_model, captured_gpt_step, global_batches, key_bias_masked
-from tests.multiprocess import run_ranks
+from tests.multiprocess import rank_env, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -181,7 +180,7 @@ def test_microbatches_must_divide_the_batch() -> None:
 def launch(n: int, out: Path, *args: str, timeout: int = 900) -> float:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", "tests.workers.pipeline_worker", "--out", str(out), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = rank_env()
     t0 = time.perf_counter()
     proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

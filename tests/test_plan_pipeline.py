@@ -11,7 +11,6 @@ model built on the meta device must predict each rank's peak within 15%.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from fxspeed.models import GPT, GPTConfig
 from fxspeed.passes.program.lower_schedule import make
 from fxspeed.planner import finish_plan
 from fxspeed.planner.simulator import Costs, StageCosts, simulate
-from tests.multiprocess import run_ranks
+from tests.multiprocess import rank_env, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = GPTConfig(vocab_size=512, block_size=32, n_layer=4, n_head=4, n_embd=64)
@@ -158,8 +157,7 @@ def test_planning_a_pipeline_refuses_what_it_cannot_plan_with_what_works() -> No
 # --------------------------------------------------------------------------------------------
 
 def measure(out: Path, *extra: str) -> dict[int, dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536",
-           "FXSPEED_BACKEND": "gloo"}
+    env = rank_env(MALLOC_MMAP_THRESHOLD_="65536", FXSPEED_BACKEND="gloo")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "tests.workers.pipeline_memory_worker", "--out", str(out), *extra]
     proc = run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

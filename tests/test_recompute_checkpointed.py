@@ -400,14 +400,14 @@ DP_SCRIPT = textwrap.dedent("""
 
 
 def test_checkpointed_blocks_under_zero_0_zero_3_and_a_pipeline_train_equal_to_one_process(tmp_path):
-    from tests.multiprocess import run_ranks
+    from tests.multiprocess import rank_env, run_ranks
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script, out = tmp_path / "dp.py", tmp_path / "out.pt"
     script.write_text(DP_SCRIPT.format(tests=os.path.join(root, "tests"), out=str(out)))
     proc = run_ranks([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                       str(script)], cwd=root, capture_output=True, text=True, timeout=600,
-                     env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root, "FXSPEED_BACKEND": "gloo"})
+                     env=rank_env(FXSPEED_BACKEND="gloo"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     got = torch.load(out)
     torch.manual_seed(0)  # the script's model and batches

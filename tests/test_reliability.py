@@ -4,13 +4,14 @@ global batches that cannot be split across ranks."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.multiprocess import rank_env
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 60
@@ -19,7 +20,7 @@ DEADLINE_S = 60
 def fxspeed_run(n: int, case: str, out: Path) -> tuple[subprocess.CompletedProcess, float]:
     cmd = [sys.executable, "-m", "fxspeed", "run", "-n", str(n), "-m", "tests.workers.reliability_worker",
            "--case", case, "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = rank_env()
     t0 = time.monotonic()
     # The subprocess timeout is a safety net only; the assertion below is the real deadline.
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3 * DEADLINE_S)

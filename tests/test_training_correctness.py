@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch.nn as nn
 
 import fxspeed
 from fxspeed.errors import FxspeedError
-from tests.multiprocess import run_ranks
+from tests.multiprocess import rank_env, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -147,7 +146,7 @@ def test_without_nan_check_a_nan_batch_still_trains_as_eager_does() -> None:
 def _worker(case: str, tmp: Path) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "fxspeed", "run", "-n", "2", "-m", "tests.workers.correctness_worker",
            "--case", case, "--out", str(tmp)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = rank_env()
     return run_ranks(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
