@@ -23,6 +23,8 @@ one decode step (weight bytes / the device preset's bandwidth) as tokens/s x bat
 
 `--unpacked-row`: also fxspeed with `pack_linear_weights` disabled (the CPU decode buckets through
 MKL's GEMM instead of oneDNN's packed weights), to measure that pass side by side.
+`--packed-row`: also fxspeed with `pack_linear="always"` (every small CPU bucket packed, as before
+the probe chose per bucket), to measure the probe's choice side by side.
 
 `--compile`: also HF `generate` with a static KV cache and its forward through `torch.compile`
 (the gpt-fast recipe; compiled in an untimed warm-up run per batch, whose seconds are reported).
@@ -95,6 +97,8 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--unpacked-row", action="store_true",
                     help="also fxspeed with pack_linear_weights disabled (MKL's GEMM on the CPU), side by side")
+    ap.add_argument("--packed-row", action="store_true",
+                    help="also fxspeed with pack_linear='always' (every small CPU bucket packed, no probe), side by side")
     ap.add_argument("--compile", action="store_true",
                     help="also HF generate with a static cache and torch.compile'd forward (minutes to compile)")
     ap.add_argument("--out", default="")
@@ -127,6 +131,7 @@ def main() -> None:
     launched = fxspeed.serve(model, **options, cuda_graphs=False) if device.type == "cuda" else None
     unpacked = fxspeed.serve(model, **{**options, "config": fxspeed.Config(
         tensor=args.tensor, disable_passes=("pack_linear_weights",))}) if args.unpacked_row else None
+    always = fxspeed.serve(model, **options, pack_linear="always") if args.packed_row else None
     rank0 = int(os.environ.get("RANK", "0")) == 0
     serve_s = time.perf_counter() - t
     rows = []
@@ -155,6 +160,11 @@ def main() -> None:
             u_s, _, u_out = timed(lambda: unpacked.generate(prompts.tolist(), max_new_tokens=args.new), args.repeats)
             row.update({"fxspeed_unpacked_tok_s": tokens / u_s, "packing_speedup": u_s / fx_s,
                         "same_tokens_unpacked": u_out == fx_out})
+        if always is not None:
+            a_s, _, a_out = timed(lambda: always.generate(prompts.tolist(), max_new_tokens=args.new), args.repeats)
+            row.update({"fxspeed_always_packed_tok_s": tokens / a_s, "probe_speedup": a_s / fx_s,
+                        "same_tokens_always_packed": a_out == fx_out})
+        row["pack_probe_ms"] = {T: [round(x * 1e3, 2) for x in v] for T, v in engine._serving.pack_probe.items()}
         if launched is not None:
             l_s, _, l_out = timed(lambda: launched.generate(prompts.tolist(), max_new_tokens=args.new), args.repeats)
             row.update({"fxspeed_no_cuda_graphs_tok_s": tokens / l_s, "cuda_graphs_speedup": l_s / fx_s,

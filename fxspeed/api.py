@@ -116,7 +116,7 @@ def plan(model: nn.Module, devices: Devices = 1, config: Config | dict | str | N
 
 def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | None = None, *,
           token_budget: int = 256, max_batch: int = 16, block_size: int = 16,
-          cache_tokens: int | None = None, cuda_graphs: bool | None = None) -> Engine:
+          cache_tokens: int | None = None, cuda_graphs: bool | None = None, pack_linear: str = "auto") -> Engine:
     """Compile a causal LM for inference; returns the Engine, with `generate` and `stream`.
 
         engine = fxspeed.serve(model)
@@ -133,6 +133,9 @@ def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | 
     captured as CUDA graphs, each step one replay (runtime/serving.py `_Static`). Before
     returning, two short packed requests are served and checked against the model's own eager
     forward (a model the passes would serve wrongly is refused here). Puts the model in eval mode.
+    `pack_linear` (CPU): buckets of a few tokens run their fp32 linears over weights pre-packed
+    for oneDNN or through ATen's GEMM, whichever a probe pass over the model's weights measures
+    faster on this machine ("auto", before each such bucket compiles); "always" / "never" force it.
     """
     _check_model(model, "serve")
     cfg = Config.coerce(config)
@@ -164,5 +167,5 @@ def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | 
     mesh = Mesh.join(len(devs), cfg.dist_timeout_s, tp=cfg.tensor)
     engine = Engine(model, devs, cfg, None, compiler=Compiler(cfg, mesh, None, analyses=analyses), mesh=mesh)
     engine.setup_serving(token_budget=token_budget, max_batch=max_batch, block_size=block_size,
-                         cache_tokens=cache_tokens, cuda_graphs=cuda_graphs)
+                         cache_tokens=cache_tokens, cuda_graphs=cuda_graphs, pack_linear=pack_linear)
     return engine

@@ -707,7 +707,7 @@ class Engine:
     def setup_serving(self, **options: Any) -> None:
         """Compile for inference: the serving loop over the compiler's inference programs and a
         paged KV cache (runtime/serving.py; options: token_budget, max_batch, block_size,
-        cache_tokens, cuda_graphs), and the inference plan as `self.plan`."""
+        cache_tokens, cuda_graphs, pack_linear), and the inference plan as `self.plan`."""
         from fxspeed.planner.inference import plan_inference
         from fxspeed.runtime.serving import ServingLoop, model_limits
 
@@ -724,14 +724,14 @@ class Engine:
         self.plan = plan_inference(self.model, first, self._serving, self.devices[0], self.config,  # type: ignore[assignment]
                                    tensor=self.mesh.tp)
 
-    def _inference_program(self, tokens: int) -> Any:
+    def _inference_program(self, tokens: int, pack: bool = True) -> Any:
         """The compiler's serving program for a bucket of `tokens`. Under tensor parallelism the
         first program's layout cuts the Parameters to this rank's slices; later buckets are traced
         with full-shaped meta stand-ins for them (the trace reads shapes only; gathering the
         weights would put a whole model copy in memory at every new bucket)."""
         shapes = {pid: full for pid, (_p, _d, _b, full) in self._tp.layout.items()} if self._tp else {}
         with _meta_stand_ins(self.model, shapes):
-            program = self.compiler.inference(self.model, tokens)
+            program = self.compiler.inference(self.model, tokens, pack=pack)
         if self._tp is not None:
             self._apply_tp_layout(program.signature)
         return program

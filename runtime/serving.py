@@ -39,7 +39,7 @@ import torch.nn as nn
 from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.ir import IOSpec
 from fxspeed.ir.program import InferenceProgram
-from fxspeed.runtime.kernels.packed_linear import PACKED_KINDS, PackedWeights
+from fxspeed.runtime.kernels.packed_linear import PACKED_KINDS, PackedWeights, packing_pays
 from fxspeed.runtime.kernels.paged_attention import direct_calls
 
 log = logging.getLogger("fxspeed")
@@ -223,15 +223,22 @@ class _Static:
 class ServingLoop:
     """Continuous batching for one Engine (see the module docstring)."""
 
-    def __init__(self, compile_bucket: Callable[[int], InferenceProgram], bind: Callable[[IOSpec], torch.Tensor],
+    def __init__(self, compile_bucket: Callable[[int, bool], InferenceProgram], bind: Callable[[IOSpec], torch.Tensor],
                  *, vocab_size: int, max_context: int, device: torch.device, token_budget: int = 256,
                  max_batch: int = 16, block_size: int = 16, cache_tokens: int | None = None,
-                 agree: Callable[[torch.Tensor], torch.Tensor] | None = None, cuda_graphs: bool | None = None):
+                 agree: Callable[[torch.Tensor], torch.Tensor] | None = None, cuda_graphs: bool | None = None,
+                 pack_linear: str = "auto"):
         """`agree`: tensor-parallel serving hands every step's sampled tokens to it and continues with
         what it returns (tp rank 0's choice), so that every rank schedules the same requests.
         `cuda_graphs`: the buckets up to the decode bucket run at fixed shapes (`_Static`),
         captured as CUDA graphs on a CUDA device; None: on a CUDA device without tensor
-        parallelism. True on another device runs the fixed-shape steps without capture."""
+        parallelism. True on another device runs the fixed-shape steps without capture.
+        `compile_bucket(T, pack)`: bucket T's program, its linear weights packed for oneDNN where
+        the pack_linear_weights pass applies (CPU buckets of a few tokens) if `pack`.
+        `pack_linear`: "auto" times both ways on the model's weights before compiling each such
+        bucket and packs where that is faster (`pack_probe` keeps the seconds); "always"; "never"."""
+        if pack_linear not in ("auto", "always", "never"):
+            raise ConfigError(f"serve: pack_linear must be 'auto', 'always' or 'never', got {pack_linear!r}")
         if token_budget < 1 or max_batch < 1 or block_size < 1:
             raise ConfigError(f"serve: token_budget ({token_budget}), max_batch ({max_batch}) and block_size "
                               f"({block_size}) must be >= 1")
@@ -239,6 +246,9 @@ class ServingLoop:
             raise ConfigError(f"serve: max_batch ({max_batch}) > token_budget ({token_budget}): every running request "
                               "needs a token of each step's budget; raise token_budget or lower max_batch")
         self._compile = compile_bucket
+        self.pack_linear = pack_linear
+        # bucket -> (packed, GEMM) seconds of one probe pass (pack_linear="auto", runtime/kernels/packed_linear.py)
+        self.pack_probe: dict[int, tuple[float, float]] = {}
         self._agree = agree
         self._bind = bind
         self.vocab_size = vocab_size
@@ -263,7 +273,9 @@ class ServingLoop:
         # pre-packed linear weights of the CPU's small buckets, one copy shared by every bucket,
         # laid out for the decode bucket's rows (runtime/kernels/packed_linear.py)
         self.packed = PackedWeights(decode)
-        first = compile_bucket(decode if agree is not None else self.buckets[-1])
+        # (not timed: the largest bucket is past pack_linear_tokens, or under tp the decode bucket)
+        first = compile_bucket(decode if agree is not None else self.buckets[-1], pack_linear != "never")
+        self._packable = (first.gm.meta.get("packable_weights", []), first.gm.meta.get("pack_linear_tokens", 0))
         tokens = cache_tokens if cache_tokens is not None else max_context * max_batch
         self.cache = KVCache(first.kv_layout, -(-tokens // block_size) + 1, block_size, device)
         self.programs: dict[int, _Bound | _Static] = {}
@@ -294,7 +306,7 @@ class ServingLoop:
         """The bound program of bucket T, compiled on first use."""
         if T not in self.programs:
             t0 = time.perf_counter()
-            program = self._compile(T)
+            program = self._compile(T, self._packs(T))
             if list(program.kv_layout) != self.cache.layout:
                 # Every bucket writes the same cache: under tensor parallelism its heads must be
                 # split the same way in every program (the layout is solved once and kept).
@@ -304,6 +316,17 @@ class ServingLoop:
             self.programs[T] = self._bound(program)
             self.stats["compile_s"] += time.perf_counter() - t0
         return self.programs[T]
+
+    def _packs(self, T: int) -> bool:
+        """Whether bucket T is compiled with packed linear weights (see __init__'s pack_linear)."""
+        specs, limit = self._packable
+        if self.pack_linear != "auto" or not specs or T > limit:
+            return self.pack_linear != "never"
+        packs, packed_s, gemm_s = packing_pays(specs, T, self._bind, self.packed.rows)
+        self.pack_probe[T] = (packed_s, gemm_s)
+        log.info("fxspeed: serve: the %d-token bucket's linears %s (a probe pass: packed %.2f ms, GEMM %.2f ms)",
+                 T, "read packed weights" if packs else "run through the GEMM", packed_s * 1e3, gemm_s * 1e3)
+        return packs
 
     def _bucket(self, n: int) -> int:
         if self._only_bucket is not None:
@@ -510,7 +533,10 @@ class ServingLoop:
         if not last:
             return []
         rows = (logits[0, :len(last)] if bound.program.selects_logits else logits[0, rows_at.to(logits.device)]).float()
-        picked = torch.tensor([_sample(row, r) for (r, _), row in zip(last, rows)], dtype=torch.long)
+        # greedy rows in one argmax over the step's rows (per row: ~90 us each on a 50k vocabulary)
+        greedy = rows.argmax(-1).tolist() if any(r.temperature == 0.0 for r, _ in last) else []
+        picked = torch.tensor([greedy[i] if r.temperature == 0.0 else _sample(row, r)
+                               for i, ((r, _), row) in enumerate(zip(last, rows))], dtype=torch.long)
         if self._agree is not None:
             picked = self._agree(picked)
         if self.record_logits is not None:

@@ -25,7 +25,8 @@ aten = torch.ops.aten
 V = 96
 PROMPTS = [[5, 17, 3], list(range(10, 30)), [7], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
 NEW = [6, 5, 7, 4]
-SMALL = dict(token_budget=8, max_batch=3, block_size=4, cache_tokens=96)  # every bucket packed
+# every bucket packed (pack_linear="auto" would pack where a probe measures it faster)
+SMALL = dict(token_budget=8, max_batch=3, block_size=4, cache_tokens=96, pack_linear="always")
 UNPACKED = fxspeed.Config(disable_passes=("pack_linear_weights",))
 
 
@@ -95,7 +96,8 @@ def test_every_linear_of_a_small_bucket_reads_a_packed_weight_and_the_tokens_are
 
 def test_a_bucket_above_pack_linear_tokens_reads_the_parameters_and_the_plan_counts_the_copies_to_come():
     model = _hf("gpt2")
-    engine = fxspeed.serve(model, token_budget=256, max_batch=2, block_size=16, cache_tokens=128)
+    engine = fxspeed.serve(model, token_budget=256, max_batch=2, block_size=16, cache_tokens=128,
+                           pack_linear="always")
     big = engine._serving.programs[256].program
     assert LINEAR not in [n.target for n in big.gm.graph.nodes]
     assert not [s for s in big.signature.inputs if s.kind in PACKED_KINDS]
@@ -107,6 +109,48 @@ def test_a_bucket_above_pack_linear_tokens_reads_the_parameters_and_the_plan_cou
     assert engine._serving.packed.nbytes() == expected
     plain = fxspeed.serve(model, config=UNPACKED, token_budget=256, max_batch=2, block_size=16, cache_tokens=128)
     assert plain.plan.packed_weight_bytes == 0
+
+
+def test_with_pack_linear_auto_each_small_bucket_packs_only_where_its_probe_measured_packing_faster(monkeypatch):
+    """Which is faster, oneDNN over packed weights or ATen's GEMM, depends on the machine (one
+    2-core box: packing 1.3x faster at one row, another 1.2x slower). Each small bucket is timed
+    both ways before it compiles; here the probe says GEMM for the 1-token bucket only."""
+    import fxspeed.runtime.serving as serving
+
+    asked = []
+
+    def probe(specs, rows, bind, layout_rows):  # noqa: ANN001, ANN202
+        asked.append((rows, len(specs)))
+        return rows != 1, 1e-3, 2e-3
+
+    monkeypatch.setattr(serving, "packing_pays", probe)
+    model = _hf("gpt2")
+    auto = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
+    _same_generation(auto, fxspeed.serve(model, config=UNPACKED, **SMALL))
+    assert sorted(auto._serving.programs) == [1, 2, 4, 8] and sorted(r for r, _ in asked) == [1, 2, 4]
+    assert all(n == 2 * 4 + 1 for _, n in asked)  # every linear weight the pass would pack, the head included
+    for T, bound in auto._serving.programs.items():
+        packed_inputs = [s for s in bound.program.signature.inputs if s.kind in PACKED_KINDS]
+        assert bool(packed_inputs) == (T != 1), T  # 8: the first program, packed without a probe
+    assert set(auto._serving.pack_probe) == {1, 2, 4}
+
+
+def test_the_packing_probe_times_both_ways_on_the_first_weights_up_to_its_byte_budget():
+    from fxspeed.ir import IOSpec
+    from fxspeed.runtime.kernels.packed_linear import packing_pays
+
+    weights = {"a": torch.randn(64, 32), "b": torch.randn(32, 48), "c": torch.randn(16, 64)}
+    specs = [IOSpec("packed_weight", "a"), IOSpec("packed_weight_t", "b"), IOSpec("packed_weight", "c")]
+    read = []
+
+    def bind(spec):  # noqa: ANN001, ANN202
+        read.append(spec.target)
+        return weights[spec.target]
+
+    packs, packed_s, gemm_s = packing_pays(specs, 4, bind, layout_rows=4, budget_bytes=64 * 32 * 4 + 1)
+    assert read == ["a", "b"] and packed_s > 0 and gemm_s > 0 and packs == (packed_s < gemm_s)
+    with pytest.raises(fxspeed.ConfigError, match="pack_linear"):
+        fxspeed.serve(_hf("gpt2"), pack_linear="sometimes")
 
 
 def test_weights_changed_after_serve_are_packed_again_before_the_next_generate(caplog):

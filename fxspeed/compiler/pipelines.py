@@ -341,13 +341,16 @@ class Compiler:
                             options=self.options if train else self.options.local(), analyze=analyze,
                             analyses=self.analyses)
 
-    def inference(self, model: nn.Module, tokens: int) -> Any:
+    def inference(self, model: nn.Module, tokens: int, pack: bool = True) -> Any:
         """The serving program for one packed row of `tokens` tokens, with the paged KV cache
-        (fxspeed/compiler/capture_inference.py)."""
+        (fxspeed/compiler/capture_inference.py); `pack=False`: its linears read the parameters
+        (pack_linear_weights off for this bucket)."""
         from fxspeed.compiler.capture_inference import compile_inference
 
-        return compile_inference(model, tokens, config=self.config, options=self.options.local(),
-                                 analyses=self.analyses)
+        options = self.options.local()
+        if not pack:
+            options = dataclasses.replace(options, pack_linear_tokens=0)
+        return compile_inference(model, tokens, config=self.config, options=options, analyses=self.analyses)
 
     def program(self, model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, train: bool,
                 positions: Sequence[int] | None = None, split_points: Sequence[str] | None = None,

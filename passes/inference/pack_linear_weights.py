@@ -18,7 +18,10 @@ transpose) and whose bias, if any, is a 1-D vector of the output size are rewrit
 Runs in programs on the CPU of at most `pack_linear_tokens` tokens (the decode buckets; at a
 full prefill bucket MKL is as fast, so those keep reading the parameters). In a larger CPU
 program it still records the bytes it would pack (`gm.meta["packed_weight_bytes"]`), so the
-inference plan, made from the first (largest) bucket, counts the copies the decode buckets hold.
+inference plan, made from the first (largest) bucket, counts the copies the decode buckets hold,
+and the weights with their limit (`gm.meta["packable_weights"]`, `["pack_linear_tokens"]`), which
+the serving loop times both ways before it compiles a small bucket with packing or without
+(`pack_linear_tokens` 0 for that bucket): which is faster depends on the machine.
 Options read: pack_linear_tokens (0: never).
 why: docs/decisions/pack-linear-weights-on-cpu.md
 """
@@ -50,7 +53,12 @@ def pack_linear_weights(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if not found or not on_cpu or not available() or limit <= 0 or tokens is None:
         return PassResult(gm, modified=False)
     # one packed copy per (parameter, orientation), however many products read it
-    gm.meta["packed_weight_bytes"] = sum(p.meta["val"].numel() * 4 for p in {(m[1], m[2]): m[1] for m in found}.values())
+    unique = {(m[1], m[2]): m[1] for m in found}
+    gm.meta["packed_weight_bytes"] = sum(p.meta["val"].numel() * 4 for p in unique.values())
+    # what the serving loop times before it compiles a bucket with or without packing
+    gm.meta["packable_weights"] = [IOSpec("packed_weight_t" if t else "packed_weight", spec_of[p].target)
+                                   for p, t in unique]
+    gm.meta["pack_linear_tokens"] = limit
     if tokens > limit:
         return PassResult(gm, modified=False)
     packed: dict[tuple[fx.Node, bool], fx.Node] = {}

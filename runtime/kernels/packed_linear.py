@@ -15,6 +15,10 @@ oneDNN's linear over a weight reordered once into its blocked layout
 weight at 1.5-3x the rate; at a full prefill bucket the two are about even. The sums run in
 another order than MKL's: outputs differ by about 1e-5 relative.
 
+That table is one machine's: on another day's box of the same kind ATen's GEMM was 1.2x faster
+than the packed copies at 1-2 rows (and slower from 4), so the serving loop measures which is
+faster for each small bucket before it compiles it (`packing_pays`).
+
 `PackedWeights` holds the packed copies of one serving loop: one per weight (shared by every
 bucket), made on first use, and made again when the source weight changed in place since
 (`refresh`, called at every generate), so a packed copy never goes stale silently.
@@ -22,7 +26,8 @@ bucket), made on first use, and made again when the source weight changed in pla
 
 from __future__ import annotations
 
-from typing import Callable
+import time
+from typing import Callable, Sequence
 
 import torch
 
@@ -82,3 +87,43 @@ class PackedWeights:
 
 def _stamp(t: torch.Tensor) -> tuple[int, int]:
     return t._version, t.data_ptr()
+
+
+def packing_pays(specs: Sequence[IOSpec], rows: int, bind: Callable[[IOSpec], torch.Tensor], layout_rows: int,
+                 budget_bytes: int = 96 << 20, repeats: int = 3) -> tuple[bool, float, float]:
+    """Whether a program of `rows` rows runs its linears faster over the packed weights than
+    through ATen's GEMM on this machine: (packs, packed seconds, GEMM seconds) of one pass over
+    the first weights of `specs` (the program's "packed_weight"/"packed_weight_t" inputs) up to
+    `budget_bytes`, more than a CPU's caches hold, so both stream from memory as a decode step
+    does. Best of `repeats`, alternating. Which is faster depends on the CPU and its BLAS: one
+    2-core EPYC box measured packing 1.3x faster at one row, another 1.2x slower (why:
+    docs/decisions/pack-linear-weights-on-cpu.md). `layout_rows`: the rows the serving loop's
+    copies are packed for (PackedWeights.rows); the probe's own copies are freed on return."""
+    chosen, total = [], 0
+    for spec in specs:
+        if total >= budget_bytes:
+            break
+        src = bind(IOSpec("param", spec.target))
+        chosen.append((spec, src))
+        total += src.numel() * src.element_size()
+    # the unpacked program's product: addmm(b, x, c) over a Conv1D's [in, out], addmm(b, x, t(w)) over nn.Linear's
+    gemm = [(s if spec.kind == "packed_weight_t" else s.t()) for spec, s in chosen]
+    ready = [pack(w.t(), layout_rows) for w in gemm]  # [out, in], as PackedWeights packs them
+    xs = {w.shape[0]: torch.randn(rows, w.shape[0], dtype=w.dtype) for w in gemm}
+
+    def run_gemm() -> None:
+        for w in gemm:
+            torch.mm(xs[w.shape[0]], w)
+
+    def run_packed() -> None:
+        for w, p in zip(gemm, ready):
+            LINEAR(xs[w.shape[0]], p, None, "none", [], "")
+
+    best = {run_gemm: float("inf"), run_packed: float("inf")}
+    with torch.no_grad():
+        for _ in range(repeats + 1):  # one more round: the first also faults in oneDNN's kernels
+            for fn in best:
+                t0 = time.perf_counter()
+                fn()
+                best[fn] = min(best[fn], time.perf_counter() - t0)
+    return best[run_packed] < best[run_gemm], best[run_packed], best[run_gemm]
