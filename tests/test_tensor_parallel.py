@@ -170,6 +170,33 @@ def test_under_zero_1_and_2_every_bucketed_weight_and_tp_slice_is_read_only_afte
     assert seen == {"param", "param_tp"}
 
 
+@pytest.mark.parametrize("kind", ["param", "param_tp", "param_shard"])
+def test_wait_parameter_gathers_waits_for_every_bucketed_parameter_kind_it_knows_and_refuses_another(kind: str) -> None:
+    """A bucketed parameter input of a kind the pass does not wait for would be read mid-gather:
+    a PassError naming it, never a program that silently races."""
+    from fxspeed.compiler.pass_manager import PassContext
+    from fxspeed.errors import PassError
+    from fxspeed.ir import Bucket, IOSpec, StepSignature
+    from fxspeed.passes.parallel.wait_parameter_gathers import wait_parameter_gathers
+
+    g = fx.Graph()
+    w, x = g.placeholder("w"), g.placeholder("x")
+    for ph in (w, x):
+        ph.meta["val"] = torch.empty(4, 4)
+    g.output((g.call_function(torch.ops.aten.mm.default, (x, w)),))
+    gm = fx.GraphModule(nn.Module(), g)
+    sig = StepSignature(inputs=[IOSpec(kind, "blocks.0.w"), IOSpec("input", "0")],
+                        buckets=[Bucket(0, ["blocks.0.w"], [(4, 4)], [0], 16, 16)])
+    ctx = PassContext(signature=sig, options={"world_size": 2, "zero": 1})
+    if kind == "param_shard":
+        with pytest.raises(PassError, match="param_shard of 'blocks.0.w'"):
+            wait_parameter_gathers(gm, ctx)
+        return
+    wait_parameter_gathers(gm, ctx)
+    assert [u.target for u in w.users] == [torch.ops._c10d_functional.wait_tensor.default]
+    assert sig.waits_for_parameters and x.users  # the batch input is read as it was
+
+
 def test_the_solver_s_memo_of_each_node_s_choice_changes_no_layout_cost_or_collective(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each solve is run with the per-node memo and without it: the same placements, total cost,

@@ -28,8 +28,11 @@ import torch.fx as fx
 
 from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
 from fxspeed.compiler.rewrite import call
+from fxspeed.errors import PassError
 
 c10d = torch.ops._c10d_functional
+# a whole parameter, and a tensor-parallel slice ("param_tp"), which the buckets hold like one
+WAITED_KINDS = ("param", "param_tp")
 
 
 @graph_pass("wait_parameter_gathers", requires=("gradient_buckets",), produces=("parameter_waits",),
@@ -44,9 +47,15 @@ def wait_parameter_gathers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     order = {n: i for i, n in enumerate(g.nodes)}
     for spec, ph in zip(sig.inputs, placeholders):
-        # a tensor-parallel slice ("param_tp") lives in the buckets as a whole parameter does
-        if spec.kind not in ("param", "param_tp") or spec.target not in in_buckets or not ph.users:
+        # (user inputs and buffers are named by position or buffer name, never bucketed)
+        if not spec.kind.startswith("param") or spec.target not in in_buckets or not ph.users:
             continue
+        if spec.kind not in WAITED_KINDS:
+            # The runtime defers the gathers for this program: an input of a bucketed parameter
+            # read without a wait would read old and new weights mixed whenever gloo is slow.
+            raise PassError(f"wait_parameter_gathers: input {ph.name!r} ({spec.kind} of {spec.target!r}) is read from "
+                            f"a gathered bucket but is not a kind this pass waits for ({WAITED_KINDS}); add its kind "
+                            "here, or disable_passes=('wait_parameter_gathers',) to gather before each step")
         first = min(ph.users, key=order.__getitem__)
         with g.inserting_before(first):
             waited = call(g, c10d.wait_tensor.default, (ph,))
