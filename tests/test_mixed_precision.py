@@ -108,6 +108,24 @@ def test_low_precision_training_tracks_fp32_losses(precision: str) -> None:
     assert abs(sum(b[-5:]) - sum(a[-5:])) / sum(a[-5:]) < 0.02, (a[-5:], b[-5:])
 
 
+def test_a_model_already_in_bf16_keeps_its_matmuls_bf16_and_its_first_loss_is_its_eager_loss() -> None:
+    """insert_casts casts a matmul's output back to fp32 only where it was fp32 before: a model
+    converted to bf16 gave bf16 there, and an fp32 copy fed the next bf16 matmul an fp32 operand
+    ("mat1 and mat2 must have the same dtype", in training and in serving)."""
+    model = tiny_gpt().to(torch.bfloat16)
+    x, y = batch()
+    with torch.no_grad():
+        eager = float(model(x, y))
+    engine = fxspeed.compile(model, 1, fxspeed.Config(precision="bf16"), example_inputs=(x, y))
+    mms = [n for n in engine.graph().graph.nodes if n.op == "call_function" and n.target in LOW_OPS]
+    assert mms and all(out_dtypes(n)[0] == torch.bfloat16 for n in mms)
+    for n in mms:  # no fp32 round trip after a matmul
+        assert not any(u.target is aten._to_copy.default and u.kwargs.get("dtype") == torch.float32 for u in n.users)
+    losses = [engine.train_step(x, y) for _ in range(3)]
+    assert abs(losses[0] - eager) <= 2e-2 * abs(eager), (losses[0], eager)
+    assert losses[-1] < losses[0]
+
+
 class Scaler(nn.Module):
     """A model whose gradients overflow fp16 for a batch with huge values."""
 

@@ -140,8 +140,9 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         n.args = tuple(args)
         if n.target in MASK_ARGS:
             _cast_mask(g, n, *MASK_ARGS[n.target], low, lowered, cast_of)
+        before = n.meta.get("val")
         n.meta["val"] = _fake(n)
-        _cast_back(g, n, raw_of)
+        _cast_back(g, n, raw_of, before)
         changed = True
     return PassResult(gm, modified=changed)
 
@@ -188,18 +189,23 @@ def _fake(n: fx.Node) -> object:
     return fake_value(n.target, n.args, n.kwargs)
 
 
-def _cast_back(g: fx.Graph, n: fx.Node, raw_of: dict[fx.Node, fx.Node]) -> None:
-    """Give fp32 consumers of `n`'s low-precision outputs an fp32 value (one cast each)."""
+def _cast_back(g: fx.Graph, n: fx.Node, raw_of: dict[fx.Node, fx.Node], before: object) -> None:
+    """Give the consumers of each output of `n` that was fp32 before the rewrite (`before`: its
+    value then) and is low now an fp32 value (one cast each). An output that was low already (a
+    model converted to bf16: its matmuls took bf16 and gave bf16) stays as its readers had it."""
     val = n.meta["val"]
     if isinstance(val, torch.Tensor):
-        outs = [n]
+        outs = [(n, before)]
     else:  # tuple outputs are read through getitem nodes
-        outs = [u for u in n.users if u.target is operator.getitem]
-        for u in outs:
+        outs = [(u, before[u.args[1]] if isinstance(before, (tuple, list)) else None)
+                for u in n.users if u.target is operator.getitem]
+        for u, _ in outs:
             u.meta["val"] = val[u.args[1]]
-    for o in outs:
+    for o, was in outs:
         v = o.meta["val"]
         if not isinstance(v, torch.Tensor) or v.dtype == torch.float32 or not v.is_floating_point():
+            continue
+        if not isinstance(was, torch.Tensor) or was.dtype != torch.float32:
             continue
         users = [u for u in o.users]
         with g.inserting_after(o):

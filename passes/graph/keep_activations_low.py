@@ -124,10 +124,10 @@ def keep_activations_low(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if set(_dtypes(val)) != ({low} if all_low else set(_dtypes(n.meta["val"]))):
             continue
         n.args, n.kwargs = args, kwargs
-        n.meta["val"] = val
+        was, n.meta["val"] = n.meta["val"], val
         changed = True
         if all_low:
-            _cast_back(g, n, raw_of)  # its readers see an fp32 cast-back, which the next ones look through
+            _cast_back(g, n, raw_of, was)  # its readers see an fp32 cast-back, which the next ones look through
     for back in list(raw_of):
         if not back.users:
             g.erase_node(back)
