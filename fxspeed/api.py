@@ -14,6 +14,7 @@ from fxspeed.devices import DeviceSpec, normalize_devices
 from fxspeed.compiler import Compiler
 from fxspeed.mesh import Mesh
 from fxspeed.runtime.engine import Engine, check_pipeline_config
+from fxspeed.runtime.serving import check_pack_linear
 from fxspeed.errors import ConfigError
 from fxspeed.planner.plan import Plan
 from fxspeed.planner import plan_model
@@ -135,7 +136,9 @@ def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | 
     forward (a model the passes would serve wrongly is refused here). Puts the model in eval mode.
     `pack_linear` (CPU): buckets of a few tokens run their fp32 linears over weights pre-packed
     for oneDNN or through ATen's GEMM, whichever a probe pass over the model's weights measures
-    faster on this machine ("auto", before each such bucket compiles); "always" / "never" force it.
+    faster on this machine ("auto": timed when each such bucket is first used, except the first
+    program serve compiles; tensor-parallel ranks may choose differently, which changes rounding
+    only); "always" / "never" force it.
     """
     _check_model(model, "serve")
     cfg = Config.coerce(config)
@@ -147,6 +150,7 @@ def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | 
                           "devices=N with Config(tensor=N) (no data-parallel replicas or pipeline stages yet)")
     if any(p.is_meta for p in model.parameters()):
         raise ConfigError("serve: the model has parameters on the meta device; materialize and load it first")
+    check_pack_linear(pack_linear)
     if cuda_graphs and (cfg.tensor > 1 or not all(d.kind == "cuda" for d in devs)):
         raise ConfigError(f"serve: cuda_graphs=True needs one CUDA device (devices: {[d.name for d in devs]}, "
                           f"Config.tensor={cfg.tensor}); tensor-parallel steps are not captured yet. Leave "

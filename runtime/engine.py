@@ -78,7 +78,7 @@ class CompilerLike(Protocol):
                 positions: Sequence[int] = (), split_points: Sequence[str] | None = None,
                 analyze: Any = None) -> Any: ...
 
-    def inference(self, model: nn.Module, tokens: int) -> Any: ...  # an InferenceProgram (fxspeed.serve)
+    def inference(self, model: nn.Module, tokens: int, pack: bool = True) -> Any: ...  # an InferenceProgram (fxspeed.serve)
 
 
 def check_pipeline_config(config: Config, n_devices: int) -> None:

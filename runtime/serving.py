@@ -237,8 +237,7 @@ class ServingLoop:
         the pack_linear_weights pass applies (CPU buckets of a few tokens) if `pack`.
         `pack_linear`: "auto" times both ways on the model's weights before compiling each such
         bucket and packs where that is faster (`pack_probe` keeps the seconds); "always"; "never"."""
-        if pack_linear not in ("auto", "always", "never"):
-            raise ConfigError(f"serve: pack_linear must be 'auto', 'always' or 'never', got {pack_linear!r}")
+        check_pack_linear(pack_linear)
         if token_budget < 1 or max_batch < 1 or block_size < 1:
             raise ConfigError(f"serve: token_budget ({token_budget}), max_batch ({max_batch}) and block_size "
                               f"({block_size}) must be >= 1")
@@ -273,7 +272,8 @@ class ServingLoop:
         # pre-packed linear weights of the CPU's small buckets, one copy shared by every bucket,
         # laid out for the decode bucket's rows (runtime/kernels/packed_linear.py)
         self.packed = PackedWeights(decode)
-        # (not timed: the largest bucket is past pack_linear_tokens, or under tp the decode bucket)
+        # Not probed: it is compiled before any weight list exists (the largest bucket, usually past
+        # pack_linear_tokens; under tp the decode bucket), so it packs wherever the pass applies.
         first = compile_bucket(decode if agree is not None else self.buckets[-1], pack_linear != "never")
         self._packable = (first.gm.meta.get("packable_weights", []), first.gm.meta.get("pack_linear_tokens", 0))
         tokens = cache_tokens if cache_tokens is not None else max_context * max_batch
@@ -574,6 +574,12 @@ def _sample(logits: torch.Tensor, r: _Request) -> int:
         x[idx[drop]] = float("-inf")
     probs = torch.softmax(x, -1).cpu()
     return int(torch.multinomial(probs, 1, generator=r.generator).item())
+
+
+def check_pack_linear(mode: str) -> None:
+    """serve's `pack_linear` is one of the three modes (checked before serve does any work)."""
+    if mode not in ("auto", "always", "never"):
+        raise ConfigError(f"serve: pack_linear must be 'auto', 'always' or 'never', got {mode!r}")
 
 
 def model_limits(model: nn.Module) -> tuple[int, int]:

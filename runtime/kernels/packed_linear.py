@@ -109,7 +109,8 @@ def packing_pays(specs: Sequence[IOSpec], rows: int, bind: Callable[[IOSpec], to
     # the unpacked program's product: addmm(b, x, c) over a Conv1D's [in, out], addmm(b, x, t(w)) over nn.Linear's
     gemm = [(s if spec.kind == "packed_weight_t" else s.t()) for spec, s in chosen]
     ready = [pack(w.t(), layout_rows) for w in gemm]  # [out, in], as PackedWeights packs them
-    xs = {w.shape[0]: torch.randn(rows, w.shape[0], dtype=w.dtype) for w in gemm}
+    g = torch.Generator().manual_seed(0)  # the user's RNG stays untouched (unseeded sampling draws from it)
+    xs = {w.shape[0]: torch.randn(rows, w.shape[0], dtype=w.dtype, generator=g) for w in gemm}
 
     def run_gemm() -> None:
         for w in gemm:
