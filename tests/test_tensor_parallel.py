@@ -131,13 +131,14 @@ SLOW_COMPUTE = DeviceSpec("slow-compute", 1e9, {"fp32": 1e8}, 1e9, 1e12, "cpu")
 
 def _compile(model: nn.Module, args: tuple, kwargs: dict, T: int, rank: int = 0,  # noqa: ANN202
              device: DeviceSpec | None = None, fixed: dict | None = None, sequence_parallel: bool = False,
-             fuse: bool = False):
+             fuse: bool = False, zero: int = 0):
     """`fuse`: run the fusion passes as on a CUDA program (their fused ops run the torch
-    fallback here)."""
+    fallback here). `zero` > 0: compiled as the first of 2 data-parallel replicas at that stage."""
     analysis = PlacementAnalysis([device or devices("cpu")[0]])
     analysis.params = fixed  # placements decided before: taken as they are (the rest replicated)
+    dp = dict(world_size=2, rank=0, zero=zero, group_name="dp") if zero else {}
     opts = PassOptions.single_device(Config(), tp_size=T, tp_rank=rank, tp_group_name="tp",
-                                     sequence_parallel=sequence_parallel, fuse_kernels="always" if fuse else "cuda")
+                                     sequence_parallel=sequence_parallel, fuse_kernels="always" if fuse else "cuda", **dp)
     cs = compile_step(model, args, kwargs, config=Config(), loss_fn=None, options=opts,
                       analyses=[analysis.graph_pass])
     return cs, analysis
@@ -153,12 +154,7 @@ def test_under_zero_1_and_2_every_bucketed_weight_and_tp_slice_is_read_only_afte
     9e-5 after 5 steps in about half of the 4-rank launches on a loaded machine)."""
     from tests.workers.tensor_parallel_worker import batches, build
 
-    analysis = PlacementAnalysis([devices("cpu")[0]])
-    analysis.params = None
-    opts = PassOptions.single_device(Config(), tp_size=2, tp_rank=0, tp_group_name="tp", world_size=2, rank=0,
-                                     zero=zero, group_name="dp")
-    cs = compile_step(build("gpt"), batches("gpt")[0], {}, config=Config(zero=zero, tensor=2), loss_fn=None,
-                      options=opts, analyses=[analysis.graph_pass])
+    cs, _ = _compile(build("gpt"), batches("gpt")[0], {}, 2, zero=zero)
     gm, sig = cs.captured.gm, cs.captured.signature
     in_buckets = {n for b in sig.buckets for n in b.names}
     wait = torch.ops._c10d_functional.wait_tensor.default

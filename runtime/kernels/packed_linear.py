@@ -50,6 +50,11 @@ def pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
 
 
+def out_in(spec: IOSpec, source: torch.Tensor) -> torch.Tensor:
+    """The weight behind packed input `spec` as [out, in] (a view): a Conv1D's [in, out] transposed."""
+    return source.t() if spec.kind == "packed_weight_t" else source
+
+
 class PackedWeights:
     """The packed copies a serving loop's programs read (see the module docstring). `rows`: the
     row count the layout is chosen for (the decode bucket)."""
@@ -66,7 +71,7 @@ class PackedWeights:
         return self._packed[spec][0]
 
     def _pack(self, spec: IOSpec, source: torch.Tensor) -> torch.Tensor:
-        return pack(source.t() if spec.kind == "packed_weight_t" else source, self.rows)
+        return pack(out_in(spec, source), self.rows)
 
     def refresh(self) -> list[str]:
         """Pack again every weight written since it was packed (in place: `p.data.copy_`, an
@@ -99,16 +104,16 @@ def packing_pays(specs: Sequence[IOSpec], rows: int, bind: Callable[[IOSpec], to
     2-core EPYC box measured packing 1.3x faster at one row, another 1.2x slower (why:
     docs/decisions/pack-linear-weights-on-cpu.md). `layout_rows`: the rows the serving loop's
     copies are packed for (PackedWeights.rows); the probe's own copies are freed on return."""
-    chosen, total = [], 0
+    weights, total = [], 0  # each [out, in]
     for spec in specs:
         if total >= budget_bytes:
             break
         src = bind(IOSpec("param", spec.target))
-        chosen.append((spec, src))
+        weights.append(out_in(spec, src))
         total += src.numel() * src.element_size()
     # the unpacked program's product: addmm(b, x, c) over a Conv1D's [in, out], addmm(b, x, t(w)) over nn.Linear's
-    gemm = [(s if spec.kind == "packed_weight_t" else s.t()) for spec, s in chosen]
-    ready = [pack(w.t(), layout_rows) for w in gemm]  # [out, in], as PackedWeights packs them
+    gemm = [w.t() for w in weights]
+    ready = [pack(w, layout_rows) for w in weights]
     g = torch.Generator().manual_seed(0)  # the user's RNG stays untouched (unseeded sampling draws from it)
     xs = {w.shape[0]: torch.randn(rows, w.shape[0], dtype=w.dtype, generator=g) for w in gemm}
 
