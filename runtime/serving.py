@@ -40,7 +40,7 @@ from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.ir import IOSpec
 from fxspeed.ir.program import InferenceProgram
 from fxspeed.runtime.kernels.packed_linear import PACKED_KINDS, PackedWeights, packing_pays
-from fxspeed.runtime.kernels.paged_attention import direct_calls
+from fxspeed.runtime.kernels.direct_calls import direct_calls
 
 log = logging.getLogger("fxspeed")
 

@@ -47,8 +47,8 @@ def test_the_pass_replaces_every_attention_by_paged_attention_and_adds_the_cache
     assert aten.arange.start not in ts and aten.arange.default not in ts
     assert prog.kv_layout == [(4, 8, torch.float32)] * 2
     assert prog.kv_bytes_per_token() == 2 * 2 * 4 * 8 * 4
-    assert [r.name for r in prog.records if r.name != "annotate"][-4:] == ["kv_cache", "select_logits",
-                                                                           "eliminate_dead_code", "pack_linear_weights"]
+    assert [r.name for r in prog.records if r.name != "annotate"][-6:] == [
+        "kv_cache", "select_logits", "fuse_activations", "drop_clones", "eliminate_dead_code", "pack_linear_weights"]
 
 
 def test_grouped_query_attention_caches_the_kv_heads_not_the_repeated_ones():
@@ -201,13 +201,18 @@ def test_the_torch_path_makes_a_step_s_slots_and_mask_once_and_again_when_the_me
 
     bt = torch.tensor([[1, 2], [3, 0]])
     qp = torch.tensor([[5], [2]])
-    first = _step_index(bt, qp, 4)
-    assert _step_index(bt, qp, 4)[0] is first[0]  # the second layer: the same tensors
+    qi = torch.tensor([[0], [1]])
+    first = _step_index(bt, qp, qi, 4)
+    assert _step_index(bt, qp, qi, 4)[0] is first[0]  # the second layer: the same tensors
     assert first[0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3]
-    assert first[1][:, 0, 0].tolist() == [[j <= 5 for j in range(8)], [j <= 2 for j in range(8)]]
+    assert (first[1][:, 0, 0] == 0).tolist() == [[j <= 5 for j in range(8)], [j <= 2 for j in range(8)]]
+    assert first[2]  # sequence s's one query is token s: a decode step
     bt[1, 0] = 2  # the next step, refilled in place
     qp.copy_(torch.tensor([[6], [3]]))
-    slots, mask = _step_index(bt, qp, 4)
+    qi.copy_(torch.tensor([[1], [0]]))
+    slots, mask, decode = _step_index(bt, qp, qi, 4)
     assert slots[8:12].tolist() == [8, 9, 10, 11]
-    assert mask[:, 0, 0].tolist() == [[j <= 6 for j in range(8)], [j <= 3 for j in range(8)]]
-    assert _step_index(bt.clone(), qp, 4)[0] is not slots  # another tensor, however equal: made again
+    assert (mask[:, 0, 0] == 0).tolist() == [[j <= 6 for j in range(8)], [j <= 3 for j in range(8)]]
+    assert mask[0, 0, 0, 7] == float("-inf") and not decode  # the queries swapped: not in token order
+    assert _step_index(bt.clone(), qp, qi, 4)[0] is not slots  # another tensor, however equal: made again
+    assert _step_index(bt, qp, qi, 4, torch.bfloat16)[1].dtype == torch.bfloat16  # the queries' dtype

@@ -12,9 +12,10 @@ outputs cut to the logits, then the inference passes run under the pass manager:
     dedupe_tied_parameters, normalize_graph, insert_casts (bf16/fp16 configs),
     keep_activations_low (bf16/fp16 unless Config.low_activations=False), [shard_tensors],
     kv_cache, select_logits, [fuse_kernels, fuse_rotary, fuse_activations, fuse_residual_norms,
-    fold_norm_casts (CUDA programs; after shard_tensors, so on this tp rank's heads and columns)],
-    eliminate_dead_code, pack_linear_weights (CPU programs of at most pack_linear_tokens tokens:
-    fp32 linear weights pre-packed for oneDNN), annotate
+    fold_norm_casts (CUDA programs; after shard_tensors, so on this tp rank's heads and columns);
+    fuse_activations alone elsewhere], [upcast_cpu_compute], drop_clones (the capture's copies of
+    eval-mode dropout), eliminate_dead_code, pack_linear_weights (CPU programs of at most
+    pack_linear_tokens tokens: fp32 linear weights pre-packed for oneDNN), annotate
 
 Tensor parallelism (options.tp_size > 1): `shard_tensors` cuts the program for this tp rank
 before `kv_cache`, with the parameter layout of the engine's "tp_placements" analysis (solved
@@ -82,6 +83,7 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     from fxspeed.passes.graph.fuse_residual_norms import fuse_residual_norms
     from fxspeed.passes.graph.fold_norm_casts import fold_norm_casts
     from fxspeed.passes.graph.fuse_rotary import fuse_rotary
+    from fxspeed.passes.inference.drop_clones import drop_clones
     from fxspeed.passes.inference.kv_cache import kv_cache
     from fxspeed.passes.inference.pack_linear_weights import pack_linear_weights
     from fxspeed.passes.inference.select_logits import select_logits
@@ -120,10 +122,12 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     # that keeps one row per sequence is fused at the size it runs at; and, under tensor
     # parallelism, after shard_tensors, so each fused region is local to this rank.
     fusion = [fuse_kernels, fuse_rotary, fuse_activations, fuse_residual_norms, fold_norm_casts]
-    fuse = fusion if fusion_wanted(gm, opts) else []
+    # Elsewhere (the CPU) only the activations: the runtime calls the fused op's torch body, one
+    # aten.gelu where GPT-2's written-out tanh GELU runs eight ops (runtime/kernels/direct_calls.py).
+    fuse = fusion if fusion_wanted(gm, opts) else [fuse_activations]
     upcast = [upcast_cpu_compute] if upcast_wanted(gm, opts) else []
     passes = [dedupe_tied_parameters, normalize_graph, insert_casts, keep_activations_low, *tp, kv_cache, select_logits,
-              *fuse, *upcast, eliminate_dead_code, pack_linear_weights]
+              *fuse, *upcast, drop_clones, eliminate_dead_code, pack_linear_weights]
     pm = PassManager(passes, analyses=[make_annotate_pass(), *analyses], disabled=config.disable_passes,
                      known=[*ALL_PASSES, *STAGE_PASS_NAMES, *OPTIONAL_PASS_NAMES, *FUSION_PASS_NAMES,
                             *(p.name for p in passes)])

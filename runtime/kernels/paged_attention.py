@@ -59,10 +59,16 @@ def paged_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
         return _paged_attention_triton(q, kc, vc, k_cache.shape[1], block_table, query_index, query_pos, scale)
     bs = k_cache.shape[1]
     S, NB = block_table.shape
-    slots, mask = _step_index(block_table, query_pos, bs)
+    slots, mask, decode = _step_index(block_table, query_pos, query_index, bs, q.dtype)
     # index_select, not advanced indexing: ~10x less overhead per call on CPU at decode sizes
     K = kc.index_select(0, slots).view(S, NB * bs, Hkv, D).transpose(1, 2)  # [S, Hkv, L, D]
     V = vc.index_select(0, slots).view(S, NB * bs, Hkv, D).transpose(1, 2)
+    if decode:  # sequence s's one query is token s: q's own rows, no gather in and no scatter out
+        Q = q[0, :, :S].transpose(0, 1).unsqueeze(2)  # [S, H, 1, D]
+        out = F.scaled_dot_product_attention(Q, K.to(Q.dtype), V.to(Q.dtype), attn_mask=mask, scale=scale,
+                                             enable_gqa=H != Hkv).reshape(S, H, D)
+        res = out if S == T else torch.cat([out, out.new_zeros(T - S, H, D)])
+        return res.contiguous().transpose(0, 1).unsqueeze(0)
     qt = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, H, D)])  # row T: the dummy query
     Sq, Qn = query_index.shape
     Q = qt.index_select(0, query_index.reshape(-1)).view(Sq, Qn, H, D).transpose(1, 2)  # [S, H, Q, D]
@@ -73,9 +79,9 @@ def paged_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
     return res[:T].transpose(0, 1).unsqueeze(0)
 
 
-# The last step's (block_table, query_pos, (their versions, block size), (slots, mask)): every
-# layer of a step calls the op with the same metadata tensors, so the torch path makes its slot
-# list and mask once per step, not once per layer (5 ops in each layer but the first: 55 of the
+# The last step's (block_table, query_pos, query_index, (their versions, block size, dtype),
+# (slots, mask, decode)): every layer of a step calls the op with the same metadata tensors, so
+# the torch path makes its slot list, mask and decode test once per step, not once per layer (5 ops in each layer but the first: 55 of the
 # ~520 of a GPT-2 decode step; 12 layers at one token went from 3.7-3.8 to 2.8-2.9 ms). Holding
 # the tensors keeps their identity from being reused; their version counters catch a step that
 # refills them in place (_Static buckets). CPU only: under CUDA graph capture a memo made by the
@@ -83,21 +89,30 @@ def paged_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
 _last_step: tuple | None = None
 
 
-def _step_index(block_table: torch.Tensor, query_pos: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache slots of every sequence's blocks, flat [S * NB * bs], and the causal mask
-    [S, 1, Q, NB * bs] (key j visible to a query at position p when j <= p)."""
+def _step_index(block_table: torch.Tensor, query_pos: torch.Tensor, query_index: torch.Tensor, bs: int,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The cache slots of every sequence's blocks, flat [S * NB * bs]; the causal mask
+    [S, 1, Q, NB * bs] (key j visible to a query at position p when j <= p), additive (0 / -inf in
+    `dtype`, the queries': SDPA would convert a boolean one in every layer); and whether the step is pure decode, every
+    sequence s's one query slot holding token s (then the queries need no gather)."""
     global _last_step
     on_cpu = block_table.device.type == "cpu"
-    stamp = (block_table._version, query_pos._version, bs)
+    stamp = (block_table._version, query_pos._version, query_index._version, bs, dtype)
     memo = _last_step
-    if on_cpu and memo is not None and memo[0] is block_table and memo[1] is query_pos and memo[2] == stamp:
-        return memo[3]
+    if on_cpu and memo is not None and memo[0] is block_table and memo[1] is query_pos and memo[2] is query_index \
+            and memo[3] == stamp:
+        return memo[4]
     S, NB = block_table.shape
     slots = (block_table[:, :, None] * bs + torch.arange(bs, device=block_table.device)).reshape(-1)
-    mask = (torch.arange(NB * bs, device=query_pos.device)[None, None, :] <= query_pos[:, :, None])[:, None]
+    seen = torch.arange(NB * bs, device=query_pos.device)[None, None, :] <= query_pos[:, :, None]
+    mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))[:, None]
+    # .item() on CPU only: on CUDA it would wait for the device (and break graph capture)
+    decode = on_cpu and query_index.shape[1] == 1 and bool(
+        torch.equal(query_index[:, 0], torch.arange(S, device=query_index.device)))
+    found = (slots, mask, decode)
     if on_cpu:
-        _last_step = (block_table, query_pos, stamp, (slots, mask))
-    return slots, mask
+        _last_step = (block_table, query_pos, query_index, stamp, found)
+    return found
 
 
 def _write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -288,15 +303,3 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
       scale: float) -> torch.Tensor:
     _, H, T, D = q.shape
     return q.new_empty(T, H, D).transpose(0, 1).unsqueeze(0)
-
-
-def direct_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of serving program `gm` whose paged attentions call `paged_attention_impl` itself
-    instead of going through the op (the same computation, without the dispatch)."""
-    import copy
-
-    graph = copy.deepcopy(gm.graph)
-    for n in graph.nodes:
-        if n.op == "call_function" and n.target == torch.ops.fxspeed.paged_attention.default:
-            n.target = paged_attention_impl
-    return torch.fx.GraphModule(gm, graph)
