@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Sequence
@@ -125,6 +126,21 @@ class _Request:
 
     def done(self) -> bool:
         return len(self.out) >= self.max_new or (bool(self.out) and self.out[-1] in self.eos)
+
+
+def _token_ids(prompt: Any) -> tuple[list[int] | None, str]:
+    """The prompt's token ids (a list, a 1-D integer tensor or array), or (None, what is wrong).
+    Only integers: a float id (2.5, or 2.0 from a float tensor), a bool or a string is refused, not
+    rounded: it means the caller passed something other than what it meant to."""
+    seq = prompt.tolist() if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)) else prompt
+    try:
+        items = list(seq)
+    except TypeError:
+        return None, f"a {type(prompt).__name__}"
+    for j, t in enumerate(items):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            return None, f"position {j} holds {t!r}, a {type(t).__name__}"
+    return [int(t) for t in items], ""
 
 
 class _Bound:
@@ -393,10 +409,9 @@ class ServingLoop:
             raise ConfigError(f"generate: temperature must be >= 0 (0 is greedy), got {temperature}")
         out: list[_Request | RequestError] = []
         for i, p in enumerate(prompts):
-            try:
-                ids = [int(t) for t in (p.tolist() if isinstance(p, torch.Tensor) else p)]
-            except (TypeError, ValueError):
-                out.append(RequestError(i, f"the prompt is not a list of token ids ({type(p).__name__})"))
+            ids, bad = _token_ids(p)
+            if ids is None:
+                out.append(RequestError(i, f"the prompt is not a list of integer token ids ({bad})"))
                 continue
             m = max_new[i]
             err = None

@@ -117,6 +117,23 @@ def test_bad_requests_fail_alone_and_the_others_match_their_greedy_tokens(gpt2_e
     assert [returned[0], returned[4]] == alone and isinstance(returned[1], fxspeed.RequestError)
 
 
+def test_a_prompt_of_integer_ids_in_any_container_is_served_and_one_of_floats_bools_or_strings_is_refused(gpt2_engine):
+    """Token ids come as a list, a 1-D integer tensor (any integer dtype, non-contiguous) or a numpy
+    array; a float id (2.5, and 2.0 from a float tensor), a bool or a string would have been
+    rounded or coerced into some other token: that request is refused, the others are served."""
+    import numpy as np
+
+    _, engine = gpt2_engine
+    want = engine.generate([[1, 2, 3, 4]], max_new_tokens=4)[0]
+    strided = torch.tensor([1, 0, 2, 0, 3, 0, 4, 0])[::2]
+    ok = [torch.tensor([1, 2, 3, 4], dtype=torch.int32), strided, np.array([1, 2, 3, 4]), (1, 2, 3, 4)]
+    bad = [[1, 2.5, 3, 4], torch.tensor([1.0, 2.0, 3.0, 4.0]), [True, 2, 3, 4], ["1", "2", "3", "4"], [[1, 2], [3, 4]]]
+    res = engine.generate([*ok, *bad], max_new_tokens=4, on_error="return")
+    assert res[:len(ok)] == [want] * len(ok)
+    assert all(isinstance(r, fxspeed.RequestError) and "integer token ids" in str(r) for r in res[len(ok):])
+    assert "position 1 holds 2.5, a float" in str(res[len(ok)])
+
+
 def test_stream_yields_the_tokens_of_generate_and_eos_stops_a_request(gpt2_engine):
     _, engine = gpt2_engine
     prompts = [[1, 2, 3], [9, 8], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4]]
