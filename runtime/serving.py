@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import numbers
 import time
 from dataclasses import dataclass, field
@@ -405,8 +406,8 @@ class ServingLoop:
             raise ConfigError(f"generate: eos_token_ids has {len(eos_token_ids)} entries for {n} prompts (one per "
                               "prompt; eos_token_id= applies one to all)")
         eos_each = list(eos_token_ids) if eos_token_ids is not None else [eos_token_id] * n
-        if temperature < 0:
-            raise ConfigError(f"generate: temperature must be >= 0 (0 is greedy), got {temperature}")
+        eos_sets = [_eos_set(e, "eos_token_ids" if eos_token_ids is not None else "eos_token_id") for e in eos_each]
+        _check_sampling(temperature, top_k, top_p, seed)
         out: list[_Request | RequestError] = []
         for i, p in enumerate(prompts):
             ids, bad = _token_ids(p)
@@ -431,8 +432,7 @@ class ServingLoop:
             if err:
                 out.append(RequestError(i, err))
                 continue
-            e = eos_each[i]
-            eos = frozenset() if e is None else frozenset([e] if isinstance(e, int) else e)
+            eos = eos_sets[i]
             gen = None
             if temperature > 0:
                 gen = torch.Generator(device="cpu")
@@ -589,6 +589,32 @@ def _sample(logits: torch.Tensor, r: _Request) -> int:
         x[idx[drop]] = float("-inf")
     probs = torch.softmax(x, -1).cpu()
     return int(torch.multinomial(probs, 1, generator=r.generator).item())
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_sampling(temperature: Any, top_k: Any, top_p: Any, seed: Any) -> None:
+    """generate's sampling options, refused before any work (a NaN temperature used to fail in
+    the middle of a generation, a top_p of 1.5 or a negative top_k to be ignored)."""
+    if not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) or temperature < 0:
+        raise ConfigError(f"generate: temperature must be a finite number >= 0 (0 is greedy), got {temperature!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k < 0):
+        raise ConfigError(f"generate: top_k must be an int >= 0 (0 or None: no top-k cut), got {top_k!r}")
+    if top_p is not None and (not isinstance(top_p, numbers.Real) or not 0.0 < top_p <= 1.0):
+        raise ConfigError(f"generate: top_p must be a number in (0, 1] (1 or None: no nucleus cut), got {top_p!r}")
+    if seed is not None and not _is_int(seed):
+        raise ConfigError(f"generate: seed must be an int or None, got {seed!r}")
+
+
+def _eos_set(e: Any, name: str) -> frozenset[int]:
+    """One request's stop tokens: None, an id, or a list of ids."""
+    ids = [] if e is None else [e] if not isinstance(e, (list, tuple, set, frozenset)) else list(e)
+    if not all(_is_int(t) for t in ids):
+        raise ConfigError(f"generate: {name} must be a token id, a list of ids or None (per request for "
+                          f"eos_token_ids), got {e!r}")
+    return frozenset(int(t) for t in ids)
 
 
 def check_pack_linear(mode: str) -> None:

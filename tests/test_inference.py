@@ -134,6 +134,22 @@ def test_a_prompt_of_integer_ids_in_any_container_is_served_and_one_of_floats_bo
     assert "position 1 holds 2.5, a float" in str(res[len(ok)])
 
 
+@pytest.mark.parametrize("options,key", [
+    (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=-1.0), "temperature"), (dict(temperature=1.0, top_k=-3), "top_k"),
+    (dict(temperature=1.0, top_k=2.5), "top_k"), (dict(temperature=1.0, top_p=0.0), "top_p"),
+    (dict(temperature=1.0, top_p=1.5), "top_p"), (dict(temperature=1.0, top_p=float("nan")), "top_p"),
+    (dict(temperature=1.0, seed=1.5), "seed"), (dict(eos_token_id=2.5), "eos_token_id"),
+    (dict(eos_token_id=[1, "x"]), "eos_token_id"), (dict(eos_token_ids=[[1], 2.0]), "eos_token_ids")])
+def test_a_sampling_option_out_of_its_range_is_refused_before_any_token_is_made(gpt2_engine, options, key):
+    """A NaN temperature used to fail inside the first sampled step, a top_p of 1.5 or a negative
+    top_k to be ignored, a float stop id to be matched against nothing."""
+    _, engine = gpt2_engine
+    with pytest.raises(fxspeed.ConfigError, match=f"generate: {key} must be"):
+        engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=3, **options)
+    assert engine._serving.cache.free_blocks() == engine._serving.cache.usable_blocks  # nothing held
+
+
 def test_stream_yields_the_tokens_of_generate_and_eos_stops_a_request(gpt2_engine):
     _, engine = gpt2_engine
     prompts = [[1, 2, 3], [9, 8], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4]]
