@@ -83,6 +83,29 @@ def test_a_copy_of_a_view_of_a_value_written_in_place_stays():
     torch.testing.assert_close(gm(x)[0], (x + 3 * x).view(2, 12))
 
 
+def test_a_copy_written_through_a_piece_of_a_split_of_its_input_or_returned_through_a_view_stays():
+    """A write into one chunk of a split of the copied value reaches the value; a returned view of
+    the copy would alias the input (here the program's own input) once the copy is gone."""
+
+    def written(x: torch.Tensor) -> tuple[torch.Tensor]:
+        base = x * 1
+        c = aten.clone.default(base)
+        base.split(2)[0].add_(5.0)
+        return (c + base,)
+
+    def returned(x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (aten.clone.default(x).view(-1),)
+
+    x = torch.randn(4, 6)
+    for f in (written, returned):
+        gm = _run(make_fx(f, tracing_mode="fake")(x))
+        assert _clones(gm) == 1, f.__name__
+        a = x.clone()
+        torch.testing.assert_close(gm(a)[0], f(x.clone())[0])
+    out = gm(a)[0]
+    assert out.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+
+
 def test_a_gpt2_serving_program_reads_its_residual_branches_without_copying_them_and_generates_the_same_tokens():
     """An eval-mode capture of HF GPT-2 copies the embedding sum and both residual branches of
     every layer (dropout): the serving program copies none of them, and serves the same tokens."""

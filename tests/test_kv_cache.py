@@ -215,4 +215,6 @@ def test_the_torch_path_makes_a_step_s_slots_and_mask_once_and_again_when_the_me
     assert (mask[:, 0, 0] == 0).tolist() == [[j <= 6 for j in range(8)], [j <= 3 for j in range(8)]]
     assert mask[0, 0, 0, 7] == float("-inf") and not decode  # the queries swapped: not in token order
     assert _step_index(bt.clone(), qp, qi, 4)[0] is not slots  # another tensor, however equal: made again
+    qi.copy_(torch.tensor([[0], [1]]))  # only the query slots refilled: the decode test is made again
+    assert _step_index(bt, qp, qi, 4)[2]
     assert _step_index(bt, qp, qi, 4, torch.bfloat16)[1].dtype == torch.bfloat16  # the queries' dtype

@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from fxspeed.compiler.annotate import make_annotate_pass
 from fxspeed.compiler.capture import capture_step
+from fxspeed.compiler.rewrite import wanted_on
 from fxspeed.compiler.options import PassOptions
 from fxspeed.compiler.pass_manager import PassContext, PassManager
 from fxspeed.compiler.pipelines import FUSION_PASS_NAMES, OPTIONAL_PASS_NAMES
@@ -122,9 +123,10 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     # that keeps one row per sequence is fused at the size it runs at; and, under tensor
     # parallelism, after shard_tensors, so each fused region is local to this rank.
     fusion = [fuse_kernels, fuse_rotary, fuse_activations, fuse_residual_norms, fold_norm_casts]
-    # Elsewhere (the CPU) only the activations: the runtime calls the fused op's torch body, one
-    # aten.gelu where GPT-2's written-out tanh GELU runs eight ops (runtime/kernels/direct_calls.py).
-    fuse = fusion if fusion_wanted(gm, opts) else [fuse_activations]
+    # On the CPU only the activations (unless fusion is "off"): the runtime calls the fused op's torch
+    # body, one aten.gelu where GPT-2's written-out tanh GELU runs eight ops (runtime/kernels/direct_calls.py).
+    on_cpu = opts.fuse_kernels != "off" and not wanted_on(gm, "cuda")
+    fuse = fusion if fusion_wanted(gm, opts) else [fuse_activations] if on_cpu else []
     upcast = [upcast_cpu_compute] if upcast_wanted(gm, opts) else []
     passes = [dedupe_tied_parameters, normalize_graph, insert_casts, keep_activations_low, *tp, kv_cache, select_logits,
               *fuse, *upcast, drop_clones, eliminate_dead_code, pack_linear_weights]

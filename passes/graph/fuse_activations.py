@@ -8,7 +8,9 @@ and GELU (aten.gelu, or GPT-2's tanh form written out; a bias add of its own fol
 fxspeed.gelu_fwd / gelu_bwd. The fused ops compute in fp32 and round once (in bf16 programs the
 unfused ops round after each op: close, not identical). Runs after fuse_kernels, before
 recompute_pointwise, which recomputes the fused forward in backward from g and u (kept anyway)
-instead of keeping its output. compile_step and compile_inference add it where fuse_kernels runs;
+instead of keeping its output. compile_step and compile_inference add it where fuse_kernels runs,
+and compile_inference alone on CPU programs (the serving runtime calls the fused forward ops' torch
+bodies there: one aten.gelu for GPT-2's eight-op tanh GELU);
 under tensor parallelism on each rank's program, after shard_tensors (on this rank's MLP
 columns: docs/decisions/fuse-after-sharding.md). Disabled by name ("fuse_activations").
 Options read: none.

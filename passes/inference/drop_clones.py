@@ -10,12 +10,15 @@ its activations can read the value itself:
 
 Only where that changes nothing a reader can see: the copy has its input's shape, strides, dtype
 and device (a dense input, `memory_format` unset or preserve: a layout-changing clone stays, later
-views may need it); neither the input nor anything it is a view of is written in place by a node
-of the program (the paged attention writes its cache inputs); and the copy is not an output of the
-program (the output would alias another value). Reads no options.
+views may need it); neither the input nor anything it is a view of (through view ops and the
+pieces of split / unbind / chunk) is written in place by a node of the program (the paged
+attention writes its cache inputs); and neither the copy nor a view of it is an output of the
+program (the output would alias another value, perhaps a parameter). Reads no options.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -40,13 +43,27 @@ def _written(g: fx.Graph) -> set[fx.Node]:
     return out
 
 
+def _aliases(n: fx.Node) -> bool:
+    """`n`'s result shares memory with its first argument: a view op, or one result of a
+    multi-view op (split, unbind, chunk: `getitem` of a list of views)."""
+    if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    if n.target is operator.getitem:
+        return _aliases(n.args[0])
+    schema = getattr(n.target, "_schema", None)
+    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
+
+
 def _base(n: fx.Node) -> fx.Node:
     """The value `n` is a view of, through every op whose result aliases its first argument."""
-    while n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.args \
-            and isinstance(n.args[0], fx.Node) and n.target._schema.returns \
-            and n.target._schema.returns[0].alias_info is not None:
+    while _aliases(n):
         n = n.args[0]
     return n
+
+
+def _reaches_output(n: fx.Node) -> bool:
+    """`n`, or a view of it, is an output of the program."""
+    return any(u.op == "output" or (_aliases(u) and u.args[0] is n and _reaches_output(u)) for u in n.users)
 
 
 def _same_layout(a: object, b: object) -> bool:
@@ -65,7 +82,7 @@ def drop_clones(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         x = n.args[0]
         if n.kwargs.get("memory_format") not in (None, torch.preserve_format) \
                 or not _same_layout(x.meta.get("val"), n.meta.get("val")) \
-                or any(u.op == "output" for u in n.users) or _base(x) in written or n in written:
+                or _reaches_output(n) or _base(x) in written or n in written:
             continue
         n.replace_all_uses_with(x)
         g.erase_node(n)

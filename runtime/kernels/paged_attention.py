@@ -25,9 +25,10 @@ Two implementations behind `paged_attention_impl`:
   fresh copies and runs a masked SDPA over them; on a GPU, where decode attention is bound by memory
   bandwidth, that is a write and a second read of everything it reads. The kernel reads each key
   and value a query needs once per program and nothing past the program's last query position.
-- the torch implementation (CPU, any device, and whatever the kernel does not take): it runs the
-  same ATen ops per step whatever the batch mix, with no allocation that depends on anything but
-  the step's shapes.
+- the torch implementation (CPU, any device, and whatever the kernel does not take): no allocation
+  that depends on anything but the step's shapes. On the CPU a pure decode step (sequence s's one
+  query is token s) takes a shorter branch, without the query gather and output scatter a mixed
+  step needs; elsewhere (CUDA graphs capture one fixed op sequence) every step runs the same ops.
 
 The cache write (k/v into their slots) is torch's index_copy_ in both.
 """
