@@ -395,7 +395,7 @@ class ServingLoop:
         if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)):
             raise ConfigError("generate: prompts must be a list of token-id lists (one per request)")
         n = len(prompts)
-        if isinstance(max_new_tokens, int):
+        if _is_int(max_new_tokens) or isinstance(max_new_tokens, bool):  # a bool is refused per request below
             max_new = [max_new_tokens] * n
         else:
             max_new = list(max_new_tokens)
@@ -421,7 +421,7 @@ class ServingLoop:
             elif any(t < 0 or t >= self.vocab_size for t in ids):
                 bad = next(t for t in ids if t < 0 or t >= self.vocab_size)
                 err = f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
-            elif not isinstance(m, int) or m < 1:
+            elif not _is_int(m) or m < 1:
                 err = f"max_new_tokens must be an int >= 1, got {m!r}"
             elif len(ids) + m > self.max_context:
                 err = (f"prompt ({len(ids)} tokens) + max_new_tokens ({m}) = {len(ids) + m} exceeds the model's "
@@ -438,7 +438,7 @@ class ServingLoop:
                 gen = torch.Generator(device="cpu")
                 base = seed if seed is not None else int(torch.randint(0, 2**31, ()).item())
                 gen.manual_seed(base * 1_000_003 + i)  # per request: results do not depend on batching
-            out.append(_Request(i, ids, m, eos, temperature, top_k, top_p, gen))
+            out.append(_Request(i, ids, int(m), eos, temperature, top_k, top_p, gen))
         return out
 
     # --- the loop ---------------------------------------------------------------------------

@@ -132,6 +132,10 @@ def test_a_prompt_of_integer_ids_in_any_container_is_served_and_one_of_floats_bo
     assert res[:len(ok)] == [want] * len(ok)
     assert all(isinstance(r, fxspeed.RequestError) and "integer token ids" in str(r) for r in res[len(ok):])
     assert "position 1 holds 2.5, a float" in str(res[len(ok)])
+    # max_new_tokens: any integer type (numpy's from a length computation), not a bool
+    assert engine.generate([[1, 2, 3, 4]] * 2, max_new_tokens=np.int64(4)) == [want] * 2
+    assert engine.generate([[1, 2, 3, 4]] * 2, max_new_tokens=[np.int32(4), 2]) == [want, want[:2]]
+    assert "max_new_tokens must be an int" in str(engine.generate([[1, 2]], max_new_tokens=True, on_error="return")[0])
 
 
 @pytest.mark.parametrize("options,key", [
