@@ -139,7 +139,7 @@ def _token_ids(prompt: Any) -> tuple[list[int] | None, str]:
     except TypeError:
         return None, f"a {type(prompt).__name__}"
     for j, t in enumerate(items):
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+        if not _is_int(t):
             return None, f"position {j} holds {t!r}, a {type(t).__name__}"
     return [int(t) for t in items], ""
 
@@ -395,7 +395,7 @@ class ServingLoop:
         if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)):
             raise ConfigError("generate: prompts must be a list of token-id lists (one per request)")
         n = len(prompts)
-        if _is_int(max_new_tokens) or isinstance(max_new_tokens, bool):  # a bool is refused per request below
+        if isinstance(max_new_tokens, numbers.Integral):  # one for all (a bool is refused per request below)
             max_new = [max_new_tokens] * n
         else:
             max_new = list(max_new_tokens)

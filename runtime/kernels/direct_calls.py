@@ -22,23 +22,20 @@ from typing import Any, Callable
 import torch
 
 from .activations import gelu_fwd, swiglu_fwd
-from .paged_attention import paged_attention, paged_attention_impl
+from .paged_attention import paged_attention_impl
 
-
-def _bodies() -> dict[Any, Callable[..., Any]]:
-    # a CustomOpDef keeps the function it was made from as `_init_fn`
-    return {torch.ops.fxspeed.paged_attention.default: paged_attention_impl,
-            torch.ops.fxspeed.gelu_fwd.default: gelu_fwd._init_fn,
-            torch.ops.fxspeed.swiglu_fwd.default: swiglu_fwd._init_fn}
+# (importing the kernels' modules registers their ops.) A CustomOpDef keeps the function it was
+# made from as `_init_fn`.
+_BODIES: dict[Any, Callable[..., Any]] = {torch.ops.fxspeed.paged_attention.default: paged_attention_impl,
+                                          torch.ops.fxspeed.gelu_fwd.default: gelu_fwd._init_fn,
+                                          torch.ops.fxspeed.swiglu_fwd.default: swiglu_fwd._init_fn}
 
 
 def direct_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of serving program `gm` whose fxspeed op nodes (paged attention, the fused forward
     activations) call the ops' bodies instead of the ops; `gm` is left as it is."""
-    assert paged_attention is not None  # imported for its registration: the table names its op
-    bodies = _bodies()
     graph = copy.deepcopy(gm.graph)
     for n in graph.nodes:
-        if n.op == "call_function" and n.target in bodies:
-            n.target = bodies[n.target]
+        if n.op == "call_function" and n.target in _BODIES:
+            n.target = _BODIES[n.target]
     return torch.fx.GraphModule(gm, graph)

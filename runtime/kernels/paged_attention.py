@@ -64,17 +64,18 @@ def paged_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
     # index_select, not advanced indexing: ~10x less overhead per call on CPU at decode sizes
     K = kc.index_select(0, slots).view(S, NB * bs, Hkv, D).transpose(1, 2)  # [S, Hkv, L, D]
     V = vc.index_select(0, slots).view(S, NB * bs, Hkv, D).transpose(1, 2)
+    Sq, Qn = query_index.shape
     if decode:  # sequence s's one query is token s: q's own rows, no gather in and no scatter out
         Q = q[0, :, :S].transpose(0, 1).unsqueeze(2)  # [S, H, 1, D]
-        out = F.scaled_dot_product_attention(Q, K.to(Q.dtype), V.to(Q.dtype), attn_mask=mask, scale=scale,
-                                             enable_gqa=H != Hkv).reshape(S, H, D)
-        res = out if S == T else torch.cat([out, out.new_zeros(T - S, H, D)])
-        return res.contiguous().transpose(0, 1).unsqueeze(0)
-    qt = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, H, D)])  # row T: the dummy query
-    Sq, Qn = query_index.shape
-    Q = qt.index_select(0, query_index.reshape(-1)).view(Sq, Qn, H, D).transpose(1, 2)  # [S, H, Q, D]
+    else:
+        qt = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, H, D)])  # row T: the dummy query
+        Q = qt.index_select(0, query_index.reshape(-1)).view(Sq, Qn, H, D).transpose(1, 2)  # [S, H, Q, D]
     out = F.scaled_dot_product_attention(Q, K.to(Q.dtype), V.to(Q.dtype), attn_mask=mask, scale=scale,
                                          enable_gqa=H != Hkv)
+    if decode:
+        out = out.reshape(S, H, D)
+        res = out if S == T else torch.cat([out, out.new_zeros(T - S, H, D)])
+        return res.contiguous().transpose(0, 1).unsqueeze(0)
     res = q.new_zeros(T + 1, H, D)
     res.index_copy_(0, query_index.reshape(-1), out.transpose(1, 2).reshape(-1, H, D))  # dummies all land on row T
     return res[:T].transpose(0, 1).unsqueeze(0)
@@ -82,11 +83,11 @@ def paged_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
 
 # The last step's (block_table, query_pos, query_index, (their versions, block size, dtype),
 # (slots, mask, decode)): every layer of a step calls the op with the same metadata tensors, so
-# the torch path makes its slot list, mask and decode test once per step, not once per layer (5 ops in each layer but the first: 55 of the
-# ~520 of a GPT-2 decode step; 12 layers at one token went from 3.7-3.8 to 2.8-2.9 ms). Holding
-# the tensors keeps their identity from being reused; their version counters catch a step that
-# refills them in place (_Static buckets). CPU only: under CUDA graph capture a memo made by the
-# warm-up runs would be baked into the graph.
+# the torch path makes its slot list, mask and decode test once per step, not once per layer
+# (5 ops in each layer but the first: 55 of the ~520 of a GPT-2 decode step; 12 layers at one
+# token went from 3.7-3.8 to 2.8-2.9 ms). Holding the tensors keeps their identity from being
+# reused; their version counters catch a step that refills them in place (_Static buckets). CPU
+# only: under CUDA graph capture a memo made by the warm-up runs would be baked into the graph.
 _last_step: tuple | None = None
 
 
@@ -94,8 +95,9 @@ def _step_index(block_table: torch.Tensor, query_pos: torch.Tensor, query_index:
                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """The cache slots of every sequence's blocks, flat [S * NB * bs]; the causal mask
     [S, 1, Q, NB * bs] (key j visible to a query at position p when j <= p), additive (0 / -inf in
-    `dtype`, the queries': SDPA would convert a boolean one in every layer); and whether the step is pure decode, every
-    sequence s's one query slot holding token s (then the queries need no gather)."""
+    `dtype`, the queries': SDPA would convert a boolean one in every layer); and whether the step
+    is pure decode, every sequence s's one query slot holding token s (then the queries need no
+    gather)."""
     global _last_step
     on_cpu = block_table.device.type == "cpu"
     stamp = (block_table._version, query_pos._version, query_index._version, bs, dtype)
