@@ -30,3 +30,12 @@ def test_fxspeed_serve_prints_hugging_faces_greedy_tokens_and_reports_a_bad_requ
                                   pad_token_id=0)[0, len(p):].tolist()
             assert lines[i] == f"request {i}: {' '.join(map(str, want))}"
     assert lines[2].startswith("request 2: error:") and "empty" in lines[2]
+
+
+@pytest.mark.parametrize("name,hint", [("lama", "did you mean llama"), ("nosuchmodel", "e.g. gpt2, llama")])
+def test_an_unknown_model_name_is_refused_with_the_closest_model_types_not_all_of_them(name, hint):
+    from fxspeed.tools.serve_cli import build_model
+
+    with pytest.raises(SystemExit, match=hint) as e:
+        build_model(name, 1)
+    assert len(str(e.value)) < 300  # Hugging Face's own message lists all ~800 types

@@ -48,9 +48,16 @@ def build_model(name: str, layers: int | None):  # noqa: ANN201 - a transformers
     else:
         try:
             cfg = transformers.AutoConfig.for_model(name)
-        except ValueError as e:
-            raise SystemExit(f"fxspeed serve: --model {name!r} is neither a folder nor a Hugging Face model type "
-                             f"({e})") from None
+        except ValueError:
+            import difflib
+
+            # HF's own message lists every model type it knows (about 10 KB): name the closest few
+            known = list(transformers.CONFIG_MAPPING.keys())
+            close = difflib.get_close_matches(name, known, n=3, cutoff=0.7)
+            hint = (f"; did you mean {', '.join(close)}?" if close else
+                    f" ({len(known)} types, e.g. gpt2, llama, mistral, qwen2, opt, gpt_neox, phi)")
+            raise SystemExit(f"fxspeed serve: --model {name!r} is neither a folder nor a Hugging Face model type"
+                             + hint) from None
         has_weights = False
     if layers is not None:
         for key in ("num_hidden_layers", "n_layer"):
