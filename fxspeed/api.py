@@ -161,7 +161,12 @@ def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | 
         if set_attn is None:
             raise ConfigError(f"serve: {type(model).__name__} uses attn_implementation={impl!r}; build it with "
                               "attn_implementation='sdpa' so the KV cache can be threaded through its attention")
-        set_attn("sdpa")  # the same attention, as one op the kv_cache pass can find
+        try:
+            set_attn("sdpa")  # the same attention, as one op the kv_cache pass can find
+        except (ValueError, ImportError) as e:  # HF: this architecture has no SDPA attention (Gemma2)
+            raise ConfigError(f"serve: {type(model).__name__} cannot run with attn_implementation='sdpa' "
+                              f"({str(e).splitlines()[0][:200]}); serving threads the KV cache through SDPA "
+                              "attention, so this model cannot be served yet") from e
     analyses = []
     if cfg.tensor > 1:
         from fxspeed.planner.placement import check_tensor_config, make_placement_analysis

@@ -711,10 +711,11 @@ class Engine:
         from fxspeed.planner.inference import plan_inference
         from fxspeed.runtime.serving import ServingLoop, model_limits
 
-        vocab, context = model_limits(self.model)
+        vocab, context, limit = model_limits(self.model)
         self.model.eval()
         tp = self._tp
         self._serving = ServingLoop(self._inference_program, self._bind, vocab_size=vocab, max_context=context,
+                                    context_limit=limit,
                                     device=self._device, agree=self._agree_tokens if tp is not None else None,
                                     **options)
         low = self.config.precision != "fp32" or any(p.dtype in (torch.bfloat16, torch.float16) for p in self._unique)

@@ -15,12 +15,14 @@ holds the per-step scheduling it runs). One serving step:
     retire       a request that produced eos or max_new_tokens frees its blocks; waiting
                  requests join as soon as blocks are free
 
-Requests reserve the blocks of their whole length (prompt + max_new_tokens) when admitted, so
-a running request is never preempted. Block 0 is never handed out: padding tokens write there.
+Requests reserve the blocks of their whole length (prompt + max_new_tokens - 1: the last new
+token is never fed, so it takes no position and no cache slot) when admitted, so a running
+request is never preempted. Block 0 is never handed out: padding tokens write there.
 
-Bad requests (empty prompt, token id outside the vocabulary, prompt + max_new_tokens longer
-than the model's context, a request larger than the whole cache, max_new_tokens < 1) fail
-alone with a `RequestError`; the others run. `stream` yields (req_id, RequestError) for them;
+Bad requests (empty prompt, token id outside the vocabulary, prompt + max_new_tokens - 1 longer
+than the model's context or sliding window, a request larger than the whole cache, or larger
+than what is free while another paused `stream` of the engine holds the rest, max_new_tokens
+< 1) fail alone with a `RequestError`; the others run. `stream` yields (req_id, RequestError) for them;
 `generate` raises `GenerationError` at the end (its `.results` hold the other requests'
 tokens), or returns the errors in place with `on_error="return"`.
 """
@@ -33,7 +35,7 @@ import math
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -103,6 +105,51 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+# The default cache (max_batch requests of a whole context) is capped at this share of the memory
+# free after compiling: a long-context model's default (a Llama-3-8B config: 131072 x 16 tokens x
+# 128 KiB = 256 GiB) would otherwise fail in the allocator, or on a CPU with overcommit succeed
+# lazily and be killed later. The other half is left to activations and the rest of the process.
+CACHE_MEMORY_FRACTION = 0.5
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on `device` now: the CUDA allocator's view of the GPU, or the host's available
+    memory (psutil) for a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def _allocate_cache(program: InferenceProgram, cache_tokens: int | None, default_tokens: int, block_size: int,
+                    device: torch.device, agree: Callable[[torch.Tensor], torch.Tensor] | None) -> KVCache:
+    """The KVCache for `cache_tokens` (the user's), else for `default_tokens` capped at
+    CACHE_MEMORY_FRACTION of the free memory (under tensor parallelism tp rank 0's, through
+    `agree`: every rank must admit the same requests); a failed allocation is a ConfigError naming
+    cache_tokens instead of the allocator's message."""
+    per_token = program.kv_bytes_per_token()
+    tokens = cache_tokens
+    if tokens is None:
+        room = int(CACHE_MEMORY_FRACTION * free_memory(device)) // max(per_token, 1)
+        if agree is not None:
+            room = int(agree(torch.tensor([room]))[0])
+        tokens = default_tokens
+        if room < tokens:
+            tokens = max(room, 2 * block_size)
+            log.warning("fxspeed: serve's default KV cache (max_batch x context = %d tokens, %.1f GB) does not fit in "
+                        "half of the %s's free memory; it holds %d tokens (%.1f GB). Pass serve(..., cache_tokens=) "
+                        "to choose", default_tokens, default_tokens * per_token / 1e9, device.type, tokens,
+                        tokens * per_token / 1e9)
+    blocks = -(-tokens // block_size) + 1
+    try:
+        return KVCache(program.kv_layout, blocks, block_size, device)
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        raise ConfigError(f"serve: a KV cache of {tokens} tokens ({blocks * block_size * per_token / 1e9:.2f} GB, "
+                          f"{per_token} bytes a token) could not be allocated on {device}: {str(e).splitlines()[0]}; "
+                          "lower serve(..., cache_tokens=)") from e
 
 
 @dataclass
@@ -242,6 +289,7 @@ class ServingLoop:
 
     def __init__(self, compile_bucket: Callable[[int, bool], InferenceProgram], bind: Callable[[IOSpec], torch.Tensor],
                  *, vocab_size: int, max_context: int, device: torch.device, token_budget: int = 256,
+                 context_limit: str = "",
                  max_batch: int = 16, block_size: int = 16, cache_tokens: int | None = None,
                  agree: Callable[[torch.Tensor], torch.Tensor] | None = None, cuda_graphs: bool | None = None,
                  pack_linear: str = "auto"):
@@ -258,6 +306,10 @@ class ServingLoop:
         if token_budget < 1 or max_batch < 1 or block_size < 1:
             raise ConfigError(f"serve: token_budget ({token_budget}), max_batch ({max_batch}) and block_size "
                               f"({block_size}) must be >= 1")
+        if cache_tokens is not None and (not _is_int(cache_tokens) or cache_tokens < 1):
+            raise ConfigError(f"serve: cache_tokens must be an int >= 1 (the KV cache's size in tokens), got "
+                              f"{cache_tokens!r}; leave it unset for max_batch x the model's context, capped at half "
+                              "the free memory")
         if max_batch > token_budget:
             raise ConfigError(f"serve: max_batch ({max_batch}) > token_budget ({token_budget}): every running request "
                               "needs a token of each step's budget; raise token_budget or lower max_batch")
@@ -269,6 +321,7 @@ class ServingLoop:
         self._bind = bind
         self.vocab_size = vocab_size
         self.max_context = max_context
+        self.context_limit = context_limit or f"the model's context of {max_context} tokens"
         self.device = device
         self.token_budget = token_budget
         self.max_batch = max_batch
@@ -293,8 +346,7 @@ class ServingLoop:
         # pack_linear_tokens; under tp the decode bucket), so it packs wherever the pass applies.
         first = compile_bucket(decode if agree is not None else self.buckets[-1], pack_linear != "never")
         self._packable = (first.gm.meta.get("packable_weights", []), first.gm.meta.get("pack_linear_tokens", 0))
-        tokens = cache_tokens if cache_tokens is not None else max_context * max_batch
-        self.cache = KVCache(first.kv_layout, -(-tokens // block_size) + 1, block_size, device)
+        self.cache = _allocate_cache(first, cache_tokens, max_context * max_batch, block_size, device, agree)
         self.programs: dict[int, _Bound | _Static] = {}
         self.programs[first.tokens] = self._bound(first)
         self.stats: dict[str, Any] = {"steps": 0, "tokens": 0, "padded_tokens": 0,
@@ -397,6 +449,10 @@ class ServingLoop:
         n = len(prompts)
         if isinstance(max_new_tokens, numbers.Integral):  # one for all (a bool is refused per request below)
             max_new = [max_new_tokens] * n
+        elif isinstance(max_new_tokens, (str, bytes)) or not isinstance(max_new_tokens, Iterable) or (
+                isinstance(max_new_tokens, torch.Tensor) and max_new_tokens.dim() == 0):
+            raise ConfigError(f"generate: max_new_tokens must be an int or one int per prompt, got "
+                              f"{type(max_new_tokens).__name__} {max_new_tokens!r}")
         else:
             max_new = list(max_new_tokens)
             if len(max_new) != n:
@@ -423,11 +479,11 @@ class ServingLoop:
                 err = f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             elif not _is_int(m) or m < 1:
                 err = f"max_new_tokens must be an int >= 1, got {m!r}"
-            elif len(ids) + m > self.max_context:
-                err = (f"prompt ({len(ids)} tokens) + max_new_tokens ({m}) = {len(ids) + m} exceeds the model's "
-                       f"context of {self.max_context} tokens; shorten the prompt or lower max_new_tokens")
-            elif -(-(len(ids) + m) // self.block_size) > self.cache.usable_blocks:
-                err = (f"needs {len(ids) + m} tokens of KV cache but the whole cache holds "
+            elif len(ids) + m - 1 > self.max_context:  # the last new token is not fed: it needs no position
+                err = (f"prompt ({len(ids)} tokens) + max_new_tokens ({m}) - 1 = {len(ids) + m - 1} positions exceeds "
+                       f"{self.context_limit}; shorten the prompt or lower max_new_tokens")
+            elif -(-(len(ids) + m - 1) // self.block_size) > self.cache.usable_blocks:
+                err = (f"needs {len(ids) + m - 1} tokens of KV cache but the whole cache holds "
                        f"{self.cache.usable_blocks * self.block_size}; raise serve(..., cache_tokens=)")
             if err:
                 out.append(RequestError(i, err))
@@ -468,16 +524,28 @@ class ServingLoop:
                 self.cache.release(r.blocks)
                 r.blocks = []
 
-    def _loop(self, waiting: list[_Request], active: list[_Request]) -> Iterator[tuple[int, int]]:
+    def _loop(self, waiting: list[_Request], active: list[_Request]) -> Iterator[tuple[int, int | RequestError]]:
         bs = self.block_size
         while waiting or active:
             while waiting and len(active) < self.max_batch:
                 r = waiting[0]
-                blocks = self.cache.allocate(-(-(len(r.prompt) + r.max_new) // bs))
+                need = -(-(len(r.prompt) + r.max_new - 1) // bs)  # the last new token is never cached
+                blocks = self.cache.allocate(need)
+                if blocks is None and not active:
+                    # Nothing here will give blocks back: another stream() of this engine, paused by its
+                    # caller, holds them. Waiting would never end, so refuse this request.
+                    waiting.pop(0)
+                    yield r.id, RequestError(r.id, f"needs {need} KV-cache blocks but only {self.cache.free_blocks()} "
+                                                   f"of {self.cache.usable_blocks} are free: another stream() of this "
+                                                   "engine holds the rest; finish or close it first, or raise "
+                                                   "serve(..., cache_tokens=)")
+                    continue
                 if blocks is None:
                     break  # it fits in the cache (checked), just not now: wait for others to finish
                 r.blocks = blocks
                 active.append(waiting.pop(0))
+            if not active:
+                continue
             chunks = self._schedule(active)
             sampled = self._step(chunks)
             for r, tok in sampled:
@@ -623,8 +691,9 @@ def check_pack_linear(mode: str) -> None:
         raise ConfigError(f"serve: pack_linear must be 'auto', 'always' or 'never', got {mode!r}")
 
 
-def model_limits(model: nn.Module) -> tuple[int, int]:
-    """(vocab size, context length) from the model's config (Hugging Face or fxspeed's GPT)."""
+def model_limits(model: nn.Module) -> tuple[int, int, str]:
+    """(vocab size, context length, what that length is: for an error message) from the model's
+    config (Hugging Face or fxspeed's GPT)."""
     cfg = getattr(model, "config", None)
     vocab = getattr(cfg, "vocab_size", None)
     ctx = None
@@ -633,10 +702,23 @@ def model_limits(model: nn.Module) -> tuple[int, int]:
     if vocab is None:
         emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         vocab = emb.num_embeddings if emb is not None else None
-    window = getattr(cfg, "sliding_window", None)
-    if isinstance(window, int) and ctx is not None and window < ctx and getattr(cfg, "use_sliding_window", True):
-        ctx = window  # sliding-window attention is plain causal attention up to the window: serve that far
     if vocab is None or ctx is None:
         raise ConfigError(f"serve: cannot read the vocabulary size and context length of {type(model).__name__} "
                           "(model.config.vocab_size and max_position_embeddings / n_positions / block_size)")
-    return int(vocab), int(ctx)
+    what = f"the model's context of {ctx} tokens"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    kind = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else None
+    if kind in ("longrope", "dynamic"):
+        # both rewrite the rotary frequencies from the longest position of the call: a packed row
+        # of several requests would give each the frequencies of the longest
+        raise ConfigError(f"serve: {type(model).__name__} uses {kind!r} rotary scaling (config rope_type), which "
+                          "changes the rotary frequencies with the sequence length; fxspeed.serve does not serve it "
+                          "yet. Build the model with rope scaling off or of a fixed kind ('linear', 'yarn', "
+                          "'llama3')")
+    window = getattr(cfg, "sliding_window", None)
+    if isinstance(window, int) and window < ctx and getattr(cfg, "use_sliding_window", True):
+        # sliding-window attention is plain causal attention up to the window: serve that far
+        what = (f"the model's sliding window of {window} tokens (its context is {ctx}; fxspeed serves "
+                "sliding-window attention up to the window only)")
+        ctx = window
+    return int(vocab), int(ctx), what

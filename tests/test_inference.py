@@ -103,7 +103,7 @@ def gpt2_engine():
 def test_bad_requests_fail_alone_and_the_others_match_their_greedy_tokens(gpt2_engine):
     model, engine = gpt2_engine
     good = [[1, 2, 3], [9, 8]]
-    bad = {1: [], 2: [5, V + 3], 3: list(range(60)), 5: list(range(38))}  # empty, OOV, > context, > whole cache
+    bad = {1: [], 2: [5, V + 3], 3: list(range(62)), 5: list(range(38))}  # empty, OOV, > context, > whole cache
     prompts = [good[0], bad[1], bad[2], bad[3], good[1], bad[5]]
     with pytest.raises(fxspeed.GenerationError) as e:
         engine.generate(prompts, max_new_tokens=5)
@@ -152,6 +152,28 @@ def test_a_sampling_option_out_of_its_range_is_refused_before_any_token_is_made(
     with pytest.raises(fxspeed.ConfigError, match=f"generate: {key} must be"):
         engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=3, **options)
     assert engine._serving.cache.free_blocks() == engine._serving.cache.usable_blocks  # nothing held
+
+
+@pytest.mark.parametrize("max_new", [2.0, torch.tensor(2), "2"])
+def test_max_new_tokens_that_is_neither_an_int_nor_one_per_prompt_is_refused_naming_it(gpt2_engine, max_new):
+    """A float or a 0-d tensor failed with Python's "'float' object is not iterable"."""
+    _, engine = gpt2_engine
+    with pytest.raises(fxspeed.ConfigError, match="generate: max_new_tokens must be an int or one int per prompt"):
+        engine.generate([[1, 2, 3]], max_new_tokens=max_new)
+
+
+def test_a_request_that_cannot_get_blocks_while_a_paused_stream_holds_them_is_refused_not_left_waiting(gpt2_engine):
+    """A generate() called while the caller holds another stream() of the engine half-way: no
+    request of this loop will ever give blocks back, so waiting would never end (it raised
+    "max() arg is an empty sequence"). The request fails alone; the stream goes on."""
+    _, engine = gpt2_engine  # 40 tokens of cache: the stream's two 19-token requests take all 10 blocks
+    it = engine.stream([[1] * 14, [2] * 14], max_new_tokens=6)
+    first = next(it)
+    out = engine.generate([[3, 4, 5]], max_new_tokens=4, on_error="return")
+    assert isinstance(out[0], fxspeed.RequestError) and "another stream()" in str(out[0])
+    rest = [first, *it]
+    assert len(rest) == 12 and engine._serving.cache.free_blocks() == engine._serving.cache.usable_blocks
+    assert engine.generate([[3, 4, 5]], max_new_tokens=4)[0] == engine.generate([[3, 4, 5]], max_new_tokens=4)[0]
 
 
 def test_stream_yields_the_tokens_of_generate_and_eos_stops_a_request(gpt2_engine):
@@ -346,3 +368,90 @@ def test_decode_buckets_at_the_fixed_shapes_of_a_cuda_graph_give_the_tokens_and_
 def test_cuda_graphs_without_a_cuda_device_or_under_tensor_parallelism_are_refused_with_the_way_out():
     with pytest.raises(ConfigError, match="cuda_graphs=True needs one CUDA device"):
         fxspeed.serve(_gpt(), cuda_graphs=True)
+
+
+def test_a_prompt_as_long_as_the_sliding_window_gets_its_one_new_token_and_a_longer_request_names_the_window():
+    """The last new token is never fed, so a request needs prompt + max_new_tokens - 1 positions
+    (a full-context prompt with one new token was refused); the limit of a sliding-window model
+    is its window, and the refusal says so (it said "the model's context")."""
+    model = _hf("mistral")  # sliding_window 48 < max_position_embeddings 64
+    engine = fxspeed.serve(model, token_budget=16, max_batch=2, block_size=8)
+    prompt = [(7 * i) % V for i in range(48)]
+    want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 48, dtype=torch.long), max_new_tokens=1,
+                          do_sample=False, pad_token_id=0)[0, 48:].tolist()
+    out = engine.generate([prompt, prompt], max_new_tokens=[1, 2], on_error="return")
+    assert out[0] == want
+    assert isinstance(out[1], fxspeed.RequestError) and "sliding window of 48 tokens" in str(out[1])
+
+
+def test_the_default_cache_is_capped_at_half_the_free_memory_and_a_cache_that_cannot_be_allocated_names_cache_tokens(
+        monkeypatch, caplog):
+    from fxspeed.runtime import serving
+
+    class Program:  # what _allocate_cache reads of an InferenceProgram: 2 layers of 2 heads x 8, fp32
+        kv_layout = [(2, 8, torch.float32)] * 2
+
+        def kv_bytes_per_token(self) -> int:
+            return 2 * 2 * 2 * 8 * 4
+
+    monkeypatch.setattr(serving, "free_memory", lambda device: 2 * 256 * 100)  # half of it: 100 tokens
+    with caplog.at_level("WARNING", logger="fxspeed"):
+        cache = serving._allocate_cache(Program(), None, 64 * 16, 4, torch.device("cpu"), None)
+    assert cache.usable_blocks * 4 == 100 and "cache_tokens" in caplog.text
+    assert serving._allocate_cache(Program(), 500, 64 * 16, 4, torch.device("cpu"), None).usable_blocks == 125
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 2048002048 bytes")
+
+    monkeypatch.setattr(serving.KVCache, "__init__", fail)
+    with pytest.raises(ConfigError, match=r"could not be allocated .* lower serve\(\.\.\., cache_tokens=\)"):
+        serving._allocate_cache(Program(), 10**7, 64 * 16, 4, torch.device("cpu"), None)
+
+
+@pytest.mark.parametrize("cache_tokens", [0, 2.5, True])
+def test_a_cache_size_that_is_not_a_positive_int_is_refused_before_compiling(cache_tokens):
+    with pytest.raises(ConfigError, match="cache_tokens must be an int >= 1"):
+        fxspeed.serve(_gpt(), cache_tokens=cache_tokens)
+
+
+def test_models_the_serving_programs_cannot_follow_are_refused_with_what_is_wrong():
+    """Rotary scaling that changes with the sequence length (longrope, dynamic), a model without
+    SDPA attention in HF (Gemma2), a forward that writes its buffers, and one that keeps a tensor
+    it made from the traced values (longrope's long_inv_freq, which the program used to compute
+    on as a tensor without data, failing with a fake-tensor error at the first step)."""
+    from fxspeed.compiler.capture_inference import compile_inference
+    from fxspeed.errors import CaptureError
+
+    small = dict(vocab_size=V, max_position_embeddings=64, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                 num_attention_heads=4, num_key_value_heads=2)
+    longrope = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        **small, original_max_position_embeddings=16, pad_token_id=0,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+                         "long_factor": [4.0] * 4, "original_max_position_embeddings": 16})).eval()
+    with pytest.raises(ConfigError, match="'longrope' rotary scaling"):
+        fxspeed.serve(longrope)
+    longrope.set_attn_implementation("sdpa")
+    with pytest.raises(CaptureError, match="keeps it on the module"):
+        compile_inference(longrope, 8, config=fxspeed.Config())
+    dynamic = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **small, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})).eval()
+    with pytest.raises(ConfigError, match="'dynamic' rotary scaling"):
+        fxspeed.serve(dynamic)
+    gemma2 = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**small, head_dim=8,
+                                                                      attn_implementation="eager")).eval()
+    with pytest.raises(ConfigError, match="cannot run with attn_implementation='sdpa'"):
+        fxspeed.serve(gemma2)
+
+    class Counting(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(V, 16)
+            self.head = torch.nn.Linear(16, V)
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            self.calls.add_(1)
+            return self.head(self.emb(ids))
+
+    with pytest.raises(CaptureError, match="writes its buffer"):
+        compile_inference(Counting(), 8, config=fxspeed.Config())

@@ -174,7 +174,23 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn
     with fake_model_state(model, args, kwargs) as (fargs, fkwargs), checkpoint_regions() as regions:
         cap = _capture(model, args, kwargs, fargs, fkwargs, loss_fn=loss_fn, train=train)
     regions.tag(cap.gm)
+    _check_no_fake_constants(model, cap)
     return cap
+
+
+def _check_no_fake_constants(model: nn.Module, cap: CapturedStep) -> None:
+    """A graph constant that is a FakeTensor was made by the model's forward from the traced (fake)
+    tensors and kept outside the graph's inputs (HF longrope builds `long_inv_freq` on first call
+    and stores it on the module): the program would compute on a tensor without data. Refused here,
+    naming the module, not later with fake outputs."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for n in cap.gm.graph.nodes:
+        if n.op == "get_attr" and n.users and isinstance(getattr(cap.gm, str(n.target), None), FakeTensor):
+            where = sorted({cap.module_of.get(u.name, "") for u in n.users} - {""}) or ["the model"]
+            raise CaptureError(f"{type(model).__name__}: forward makes a tensor from the traced values and keeps it on "
+                               f"the module for a later call (read in {', '.join(where)}); the compiled program cannot "
+                               "hold it. Make it in __init__ (a buffer) or recompute it in every forward")
 
 
 def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs: dict, *,

@@ -102,6 +102,8 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
         sig.inputs[i] = IOSpec(kind, "")
     gm = cap.gm
     out = output_node(gm)
+    written = [s.target for s in sig.outputs if s.kind == "buffer_update"]
+    _check_buffer_writes(model, written)
     outs = list(out.args[0])
     names = _output_names(cap.out_spec, len(outs))
     want = names.index("logits") if "logits" in names else 0
@@ -137,6 +139,17 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     t2 = time.perf_counter()
     return InferenceProgram(gm=gm, signature=sig, tokens=tokens, kv_layout=list(gm.meta["kv_cache_layout"]),
                             selects_logits=bool(gm.meta.get("selects_logits")), records=pm.records, capture_seconds=t1 - t0, pass_seconds=t2 - t1)
+
+
+def _check_buffer_writes(model: nn.Module, written: list[str]) -> None:
+    """A serving program keeps no state between steps but the KV cache: a model whose forward
+    writes its buffers (HF's longrope and dynamic rotary embeddings rewrite `inv_freq` from the
+    positions) would be served with the writes of the trace's positions baked in. Refused."""
+    if written:
+        raise CaptureError(f"{type(model).__name__}'s forward writes its buffer(s) {', '.join(written)}; a served "
+                           "program keeps no state between steps but the KV cache, so it cannot follow these writes "
+                           "(a rotary embedding that rescales with the sequence length does this). Serve a model whose "
+                           "forward in eval mode leaves its buffers as they are")
 
 
 def _output_names(out_spec: object, n: int) -> list[str]:

@@ -116,7 +116,9 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                            "Hugging Face 'sdpa' attention of Llama, Mistral, Qwen2, GPT-2, OPT, GPT-NeoX, Phi)"
                            if math_form else
                            "; build the model with attn_implementation='sdpa' (Hugging Face) or call "
-                           "F.scaled_dot_product_attention, so the cache can be threaded through it"))
+                           "F.scaled_dot_product_attention, so the cache can be threaded through it (a model "
+                           "whose attention has no SDPA form, such as BLOOM's ALiBi or GPT-Neo's, cannot be "
+                           "served yet)"))
     phs = [n for n in g.nodes if n.op == "placeholder"]
     tokens = next((ph for ph, s in zip(phs, ctx.signature.inputs) if s.kind == "tokens"), None)
     if tokens is None:
