@@ -468,12 +468,19 @@ class OffloadedAdam(torch.optim.Optimizer):
             self.state = saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch.optim's format. torch's own load checks the groups and sets their options, but it
+        casts every moment to its parameter's dtype: with bf16/fp16 working copies that rounded
+        Adam's fp32 moments (fp16 flushed exp_avg_sq to 0, and the next step blew the weights
+        up). The moments are taken from `state_dict` itself, mapped to tensors in the same order
+        torch maps them."""
         keep = {p: dict(s) for p, s in self.state.items()}
-        super().load_state_dict(state_dict)  # maps saved ids to our tensors in self.state
-        loaded = {p: dict(s) for p, s in self.state.items()}
+        super().load_state_dict(state_dict)
         self.state.clear()
         self.state.update(keep)
-        self.load_full_state(loaded)
+        ours = [p for g in self.param_groups for p in g["params"]]
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        saved = state_dict["state"]
+        self.load_full_state({p: saved[i] for p, i in zip(ours, saved_ids) if i in saved})
 
     def close(self) -> None:
         """Finish I/O and remove the swap directory."""

@@ -206,8 +206,8 @@ def _masters_pair(swap: Path, **cfg: object) -> tuple[fxspeed.Engine, fxspeed.En
     included) in the file, and the same optimizer with every chunk resident (a memory budget
     larger than the model): the file's round trip is the only difference."""
     model, batch = _gpt()
-    base = dict(lr=1e-2, weight_decay=0.1, grad_clip=0.5, bucket_mb=0.004, zero=1, precision="bf16",
-                offload="optimizer", nvme_path=str(swap), **cfg)
+    base = {**dict(lr=1e-2, weight_decay=0.1, grad_clip=0.5, bucket_mb=0.004, zero=1, precision="bf16",
+                   offload="optimizer", nvme_path=str(swap)), **cfg}
     on_disk = fxspeed.compile(model, 1, fxspeed.Config(**base), example_inputs=batch)
     resident = fxspeed.compile(copy.deepcopy(_gpt()[0]), 1, fxspeed.Config(**base, memory_budget_gb=100.0),
                                example_inputs=batch)
@@ -261,6 +261,27 @@ def test_a_checkpoint_with_masters_in_the_file_resumes_bit_for_bit_and_loads_int
     fp32 = fxspeed.compile(model, 1, fxspeed.Config(lr=1e-2, bucket_mb=0.01), example_inputs=batch)
     fp32.load(tmp_path / "ck")
     assert all(torch.equal(fp32.state_dict()[k], v) for k, v in saved.items())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_optimizers_own_state_dict_round_trip_keeps_the_fp32_moments_under_low_precision_working_copies(
+        tmp_path: Path, precision: str) -> None:
+    """engine.optimizer.state_dict() -> train -> load_state_dict(both) -> the same steps again.
+    torch's Optimizer.load_state_dict casts each moment to its parameter's dtype: the bf16/fp16
+    working shards, so the moments came back rounded (fp16 flushed exp_avg_sq to 0 and the
+    repeated step moved the weights by ~90)."""
+    on_disk, _, (x, y) = _masters_pair(tmp_path, precision=precision)
+    on_disk.train_step(x, y)
+    weights = {k: v.clone() for k, v in on_disk.state_dict().items()}
+    saved = copy.deepcopy(on_disk.optimizer.state_dict())
+    moments = {k: v.clone() for k, v in saved["state"][0].items()}
+    first = [on_disk.train_step(torch.roll(x, s, 0), y) for s in (1, 2)]
+    after = {k: v.clone() for k, v in on_disk.state_dict().items()}
+    on_disk.load_state_dict(weights)
+    on_disk.optimizer.load_state_dict(saved)
+    assert all(torch.equal(on_disk.optimizer.state_dict()["state"][0][k], v) for k, v in moments.items())
+    assert [on_disk.train_step(torch.roll(x, s, 0), y) for s in (1, 2)] == first
+    assert all(torch.equal(on_disk.state_dict()[k], v) for k, v in after.items())
 
 
 def _three_tiers(swap: Path) -> tuple[dict[str, fxspeed.Engine], tuple]:
