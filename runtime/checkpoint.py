@@ -43,6 +43,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fxspeed.errors import FxspeedError
@@ -130,8 +131,16 @@ def save_checkpoint(directory: str | os.PathLike, state: CanonicalState, *,
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
             dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp), process_group=group, no_dist=group is None)
-    except Exception as e:  # noqa: BLE001 - re-raised with the directory named
-        raise FxspeedError(f"saving checkpoint {directory!r} failed (partial files left in {tmp!r}): {e}") from e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised with the directory named
+        # CheckpointException derives from BaseException: uncaught, it went past a training loop's
+        # `except Exception` (a full disk killed the run). It is raised on every rank once every
+        # rank's writes ended, so rank 0 can remove the partial files (on a full disk, the room
+        # the next save needs).
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        kept = " (the checkpoint already there is untouched)" if os.path.isdir(directory) else ""
+        raise FxspeedError(f"saving checkpoint {directory!r} failed{kept}; its partial files were removed: "
+                           f"{str(e).strip()[:2000]}") from e
 
     # Every rank's tensors and DCP's .metadata are on disk. Each rank checksums the data files it
     # wrote (DCP names them __<group rank>_<n>.distcp) in parallel; rank 0 checksums the rest,

@@ -355,3 +355,34 @@ def test_engine_state_dict_on_one_rank_under_zero3_fails_fast_with_a_clear_error
     for r in (0, 1):  # a caught error leaves the ranks in step: state_dict on both, then a step
         rec = json.loads((tmp_path / f"engine_rank{r}.json").read_text())
         assert rec["again"] is True and rec["after"] == "ok", rec
+
+
+def test_a_save_that_fails_writing_is_an_fxspeed_error_that_removes_its_partial_files_and_keeps_the_old_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP reports a failed write (a full disk) as CheckpointException, a BaseException: it went
+    past a training loop's `except Exception` and killed the run, leaving the partial files on
+    the full disk."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    engine = _mlp_engine(8, 2, seed=0)
+    engine.save(tmp_path / "ck")
+    before = {k: v.clone() for k, v in engine.state_dict().items()}
+    real = ckpt.dcp.save
+
+    def full_disk(state, storage_writer, **kw):  # writes a part, then fails as DCP does
+        real({k: v for i, (k, v) in enumerate(state.items()) if i == 0}, storage_writer=storage_writer, **kw)
+        raise CheckpointException("save", {0: _wrap_exception(OSError(28, "No space left on device"))})
+
+    monkeypatch.setattr(ckpt.dcp, "save", full_disk)
+    x, y = torch.randn(4, 8), torch.randn(4)
+    engine.train_step(x, y)
+    try:
+        engine.save(tmp_path / "ck")
+    except Exception as e:  # what a training loop catches
+        assert isinstance(e, FxspeedError) and "No space left" in str(e) and "untouched" in str(e)
+    else:
+        raise AssertionError("the save did not fail")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no ck.tmp-* left
+    monkeypatch.setattr(ckpt.dcp, "save", real)
+    engine.load(tmp_path / "ck")
+    assert all(torch.equal(engine.state_dict()[k], v) for k, v in before.items())
