@@ -1371,7 +1371,13 @@ class Engine:
         return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a full model state (original names); each rank keeps what it holds."""
+        """Load a full model state (original names); each rank keeps what it holds. Over several
+        ranks it is collective: every rank loads (the same state), or the replicas would silently
+        train on different weights."""
+        # Checked on every distributed run, not only where a collective follows (ZeRO-3, offload):
+        # under ZeRO-0 a load on one rank left the replicas apart with no error at all.
+        self._expect_all_ranks("engine.load_state_dict()", fix="Call engine.load_state_dict(state) on every rank, "
+                               "with the same full state")
         self.synchronize()  # an in-flight gather would overwrite what is loaded
         self._load_model_state(state)
 

@@ -352,6 +352,7 @@ def test_engine_state_dict_on_one_rank_under_zero3_fails_fast_with_a_clear_error
     r0 = json.loads((tmp_path / "engine_rank0.json").read_text())
     assert r0["alone"].startswith("FxspeedError: engine.state_dict() is collective: every rank must call it"), r0
     assert r0["alone_s"] < 14, r0  # the engine's dist_timeout_s is 16: a hang would take that long
+    assert r0["load_alone"].startswith("FxspeedError: engine.load_state_dict() is collective"), r0
     for r in (0, 1):  # a caught error leaves the ranks in step: state_dict on both, then a step
         rec = json.loads((tmp_path / f"engine_rank{r}.json").read_text())
         assert rec["again"] is True and rec["after"] == "ok", rec

@@ -8,8 +8,9 @@ another name (the store still works). out/rank{r}.json.
 
 --engine: a ZeRO-3 engine; rank 0 alone calls engine.state_dict() (the user pattern
 `if rank == 0: torch.save(engine.state_dict(), ...)`), rank 1 waits at a barrier. The
-engine calls expect_all_ranks first thing in state_dict(). Then both call state_dict() and take a
-step (the engine still works). out/engine_rank{r}.json.
+engine calls expect_all_ranks first thing in state_dict(). Then both call state_dict(), rank 0
+alone calls load_state_dict() (the same error), both load and take a step (the engine still
+works). out/engine_rank{r}.json.
 """
 
 from __future__ import annotations
@@ -82,6 +83,15 @@ def engine(rank: int) -> dict:
     # The user caught it and calls it on every rank: the full state, and training goes on.
     state = eng.state_dict()
     record["again"] = sorted(state) == sorted(build_model("gpt").state_dict())
+    # load_state_dict on one rank only: under ZeRO-0 it left the replicas apart with no error
+    if rank == 0:
+        try:
+            eng.load_state_dict(state)
+            record["load_alone"] = "no error"
+        except Exception as e:  # noqa: BLE001 - the test checks which error it was
+            record["load_alone"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    eng.load_state_dict(state)
     eng.train_step(*local_batch(batches[0]))
     record["after"] = "ok"
     return record
