@@ -101,10 +101,10 @@ class SwapFile:
             self.close()
             if e.errno == errno.ENOSPC:
                 free = shutil.disk_usage(root_path).free
-                raise FxspeedError(f"Config.nvme_path={str(root)!r}: the offloaded states need {self.nbytes / 1e9:.2f} "
-                                   f"GB and that filesystem has {free / 1e9:.2f} GB free; free space there or choose a "
+                raise FxspeedError(f"Config.nvme_path={str(root)!r}: the offloaded states need {_size(self.nbytes)} "
+                                   f"and that filesystem has {_size(free)} free; free space there or choose a "
                                    "path on a larger disk (nothing was written)") from e
-            raise FxspeedError(f"cannot reserve {self.nbytes / 1e9:.2f} GB for the swap file {self.path!r}: {e}") from e
+            raise FxspeedError(f"cannot reserve {_size(self.nbytes)} for the swap file {self.path!r}: {e}") from e
 
     # The pool's tasks hold the file's descriptor and name, never the SwapFile: the last reference
     # to it must not be dropped on an I/O thread, whose finalizer would then try to join that
@@ -195,3 +195,12 @@ def _close(fd: int, directory: str, pool: ThreadPoolExecutor) -> None:
         os.close(fd)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _size(nbytes: int) -> str:
+    """Bytes for an error message, in a unit that keeps small figures readable ("0.00 GB" said
+    nothing for a small test disk)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} bytes"
