@@ -338,3 +338,13 @@ def test_a_tensor_stored_on_self_is_taken_back_even_when_the_capture_fails() -> 
         _compile(model, (torch.randn(4, 8), torch.randn(4, 8)))
     assert "last" not in model.__dict__
     copy.deepcopy(model)(torch.randn(4, 8), torch.randn(4, 8))
+
+
+def test_int32_class_indices_for_the_cross_entropy_are_refused_at_compile_naming_the_loss() -> None:
+    """The fake nll_loss accepts int32 targets: the trace passed and the first train_step failed
+    inside the compiled program with ATen's bare dtype error."""
+    from fxspeed.models import GPT, GPTConfig
+
+    x = torch.randint(0, 256, (2, 16))
+    with pytest.raises(fxspeed.CaptureError, match=r"GPT: .* class indices of dtype torch.int32.*labels.long\(\)"):
+        _compile(GPT(GPTConfig.preset("tiny")), (x, x.to(torch.int32)))

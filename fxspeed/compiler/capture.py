@@ -175,7 +175,23 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn
         cap = _capture(model, args, kwargs, fargs, fkwargs, loss_fn=loss_fn, train=train)
     regions.tag(cap.gm)
     _check_no_fake_constants(model, cap)
+    _check_loss_targets(model, cap)
     return cap
+
+
+def _check_loss_targets(model: nn.Module, cap: CapturedStep) -> None:
+    """nll_loss (cross_entropy's) takes int64 (or uint8) class indices. Its fake kernel accepts
+    int32 targets, so the trace passed and the first train_step failed inside the compiled step
+    with ATen's bare "expected target dtype to be Long or Byte, but got Int". Refused at compile,
+    naming the loss."""
+    losses = {torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss2d_forward.default}
+    for n in cap.gm.graph.nodes:
+        if n.op == "call_function" and n.target in losses:
+            val = n.args[1].meta.get("val") if isinstance(n.args[1], fx.Node) else None
+            if val is not None and val.dtype not in (torch.int64, torch.uint8):
+                where = cap.module_of.get(n.name) or type(model).__name__
+                raise CaptureError(f"{where}: the cross-entropy / nll loss gets class indices of dtype {val.dtype}; it "
+                                   "takes int64 (torch.long). Pass the labels as labels.long()")
 
 
 def _check_no_fake_constants(model: nn.Module, cap: CapturedStep) -> None:
