@@ -760,12 +760,38 @@ class Engine:
         eos_token_id (all requests) or eos_token_ids (one per prompt), on_error ("raise": a
         GenerationError after the other requests finished, with .results; "return": the
         RequestError in place of that request's tokens). See runtime/serving.py."""
-        return self._serving_loop().generate(prompts, max_new_tokens, **kwargs)
+        loop = self._serving_loop()
+        self._same_requests_on_every_rank("generate", prompts, max_new_tokens, kwargs)
+        return loop.generate(prompts, max_new_tokens, **kwargs)
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16,
                **kwargs: Any) -> Any:
         """Yield (req_id, token) as tokens are produced, (req_id, RequestError) for a refused request."""
-        return self._serving_loop().stream(prompts, max_new_tokens, **kwargs)
+        loop = self._serving_loop()
+        self._same_requests_on_every_rank("stream", prompts, max_new_tokens, kwargs)
+        return loop.stream(prompts, max_new_tokens, **kwargs)
+
+    def _same_requests_on_every_rank(self, name: str, prompts: Any, max_new_tokens: Any, kwargs: dict) -> None:
+        """Tensor-parallel serving: every rank must call generate/stream, with the same requests.
+        On one rank only it hung until dist_timeout_s; with other prompts of the same lengths the
+        ranks all-reduced activations of different tokens and returned rank 0's choices from that
+        mix, with no error. `seed` may differ (every rank continues with rank 0's sampled tokens);
+        `on_error` is each rank's own."""
+        if self._tp is None or not self.dist.active:
+            return
+        self._expect_all_ranks(f"engine.{name}()", fix=f"Call engine.{name}(...) on every tensor-parallel rank, "
+                                                         "with the same prompts")
+
+        def canon(x: Any) -> Any:
+            if isinstance(x, (list, tuple)):
+                return [canon(v) for v in x]
+            return x.tolist() if hasattr(x, "tolist") else x
+
+        shared = {k: canon(v) for k, v in sorted(kwargs.items()) if k not in ("seed", "on_error")}
+        check_same_everywhere(self.dist, f"the requests of engine.{name}()",
+                              fingerprint(canon(prompts), canon(max_new_tokens), shared),
+                              f"every tensor-parallel rank must call engine.{name}() with the same prompts, "
+                              "max_new_tokens and sampling options")
 
     # --- steps -------------------------------------------------------------------------------
     def train_step(self, *args: Any, **kwargs: Any) -> float:

@@ -17,7 +17,8 @@ in this process (one device, whole weights):
     sampling                temperature / top_k sampling with no seed (each rank would draw its own):
                             every rank returns the same tokens
     bad_request             an empty prompt and an out-of-vocabulary id fail alone; the other
-                            requests' tokens are those of one device
+                            requests' tokens are those of one device; ranks passing different
+                            prompts are refused (ConfigError on every rank) and the engine goes on
 
 Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt (tests/workers/common.py
 run_cases).
@@ -173,6 +174,17 @@ def case_bad_request() -> str:
         ref = greedy(eager, "llama", prompts[i], 4)
         if outs[i] != ref:
             return f"request {i}: {outs[i]} != one device's {ref}"
+    # other prompts of the same lengths on rank 1: the ranks all-reduced activations of different
+    # tokens and returned rank 0's choices from the mix, with no error
+    mine = [p if dist.get_rank() == 0 else [t + 1 for t in p] for p in PROMPTS]
+    try:
+        engine.generate(mine, max_new_tokens=NEW)
+        return "ranks with different prompts were served"
+    except fxspeed.ConfigError as e:
+        if "ranks disagree on the requests of engine.generate()" not in str(e):
+            return f"unexpected error: {e}"
+    if engine.generate(PROMPTS[:1], max_new_tokens=4)[0] != greedy(eager, "llama", PROMPTS[0], 4):
+        return "the engine did not serve after the refused call"
     return "ok"
 
 
