@@ -281,6 +281,23 @@ class Mesh:
         return self._device_mesh
 
 
+def check_same_in_replica(mesh: Mesh, what: str, value: str, fix: str) -> None:
+    """Raise on every rank when two ranks of one data-parallel replica (its pipeline positions and
+    tensor-parallel ranks) hold different `value`s; replicas may differ. One all-reduce of a
+    world-sized int64 vector (each rank fills its own slot: an all-gather gloo and NCCL both do
+    fast)."""
+    if not mesh.active or mesh.world == mesh.dp:
+        return
+    t = torch.zeros(mesh.world, dtype=torch.int64, device=comm_device(mesh.ctx.group))
+    t[mesh.rank] = int(value[:15], 16)
+    dist.all_reduce(t, group=mesh.ctx.group)
+    got = t.tolist()
+    bad = [r for r in range(mesh.world) if got[r] != got[mesh.rank_at(dp=mesh.coords(r)["dp"])]]
+    if bad:
+        raise ConfigError(f"ranks disagree on {what}: rank(s) {bad} differ from the first rank of their data-parallel "
+                          f"replica ({mesh.describe().splitlines()[0]}). {fix}")
+
+
 def _check_dim(dim: str) -> str:
     if dim not in DIMS:
         raise ValueError(f"mesh dimension {dim!r} is not one of {DIMS} (or 'world')")

@@ -38,10 +38,10 @@ from fxspeed.config import Config
 from fxspeed.devices import DeviceSpec
 from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.ir import Bucket, IOSpec, Program, StepSignature
-from fxspeed.ir.batch import input_key, split_batch, tensor_leaves
+from fxspeed.ir.batch import batch_digest, input_key, split_batch, tensor_leaves
 from fxspeed.ir.schedule import GATHER, B, F, I, RECV_B, RECV_F, SEND_F, STEP, W, Action, Schedule
-from fxspeed.mesh import (Mesh, check_agreement, check_same_everywhere, check_same_model, comm_device, expect_all_ranks,
-                          fingerprint)
+from fxspeed.mesh import (Mesh, check_agreement, check_same_everywhere, check_same_in_replica, check_same_model,
+                          comm_device, expect_all_ranks, fingerprint)
 from fxspeed.planner import costs_reader, finish_plan
 from fxspeed.planner.estimate import offload_chunk_bytes
 from fxspeed.planner.plan import Plan
@@ -813,6 +813,7 @@ class Engine:
         if self._half_stepped:
             raise FxspeedError(self._half_stepped + "; load a checkpoint with engine.load (weights and optimizer states) "
                                "to train on")
+        self._check_replica_batch("train_step", args, kwargs)
         if self.scaler is not None:
             self._scale.copy_(self.scaler.scale)
         if isinstance(self.optimizer, OffloadedAdam):
@@ -826,6 +827,18 @@ class Engine:
             loss = self._joint_step(args, kwargs)
         self.stats["steps"] += 1
         return loss
+
+    def _check_replica_batch(self, name: str, args: tuple, kwargs: dict) -> None:
+        """Every tensor-parallel rank and pipeline position of a replica must pass the same batch.
+        `local_batch(batch)` without the replica's coordinates splits it over all ranks: tp ranks
+        then all-reduced partial results of different rows, and a pipeline's last stage took
+        another batch's labels, with no error. A content digest per rank, compared within each
+        replica every step (one small all-reduce)."""
+        if self.mesh.active and (self.mesh.tp > 1 or self.mesh.pp > 1):
+            check_same_in_replica(self.mesh, f"the batch of {name}", fingerprint(batch_digest(args, kwargs)),
+                                  "every tensor-parallel rank and pipeline position of a data-parallel replica must "
+                                  "pass the same batch: split a global batch with local_batch(batch, engine.dp_rank, "
+                                  "engine.dp_size), not by the global rank")
 
     def _prefetch_parameters(self) -> None:
         """Parameter offload: start reading the shard the program fetches first."""
@@ -1195,6 +1208,7 @@ class Engine:
         a float when the output has one (or loss_fn is set), else the model's outputs (one stage
         only). A collective under ZeRO-3, master weights (ZeRO-1/2 under bf16/fp16: the fp32 masters
         are gathered) and pipelines: call it on every rank."""
+        self._check_replica_batch("eval_step", args, kwargs)
         if self.pipelined:
             return self._pipeline_eval(args, kwargs)
         ex = self._executor(args, kwargs, train=False)

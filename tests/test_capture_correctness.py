@@ -13,10 +13,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import assert_close_rel, check_parity, eager_train
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fxspeed
 from fxspeed.errors import CaptureError
-from fxspeed.ir.batch import input_key, tensor_leaves
+from fxspeed.ir.batch import batch_digest, input_key, tensor_leaves
 from fxspeed.models import GPT, GPTConfig
 
 CFG = fxspeed.Config(lr=0.05)
@@ -403,3 +405,22 @@ def test_a_torch_compiled_model_is_compiled_as_its_original_module(where: str) -
     params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         assert_close_rel(p, params[name.replace("_orig_mod.", "")], name)
+
+
+@given(st.sampled_from([torch.int64, torch.int32, torch.float32, torch.bfloat16, torch.float16, torch.bool]),
+       st.integers(2, 6), st.integers(1, 9), st.booleans())
+@settings(max_examples=40, deadline=None)
+def test_the_batch_digest_sees_contents_not_layout(dtype: torch.dtype, rows: int, cols: int, transposed: bool) -> None:
+    """What the per-step replica check compares: the same values in another layout digest alike,
+    other rows (another rank's slice) or one changed element do not."""
+    g = torch.Generator().manual_seed(rows * 10 + cols)
+    x = (torch.randn(rows, cols, generator=g) * 50).to(dtype)
+    y = x.t().contiguous().t() if transposed else x.clone()
+    assert batch_digest((x,), {"mask": x > 0}) == batch_digest((y,), {"mask": y > 0})
+    changed, at = x.clone(), (rows * cols) // 2
+    old = x.view(-1)[at]
+    # (2x + 1 and not x + 1 for floats: a large bf16 x + 1 can round back to x)
+    changed.view(-1)[at] = ~old if dtype == torch.bool else old * 2 + 1 if dtype.is_floating_point else old + 1
+    assert batch_digest((changed,), {"mask": x > 0}) != batch_digest((x,), {"mask": x > 0})
+    if not torch.equal(x[1:], x[:-1]):
+        assert batch_digest((x[1:],), {}) != batch_digest((x[:-1],), {})

@@ -109,3 +109,29 @@ def split_batch(args: tuple, kwargs: dict, k: int, key: str = "microbatches") ->
                               f"Use a batch size divisible by {k} or change {key} (a divisor of {n})")
     chunks = [x.chunk(k) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * k for x in leaves]
     return [pytree.tree_unflatten([c[i] for c in chunks], spec) for i in range(k)]
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def batch_digest(args: tuple, kwargs: dict) -> list[Any]:
+    """A cheap digest of a batch's contents: per tensor its shape, dtype and three int64 sums of
+    its bits (all elements, every other one, every seventh). Exact integer arithmetic, so equal
+    batches give equal digests on any rank and thread count (a float sum's order could differ);
+    different ones almost surely differ. Non-tensor leaves by repr."""
+    leaves, _ = split_inputs(args, kwargs)
+    out: list[Any] = []
+    sums = []
+    for x in leaves:
+        if not isinstance(x, torch.Tensor):
+            out.append(repr(x))
+            continue
+        out.append((tuple(x.shape), str(x.dtype)))
+        if x.layout != torch.strided or x.numel() == 0:
+            continue
+        bits = x.detach().contiguous().reshape(-1)
+        if bits.dtype == torch.bool or bits.is_floating_point() or bits.is_complex():
+            bits = bits.view(_INT_OF_SIZE.get(bits.element_size(), torch.uint8))
+        sums.append(torch.stack([bits.sum(dtype=torch.int64), bits[1::2].sum(dtype=torch.int64),
+                                 bits[::7].sum(dtype=torch.int64)]).cpu())
+    return out + (torch.cat(sums).tolist() if sums else [])  # one device sync for all of them

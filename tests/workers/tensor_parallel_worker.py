@@ -45,8 +45,10 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import fxspeed
+from fxspeed.errors import ConfigError
 from fxspeed.models import GPT, GPTConfig
 from tests.workers.common import key_bias_masked, run_cases
 
@@ -251,6 +253,15 @@ def gpt() -> str:
             return f"{name} halved inside engine.gathered() is not halved in engine.state_dict()"
         with engine.gathered(), torch.no_grad():
             dict(model.named_parameters())[name].copy_(before)
+        # tp ranks passing other rows (local_batch(batch) splits by the global rank): they
+        # all-reduced partial results of different rows with no error; refused, state untouched
+        other = tuple(torch.roll(t, dist.get_rank(), 0) for t in bs[0])
+        try:
+            engine.train_step(*other)
+            return "tp ranks given different batches trained"
+        except ConfigError as e:
+            if "ranks disagree on the batch of train_step" not in str(e):
+                return f"unexpected error for different batches: {e}"
         return save_and_step(engine, model, ref, bs, tag="gpt")
 
     return parity("gpt", fxspeed.Config(tensor=T, **CLIPPED), layout)
