@@ -133,14 +133,15 @@ def save_checkpoint(directory: str | os.PathLike, state: CanonicalState, *,
             dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp), process_group=group, no_dist=group is None)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised with the directory named
         # CheckpointException derives from BaseException: uncaught, it went past a training loop's
-        # `except Exception` (a full disk killed the run). It is raised on every rank once every
-        # rank's writes ended, so rank 0 can remove the partial files (on a full disk, the room
-        # the next save needs).
-        if rank == 0:
+        # `except Exception` (a full disk killed the run). DCP raises it on every rank once every
+        # rank's writes ended, so rank 0 can remove the partial files then (on a full disk, the
+        # room the next save needs); after another error other ranks may still be writing.
+        collective = isinstance(e, CheckpointException)
+        if collective and rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         kept = " (the checkpoint already there is untouched)" if os.path.isdir(directory) else ""
-        raise FxspeedError(f"saving checkpoint {directory!r} failed{kept}; its partial files were removed: "
-                           f"{str(e).strip()[:2000]}") from e
+        left = f"rank 0 removed the partial files in {tmp!r}" if collective else f"partial files left in {tmp!r}"
+        raise FxspeedError(f"saving checkpoint {directory!r} failed{kept}; {left}: {str(e).strip()[:2000]}") from e
 
     # Every rank's tensors and DCP's .metadata are on disk. Each rank checksums the data files it
     # wrote (DCP names them __<group rank>_<n>.distcp) in parallel; rank 0 checksums the rest,

@@ -717,6 +717,7 @@ class Engine:
         self._serving = ServingLoop(self._inference_program, self._bind, vocab_size=vocab, max_context=context,
                                     context_limit=limit,
                                     device=self._device, agree=self._agree_tokens if tp is not None else None,
+                                    agree_min=self._agree_min if tp is not None else None,
                                     **options)
         low = self.config.precision != "fp32" or any(p.dtype in (torch.bfloat16, torch.float16) for p in self._unique)
         self._serving.check_against(self.model, low_precision=low,
@@ -746,6 +747,12 @@ class Engine:
         t = tokens.to(dev)
         dist.broadcast(t, group=self._tp.group, group_src=0)
         return t.to(tokens.device)
+
+    def _agree_min(self, value: int) -> int:
+        """Tensor-parallel serving: the smallest `value` over the tp ranks."""
+        t = torch.tensor([value], dtype=torch.int64, device=comm_device(self._tp.group))
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._tp.group)
+        return int(t.item())
 
     def _serving_loop(self) -> Any:
         if self._serving is None:
@@ -1372,8 +1379,8 @@ class Engine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's full state in its original names and shapes (tied weights under every
         name), loadable into the plain model with `load_state_dict(strict=True)`, on every rank.
-        A collective under ZeRO-3, master weights (ZeRO-1/2/3 under bf16/fp16) and pipelines (call it
-        on every rank). Without them, as with
+        A collective under ZeRO-3, tensor parallelism, master weights (ZeRO-1/2/3 under bf16/fp16)
+        and pipelines (call it on every rank). Without them, as with
         nn.Module.state_dict(), the tensors alias the live weights: clone them to keep a snapshot."""
         if self.pipelined or self.config.zero >= 3 or self._tp or (self._flat is not None and self._flat.released):
             self._expect_all_ranks("engine.state_dict()")
@@ -1391,12 +1398,14 @@ class Engine:
         state = self.model.state_dict(keep_vars=True)
         return {n: by_id.get(id(v), local.get(n, v.detach())) for n, v in state.items()}
 
-    def _expect_all_ranks(self, name: str, fix: str | None = None) -> None:
+    def _expect_all_ranks(self, name: str, fix: str | None = None, patient: bool = False) -> None:
         """Fail fast when a collective method is called on some ranks only (`if rank == 0:
-        engine.state_dict()`), instead of hanging until dist_timeout_s."""
+        engine.state_dict()`), instead of hanging until dist_timeout_s. `patient`: wait up to half
+        of dist_timeout_s, not 30 s (ranks may arrive far apart: each reading a large file first)."""
         if self.dist.active:
             # Half the collective timeout: the clear error must come before the raw one would.
-            expect_all_ranks(name, timeout_s=min(30.0, self.config.dist_timeout_s / 2), group=self.dist.group, fix=fix)
+            half = self.config.dist_timeout_s / 2
+            expect_all_ranks(name, timeout_s=half if patient else min(30.0, half), group=self.dist.group, fix=fix)
 
     def _full_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's and buffer's full shape by canonical name, whatever this rank holds."""
@@ -1417,7 +1426,7 @@ class Engine:
         # Checked on every distributed run, not only where a collective follows (ZeRO-3, offload):
         # under ZeRO-0 a load on one rank left the replicas apart with no error at all.
         self._expect_all_ranks("engine.load_state_dict()", fix="Call engine.load_state_dict(state) on every rank, "
-                               "with the same full state")
+                               "with the same full state", patient=True)
         self.synchronize()  # an in-flight gather would overwrite what is loaded
         self._load_model_state(state)
 

@@ -474,7 +474,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         up). The moments are taken from `state_dict` itself, mapped to tensors in the same order
         torch maps them."""
         keep = {p: dict(s) for p, s in self.state.items()}
-        super().load_state_dict(state_dict)
+        super().load_state_dict({**state_dict, "state": {}})  # (with the moments, a cast copy of each)
         self.state.clear()
         self.state.update(keep)
         ours = [p for g in self.param_groups for p in g["params"]]

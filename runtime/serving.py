@@ -33,9 +33,10 @@ import contextlib
 import logging
 import math
 import numbers
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -115,27 +116,30 @@ CACHE_MEMORY_FRACTION = 0.5
 
 
 def free_memory(device: torch.device) -> int:
-    """Bytes free on `device` now: the CUDA allocator's view of the GPU, or the host's available
-    memory (psutil) for a CPU."""
+    """Bytes free on `device` now for this process: the CUDA allocator's view of the GPU, or for a
+    CPU the host's available memory (psutil) shared by the launch's local ranks (LOCAL_WORLD_SIZE,
+    set by fxspeed run / torchrun: tensor-parallel ranks on one host each take their share)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     import psutil
 
-    return int(psutil.virtual_memory().available)
+    return int(psutil.virtual_memory().available) // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
 
 
 def _allocate_cache(program: InferenceProgram, cache_tokens: int | None, default_tokens: int, block_size: int,
-                    device: torch.device, agree: Callable[[torch.Tensor], torch.Tensor] | None) -> KVCache:
+                    device: torch.device, agree_min: Callable[[int], int] | None) -> KVCache:
     """The KVCache for `cache_tokens` (the user's), else for `default_tokens` capped at
-    CACHE_MEMORY_FRACTION of the free memory (under tensor parallelism tp rank 0's, through
-    `agree`: every rank must admit the same requests); a failed allocation is a ConfigError naming
-    cache_tokens instead of the allocator's message."""
+    CACHE_MEMORY_FRACTION of the free memory; a failed allocation is a ConfigError naming
+    cache_tokens instead of the allocator's message. Under tensor parallelism (`agree_min`: the
+    minimum over the tp ranks) every rank takes the smallest rank's room, so all admit the same
+    requests, and all raise if one rank's allocation failed (the others would wait in the next
+    collective until dist_timeout_s)."""
     per_token = program.kv_bytes_per_token()
     tokens = cache_tokens
     if tokens is None:
         room = int(CACHE_MEMORY_FRACTION * free_memory(device)) // max(per_token, 1)
-        if agree is not None:
-            room = int(agree(torch.tensor([room]))[0])
+        if agree_min is not None:
+            room = agree_min(room)
         tokens = default_tokens
         if room < tokens:
             tokens = max(room, 2 * block_size)
@@ -144,12 +148,19 @@ def _allocate_cache(program: InferenceProgram, cache_tokens: int | None, default
                         "to choose", default_tokens, default_tokens * per_token / 1e9, device.type, tokens,
                         tokens * per_token / 1e9)
     blocks = -(-tokens // block_size) + 1
+    cache, error = None, ""
     try:
-        return KVCache(program.kv_layout, blocks, block_size, device)
+        cache = KVCache(program.kv_layout, blocks, block_size, device)
     except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        error = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if agree_min is not None and agree_min(0 if cache is None else 1) == 0 and not error:
+        error = "another tensor-parallel rank could not allocate its share"
+    if error:
         raise ConfigError(f"serve: a KV cache of {tokens} tokens ({blocks * block_size * per_token / 1e9:.2f} GB, "
-                          f"{per_token} bytes a token) could not be allocated on {device}: {str(e).splitlines()[0]}; "
-                          "lower serve(..., cache_tokens=)") from e
+                          f"{per_token} bytes a token) could not be allocated on {device}: {error}; "
+                          "lower serve(..., cache_tokens=)")
+    assert cache is not None
+    return cache
 
 
 @dataclass
@@ -291,10 +302,12 @@ class ServingLoop:
                  *, vocab_size: int, max_context: int, device: torch.device, token_budget: int = 256,
                  context_limit: str = "",
                  max_batch: int = 16, block_size: int = 16, cache_tokens: int | None = None,
-                 agree: Callable[[torch.Tensor], torch.Tensor] | None = None, cuda_graphs: bool | None = None,
+                 agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 agree_min: Callable[[int], int] | None = None, cuda_graphs: bool | None = None,
                  pack_linear: str = "auto"):
         """`agree`: tensor-parallel serving hands every step's sampled tokens to it and continues with
-        what it returns (tp rank 0's choice), so that every rank schedules the same requests.
+        what it returns (tp rank 0's choice), so that every rank schedules the same requests;
+        `agree_min` gives the minimum of an int over the tp ranks (the cache size they can all hold).
         `cuda_graphs`: the buckets up to the decode bucket run at fixed shapes (`_Static`),
         captured as CUDA graphs on a CUDA device; None: on a CUDA device without tensor
         parallelism. True on another device runs the fixed-shape steps without capture.
@@ -346,7 +359,7 @@ class ServingLoop:
         # pack_linear_tokens; under tp the decode bucket), so it packs wherever the pass applies.
         first = compile_bucket(decode if agree is not None else self.buckets[-1], pack_linear != "never")
         self._packable = (first.gm.meta.get("packable_weights", []), first.gm.meta.get("pack_linear_tokens", 0))
-        self.cache = _allocate_cache(first, cache_tokens, max_context * max_batch, block_size, device, agree)
+        self.cache = _allocate_cache(first, cache_tokens, max_context * max_batch, block_size, device, agree_min)
         self.programs: dict[int, _Bound | _Static] = {}
         self.programs[first.tokens] = self._bound(first)
         self.stats: dict[str, Any] = {"steps": 0, "tokens": 0, "padded_tokens": 0,
@@ -449,12 +462,14 @@ class ServingLoop:
         n = len(prompts)
         if isinstance(max_new_tokens, numbers.Integral):  # one for all (a bool is refused per request below)
             max_new = [max_new_tokens] * n
-        elif isinstance(max_new_tokens, (str, bytes)) or not isinstance(max_new_tokens, Iterable) or (
-                isinstance(max_new_tokens, torch.Tensor) and max_new_tokens.dim() == 0):
-            raise ConfigError(f"generate: max_new_tokens must be an int or one int per prompt, got "
-                              f"{type(max_new_tokens).__name__} {max_new_tokens!r}")
         else:
-            max_new = list(max_new_tokens)
+            try:  # (a 0-d tensor or numpy array is Iterable, and fails here)
+                max_new = None if isinstance(max_new_tokens, (str, bytes)) else list(max_new_tokens)
+            except TypeError:
+                max_new = None
+            if max_new is None:
+                raise ConfigError(f"generate: max_new_tokens must be an int or one int per prompt, got "
+                                  f"{type(max_new_tokens).__name__} {max_new_tokens!r}")
             if len(max_new) != n:
                 raise ConfigError(f"generate: max_new_tokens has {len(max_new)} entries for {n} prompts; give an int "
                                   "or one per prompt")

@@ -154,10 +154,13 @@ def test_a_sampling_option_out_of_its_range_is_refused_before_any_token_is_made(
     assert engine._serving.cache.free_blocks() == engine._serving.cache.usable_blocks  # nothing held
 
 
-@pytest.mark.parametrize("max_new", [2.0, torch.tensor(2), "2"])
+@pytest.mark.parametrize("max_new", [2.0, torch.tensor(2), "2", pytest.param("np0d", id="numpy-0d")])
 def test_max_new_tokens_that_is_neither_an_int_nor_one_per_prompt_is_refused_naming_it(gpt2_engine, max_new):
     """A float or a 0-d tensor failed with Python's "'float' object is not iterable"."""
+    import numpy as np
+
     _, engine = gpt2_engine
+    max_new = np.array(2.0) if max_new == "np0d" else max_new
     with pytest.raises(fxspeed.ConfigError, match="generate: max_new_tokens must be an int or one int per prompt"):
         engine.generate([[1, 2, 3]], max_new_tokens=max_new)
 
@@ -167,13 +170,14 @@ def test_a_request_that_cannot_get_blocks_while_a_paused_stream_holds_them_is_re
     request of this loop will ever give blocks back, so waiting would never end (it raised
     "max() arg is an empty sequence"). The request fails alone; the stream goes on."""
     _, engine = gpt2_engine  # 40 tokens of cache: the stream's two 19-token requests take all 10 blocks
+    want = engine.generate([[3, 4, 5]], max_new_tokens=4)[0]
     it = engine.stream([[1] * 14, [2] * 14], max_new_tokens=6)
     first = next(it)
     out = engine.generate([[3, 4, 5]], max_new_tokens=4, on_error="return")
     assert isinstance(out[0], fxspeed.RequestError) and "another stream()" in str(out[0])
     rest = [first, *it]
     assert len(rest) == 12 and engine._serving.cache.free_blocks() == engine._serving.cache.usable_blocks
-    assert engine.generate([[3, 4, 5]], max_new_tokens=4)[0] == engine.generate([[3, 4, 5]], max_new_tokens=4)[0]
+    assert engine.generate([[3, 4, 5]], max_new_tokens=4)[0] == want
 
 
 def test_stream_yields_the_tokens_of_generate_and_eos_stops_a_request(gpt2_engine):
@@ -403,6 +407,13 @@ def test_the_default_cache_is_capped_at_half_the_free_memory_and_a_cache_that_ca
     def fail(*args, **kwargs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 2048002048 bytes")
 
+    # tensor parallelism: the smallest rank's room (here another rank's 60 tokens) on every rank
+    assert serving._allocate_cache(Program(), None, 64 * 16, 4, torch.device("cpu"), lambda v: min(v, 60)
+                                   ).usable_blocks * 4 == 60
+    # and when another rank's allocation failed (the minimum of the success flags is 0), this one raises too
+    with pytest.raises(ConfigError, match="another tensor-parallel rank could not allocate"):
+        serving._allocate_cache(Program(), 500, 64 * 16, 4, torch.device("cpu"), lambda v: 0)
+
     monkeypatch.setattr(serving.KVCache, "__init__", fail)
     with pytest.raises(ConfigError, match=r"could not be allocated .* lower serve\(\.\.\., cache_tokens=\)"):
         serving._allocate_cache(Program(), 10**7, 64 * 16, 4, torch.device("cpu"), None)
@@ -416,9 +427,9 @@ def test_a_cache_size_that_is_not_a_positive_int_is_refused_before_compiling(cac
 
 def test_models_the_serving_programs_cannot_follow_are_refused_with_what_is_wrong():
     """Rotary scaling that changes with the sequence length (longrope, dynamic), a model without
-    SDPA attention in HF (Gemma2), a forward that writes its buffers, and one that keeps a tensor
-    it made from the traced values (longrope's long_inv_freq, which the program used to compute
-    on as a tensor without data, failing with a fake-tensor error at the first step)."""
+    SDPA attention in HF (Gemma2), a forward that writes its buffers (longrope: inv_freq), and one
+    that keeps a tensor it made from the traced values (as longrope's long_inv_freq: the program
+    computed on it as a tensor without data, failing with a fake-tensor error at the first step)."""
     from fxspeed.compiler.capture_inference import compile_inference
     from fxspeed.errors import CaptureError
 
@@ -431,7 +442,7 @@ def test_models_the_serving_programs_cannot_follow_are_refused_with_what_is_wron
     with pytest.raises(ConfigError, match="'longrope' rotary scaling"):
         fxspeed.serve(longrope)
     longrope.set_attn_implementation("sdpa")
-    with pytest.raises(CaptureError, match="keeps it on the module"):
+    with pytest.raises(CaptureError, match=r"writes its buffer\(s\) model.rotary_emb.inv_freq"):
         compile_inference(longrope, 8, config=fxspeed.Config())
     dynamic = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **small, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})).eval()
@@ -455,3 +466,16 @@ def test_models_the_serving_programs_cannot_follow_are_refused_with_what_is_wron
 
     with pytest.raises(CaptureError, match="writes its buffer"):
         compile_inference(Counting(), 8, config=fxspeed.Config())
+
+    class Caching(Counting):  # makes a tensor on its first call and keeps it (as longrope's long_inv_freq)
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            if not hasattr(self, "scale"):
+                self.scale = torch.full((16,), 2.0)
+            h = (self.emb(ids) * self.scale)[:, None]  # [B, 1 head, T, 16]
+            return self.head(torch.nn.functional.scaled_dot_product_attention(h, h, h, is_causal=True)[:, 0])
+
+    with pytest.raises(CaptureError, match="keeps it on the module"):
+        compile_inference(Caching(), 8, config=fxspeed.Config())
+    ids = torch.randint(0, V, (2, 8))
+    with pytest.raises(CaptureError, match="fake buffer|keeps it on the module"):  # training: AOT export's own check
+        fxspeed.compile(Caching(), 1, example_inputs=(ids,), loss_fn=lambda out, ids: out.float().mean())

@@ -162,11 +162,12 @@ def _is_tensor_tree(x: Any) -> bool:
 # --------------------------------------------------------------------------------------------
 
 def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn | None = None,
-                 train: bool = True) -> CapturedStep:
+                 train: bool = True, check_constants: bool = True) -> CapturedStep:
     """Trace forward+loss+backward (train) or forward only (eval) into an FX GraphModule.
 
     Runs on fake tensors: nothing the size of an activation is allocated, and a model on the
-    meta device can be captured.
+    meta device can be captured. `check_constants=False`: the caller runs
+    `check_no_fake_constants` itself, after passes that may drop a constant's reader.
     """
     from fxspeed.compiler.checkpoint_regions import checkpoint_regions
 
@@ -174,36 +175,54 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn
     with fake_model_state(model, args, kwargs) as (fargs, fkwargs), checkpoint_regions() as regions:
         cap = _capture(model, args, kwargs, fargs, fkwargs, loss_fn=loss_fn, train=train)
     regions.tag(cap.gm)
-    _check_no_fake_constants(model, cap)
-    _check_loss_targets(model, cap)
+    if check_constants:
+        check_no_fake_constants(model, cap.gm, cap.module_of)
+    _widen_loss_targets(cap)
     return cap
 
 
-def _check_loss_targets(model: nn.Module, cap: CapturedStep) -> None:
-    """nll_loss (cross_entropy's) takes int64 (or uint8) class indices. Its fake kernel accepts
-    int32 targets, so the trace passed and the first train_step failed inside the compiled step
-    with ATen's bare "expected target dtype to be Long or Byte, but got Int". Refused at compile,
-    naming the loss."""
-    losses = {torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss2d_forward.default}
-    for n in cap.gm.graph.nodes:
-        if n.op == "call_function" and n.target in losses:
-            val = n.args[1].meta.get("val") if isinstance(n.args[1], fx.Node) else None
-            if val is not None and val.dtype not in (torch.int64, torch.uint8):
-                where = cap.module_of.get(n.name) or type(model).__name__
-                raise CaptureError(f"{where}: the cross-entropy / nll loss gets class indices of dtype {val.dtype}; it "
-                                   "takes int64 (torch.long). Pass the labels as labels.long()")
+def _widen_loss_targets(cap: CapturedStep) -> None:
+    """Class indices of another integer dtype (int32 labels, uint8) reach nll_loss (cross_entropy's)
+    through an int64 copy. The fake kernel accepted int32, so the trace passed and the first CPU
+    train_step failed inside the compiled program with ATen's bare "expected target dtype to be
+    Long or Byte"; the CUDA chunked cross-entropy kernel read them as they are. Lossless, so
+    converted rather than refused (eager PyTorch refuses int32 here).
+
+        nll_loss_forward(x, t: int32, ...)  ->  nll_loss_forward(x, _to_copy(t, dtype=int64), ...)
+        (the backward's nll_loss_backward reads the same copy)
+    """
+    aten = torch.ops.aten
+    at = {aten.nll_loss_forward.default: 1, aten.nll_loss2d_forward.default: 1,
+          aten.nll_loss_backward.default: 2, aten.nll_loss2d_backward.default: 2}
+    graph, widened = cap.gm.graph, {}
+    for n in list(graph.nodes):
+        i = at.get(n.target) if n.op == "call_function" else None
+        t = n.args[i] if i is not None else None
+        val = t.meta.get("val") if isinstance(t, fx.Node) else None
+        if val is None or val.dtype == torch.int64 or val.is_floating_point() or val.dtype == torch.bool:
+            continue
+        if t not in widened:
+            with graph.inserting_before(n):  # before the first reader (a placeholder stays among the inputs)
+                w = graph.call_function(aten._to_copy.default, (t,), {"dtype": torch.int64})
+            w.meta["val"] = val.to(torch.int64)
+            if n.name in cap.module_of:
+                cap.module_of[w.name] = cap.module_of[n.name]
+            widened[t] = w
+        n.update_arg(i, widened[t])
+    if widened:
+        cap.gm.recompile()
 
 
-def _check_no_fake_constants(model: nn.Module, cap: CapturedStep) -> None:
+def check_no_fake_constants(model: nn.Module, gm: fx.GraphModule, module_of: dict[str, str]) -> None:
     """A graph constant that is a FakeTensor was made by the model's forward from the traced (fake)
     tensors and kept outside the graph's inputs (HF longrope builds `long_inv_freq` on first call
-    and stores it on the module): the program would compute on a tensor without data. Refused here,
-    naming the module, not later with fake outputs."""
+    and stores it on the module): the program would compute on a tensor without data. Refused
+    where a node still reads it, naming the module, not later with fake outputs."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    for n in cap.gm.graph.nodes:
-        if n.op == "get_attr" and n.users and isinstance(getattr(cap.gm, str(n.target), None), FakeTensor):
-            where = sorted({cap.module_of.get(u.name, "") for u in n.users} - {""}) or ["the model"]
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and n.users and isinstance(getattr(gm, str(n.target), None), FakeTensor):
+            where = sorted({module_of.get(u.name, "") for u in n.users} - {""}) or ["the model"]
             raise CaptureError(f"{type(model).__name__}: forward makes a tensor from the traced values and keeps it on "
                                f"the module for a later call (read in {', '.join(where)}); the compiled program cannot "
                                "hold it. Make it in __init__ (a buffer) or recompute it in every forward")

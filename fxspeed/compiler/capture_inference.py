@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from fxspeed.compiler.annotate import make_annotate_pass
-from fxspeed.compiler.capture import capture_step
+from fxspeed.compiler.capture import capture_step, check_no_fake_constants
 from fxspeed.compiler.rewrite import wanted_on
 from fxspeed.compiler.options import PassOptions
 from fxspeed.compiler.pass_manager import PassContext, PassManager
@@ -94,7 +94,8 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     args, kwargs, kinds = _inputs(model, tokens, device)
     t0 = time.perf_counter()
-    cap = capture_step(model, args, kwargs, train=False)
+    # constants checked after the passes: the kv_cache pass may drop a cached mask's only reader
+    cap = capture_step(model, args, kwargs, train=False, check_constants=False)
     t1 = time.perf_counter()
     sig = cap.signature
     user = [i for i, s in enumerate(sig.inputs) if s.kind == "input"]
@@ -136,6 +137,7 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
                      known=[*ALL_PASSES, *STAGE_PASS_NAMES, *OPTIONAL_PASS_NAMES, *FUSION_PASS_NAMES,
                             *(p.name for p in passes)])
     gm = pm.ensure("annotate", pm.run(gm, ctx), ctx)
+    check_no_fake_constants(model, gm, cap.module_of)
     t2 = time.perf_counter()
     return InferenceProgram(gm=gm, signature=sig, tokens=tokens, kv_layout=list(gm.meta["kv_cache_layout"]),
                             selects_logits=bool(gm.meta.get("selects_logits")), records=pm.records, capture_seconds=t1 - t0, pass_seconds=t2 - t1)

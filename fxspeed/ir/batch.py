@@ -116,8 +116,9 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def batch_digest(args: tuple, kwargs: dict) -> list[Any]:
     """A cheap digest of a batch's contents: per tensor its shape, dtype and three int64 sums of
-    its bits (all elements, every other one, every seventh). Exact integer arithmetic, so equal
-    batches give equal digests on any rank and thread count (a float sum's order could differ);
+    its bits (all elements, the first half, the last two thirds: contiguous runs, which reduce
+    at memory speed; strided ones took 3x as long). Exact integer arithmetic, so equal batches
+    give equal digests on any rank and thread count (a float sum's order could differ);
     different ones almost surely differ. Non-tensor leaves by repr."""
     leaves, _ = split_inputs(args, kwargs)
     out: list[Any] = []
@@ -132,6 +133,7 @@ def batch_digest(args: tuple, kwargs: dict) -> list[Any]:
         bits = x.detach().contiguous().reshape(-1)
         if bits.dtype == torch.bool or bits.is_floating_point() or bits.is_complex():
             bits = bits.view(_INT_OF_SIZE.get(bits.element_size(), torch.uint8))
-        sums.append(torch.stack([bits.sum(dtype=torch.int64), bits[1::2].sum(dtype=torch.int64),
-                                 bits[::7].sum(dtype=torch.int64)]).cpu())
+        n = bits.numel()
+        sums.append(torch.stack([bits.sum(dtype=torch.int64), bits[:n // 2].sum(dtype=torch.int64),
+                                 bits[n // 3:].sum(dtype=torch.int64)]).cpu())
     return out + (torch.cat(sums).tolist() if sums else [])  # one device sync for all of them
