@@ -494,11 +494,11 @@ class ServingLoop:
                 err = f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             elif not _is_int(m) or m < 1:
                 err = f"max_new_tokens must be an int >= 1, got {m!r}"
-            elif len(ids) + m - 1 > self.max_context:  # the last new token is not fed: it needs no position
-                err = (f"prompt ({len(ids)} tokens) + max_new_tokens ({m}) - 1 = {len(ids) + m - 1} positions exceeds "
-                       f"{self.context_limit}; shorten the prompt or lower max_new_tokens")
-            elif -(-(len(ids) + m - 1) // self.block_size) > self.cache.usable_blocks:
-                err = (f"needs {len(ids) + m - 1} tokens of KV cache but the whole cache holds "
+            elif fed_tokens(len(ids), m) > self.max_context:
+                err = (f"prompt ({len(ids)} tokens) + max_new_tokens ({m}) - 1 = {fed_tokens(len(ids), m)} positions "
+                       f"exceeds {self.context_limit}; shorten the prompt or lower max_new_tokens")
+            elif -(-fed_tokens(len(ids), m) // self.block_size) > self.cache.usable_blocks:
+                err = (f"needs {fed_tokens(len(ids), m)} tokens of KV cache but the whole cache holds "
                        f"{self.cache.usable_blocks * self.block_size}; raise serve(..., cache_tokens=)")
             if err:
                 out.append(RequestError(i, err))
@@ -544,7 +544,7 @@ class ServingLoop:
         while waiting or active:
             while waiting and len(active) < self.max_batch:
                 r = waiting[0]
-                need = -(-(len(r.prompt) + r.max_new - 1) // bs)  # the last new token is never cached
+                need = -(-fed_tokens(len(r.prompt), r.max_new) // bs)
                 blocks = self.cache.allocate(need)
                 if blocks is None and not active:
                     # Nothing here will give blocks back: another stream() of this engine, paused by its
@@ -672,6 +672,12 @@ def _sample(logits: torch.Tensor, r: _Request) -> int:
         x[idx[drop]] = float("-inf")
     probs = torch.softmax(x, -1).cpu()
     return int(torch.multinomial(probs, 1, generator=r.generator).item())
+
+
+def fed_tokens(prompt: int, max_new: int) -> int:
+    """Positions (and cache slots) a request takes: its prompt and every new token but the last,
+    which is sampled and returned, never fed."""
+    return prompt + max_new - 1
 
 
 def _is_int(x: Any) -> bool:
