@@ -24,8 +24,14 @@ ExampleInputs = tuple | dict
 
 
 def _split_example(example_inputs: ExampleInputs, where: str) -> tuple[tuple, dict]:
+    """A tuple of positional arguments, a dict of keyword arguments, one tensor, or torch.export's
+    (args tuple, kwargs dict) pair for both. The pair was taken as two positional arguments, so
+    `((), {"input_ids": x})` fed forward an empty tuple and the capture error blamed the model's code."""
     if isinstance(example_inputs, dict):
         return (), dict(example_inputs)
+    if isinstance(example_inputs, tuple) and len(example_inputs) == 2 and isinstance(example_inputs[0], tuple) \
+            and isinstance(example_inputs[1], dict) and all(isinstance(k, str) for k in example_inputs[1]):
+        return example_inputs[0], dict(example_inputs[1])
     if isinstance(example_inputs, tuple):
         return example_inputs, {}
     if isinstance(example_inputs, torch.Tensor):
@@ -44,7 +50,9 @@ def compile(model: nn.Module, devices: Devices = 1, config: Config | dict | str 
     """Compile `model`'s training step for `devices`; returns an Engine.
 
     The example batch is traced (on fake tensors) so the plan is ready at once; batches of
-    other shapes are traced when first seen.
+    other shapes are traced when first seen. `example_inputs`: a tuple of forward's positional
+    arguments, a dict of its keyword arguments, or an (args tuple, kwargs dict) pair for both (as
+    torch.export takes them).
     """
     _check_model(model, "compile")
     cfg = Config.coerce(config)

@@ -353,3 +353,18 @@ def test_int32_class_indices_train_exactly_as_int64_ones() -> None:
     narrow, wide = _compile(model, (x, y.to(torch.int32))), _compile(twin, (x, y))
     assert [narrow.train_step(x, y.to(torch.int32)) for _ in range(2)] == [wide.train_step(x, y) for _ in range(2)]
     assert all(torch.equal(narrow.state_dict()[k], v) for k, v in wide.state_dict().items())
+
+
+def test_example_inputs_as_torch_exports_args_kwargs_pair_trains_as_the_dict_form() -> None:
+    """`((), {"input_ids": x, ...})`, as torch.export takes inputs, was read as two positional
+    arguments: forward got an empty tuple for input_ids and the error blamed the model's code."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=16, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    twin = copy.deepcopy(model)
+    x = torch.randint(0, 64, (2, 8))
+    pair = _compile(model, ((x,), {"labels": x}))
+    as_dict = _compile(twin, {"input_ids": x, "labels": x})
+    assert pair.train_step(x, labels=x) == as_dict.train_step(input_ids=x, labels=x)
