@@ -565,7 +565,7 @@ class Engine:
         self._tied = []
         for pid in by_id:
             rs = sorted(holders.get(pid, ()))
-            if len(rs) < 2:
+            if len(rs) < 2 or not by_id[pid].requires_grad:  # a frozen tied weight has no gradient to sum
                 continue
             for d in range(self.dp_size):
                 for t in range(self.mesh.tp):  # under tp each rank sums its slices with its tp index's

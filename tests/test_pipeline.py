@@ -447,3 +447,18 @@ def test_for_random_gpts_and_stage_counts_the_stages_compose_to_the_joint_graph_
     assert [p.stage for p in progs if p.names() & tied] == [0, P - 1]
     for name in set(params) - tied:
         assert len([p.stage for p in progs if name in p.names()]) == 1, name
+
+
+def test_a_hugging_face_llama_pipeline_evaluates_and_trains_with_its_tied_embedding_frozen_as_eager_does(
+        tmp_path: Path) -> None:
+    """tests/workers/pipeline_hf_worker.py, one 2-rank launch: eval_step of an HF Llama pipeline
+    (it failed: the eval trace named modules without Llama's own `model.` prefix), and training
+    with the tied embedding/head frozen (it failed with a KeyError at the first step)."""
+    pytest.importorskip("transformers")
+    from tests.multiprocess import launch_worker
+
+    cases = ("llama_eval", "llama_frozen_tied")
+    launch_worker("tests.workers.pipeline_hf_worker", 2, tmp_path, "--case", ",".join(cases), timeout=600)
+    for case in cases:
+        for rank in range(2):
+            assert (tmp_path / f"{case}_rank{rank}.txt").read_text() == "ok", (case, rank)

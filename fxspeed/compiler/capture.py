@@ -909,7 +909,9 @@ class _ModuleOwners:
         node = last.next if last is not None else next(iter(g.nodes), None)
         root = g._root  # sentinel of fx's doubly linked node list
         while node is not None and node is not root:
-            self.owner.setdefault(node.name, _strip(name) if name else "")
+            # (names are the user model's own: no wrapper prefix to strip. Stripping "model." cut HF
+            # Llama's `model.layers.2` to `layers.2`, and a pipeline's eval split missed its points)
+            self.owner.setdefault(node.name, name)
             node = node.next
 
 
