@@ -55,7 +55,7 @@ def main() -> None:
     # machinery, collectives) is not charged to whichever stage happens to run first.
     for tensor in sorted({t for _, _, t, _ in items}):
         tiny = GPT(GPTConfig.preset("tiny"))
-        x = torch.randint(0, 256, (a.batch, 16))
+        x = torch.randint(0, 256, (a.batch, 16), generator=torch.Generator().manual_seed(0))  # same on every rank
         warm = fxspeed.Config(zero=3 if tensor == 1 else 0, optimizer="adam", tensor=tensor)
         fxspeed.compile(tiny, world, warm, example_inputs=(x, x)).train_step(x, x)
         del tiny
@@ -87,7 +87,8 @@ def run(zero: int, precision: str, tensor: int, a: argparse.Namespace, world: in
     cfg = dataclasses.replace(cfg, n_layer=a.layers or cfg.n_layer, n_embd=a.width or cfg.n_embd,
                               n_head=a.heads or cfg.n_head)
     model = GPT(cfg)
-    x = torch.randint(0, model.config.vocab_size, (a.batch, a.seq))
+    # the same batch on every rank: tensor-parallel ranks must pass the same one (the engine checks)
+    x = torch.randint(0, model.config.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
     if dist.is_initialized():
         dist.barrier()
     base = status_kb("VmRSS")

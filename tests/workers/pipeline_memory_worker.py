@@ -56,7 +56,7 @@ def main() -> None:
     cfg = fxspeed.Config(pipeline=world, microbatches=a.microbatches, schedule=a.schedule, optimizer="adamw")
 
     tiny = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
-    x = torch.randint(0, 64, (a.microbatches, 16))
+    x = torch.randint(0, 64, (a.microbatches, 16), generator=torch.Generator().manual_seed(0))  # same on every rank
     fxspeed.compile(tiny, world, cfg, example_inputs=(x, x)).train_step(x, x)
     del tiny
     gc.collect()
