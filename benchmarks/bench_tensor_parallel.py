@@ -4,6 +4,7 @@ on the same GPT, and both against one process.
     python benchmarks/bench_tensor_parallel.py --out tp.json                # 109M GPT, global batch 8 x 64
     python benchmarks/bench_tensor_parallel.py --batch 2 --out tp_b2.json   # a second operating point
     python benchmarks/bench_tensor_parallel.py --tiny --out /tmp/tp.json    # seconds: smoke test
+    python benchmarks/bench_tensor_parallel.py --dropout 0.1 --rows eager,dtensor,fxtp --out tp_drop.json
 
 Rows (benchmarks/workers/tp_worker.py): eager (plain PyTorch, one process), fx (fxspeed, one
 process), dtensor (DTensor parallelize_module: q/k/v and fc ColwiseParallel, the projections
@@ -46,7 +47,8 @@ def launch(mode: str, a: argparse.Namespace, out: Path) -> list[dict]:
     nproc = a.nproc if mode in PARALLEL else 1
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER),
            "--mode", mode, "--layers", str(a.layers), "--width", str(a.width), "--vocab", str(a.vocab),
-           "--batch", str(a.batch), "--seq", str(a.seq), "--warmup", str(a.warmup), "--steps", str(a.steps),
+           "--batch", str(a.batch), "--seq", str(a.seq), "--dropout", str(a.dropout), "--warmup", str(a.warmup),
+           "--steps", str(a.steps),
            "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=a.launch_timeout)
     if proc.returncode != 0:
@@ -61,6 +63,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--dropout", type=float, default=0.0, help="embedding, attention and residual dropout")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
@@ -82,8 +85,8 @@ def main() -> None:
                 t = time.perf_counter()
                 runs[mode].append(launch(mode, a, out))
                 print(f"round {r} {mode}: {time.perf_counter() - t:.0f} s", flush=True)
-    result: dict = {"setup": {k: getattr(a, k) for k in ("layers", "width", "vocab", "batch", "seq", "nproc", "warmup",
-                                                          "steps", "rounds")}, "rows": {}}
+    result: dict = {"setup": {k: getattr(a, k) for k in ("layers", "width", "vocab", "batch", "seq", "dropout", "nproc",
+                                                          "warmup", "steps", "rounds")}, "rows": {}}
     for mode, rounds in runs.items():
         result["rows"][mode] = {
             "step_s": statistics.median(t for recs in rounds for t in recs[0]["step_times_s"]),
@@ -93,7 +96,8 @@ def main() -> None:
             "losses": rounds[0][0]["losses"]}
     res = result["rows"]
     result["n_params"] = runs[rows[0]][0][0]["n_params"]
-    print(f"GPT {result['n_params'] / 1e6:.1f}M params, global batch {a.batch} x {a.seq}, {a.nproc} tp ranks")
+    print(f"GPT {result['n_params'] / 1e6:.1f}M params, global batch {a.batch} x {a.seq}, dropout {a.dropout}, "
+          f"{a.nproc} tp ranks")
     for mode in rows:
         r = res[mode]
         print(f"  {mode:<8} step {r['step_s']:.3f} s  peak RSS per rank " + ", ".join(f"{m:.0f}" for m in r["peak_rss_MB"])

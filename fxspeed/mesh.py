@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fxspeed.errors import ConfigError, FxspeedError
+from fxspeed.ir.batch import batch_digest
 
 
 @dataclass
@@ -86,16 +87,43 @@ def check_agreement(ctx: DistContext, what: str, value: str, fix: str) -> None:
         raise ConfigError(f"ranks disagree on {what}: rank(s) {differ} differ from rank 0. {fix}")
 
 
+def same_everywhere(ctx: DistContext, value: str) -> bool:
+    """Whether every rank holds this `value` (a fingerprint): one 2-element all-reduce; the same
+    answer on every rank."""
+    h = int(value[:15], 16)
+    t = torch.tensor([h, -h], dtype=torch.int64, device=comm_device(ctx.group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
+    return int(t[0]) == h and -int(t[1]) == h
+
+
 def check_same_everywhere(ctx: DistContext, what: str, value: str, fix: str) -> None:
     """Cheap per-step agreement (one 2-element all-reduce): raise on every rank when ranks
     hold different `value`s, before they diverge into mismatched collectives."""
     if not ctx.active:
         return
-    h = int(value[:15], 16)
-    t = torch.tensor([h, -h], dtype=torch.int64, device=comm_device(ctx.group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
-    if int(t[0]) != h or -int(t[1]) != h:  # same result on every rank: all take this path
+    if not same_everywhere(ctx, value):  # same result on every rank: all take this path
         check_agreement(ctx, what, value, fix)  # names the ranks that differ
+
+
+def start_alike(ctx: DistContext, model: Any) -> bool:
+    """Give every rank rank 0's parameters and buffers when they differ (ranks that built the
+    model without a common seed), as DDP and DeepSpeed do when they wrap a model. Otherwise the
+    replicas trained from different weights (ZeRO-0 forever apart, ZeRO-3 and tensor parallelism a
+    mix of the ranks' inits) with no error. A content digest first (exact int64 sums of the bits,
+    one small all-reduce), so ranks built alike pay no broadcast. Returns whether it copied."""
+    seen: set[int] = set()
+    tensors = [t for t in (*model.parameters(), *model.buffers())
+               if id(t) not in seen and not seen.add(id(t)) and t.device.type != "meta"]
+    if not ctx.active or same_everywhere(ctx, fingerprint(batch_digest(tuple(tensors), {}))):
+        return False
+    with torch.no_grad():
+        for t in tensors:
+            wire = t.detach() if t.is_contiguous() else t.detach().contiguous()
+            wire = wire.view(torch.uint8) if wire.dtype == torch.bool else wire
+            dist.broadcast(wire, src=0, group=ctx.group)
+            if ctx.rank != 0 and wire.data_ptr() != t.data_ptr():
+                t.copy_(wire.view(torch.bool) if t.dtype == torch.bool else wire)
+    return True
 
 
 def check_same_model(ctx: DistContext, model: Any, config: Any) -> None:
@@ -296,6 +324,29 @@ def check_same_in_replica(mesh: Mesh, what: str, value: str, fix: str) -> None:
     if bad:
         raise ConfigError(f"ranks disagree on {what}: rank(s) {bad} differ from the first rank of their data-parallel "
                           f"replica ({mesh.describe().splitlines()[0]}). {fix}")
+
+
+def share_generators(mesh: Mesh, device: torch.device) -> None:
+    """Give every tensor-parallel rank the random generator states of its group's first rank.
+
+    Random ops under tensor parallelism draw on every tp rank what one device would draw
+    (dropout: the whole mask, each rank keeping its piece), so the tp ranks' generators must be
+    in one state. A script may leave them apart: seeded by rank, or drawing on one rank only
+    (rank 0 sampling a batch it then broadcasts). One broadcast of the CPU generator's state (and
+    `device`'s, on CUDA) over the tp group; replicas keep their own."""
+    if not mesh.active or mesh.tp == 1:
+        return
+    group = mesh.group("tp")
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    t = torch.cat(states).to(comm_device(group))
+    dist.broadcast(t, src=mesh.ranks("tp")[0], group=group)
+    if mesh.coords()["tp"] != 0:
+        t = t.cpu()
+        torch.set_rng_state(t[:states[0].numel()].clone())
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(t[states[0].numel():].clone(), device)
 
 
 def _check_dim(dim: str) -> str:

@@ -38,9 +38,11 @@ from fxspeed.config import Config
 from fxspeed.devices import DeviceSpec
 from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.ir import Bucket, IOSpec, Program, StepSignature
+from fxspeed.ir.program import graphs_draw_random
 from fxspeed.ir.batch import batch_digest, input_key, split_batch, tensor_leaves
 from fxspeed.ir.schedule import GATHER, B, F, I, RECV_B, RECV_F, SEND_F, STEP, W, Action, Schedule
 from fxspeed.mesh import (Mesh, check_agreement, check_same_everywhere, check_same_in_replica, check_same_model,
+                          share_generators, start_alike,
                           comm_device, expect_all_ranks, fingerprint)
 from fxspeed.planner import costs_reader, finish_plan
 from fxspeed.planner.estimate import offload_chunk_bytes
@@ -144,6 +146,7 @@ class Engine:
         self._executors: dict[tuple, StepExecutor] = {}
         self._in_backward: InBackwardSteps | None = None
         self._half_stepped = ""  # why training may not go on (a program failed mid-step); "" = it may
+        self._out_of_step = ""  # why no step may run: this rank failed while its peers were in collectives
         self._first_fetch = -1  # parameter offload: the bucket the train program reads first
         # Pipeline: the program, this rank's runner, what it owns.
         self.schedule: Schedule | None = None
@@ -169,6 +172,10 @@ class Engine:
         self._serving: Any = None  # fxspeed.serve: the ServingLoop generate/stream delegate to
         if self.dist.active:
             check_same_model(self.dist, model, config)
+            if start_alike(self.dist, model) and self.rank == 0:
+                log.warning("fxspeed: the ranks built %s with different weights (no common torch.manual_seed before "
+                            "building it?); every rank now starts from rank 0's, as DDP and DeepSpeed do",
+                            type(model).__name__)
 
     # --- the mesh ----------------------------------------------------------------------------
     @property
@@ -211,10 +218,7 @@ class Engine:
         if self.dist.active:
             # Every step: a rank meeting a new shape alone would otherwise trace and run
             # collectives the others never join.
-            check_same_everywhere(self.dist, "the step (train_step or eval_step) and its batch signature (shapes, "
-                                  "dtypes, structure)", fingerprint(key),
-                                  "every rank must call the same step, in the same order, with local batches of the "
-                                  "same shapes; split the global batch evenly with fxspeed.data.local_batch")
+            self._check_step_everywhere(key)
         ex = self._executors.get(key)
         if ex is not None:
             return ex
@@ -521,6 +525,8 @@ class Engine:
         if self._tp is not None:  # slice before the other stages' weights are freed (shapes stay full)
             self._tp.apply(self._params, cp.captured.signature.tp_layout)
         mine = {s: self.programs[s] for s in self.stages}
+        self._pipeline_draws_random = graphs_draw_random(*[g for p in mine.values() for g in (
+            p.forward, p.backward, p.backward_input, p.backward_weight)])
         moves = self.config.offloads_activations and any(p.offload_saved for p in mine.values())
         self._runtime = PipelineRuntime(mine, self.M, self._bind, group=self.mesh.group("pp"), peers=self.pipe_ranks,
                                         device=self._device, activations=self._activation_store() if moves else None)
@@ -559,7 +565,13 @@ class Engine:
                 if name in self._params:
                     holders.setdefault(id(self._params[name]), set()).add(r)
         mine = {pid for pid, rs in holders.items() if position in rs}
-        self._owned = [p for pid, p in by_id.items() if pid in mine and p.requires_grad]
+        # A weight no stage reads (forward never uses it) has no gradient and no stage: the first
+        # position keeps it, untrained as in eager, so state_dict and checkpoints still hold it
+        # (every rank freed it, and state_dict returned it 0-size)
+        unused = {pid for pid in by_id if pid not in holders}
+        if position == 0:
+            mine |= unused
+        self._owned = [p for pid, p in by_id.items() if pid in mine and pid not in unused and p.requires_grad]
         # A weight read by several positions (tied): a group per replica over the positions
         # holding it, created on every rank in the same order.
         self._tied = []
@@ -820,6 +832,7 @@ class Engine:
         if self._half_stepped:
             raise FxspeedError(self._half_stepped + "; load a checkpoint with engine.load (weights and optimizer states) "
                                "to train on")
+        self._begin_step("train_step")
         self._check_replica_batch("train_step", args, kwargs)
         if self.scaler is not None:
             self._scale.copy_(self.scaler.scale)
@@ -828,12 +841,50 @@ class Engine:
         self._prefetch_parameters()
         if self._requires_grad is not None:
             self._check_parameters_unchanged()
-        if self.pipelined:
-            loss = self._pipeline_step(args, kwargs)
-        else:
-            loss = self._joint_step(args, kwargs)
+        try:
+            if self.pipelined:
+                loss = self._pipeline_step(args, kwargs)
+            else:
+                loss = self._joint_step(args, kwargs)
+        except FxspeedError:
+            raise  # ours: raised on every rank alike (the agreement checks) or already said
+        except Exception as e:
+            if not self.dist.active:
+                raise
+            raise self._failed_mid_step("train_step", e) from e
         self.stats["steps"] += 1
         return loss
+
+    def _check_step_everywhere(self, key: Any) -> None:
+        """Every rank runs the same step: the same method and batch signature. (A step called on
+        one rank only pairs with the others' next one; that is found only when a collective
+        times out, and said by _failed_mid_step.)"""
+        check_same_everywhere(self.dist, "the step (train_step or eval_step) and its batch signature (shapes, "
+                              "dtypes, structure)", fingerprint(key),
+                              "every rank must call the same step, in the same order, with local batches of the "
+                              "same shapes; split the global batch evenly with fxspeed.data.local_batch")
+
+    def _begin_step(self, name: str) -> None:
+        if self._out_of_step:
+            raise FxspeedError(f"{name}: {self._out_of_step}. End every rank and restart from the last checkpoint "
+                               "(engine.load)")
+
+    def _failed_mid_step(self, name: str, e: Exception) -> FxspeedError:
+        """A step that raised on this rank while others were (or will be) in its collectives: the
+        ranks are out of step for good. Said once here, with what failed, instead of a bare
+        gloo/NCCL error on the peers and mismatched collectives at this rank's next step."""
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        collective = isinstance(e, dist.DistError) or any(k in str(e) for k in (
+            "gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out waiting"))
+        if collective:
+            self._out_of_step = (f"a collective of {name} failed on rank {self.rank} ({type(e).__name__}: {first}): "
+                                 "another rank left the step (it raised, see its error; exited; called another step "
+                                 "or method; or did not call this one: a step called on some ranks only pairs with "
+                                 "the others' next one), so the ranks' collectives are out of step")
+        else:
+            self._out_of_step = (f"{name} failed on rank {self.rank} ({type(e).__name__}: {first}) while the other "
+                                 "ranks ran, or will run, the step's collectives, so the ranks are out of step")
+        return FxspeedError(f"{self._out_of_step}. End every rank and restart from the last checkpoint (engine.load)")
 
     def _check_replica_batch(self, name: str, args: tuple, kwargs: dict) -> None:
         """Every tensor-parallel rank and pipeline position of a replica must pass the same batch.
@@ -862,8 +913,10 @@ class Engine:
             # The program may step parameters while it runs: the lr rule is checked first.
             self._check_lr_untouched()
             self._in_backward.begin()
-        for a, kw in split_batch(args, kwargs, k, key="grad_accum"):
+        for i, (a, kw) in enumerate(split_batch(args, kwargs, k, key="grad_accum")):
             ex = self._executor(a, kw, train=True)
+            if i == 0 and ex.draws_random:
+                share_generators(self.mesh, self._device)
             defer = ex.program.signature.waits_for_parameters
             if not defer:
                 self.synchronize()
@@ -873,6 +926,7 @@ class Engine:
             # Reduced buckets may be persistent buffers the next slice overwrites: copy them.
             _accumulate(buckets, out.grad_buckets if k == 1 else {n: t.clone() for n, t in out.grad_buckets.items()})
         del out  # the accumulated dicts now hold the only references
+        self._broadcast_buffers(ex.updated_buffers)
         self.synchronize()  # a no-op when the program waited; the optimizer must not race a gather
         if k > 1:
             total = total / k
@@ -896,6 +950,27 @@ class Engine:
             total /= self.dist.world
         return float(total)
 
+    def _broadcast_buffers(self, buffers: list[torch.Tensor]) -> None:
+        """Buffers the step wrote (BatchNorm's running statistics) take the values of the first rank
+        of each data-parallel group, as DDP's broadcast_buffers (its default) makes them. Each
+        replica updates them from its own rows; kept apart they drifted, engine.save wrote rank 0's,
+        so a resumed run's ranks differed from an uninterrupted one's, and eval_step averaged
+        losses computed with different statistics. One broadcast per dtype, after the step."""
+        if not buffers or not self.mesh.active or self.mesh.dp == 1:
+            return
+        group, src = self.mesh.group("dp"), self.mesh.ranks("dp")[0]
+        kinds: dict[tuple, list[torch.Tensor]] = {}
+        for b in buffers:
+            kinds.setdefault((b.dtype, b.device), []).append(b)
+        for bufs in kinds.values():
+            flat = torch.cat([b.detach().reshape(-1) for b in bufs])
+            wire = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
+            dist.broadcast(wire, src=src, group=group)
+            if self.rank != src:
+                with torch.no_grad():
+                    for b, part in zip(bufs, flat.split([b.numel() for b in bufs])):
+                        b.copy_(part.view_as(b))
+
     def _run_stepping(self, ex: StepExecutor, batch: list[torch.Tensor]) -> Any:
         """Run a training program. One that steps parameters inside backward and fails after
         some of them moved leaves a half-stepped model: never trained on silently (the engine
@@ -916,7 +991,11 @@ class Engine:
         return f"{len(self._flat.buckets)} gradient buckets" if self._flat is not None else f"{len(self._owned)} parameters"
 
     def _pipeline_step(self, args: tuple, kwargs: dict) -> float:
+        if self.dist.active:
+            self._check_step_everywhere(("pipeline", True, input_key(args, kwargs)))
         self._compile_pipeline(args, kwargs)
+        if self._pipeline_draws_random:
+            share_generators(self.mesh, self._device)
         micro = [tensor_leaves(a, kw) for a, kw in split_batch(args, kwargs, self.M)]
         actions = self.schedule.actions[self.position]
         t0 = time.perf_counter()
@@ -1215,10 +1294,23 @@ class Engine:
         a float when the output has one (or loss_fn is set), else the model's outputs (one stage
         only). A collective under ZeRO-3, master weights (ZeRO-1/2 under bf16/fp16: the fp32 masters
         are gathered) and pipelines: call it on every rank."""
+        self._begin_step("eval_step")
         self._check_replica_batch("eval_step", args, kwargs)
+        try:
+            return self._eval_step(args, kwargs)
+        except FxspeedError:
+            raise
+        except Exception as e:
+            if not self.dist.active:
+                raise
+            raise self._failed_mid_step("eval_step", e) from e
+
+    def _eval_step(self, args: tuple, kwargs: dict) -> Any:
         if self.pipelined:
             return self._pipeline_eval(args, kwargs)
         ex = self._executor(args, kwargs, train=False)
+        if ex.draws_random:
+            share_generators(self.mesh, self._device)
         self.synchronize()
         with self._gathered():
             out = ex.run(tensor_leaves(args, kwargs))
@@ -1232,6 +1324,8 @@ class Engine:
         return pytree.tree_unflatten(out.outputs, spec) if spec is not None else out.outputs
 
     def _pipeline_eval(self, args: tuple, kwargs: dict) -> float:
+        if self.dist.active:
+            self._check_step_everywhere(("pipeline", False, input_key(args, kwargs)))
         self._compile_pipeline(args, kwargs)
         if self._eval_runtime is None:
             self._eval_runtime = self._compile_pipeline_eval(args, kwargs)
@@ -1368,9 +1462,9 @@ class Engine:
         else:
             out = {self._canonical[id(p)]: p.detach() for p in held}
         if self.pipelined:
-            # Frozen weights are not in _owned; keep the ones this rank did not free.
+            # Frozen and unused weights are not in _owned; keep the ones this rank did not free.
             for p in self._unique:
-                if not p.requires_grad and id(p) not in self._freed_shapes:
+                if id(p) not in self._freed_shapes:
                     out.setdefault(self._canonical[id(p)], p.detach())
         for n, b in self.model.named_buffers():
             out[n] = b.detach()

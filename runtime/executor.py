@@ -18,7 +18,7 @@ import torch
 
 from fxspeed.ir import IOSpec
 
-from fxspeed.ir.program import Program
+from fxspeed.ir.program import Program, graphs_draw_random
 
 
 @dataclass
@@ -34,6 +34,7 @@ class StepExecutor:
         """`bind` returns the live tensor for a non-batch input (param, buffer, param_shard), or an
         object whose `current()` gives it at each run (values that change between steps)."""
         self.program = program
+        self.draws_random = graphs_draw_random(program.gm)  # dropout: tp ranks share generator states
         sig = program.signature
         self._fixed: list[torch.Tensor | None] = []
         self._batch_slots: list[int] = []
@@ -52,6 +53,11 @@ class StepExecutor:
         self._buckets = [(i, int(s.target)) for i, s in enumerate(sig.outputs) if s.kind == "grad_bucket"]
         self._loss = next((i for i, s in enumerate(sig.outputs) if s.kind == "loss"), None)
         self._user = [i for i, s in enumerate(sig.outputs) if s.kind == "output"]
+
+    @property
+    def updated_buffers(self) -> list[torch.Tensor]:
+        """The live buffers a run writes (BatchNorm's running statistics)."""
+        return [buf for _, buf in self._buffer_updates]
 
     def run(self, batch: list[torch.Tensor]) -> StepOutputs:
         if len(batch) != len(self._batch_slots):

@@ -132,3 +132,39 @@ def test_zero0_reduces_gradients_into_one_persistent_buffer_per_bucket_reused_ev
     rec = torch.load(deferred_gathers / "zero0.pt")
     assert rec["buckets"] > 1 and rec["grad_buffers"] == rec["buckets"] and rec["grad_buffers_kept"]
     assert not rec["in_flight_after_step"]  # ZeRO-0 steps every full bucket: nothing to gather
+
+
+def test_batchnorm_statistics_are_the_first_ranks_on_every_rank_after_each_step_as_under_ddp(tmp_path: Path) -> None:
+    """Each replica updates BatchNorm's running statistics from its own rows; kept apart they
+    drifted (engine.save wrote rank 0's, so a resumed run differed from an uninterrupted one).
+    As DDP's broadcast_buffers does, every rank takes the first rank's after each step: on both
+    ranks, bit for bit, the statistics and weights of DDP (each half normalized by its own batch
+    statistics, gradients averaged; statistics from rank 0's rows). The ZeRO-3 run's ranks build the
+    model from different seeds: the engine starts them from rank 0's weights (they trained a mix of
+    both inits with no error)."""
+    import copy
+
+    from tests.workers import buffers_worker as w
+
+    cmd = [sys.executable, "-m", "fxspeed", "run", "-n", "2", "-m", "tests.workers.buffers_worker", "--out", str(tmp_path)]
+    proc = run_ranks(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ref = w.build()
+    # SGD: the conv bias's true gradient is 0 (BatchNorm subtracts the mean), which Adam would turn
+    # into +-lr steps of float noise
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in w.batches():
+        other = copy.deepcopy(ref)  # rank 1: the same weights, its statistics thrown away
+        other(x[4:], y[4:]).backward()
+        ref(x[:4], y[:4]).backward()
+        for p, q in zip(ref.parameters(), other.parameters()):
+            p.grad = (p.grad + q.grad) / 2
+        opt.step()
+        opt.zero_grad()
+    for zero in (0, 3):
+        r0, r1 = (torch.load(tmp_path / f"zero{zero}_rank{r}.pt") for r in (0, 1))
+        for k, v in ref.state_dict().items():
+            if k.startswith("bn.running") or k == "bn.num_batches_tracked":
+                assert torch.equal(r0[k], r1[k]), (zero, k, r0[k], r1[k])
+            err = float((r0[k].double() - v.double()).norm() / v.double().norm().clamp_min(1e-12))
+            assert err <= 1e-5, f"ZeRO-{zero} {k}: relative error {err:.2e}"

@@ -453,11 +453,12 @@ def test_a_hugging_face_llama_pipeline_evaluates_and_trains_with_its_tied_embedd
         tmp_path: Path) -> None:
     """tests/workers/pipeline_hf_worker.py, one 2-rank launch: eval_step of an HF Llama pipeline
     (it failed: the eval trace named modules without Llama's own `model.` prefix), and training
-    with the tied embedding/head frozen (it failed with a KeyError at the first step)."""
+    with the tied embedding/head frozen (it failed with a KeyError at the first step), and with a
+    module forward never calls (every rank freed it: state_dict returned it 0-size)."""
     pytest.importorskip("transformers")
     from tests.multiprocess import launch_worker
 
-    cases = ("llama_eval", "llama_frozen_tied")
+    cases = ("llama_eval", "llama_frozen_tied", "llama_unused")
     launch_worker("tests.workers.pipeline_hf_worker", 2, tmp_path, "--case", ",".join(cases), timeout=600)
     for case in cases:
         for rank in range(2):

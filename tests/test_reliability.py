@@ -68,3 +68,25 @@ def test_ranks_that_disagree_or_a_batch_that_cannot_be_split_raise_a_config_erro
     for r in range(2):
         msg = (tmp_path / f"{case}_rank{r}.txt").read_text()
         assert msg.startswith("ConfigError: ") and what in msg, (r, msg)
+
+
+def test_a_step_that_fails_on_one_rank_is_said_on_every_rank_and_the_failed_rank_refuses_further_steps(
+        tmp_path: Path) -> None:
+    """Rank 1's forward raises (a token id outside the vocabulary) while rank 0 is in the step's
+    gradient all-reduce. Rank 1 said nothing of the ranks being out of step, and a caught error
+    let it start its next step against rank 0's pending all-reduce (gloo aborted the process on
+    the mismatched sizes); rank 0 got a bare gloo error. Now rank 1's error says the ranks are out
+    of step and its next step refuses at once; rank 0's says a collective failed because
+    another rank left the step."""
+    proc, wall = fxspeed_run(2, "midstep", tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert wall < DEADLINE_S, f"took {wall:.0f} s"
+    r0 = (tmp_path / "midstep_rank0.txt").read_text().splitlines()
+    r1 = (tmp_path / "midstep_rank1.txt").read_text().splitlines()
+    assert r1[0].startswith("FxspeedError: train_step failed on rank 1 (IndexError: index out of range"), r1
+    assert "the ranks are out of step" in r1[0] and "restart from the last checkpoint" in r1[0], r1
+    assert r1[1].startswith("FxspeedError: train_step: train_step failed on rank 1"), r1
+    assert r0[0].startswith("FxspeedError: a collective of train_step failed on rank 0"), r0
+    assert "another rank left the step" in r0[0], r0
+    assert r0[1].startswith("FxspeedError: train_step: a collective of train_step failed on rank 0"), r0

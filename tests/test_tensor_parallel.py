@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import fxspeed
@@ -35,6 +35,7 @@ from fxspeed.compiler.pipelines import compile_step
 from fxspeed.config import Config
 from fxspeed.devices import DeviceSpec, devices
 from fxspeed.errors import ConfigError, FxspeedError
+from fxspeed.ir.program import draws_random
 from fxspeed.planner.placement import (WHOLE, PlacementAnalysis, R, S, check_tensor_config, reshape_placement)
 from fxspeed.runtime.engine import check_pipeline_config
 from tests.multiprocess import rank_env, run_ranks
@@ -46,9 +47,12 @@ c10d = torch.ops._c10d_functional
 def test_two_tensor_parallel_ranks_match_one_process_for_gpt_gpt2_llama_bert_and_t5(tmp_path: Path) -> None:
     """One launch for the five models (BERT: its separate key bias has an exactly-zero true
     gradient, so Adam's float noise on it is left out of the comparison), bf16, and GPT and Llama
-    with sequence parallelism (parity, and Megatron's all-gathers and reduce-scatters counted).
+    with sequence parallelism (parity, and Megatron's all-gathers and reduce-scatters counted);
+    dropout (GPT, and GPT-2 with Hugging Face's default dropouts; GPT with sequence parallelism):
+    eager's masks under the same seed, though one tp rank's generator was moved apart first.
     (The offload tiers run in the 4-rank launch, at TP=2 x DP=2: a superset of TP=2 on one replica.)"""
-    run_cases_on(2, ("gpt", "gpt2", "llama", "bert", "t5", "gpt_bf16", "gpt_sp", "llama_sp"), tmp_path, timeout=900)
+    run_cases_on(2, ("gpt", "gpt2", "llama", "bert", "t5", "gpt_bf16", "gpt_sp", "llama_sp", "gpt_dropout",
+                     "gpt2_dropout", "gpt_dropout_sp"), tmp_path, timeout=900)
     # The TP=2 checkpoint loads on one device, optimizer states included: the next step agrees.
     assert_checkpoint_resumes_on_one_device(tmp_path, "gpt")
     assert_bf16_trains_like_one_bf16_process(tmp_path)
@@ -304,9 +308,9 @@ def test_a_reshape_keeps_a_shard_only_where_it_splits_at_a_dim_boundary() -> Non
 class _Block(nn.Module):
     """A pre-norm attention + MLP block, sizes drawn by hypothesis."""
 
-    def __init__(self, d: int, heads: int, hidden: int, fused: bool, act: str, manual: bool):
+    def __init__(self, d: int, heads: int, hidden: int, fused: bool, act: str, manual: bool, drop: float = 0.0):
         super().__init__()
-        self.heads, self.fused, self.manual = heads, fused, manual
+        self.heads, self.fused, self.manual, self.drop = heads, fused, manual, drop
         self.norm = nn.LayerNorm(d)
         if fused:
             self.qkv = nn.Linear(d, 3 * d)
@@ -322,13 +326,15 @@ class _Block(nn.Module):
         h = self.norm(x)
         q, k, v = self.qkv(h).split(D, dim=2) if self.fused else (self.q(h), self.k(h), self.v(h))
         q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v))
+        drop = nn.functional.dropout
         if self.manual:  # matmul + softmax: bmm over (batch x heads) in the graph
-            w = torch.softmax((q @ k.transpose(-1, -2)) / (D // self.heads) ** 0.5, dim=-1)
+            w = drop(torch.softmax((q @ k.transpose(-1, -2)) / (D // self.heads) ** 0.5, dim=-1), self.drop)
             a = (w @ v).transpose(1, 2).reshape(B, T, D)
         else:
-            a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, D)
-        x = x + self.o(a)
-        return x + self.down(self.act(self.up(self.norm(x))))
+            a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.drop)
+            a = a.transpose(1, 2).reshape(B, T, D)
+        x = x + drop(self.o(a), self.drop)
+        return x + self.down(drop(self.act(self.up(self.norm(x))), self.drop))
 
 
 class _Model(nn.Module):
@@ -374,6 +380,11 @@ def _lockstep(programs: list[fx.GraphModule], inputs: list[list[torch.Tensor]]) 
             out = [t.clone() for t in sum(v[0][0] for v in vals).chunk(T, 0)]
         elif n0.target == c10d.wait_tensor.default:
             out = [v[0][0] for v in vals]
+        elif draws_random(n0):  # every rank draws from one generator state, as the engine arranges
+            state, out = torch.get_rng_state(), []
+            for a, k in vals:
+                torch.set_rng_state(state)
+                out.append(n0.target(*a, **k))
         else:
             out = [n0.target(*a, **k) for a, k in vals]
         for r in range(T):
@@ -384,25 +395,32 @@ def _lockstep(programs: list[fx.GraphModule], inputs: list[list[torch.Tensor]]) 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(d_heads=st.sampled_from([(32, 4), (48, 2), (64, 8)]), hidden_mult=st.sampled_from([2, 4]),
        fused=st.booleans(), act=st.sampled_from(["gelu", "silu", "relu"]), blocks=st.sampled_from([1, 2]),
-       manual=st.booleans())
+       manual=st.booleans(), drop=st.sampled_from([0.0, 0.25]))
+@example(d_heads=(32, 4), hidden_mult=2, fused=True, act="gelu", blocks=1, manual=True, drop=0.25)
 def test_sharded_rank_programs_together_equal_the_single_device_step(d_heads: tuple[int, int], hidden_mult: int,
                                                                      fused: bool, act: str, blocks: int,
-                                                                     manual: bool) -> None:
+                                                                     manual: bool, drop: float) -> None:
     """Random attention + MLP models at T=2: the rank programs, run in lockstep, give the
     single-device loss and gradients, and their parameter slices concatenate (by the layout) to
-    the full parameters."""
+    the full parameters. With dropout (on attention probabilities, the MLP's hidden activation
+    and the residual branch) under the same seed: each rank keeps its piece of the masks one
+    device draws."""
     from fxspeed.runtime.tensor_parallel import join_slices
 
     T = 2
     d, heads = d_heads
     torch.manual_seed(0)
-    model = _Model(blocks, d=d, heads=heads, hidden=hidden_mult * d, fused=fused, act=act, manual=manual)
+    model = _Model(blocks, d=d, heads=heads, hidden=hidden_mult * d, fused=fused, act=act, manual=manual, drop=drop)
     x, y = torch.randn(2, 8, d), torch.randn(2, 8, d)
     full = dict(model.named_parameters())
+    torch.manual_seed(1)
     loss = model(x, y)
     loss.backward()
     programs, inputs, sigs = _rank_programs(model, (x, y), T, full, SLOW_COMPUTE)
     assert sigs[0].tp_layout, "nothing was sharded"
+    if drop:
+        assert any(draws_random(n) for n in programs[0].graph.nodes)
+    torch.manual_seed(1)
     losses, grads = _lockstep_outputs(programs, inputs, sigs)
     for got in losses:
         torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)
@@ -740,12 +758,18 @@ def test_tensor_greater_than_one_is_accepted_by_config() -> None:
     assert fxspeed.Config(tensor=4).tensor == 4
 
 
-def test_dropout_under_tensor_parallelism_is_refused_with_the_way_out() -> None:
-    from fxspeed.models import GPT, GPTConfig
+def test_dropout_of_sharded_attention_probabilities_runs_on_this_ranks_heads_with_the_whole_mask_drawn() -> None:
+    """GPT with dropout at T=2: no all-gather (the attention probabilities' dropout keeps their
+    head shard); every rank draws the whole mask (padded input) and keeps its heads' piece."""
+    from tests.workers.tensor_parallel_worker import batches, build
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=0.1))
-    ids = torch.randint(0, 64, (2, 16))
-    with pytest.raises(FxspeedError, match="random numbers.*dropout probabilities to 0"):
-        _compile(model, (ids, ids), {}, T=2)
+    cs, _ = _compile(build("gpt_dropout"), batches("gpt_dropout")[0], {}, T=2, rank=1)
+    nodes = list(cs.captured.gm.graph.nodes)
+    assert not [n for n in nodes if n.target == c10d.all_gather_into_tensor.default]
+    drops = [n for n in nodes if n.target == torch.ops.aten.native_dropout.default]
+    whole = [n for n in drops if n.args[0].target == torch.ops.aten.constant_pad_nd.default]
+    assert len(drops) == 5 and len(whole) == 2, [n.args[0] for n in drops]  # emb + 2 x (probs, residual)
+    for n in whole:
+        assert tuple(n.meta["val"][0].shape) == (2, 4, 16, 16)  # all 4 heads drawn on each rank
+        assert n.args[0].args[1][-2:] == [2, 0]  # rank 1's heads are the second half: 2 padded before
 

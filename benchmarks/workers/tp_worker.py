@@ -37,9 +37,9 @@ LR = 1e-4
 
 
 class SplitQKVAttention(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
+    def __init__(self, width: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
-        self.head_dim = width // heads
+        self.head_dim, self.dropout = width // heads, dropout
         self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
         self.proj = nn.Linear(width, width)
 
@@ -47,16 +47,16 @@ class SplitQKVAttention(nn.Module):
         B, T, _ = x.shape
         # -1 heads: under DTensor each rank's q/k/v hold heads / T heads
         q, k, v = (m(x).view(B, T, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 def build(a: argparse.Namespace) -> GPT:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=a.vocab, block_size=a.seq, n_layer=a.layers, n_head=a.width // 64,
-                          n_embd=a.width))
+                          n_embd=a.width, dropout=a.dropout))
     for block in model.blocks:
-        block.attn = SplitQKVAttention(a.width, a.width // 64)
+        block.attn = SplitQKVAttention(a.width, a.width // 64, a.dropout)
     model.apply(GPT._init)
     return model
 
@@ -112,6 +112,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", required=True)

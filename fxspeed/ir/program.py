@@ -16,6 +16,25 @@ import torch.utils._pytree as pytree
 from fxspeed.ir.nodes import IOSpec, StepSignature
 
 
+def draws_random(n: fx.Node) -> bool:
+    """`n` draws from its device's random generator (dropout, bernoulli, rand_like, ...): ATen
+    tags those ops nondeterministic_seeded, and fused attention too, which draws only when its
+    `dropout_p` is not 0."""
+    if not (n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and
+            torch.Tag.nondeterministic_seeded in n.target.tags):
+        return False
+    schema = n.target._schema.arguments
+    i = next((k for k, a in enumerate(schema) if a.name == "dropout_p"), None)
+    if i is None:
+        return True
+    p = n.args[i] if i < len(n.args) else n.kwargs.get("dropout_p", schema[i].default_value)
+    return not isinstance(p, (int, float)) or p != 0
+
+
+def graphs_draw_random(*gms: fx.GraphModule | None) -> bool:
+    return any(draws_random(n) for gm in gms if gm is not None for n in gm.graph.nodes)
+
+
 @dataclass
 class Program:
     gm: fx.GraphModule

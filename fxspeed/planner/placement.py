@@ -69,6 +69,7 @@ from fxspeed.compiler.rewrite import VIEW_LIKE, gather_root, view_path
 from fxspeed.devices import DeviceSpec
 from fxspeed.errors import ConfigError
 from fxspeed.ir import META_KEY
+from fxspeed.ir.program import draws_random
 
 aten = torch.ops.aten
 TP_KEY = "fxspeed_tp"
@@ -247,6 +248,7 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _SAME = {aten.clone.default, aten._to_copy.default, aten.lift_fresh_copy.default, aten.alias.default,
          aten.detach.default}
 _POINTWISE = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.gelu.default,
+              aten.native_dropout_backward.default,
               aten.gelu_backward.default, aten.silu.default, aten.silu_backward.default, aten.sigmoid.default,
               aten.sigmoid_backward.default, aten.tanh.default, aten.tanh_backward.default, aten.neg.default,
               aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.cos.default, aten.sin.default, aten.mul.Scalar,
@@ -258,8 +260,14 @@ _WALK_BACK = {*_VIEWS, aten.clone.default, aten._to_copy.default}
 _LINEAR = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.mul.Scalar, aten.div.Scalar, *_SAME}
 _ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default}
 _ATTENTION_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
-RANDOM_OPS = {aten.native_dropout.default, aten.bernoulli.p, aten.bernoulli_.float, aten.rand_like.default,
-              aten.randn_like.default, aten.rand.default, aten.randn.default}
+
+
+# Dropout of a sharded activation: every rank draws the whole mask, as one device would, and
+# keeps its own piece (passes/parallel/shard_tensors.py). The masks then equal a one-device
+# run's under the same seed, and every rank's generator advances alike, so the random ops after
+# it (replicated ones draw whole on every rank) stay equal too. The price is drawing T times the
+# bits a rank keeps; Megatron instead seeds each rank apart, which is cheaper and not reproducible.
+DRAW_WHOLE = "draw_whole"
 
 
 def _tensor_args(node: fx.Node) -> list[fx.Node]:
@@ -361,7 +369,8 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int,
             if t in _LINEAR and scalar_ok and not (t in (aten.add.Tensor, aten.sub.Tensor) and
                                                    any(not isinstance(v, fx.Node) for v in a[:2])):
                 sts.append(Strategy([P] * len(ins), P))
-            elif t in (aten.mul.Tensor, aten.div.Tensor) and len(ins) == 2 and pl[0].kind == "P" and \
+            elif t in (aten.mul.Tensor, aten.div.Tensor, aten.native_dropout_backward.default) and len(ins) == 2 \
+                    and pl[0].kind == "P" and \
                     isinstance(a[0], fx.Node) and isinstance(a[1], fx.Node):
                 sts.append(Strategy([P, R], P))
             elif t == aten.mul.Tensor and len(ins) == 2 and pl[1].kind == "P":
@@ -425,8 +434,8 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int,
             if _valid(q, out_shape, T):
                 sts.append(Strategy([px], q, True))
         return sts
-    if t in (aten._log_softmax.default, aten._softmax.default, aten._log_softmax_backward_data.default,
-             aten._softmax_backward_data.default):
+    if t in (aten._log_softmax.default, aten._softmax.default, aten._safe_softmax.default,
+             aten._log_softmax_backward_data.default, aten._softmax_backward_data.default):
         n_t = len(ins)
         nd = len(shapes[0])
         dim = _dim(a[n_t], nd)
@@ -840,6 +849,14 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
     return Result(total, nodes, wants, comm)
 
 
+def _random_strategies(n: fx.Node, pl: list[Placement], T: int) -> list[Strategy]:
+    """Dropout keeps its input's shard (drawn whole, DRAW_WHOLE); every other random op runs
+    replicated, each rank drawing the same numbers from generators the engine keeps equal."""
+    if n.target == aten.native_dropout.default and pl and pl[0].kind == "S" and _valid(pl[0], _shape(n.args[0]), T):
+        return [Strategy([pl[0]], (pl[0], pl[0]), div=False, rewrite=DRAW_WHOLE)]
+    return []
+
+
 def _cheapest(n: fx.Node, ins: list[fx.Node], pl: list[Placement], derived: set[fx.Node], T: int,
               cm: CostModel, reads: Callable[[Placement, Placement, fx.Node], float]) -> Strategy:
     """The strategy of `n` (all-replicated when nothing else is possible) that costs least given
@@ -847,7 +864,7 @@ def _cheapest(n: fx.Node, ins: list[fx.Node], pl: list[Placement], derived: set[
     val = n.meta.get("val")
     n_out = len(val) if isinstance(val, (tuple, list)) else 0
     fallback = Strategy([R] * len(ins), tuple(R for _ in range(n_out)) if n_out else R)
-    options = [] if n.target in RANDOM_OPS else _strategies(n, ins, pl, T, cm.sequence_parallel)
+    options = _random_strategies(n, pl, T) if draws_random(n) else _strategies(n, ins, pl, T, cm.sequence_parallel)
     # A partial sum read by several ops is reduced once, where it is made, rather than
     # carried into each reader (each would need its own all-reduce later).
     options = [st for st in options if all(w.kind != "P" or len(i.users) == 1 for w, i in zip(st.want, ins))]
@@ -1059,7 +1076,15 @@ def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
         return out
 
     if fixed is not None:
-        use = tie({n: p for n, p in fixed.items() if n in params})
+        # A tied weight's canonical name is the first one a trace meets, which may differ between
+        # programs (T5's train step feeds encoder.embed_tokens.weight, its eval step shared.weight)
+        known = dict(fixed)
+        for a, c in signature.tied.items():
+            if c not in known and a in fixed:
+                known[c] = fixed[a]
+            if a not in known and c in fixed:
+                known[a] = fixed[c]
+        use = tie({n: p for n, p in known.items() if n in params})
         return use, propagate(gm, signature, use, cm)
     blocks = {1}
     for n in gm.graph.nodes:
@@ -1281,7 +1306,6 @@ class PlacementAnalysis:
         T = ctx.options.tp_size
         if T > 1:
             check_heads(gm, T)
-            check_random(gm, T)
             if self.params is None:
                 warn_vocabulary(gm, ctx.signature, T)
             # Slices shared by groups of ranks (1 < rep < T) only where the engine counts them right:
@@ -1322,20 +1346,6 @@ def warn_vocabulary(gm: fx.GraphModule, signature: Any, T: int) -> None:
                       f"pad_to_multiple_of={64 * T}))", ConfigWarning, stacklevel=2)
 
 
-def check_random(gm: fx.GraphModule, T: int) -> None:
-    """Random ops (dropout) are refused under tensor parallelism: their masks must be equal on
-    every tp rank and cut like the values they apply to, which this version does not arrange."""
-    for n in gm.graph.nodes:
-        name = str(n.target)
-        if n.op == "call_function" and (n.target in RANDOM_OPS or any(k in name for k in ("rand", "bernoulli",
-                                                                                          "dropout"))):
-            inf = n.meta.get(META_KEY)
-            where = f" in {inf.module}" if inf is not None and inf.module else ""
-            raise ConfigError(f"Config.tensor={T}: the training step draws random numbers ({name}{where}, e.g. "
-                              "dropout), which tensor parallelism does not support yet; set the model's dropout "
-                              "probabilities to 0 or use tensor=1")
-
-
 def _kv_heads(k: fx.Node, heads: int) -> int:
     """Key/value heads before grouped-query attention repeated them (Llama's repeat_kv:
     [B, kv, S, hd] -> expand [B, kv, n_rep, S, hd] -> reshape [B, kv * n_rep, S, hd])."""
@@ -1361,7 +1371,7 @@ def make_placement_analysis(devices: Sequence[DeviceSpec]) -> Any:
 
 
 __all__ = ["P", "PS", "PARAMS_KEY", "group_sizes", "TP_PLAN_NOTE", "Placement", "PlacementAnalysis", "NodePlacement", "R", "S", "TP_KEY", "WHOLE",
-           "check_heads", "check_random", "check_tensor_config", "collapse_blocks", "warn_vocabulary", "describe_placements", "make_placement_analysis",
+           "check_heads", "DRAW_WHOLE", "check_tensor_config", "collapse_blocks", "warn_vocabulary", "describe_placements", "make_placement_analysis",
            "propagate", "reshape_placement", "solve"]
 
 

@@ -292,7 +292,7 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: convert(a, next(wants)))
             args = list(args) if npl.rewrite else _local_args(n, list(args), npl, T)
             if npl.rewrite:
-                new = _VOCAB_REWRITES[n.target](_Emit(g, group, rank, T), n, args, kwargs)
+                new = _REWRITES[npl.rewrite][n.target](_Emit(g, group, rank, T), n, args, kwargs)
                 if isinstance(new, tuple):
                     env[n], place[n] = new, npl.out
                     continue
@@ -410,6 +410,30 @@ _VOCAB_REWRITES = {aten.embedding.default: _vocab_embedding,
                    aten._log_softmax_backward_data.default: _vocab_log_softmax_backward,
                    aten.nll_loss_forward.default: _vocab_nll_loss,
                    aten.nll_loss_backward.default: _vocab_nll_loss_backward}
+
+
+def _dropout_drawn_whole(e: _Emit, n: fx.Node, args: list[Any], kwargs: dict[str, Any]) -> tuple[fx.Node, fx.Node]:
+    """Dropout of this rank's piece of x, with the mask one device would draw for the whole x
+    (every rank draws all of it and keeps its piece; the generators stay equal):
+
+        before:  out, mask = native_dropout(x [B, H/T, S, S], p, train)   # a mask of its own
+        after:   out_w, mask_w = native_dropout(pad(x) [B, H, S, S], p, train)
+                 out, mask = cut(out_w), cut(mask_w)                     # piece t of each
+
+    Zeros pad the other pieces: the kept piece of `out_w` is computed by the same op as on one
+    device, so it is bit for bit eager's on any device and dtype."""
+    p = n.meta[TP_KEY].want[0]
+    v = n.args[0].meta["val"]
+    size = int(v.shape[p.dim]) // p.blocks
+    pieces, index = e.T // _rep(p), e.rank // _rep(p)
+    whole = _in_layout_of(e.g, _pad(e.g, args[0], p.dim, p.blocks, size, pieces, index), v)
+    drawn = e(aten.native_dropout.default, whole, *args[1:], **kwargs)
+    return tuple(_in_layout_of(e.g, _cut(e.g, e(operator.getitem, drawn, i), p.dim, p.blocks, size, pieces, index),
+                               n.meta["val"][i]) for i in range(2))
+
+
+# Placement.rewrite -> op -> rewrite (fxspeed/planner/placement.py: VOCAB, DRAW_WHOLE)
+_REWRITES = {"vocab": _VOCAB_REWRITES, "draw_whole": {aten.native_dropout.default: _dropout_drawn_whole}}
 
 
 class _Replicated:

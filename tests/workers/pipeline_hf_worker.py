@@ -16,6 +16,7 @@ Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt (tests/worker
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
@@ -35,10 +36,12 @@ def _llama() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
-def _compare(freeze: bool) -> str:
+def _compare(freeze: bool, unused: bool = False) -> str:
     model = _llama()
     if freeze:
         model.get_input_embeddings().weight.requires_grad_(False)
+    if unused:  # a module forward never calls: no stage reads it, every rank freed it
+        model.extra = torch.nn.Linear(8, 8)
     ref = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     batches = [{"input_ids": (x := torch.randint(0, 128, (4, 16), generator=g)), "labels": x} for _ in range(2)]
@@ -60,6 +63,12 @@ def _compare(freeze: bool) -> str:
             return f"{n} differs from eager by {(state[n] - t).abs().max().item():.3g}"
     if freeze and not torch.equal(state["model.embed_tokens.weight"], _llama().get_input_embeddings().weight):
         return "the frozen embedding moved"
+    if unused:  # it survives a checkpoint round trip too
+        path = os.path.join(os.environ["WORKER_OUT"], "unused_ckpt")
+        engine.save(path)
+        engine.load(path)
+        if not torch.equal(engine.state_dict()["extra.weight"], ref.extra.weight):
+            return "extra.weight changed through save and load"
     with torch.no_grad():
         want = ref.eval()(**batches[0]).loss.item()
     got = engine.eval_step(**local_batch(batches[0], engine.dp_rank, engine.dp_size))
@@ -68,7 +77,8 @@ def _compare(freeze: bool) -> str:
     return "ok"
 
 
-CASES = {"llama_eval": lambda: _compare(False), "llama_frozen_tied": lambda: _compare(True)}
+CASES = {"llama_eval": lambda: _compare(False), "llama_frozen_tied": lambda: _compare(True),
+         "llama_unused": lambda: _compare(False, unused=True)}
 
 if __name__ == "__main__":
     run_cases(CASES)

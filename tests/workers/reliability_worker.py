@@ -38,8 +38,8 @@ def main() -> None:
     os.environ.setdefault("FXSPEED_BACKEND", "gloo")
     torch.set_num_threads(1)
     cases = a.case.split(",")
-    if not (cases in (["raise"], ["exit"]) or set(cases) <= {"model", "config", "indivisible", "shapes"}):
-        ap.error(f"--case {a.case}: raise, exit, or some of model, config, indivisible, shapes")
+    if not (cases in (["raise"], ["exit"], ["midstep"]) or set(cases) <= {"model", "config", "indivisible", "shapes"}):
+        ap.error(f"--case {a.case}: raise, exit, midstep, or some of model, config, indivisible, shapes")
     for case in cases:
         run(case, a.out)
     if dist.is_initialized():
@@ -65,6 +65,25 @@ def run(case: str, out: str | None) -> None:
             engine.train_step(*local_batch(b))
         print(f"rank {rank}: trained {len(batches) - 1} steps without rank 1 in {time.time() - t0:.1f} s", flush=True)
         raise SystemExit(0)
+
+    if case == "midstep":
+        # rank 1's batch holds a token id outside the vocabulary: its forward raises while rank 0
+        # runs the step's gradient all-reduce; rank 1 catches it and tries the next batch
+        engine = fxspeed.compile(model, world, fxspeed.Config(lr=1e-2, dist_timeout_s=20.0), example_inputs=example)
+        engine.train_step(*example)
+        bad = local_batch(batches[1])
+        if rank == 1:
+            bad = (bad[0].clone().fill_(10_000), bad[1])
+        msgs = []
+        for b in (bad, local_batch(batches[2])):
+            try:
+                engine.train_step(*b)
+                msgs.append("no error")
+            except Exception as e:  # noqa: BLE001 - the test checks which error it was
+                msgs.append(f"{type(e).__name__}: {e}")
+        with open(os.path.join(out, f"{case}_rank{rank}.txt"), "w") as f:
+            f.write("\n".join(msgs))
+        return
 
     try:
         if case == "model" and rank == 1:

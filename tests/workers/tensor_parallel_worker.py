@@ -75,7 +75,13 @@ def build(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if name == "gpt":
         return GPT(GPTConfig(vocab_size=V, block_size=16, n_layer=2, n_head=4, n_embd=D))
+    if name == "gpt_dropout":  # embedding, attention-probability and residual dropout
+        return GPT(GPTConfig(vocab_size=V, block_size=16, n_layer=2, n_head=4, n_embd=D, dropout=0.1))
     import transformers
+
+    if name == "gpt2_dropout":  # Hugging Face's defaults: 0.1 on embeddings, attention and residuals
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=D, n_head=4, vocab_size=V, n_positions=16, use_cache=False))
 
     if name == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -107,7 +113,7 @@ def batches(name: str, ignored: bool = True) -> list:
         y = torch.randint(0, V, (2, 16), generator=g)
         if ignored:  # the mean divides by the targets counted over every tp rank's rows of the vocabulary
             y[0, :5] = -100
-        out.append((x, y) if name == "gpt" else {"input_ids": x, "labels": y})
+        out.append((x, y) if name in ("gpt", "gpt_dropout") else {"input_ids": x, "labels": y})
     return out
 
 
@@ -163,8 +169,15 @@ def parity(name: str, config: fxspeed.Config | None = None, check: Any = None) -
     tp_pp = T * config.pipeline
     replicas, replica = world // tp_pp, int(os.environ["RANK"]) // tp_pp
     mine = [_rows(b, replica, replicas) for b in bs]
+    # Dropout: eager draws from the generator state every rank has now (build seeded it); the
+    # engine gives the tp ranks their group's first rank's generator, so a tp rank moved apart
+    # (seeded by rank, or drawing alone) still draws the masks one process would.
+    rng = torch.get_rng_state()
+    if "dropout" in name and int(os.environ["RANK"]) % T:
+        torch.rand(int(os.environ["RANK"]) * 7)
     engine = fxspeed.compile(model, world, config, example_inputs=mine[0])
     got = [engine.train_step(**b) if isinstance(b, dict) else engine.train_step(*b) for b in mine]
+    torch.set_rng_state(rng)
     want = _eager(ref, bs, config)
     for i, (g, w) in enumerate(zip(got, want)):
         if abs(g - w) > 1e-5 * abs(w):
@@ -267,6 +280,21 @@ def gpt() -> str:
     return parity("gpt", fxspeed.Config(tensor=T, **CLIPPED), layout)
 
 
+def gpt_dropout() -> str:
+    """Dropout under tensor parallelism, eager's masks under the same seed (a tp rank's generator
+    moved apart first); the attention probabilities' dropout runs on this rank's heads, no
+    activation gathered for it."""
+    def heads(engine: Any, *_: Any) -> str:
+        counts = _collectives(engine)
+        return "ok" if counts["all_gather"] == 0 else f"all-gathers around dropout: {counts}"
+
+    return parity("gpt_dropout", check=heads)
+
+
+def gpt2_dropout() -> str:
+    return parity("gpt2_dropout")
+
+
 def gpt2() -> str:
     """Fused Conv1D QKV; Megatron's collectives: 2 all-reduces per block forward, 2 backward."""
     def count(engine: Any, *_: Any) -> str:
@@ -298,26 +326,35 @@ def llama() -> str:
             n = f"model.layers.1.self_attn.{suffix}.weight"
             if T in (2, 4) and placed.get(n) != p:
                 return f"{n} placed {placed.get(n)}, Megatron's is {p} (placements: {placed})"
-        loss = engine.eval_step(**bs[0])
-        loss = float(getattr(loss, "loss", loss))
-        ref.eval()
-        with torch.no_grad():
-            want_loss = float(_call(ref, bs[0]))
-        return "ok" if abs(loss - want_loss) <= 1e-5 * abs(want_loss) else f"eval_step loss {loss} != eager {want_loss}"
+        return _evaluates_like_eager(engine, model, ref, bs)
 
     return parity("llama", fxspeed.Config(tensor=T, **CLIPPED), check=evaluate)
+
+
+def _evaluates_like_eager(engine: Any, model: torch.nn.Module, ref: torch.nn.Module, bs: list) -> str:
+    """eval_step on the trained engine (a second program, laid out by the first's placements)
+    gives eager's eval loss."""
+    loss = engine.eval_step(**bs[0])
+    loss = float(getattr(loss, "loss", loss))
+    ref.eval()
+    with torch.no_grad():
+        want_loss = float(_call(ref, bs[0]))
+    return "ok" if abs(loss - want_loss) <= 1e-5 * abs(want_loss) else f"eval_step loss {loss} != eager {want_loss}"
 
 
 def t5() -> str:
     """T5ForConditionalGeneration (encoder-decoder, relative attention bias, tied embeddings). At
     these sizes on the cpu model the solver splits the MLPs and keeps attention whole; the split
-    by heads is checked in process (tests/test_tensor_parallel.py, slow-compute device)."""
-    return parity("t5")
+    by heads is checked in process (tests/test_tensor_parallel.py, slow-compute device). Then
+    eval_step: its trace names the tied embedding shared.weight where the train step's named it
+    encoder.embed_tokens.weight, and the eval program failed on the name it had no placement for."""
+    return parity("t5", check=_evaluates_like_eager)
 
 
 def bert() -> str:
-    """BertForMaskedLM (post-norm, separate q/k/v with biases, tied decoder)."""
-    return parity("bert")
+    """BertForMaskedLM (post-norm, separate q/k/v with biases, tied decoder); then eval_step (the
+    tied decoder's bias is named apart by the two traces too)."""
+    return parity("bert", check=_evaluates_like_eager)
 
 
 def gpt_dp() -> str:
@@ -410,6 +447,14 @@ def sequence_parallel(name: str, config: fxspeed.Config) -> str:
 def gpt_sp() -> str:
     """fxspeed's GPT (LayerNorm, fused QKV, biases) with sequence parallelism and clipping."""
     return sequence_parallel("gpt", fxspeed.Config(tensor=2, sequence_parallel=True, **CLIPPED))
+
+
+def gpt_dropout_sp() -> str:
+    """Dropout under sequence parallelism: the residual dropouts run on this rank's tokens (the
+    whole mask drawn), eager's masks. (Parity only: with dropout the GPT's attention is traced as
+    bmm + softmax, not the fused op, and at these sizes the solver then prefers another layout
+    than Megatron's.)"""
+    return parity("gpt_dropout", fxspeed.Config(tensor=2, sequence_parallel=True, **CLIPPED))
 
 
 def llama_sp() -> str:
@@ -515,9 +560,9 @@ def gpt_offload_tiers() -> str:
                           for t in ("optimizer", "parameters", "all")}, resume=True)
 
 
-CASES = {"gpt": gpt, "gpt_bf16": gpt_bf16, "gpt_dp_bf16_offload": gpt_dp_bf16_offload,
+CASES = {"gpt": gpt, "gpt_dropout": gpt_dropout, "gpt2_dropout": gpt2_dropout, "gpt_bf16": gpt_bf16, "gpt_dp_bf16_offload": gpt_dp_bf16_offload,
          "gpt_offload_tiers": gpt_offload_tiers, "gpt_dp_bf16": gpt_dp_bf16, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
-         "gpt_dp_zero3": gpt_dp_zero3, "gpt_pp": gpt_pp, "t5": t5, "gpt_sp": gpt_sp, "llama_sp": llama_sp,
+         "gpt_dp_zero3": gpt_dp_zero3, "gpt_pp": gpt_pp, "t5": t5, "gpt_sp": gpt_sp, "gpt_dropout_sp": gpt_dropout_sp, "llama_sp": llama_sp,
          "gpt_pp_zero1": gpt_pp_zero1, "gpt_pp_sp_zero1": gpt_pp_sp_zero1}
 
 
