@@ -263,3 +263,28 @@ def test_dropout_gpt_matches_eager_under_the_same_seed() -> None:
     # and dropout really is active: at the same parameters, the eval loss (no dropout) differs
     eval_loss = engine.eval_step(*batches[0])
     assert engine.train_step(*batches[0]) != pytest.approx(eval_loss, rel=1e-4)
+
+
+def test_dropout_with_p_1_draws_no_random_numbers_as_in_eager_so_later_dropouts_match() -> None:
+    """ATen's dropout returns input * 0 for p = 1 without drawing; the trace's native_dropout drew
+    a whole mask, so every later random op (here a p = 0.5 dropout, then the user's next
+    torch.rand) saw other numbers than eager under the same seed."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = F.dropout(self.a(x), 1.0, self.training) + F.dropout(self.b(x), 0.5, self.training)
+            return self.c(h).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Net()
+    ref, x = copy.deepcopy(model), torch.randn(4, 8)
+    engine = fxspeed.compile(model, 1, fxspeed.Config(), example_inputs=(x,))
+    torch.manual_seed(7)
+    got, got_next = engine.train_step(x), torch.rand(3)
+    torch.manual_seed(7)
+    want, want_next = float(ref(x)), torch.rand(3)
+    assert got == pytest.approx(want, rel=1e-6) and torch.equal(got_next, want_next)

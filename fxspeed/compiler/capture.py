@@ -21,6 +21,7 @@ import copy
 import functools
 import inspect
 import logging
+import operator
 import os
 import re
 import sys
@@ -178,7 +179,42 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn
     if check_constants:
         check_no_fake_constants(model, cap.gm, cap.module_of)
     _widen_loss_targets(cap)
+    _certain_dropout_draws_nothing(cap)
     return cap
+
+
+def _certain_dropout_draws_nothing(cap: CapturedStep) -> None:
+    """Dropout with p = 1 zeroes its input without drawing in eager (ATen's dropout returns
+    input * 0 before it reaches bernoulli), but the trace decomposes it to native_dropout, which
+    draws a whole mask: every later random op then saw other numbers than eager's under the same
+    seed. The mask it would draw is all zeros anyway:
+
+        out, mask = native_dropout(x, 1.0, True)  ->  out = mul(x, 0.0); mask = zeros_like(x, bool)
+    """
+    aten = torch.ops.aten
+    graph, changed = cap.gm.graph, False
+    for n in list(graph.nodes):
+        if not (n.op == "call_function" and n.target == aten.native_dropout.default and len(n.args) > 1
+                and isinstance(n.args[1], (int, float)) and n.args[1] >= 1.0
+                and (len(n.args) < 3 or n.args[2] is None or n.args[2])):
+            continue
+        x, (out_val, mask_val) = n.args[0], n.meta["val"]
+        with graph.inserting_before(n):
+            out = graph.call_function(aten.mul.Tensor, (x, 0.0))
+            mask = graph.call_function(aten.zeros_like.default, (x,), {"dtype": mask_val.dtype})
+        out.meta["val"], mask.meta["val"] = out_val, mask_val
+        for m in (out, mask):
+            if n.name in cap.module_of:
+                cap.module_of[m.name] = cap.module_of[n.name]
+        for user in list(n.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(out if user.args[1] == 0 else mask)
+                graph.erase_node(user)
+        if not n.users:
+            graph.erase_node(n)
+            changed = True
+    if changed:
+        cap.gm.recompile()
 
 
 def _widen_loss_targets(cap: CapturedStep) -> None:

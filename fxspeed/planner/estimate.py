@@ -717,6 +717,13 @@ def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, 
                      "(set Config(layer_extrapolation=False) to trace the whole model)")
     costs = c1.extrapolate(c2, layers)
     costs.timeline = c3.timeline
+    negative = sorted(c for c, v in costs.step.items() if v < 0)
+    if negative:
+        # The peak is at another place in the 1- and 2-block traces (a tensor counted as one
+        # category in one and another in the other): the breakdown, and likely the peak, are wrong
+        notes.append(f"warning: the extrapolated peak has negative {', '.join(negative)}: the peak moves between "
+                     "the 1- and 2-block traces, so the extrapolated peak memory is not reliable; set "
+                     "Config(layer_extrapolation=False) to trace the whole model")
     return costs, passes, notes
 
 
