@@ -98,6 +98,14 @@ def plan(model: nn.Module, devices: Devices = 1, config: Config | dict | str | N
     cfg = Config.coerce(config)
     devs = normalize_devices(devices)
     args, kwargs = _split_example(example_inputs, "plan")
+    # The degrees against the devices first: a tracing error (heads that do not split) would
+    # otherwise hide that the mesh cannot be built at all.
+    if cfg.pipeline > 1:
+        check_pipeline_config(cfg, len(devs))
+    if cfg.tensor > 1:
+        from fxspeed.planner.placement import check_tensor_config
+
+        check_tensor_config(cfg, len(devs))
     if cfg.pipeline > 1:
         if dynamic:
             raise ConfigError(f"plan: dynamic dims are not supported with Config.pipeline={cfg.pipeline} yet; plan "

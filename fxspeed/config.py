@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import numbers
@@ -366,16 +367,7 @@ class Config:
         if not isinstance(d, dict):
             raise ConfigError(f"a Config is built from a dict of settings (a JSON object), got {type(d).__name__}: "
                               f"{d!r:.80}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names - {"extra"})
-        if unknown:
-            hints = []
-            for key in unknown:
-                close = difflib.get_close_matches(key, sorted(names), n=1)
-                if close:
-                    hints.append(f"{key!r} -> {close[0]!r}?")
-            hint = f" (did you mean {', '.join(hints)})" if hints else ""
-            raise ConfigError(f"unknown Config key(s) {unknown}{hint}; valid keys are {sorted(names)}")
+        _refuse_unknown_keys(d)
         return cls(**d)
 
     @classmethod
@@ -403,6 +395,33 @@ class Config:
         if isinstance(config, (str, Path)):
             return cls.from_json(config)
         raise ConfigError(f"config={config!r}: pass a fxspeed.Config, a dict, a JSON file path or None")
+
+
+def _refuse_unknown_keys(d: dict[str, Any]) -> None:
+    """Unknown settings (a typo: `zer0=3`) name the closest valid key, from Config(...) as from a
+    dict or JSON file; the dataclass's own TypeError said neither."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(d) - names - {"extra"})
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, sorted(names), n=1)
+            if close:
+                hints.append(f"{key!r} -> {close[0]!r}?")
+        hint = f" (did you mean {', '.join(hints)})" if hints else ""
+        raise ConfigError(f"unknown Config key(s) {unknown}{hint}; valid keys are {sorted(names)}")
+
+
+_dataclass_init = Config.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _checked_init(self: Config, *args: Any, **kwargs: Any) -> None:
+    _refuse_unknown_keys(kwargs)
+    _dataclass_init(self, *args, **kwargs)
+
+
+Config.__init__ = _checked_init  # type: ignore[method-assign]
 
 
 class _ExtraView(dict):

@@ -116,14 +116,37 @@ def start_alike(ctx: DistContext, model: Any) -> bool:
                if id(t) not in seen and not seen.add(id(t)) and t.device.type != "meta"]
     if not ctx.active or same_everywhere(ctx, fingerprint(batch_digest(tuple(tensors), {}))):
         return False
-    with torch.no_grad():
-        for t in tensors:
-            wire = t.detach() if t.is_contiguous() else t.detach().contiguous()
-            wire = wire.view(torch.uint8) if wire.dtype == torch.bool else wire
-            dist.broadcast(wire, src=0, group=ctx.group)
-            if ctx.rank != 0 and wire.data_ptr() != t.data_ptr():
-                t.copy_(wire.view(torch.bool) if t.dtype == torch.bool else wire)
+    broadcast_into(tensors, src=0, group=ctx.group, receive=ctx.rank != 0)
     return True
+
+
+def broadcast_into(tensors: list[torch.Tensor], src: int, group: Any, receive: bool,
+                   chunk_bytes: int = 64 << 20) -> None:
+    """Broadcast `tensors` from global rank `src`, writing them in place on the receiving ranks:
+    flat chunks of one dtype and device (bools travel as bytes: gloo has no bool), at most
+    `chunk_bytes` each beyond a single larger tensor, so a whole model is not copied at once."""
+    kinds: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        kinds.setdefault((t.dtype, t.device), []).append(t)
+    chunks: list[list[torch.Tensor]] = []
+    for ts in kinds.values():
+        chunk: list[torch.Tensor] = []
+        size = 0
+        for t in ts:
+            nbytes = t.numel() * t.element_size()
+            if chunk and size + nbytes > chunk_bytes:
+                chunks.append(chunk)
+                chunk, size = [], 0
+            chunk.append(t)
+            size += nbytes
+        chunks.append(chunk)
+    with torch.no_grad():
+        for ts in chunks:
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            dist.broadcast(flat.view(torch.uint8) if flat.dtype == torch.bool else flat, src=src, group=group)
+            if receive:
+                for t, part in zip(ts, flat.split([t.numel() for t in ts])):
+                    t.copy_(part.view_as(t))
 
 
 def check_same_model(ctx: DistContext, model: Any, config: Any) -> None:

@@ -42,7 +42,7 @@ from fxspeed.ir.program import graphs_draw_random
 from fxspeed.ir.batch import batch_digest, input_key, split_batch, tensor_leaves
 from fxspeed.ir.schedule import GATHER, B, F, I, RECV_B, RECV_F, SEND_F, STEP, W, Action, Schedule
 from fxspeed.mesh import (Mesh, check_agreement, check_same_everywhere, check_same_in_replica, check_same_model,
-                          share_generators, start_alike,
+                          broadcast_into, share_generators, start_alike,
                           comm_device, expect_all_ranks, fingerprint)
 from fxspeed.planner import costs_reader, finish_plan
 from fxspeed.planner.estimate import offload_chunk_bytes
@@ -958,18 +958,8 @@ class Engine:
         losses computed with different statistics. One broadcast per dtype, after the step."""
         if not buffers or not self.mesh.active or self.mesh.dp == 1:
             return
-        group, src = self.mesh.group("dp"), self.mesh.ranks("dp")[0]
-        kinds: dict[tuple, list[torch.Tensor]] = {}
-        for b in buffers:
-            kinds.setdefault((b.dtype, b.device), []).append(b)
-        for bufs in kinds.values():
-            flat = torch.cat([b.detach().reshape(-1) for b in bufs])
-            wire = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
-            dist.broadcast(wire, src=src, group=group)
-            if self.rank != src:
-                with torch.no_grad():
-                    for b, part in zip(bufs, flat.split([b.numel() for b in bufs])):
-                        b.copy_(part.view_as(b))
+        src = self.mesh.ranks("dp")[0]
+        broadcast_into(buffers, src=src, group=self.mesh.group("dp"), receive=self.rank != src)
 
     def _run_stepping(self, ex: StepExecutor, batch: list[torch.Tensor]) -> Any:
         """Run a training program. One that steps parameters inside backward and fails after

@@ -373,3 +373,26 @@ def test_a_wrong_typed_value_for_any_field_raises_a_config_error_naming_the_fiel
         Config(**{key: value})
     with pytest.raises(ConfigError, match=rf"Config\.{key}\b"):
         Config.coerce({key: value})
+
+
+def test_a_misspelt_keyword_to_config_is_a_config_error_naming_the_closest_key():
+    with pytest.raises(ConfigError, match=r"'zer0' -> 'zero'"):
+        Config(zer0=3)
+    with pytest.raises(ConfigError, match="unknown Config key"):
+        Config(zero=1, not_a_setting=True)
+    assert Config(zero=2).zero == 2 and dataclasses.replace(Config(), zero=1).zero == 1
+
+
+@pytest.mark.parametrize("tensor,pipeline,match", [(128, 1, "use devices=128"), (3, 1, "tensor that divides 64"),
+                                                   (2, 3, "pipeline degree x the tensor degree")])
+def test_plan_refuses_degrees_that_do_not_divide_the_devices_before_tracing(tensor: int, pipeline: int, match: str):
+    import torch
+
+    import fxspeed
+    from fxspeed.models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):  # 4 heads: tensor=128 would first fail on the heads if traced
+        model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=128, block_size=32))
+    x = torch.randint(0, 128, (2, 16))
+    with pytest.raises(ConfigError, match=match):
+        fxspeed.plan(model, 64, Config(tensor=tensor, pipeline=pipeline), example_inputs=(x, x))
