@@ -156,7 +156,7 @@ class Config:
     # Pipeline: the modules stages 1, 2, ... start at (one per cut, in forward order, e.g.
     # ("blocks.6", "ln_f") for 3 stages). Empty: the cuts balancing predicted stage time.
     split_points: tuple[str, ...] = ()
-    # Planner: trace 1, 2 and 3 repeated blocks and extrapolate to all of them (True), trace the
+    # Planner: trace 2, 3 and 4 repeated blocks and extrapolate to all of them (True), trace the
     # whole model (False), or extrapolate from 16 identical blocks up ("auto").
     layer_extrapolation: bool | str = "auto"
     # Deprecated: accepted for one release and moved to the fields above (see _EXTRA_FIELDS).

@@ -2,8 +2,9 @@
 
 The model (Llama-3-70B shape: hidden 8192, 80 layers, 64 heads, 8 kv heads, intermediate 28672,
 vocab 128256) is built under torch.device("meta"). The planner traces it as fake CPU tensors,
-and since its 80 decoder layers are identical, with 1, 2 and 3 layers only, extrapolating
-memory, time and FLOPs linearly to 80 (checked against the 3-layer trace).
+and since its 80 decoder layers are identical, with 2, 3 and 4 layers only, extrapolating
+time and FLOPs linearly to 80 and the peak memory over the timeline's points (checked against
+the 4-layer trace).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def test_a_70b_llama_on_the_meta_device_is_planned_for_64_h100s_with_zero_3_in_u
         assert words in text
 
 
-def test_a_small_llama_extrapolated_from_three_layers_equals_the_llama_traced_whole():
+def test_a_small_llama_extrapolated_from_its_first_layers_equals_the_llama_traced_whole():
     model = _llama(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=128, vocab_size=256)
     ids = torch.zeros(2, 32, dtype=torch.long, device="meta")

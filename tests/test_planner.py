@@ -266,7 +266,7 @@ def test_repeated_blocks_finds_the_module_list_of_identical_blocks():
     assert parent is model and attr == "blocks" and len(blocks) == 2
 
 
-def test_layer_extrapolation_from_one_two_and_three_blocks_matches_tracing_all_blocks():
+def test_layer_extrapolation_from_two_three_and_four_blocks_matches_tracing_all_blocks():
     cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=6, n_head=2, n_embd=32)
     with torch.device("meta"):
         model = GPT(cfg)

@@ -235,7 +235,7 @@ def test_heads_not_divisible_by_tensor_name_the_tensor_sizes_that_work() -> None
 
 
 def test_a_plan_without_an_engine_lists_every_placement_and_extrapolates_the_tp_collectives_over_blocks() -> None:
-    """fxspeed.plan(Config(tensor=2)) of a 6-block GPT traced with 1, 2 and 3 blocks: the layout
+    """fxspeed.plan(Config(tensor=2)) of a 6-block GPT traced with 2, 3 and 4 blocks: the layout
     (repeated blocks as '#') and the tp collective bytes equal those of the whole 6-block trace."""
     import matplotlib
 

@@ -12,8 +12,9 @@ paper's formula is kept beside our estimate (`zero_paper_bytes`).
 Two steps make a plan: `graph_costs` reads one traced graph into plain numbers (`GraphCosts`),
 and `finish_plan` applies the strategy to them. Between the two, costs of several traces can be
 combined: `plan_model` traces a model whose blocks repeat (an nn.ModuleList of identical
-layers) with 1, 2 and 3 blocks and extrapolates linearly to all of them, which is exact for
-FLOPs and parameters and checked on the third trace for memory and time.
+layers) with 2, 3 and 4 blocks and extrapolates to all of them: linearly for FLOPs, parameters
+and time, over the timeline's points for the peak memory (planner/extrapolate.py), checked on
+the third trace.
 why: docs/decisions/repeated-block-extrapolation.md,
      docs/decisions/plan-from-the-single-device-program.md
 """
@@ -34,6 +35,7 @@ from fxspeed.planner.cost_model import estimate_times, optimizer_time
 from fxspeed.devices import DeviceSpec
 from fxspeed.ir import (BUFFERS, CATEGORIES, COMM_BUFFERS, GRADIENTS, INPUTS, META_KEY, OPTIMIZER_STATES, PARAMETERS,
                         TEMPORARIES, StepSignature, step_calls, tensor_bytes)
+from fxspeed.planner.extrapolate import extrapolate_peak
 from fxspeed.planner.memory import memory_timeline
 from fxspeed.planner.placement import PlacementAnalysis, collapse_blocks, describe_placements
 from fxspeed.planner.plan import Plan, layout_text
@@ -41,7 +43,7 @@ from fxspeed.planner.plan import Plan, layout_text
 # Optimizer states per (fp32) parameter: Adam keeps exp_avg and exp_avg_sq; SGD with momentum
 # keeps one buffer. States are created on the first step (torch.optim allocates them lazily).
 OPT_STATE_FACTOR = {"adamw": 2, "adam": 2, "sgd": 0}
-# Repeated blocks are extrapolated from 1- and 2-block traces when a model has at least this
+# Repeated blocks are extrapolated from 2-, 3- and 4-block traces when a model has at least this
 # many (Config.layer_extrapolation: True / False / "auto").
 EXTRAPOLATE_MIN_LAYERS = 16
 
@@ -139,16 +141,19 @@ class GraphCosts:
     # (bytes, dtype) of each trainable parameter's gradient in the order backward completes them:
     # the order reduce_gradients fills its buckets in (largest_gradient_bucket)
     gradient_order: list[tuple[int, str]] = field(default_factory=list)
+    # The traced step's liveness (memory.Timeline): repeated-layer extrapolation extrapolates its
+    # points (planner/extrapolate.py). None on extrapolated costs
+    liveness: Any = field(default=None, repr=False, compare=False)
 
     @property
     def state_basis(self) -> float:
         """Bytes of the tensors the optimizer steps (its states are the same size per state)."""
         return self.master_bytes or self.trainable_bytes
 
-    def extrapolate(self, two: "GraphCosts", layers: int) -> "GraphCosts":
-        """`self` traced with 1 block, `two` with 2: costs with `layers` blocks, linear in the
-        count (a maximum, the largest parameter, is taken from the 2-block trace)."""
-        k = layers - 1
+    def extrapolate(self, two: "GraphCosts", layers: float, blocks: int = 1) -> "GraphCosts":
+        """`self` traced with `blocks` blocks, `two` with one more: costs with `layers` blocks,
+        linear in the count (a maximum, the largest parameter, is taken from `two`)."""
+        k = layers - blocks
 
         def lin(a: float, b: float) -> float:
             return a + (b - a) * k
@@ -169,19 +174,20 @@ class GraphCosts:
                           tp_communication=lin_d(self.tp_communication, two.tp_communication),
                           offloaded_activation_bytes=lin(self.offloaded_activation_bytes,
                                                          two.offloaded_activation_bytes),
-                          gradient_order=_repeat_block(self.gradient_order, two.gradient_order, layers))
+                          gradient_order=_repeat_block(self.gradient_order, two.gradient_order, layers - blocks))
 
 
-def _repeat_block(one: list[tuple[int, str]], two: list[tuple[int, str]], layers: float) -> list[tuple[int, str]]:
-    """The gradient order of `layers` blocks from the 1- and 2-block traces' orders: `two` is
-    `one` with one block's gradients inserted somewhere; repeat that run layers - 1 times. A pair
-    that does not read that way (blocks whose gradients interleave) keeps `two`'s order."""
+def _repeat_block(one: list[tuple[int, str]], two: list[tuple[int, str]], more: float) -> list[tuple[int, str]]:
+    """The gradient order with `more` blocks added to `one`'s, from the orders of `one` and of
+    `two` (one block more): `two` is `one` with one block's gradients inserted somewhere; insert
+    that run `more` times. A pair that does not read that way (blocks whose gradients
+    interleave) keeps `two`'s order."""
     m = len(two) - len(one)
     if m <= 0:
         return list(two)
     for p in range(len(one) + 1):
         if two[:p] == one[:p] and two[p + m:] == one[p:]:
-            return one[:p] + two[p:p + m] * max(1, round(layers) - 1) + one[p:]
+            return one[:p] + two[p:p + m] * max(1, round(more)) + one[p:]
     return list(two)
 
 
@@ -257,7 +263,7 @@ def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec
         master_bytes=master, grad_bytes=float(grad_bytes), stepped_grad_bytes=float(stepped_bytes),
         tp_placements=placed[0], tp_communication={k: float(v) for k, v in placed[1].items()},
         offloaded_activation_bytes=float(sum(signature.offloaded_activations.values())),
-        gradient_order=_gradient_order(gm, signature, trainable),
+        gradient_order=_gradient_order(gm, signature, trainable), liveness=tl,
     )
 
 
@@ -650,7 +656,7 @@ def for_target(options: Any, device: DeviceSpec) -> Any:
 
 def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, devices: Sequence[DeviceSpec],
                 loss_fn: Any = None) -> tuple[GraphCosts, list[dict], list[str]]:
-    """Costs of `model`'s step on this batch: one trace, or 1/2/3-block traces extrapolated to
+    """Costs of `model`'s step on this batch: one trace, or 2/3/4-block traces extrapolated to
     all blocks for a deep stack of identical blocks. Returns (costs, pass records, notes)."""
     from fxspeed.compiler import compile_step
 
@@ -690,39 +696,53 @@ def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, 
              "under bf16/fp16, fuse_kernels' Triton norms) are not in this plan; plan with the model on a GPU for "
              "them"] if off_device else []
     found = repeated_blocks(model)
-    if found is None or not _extrapolation_wanted(config, len(found[2])):
-        costs, passes = one()
+    if found is None or not _extrapolation_wanted(config, len(found[2])) or len(found[2]) <= 4:
+        costs, passes = one()  # (4 blocks or fewer: the traces below would be the whole model)
         return costs, passes, first
     parent, attr, blocks = found
     layers = len(blocks)
     t0 = time.perf_counter()
+    # 2, 3 and 4 blocks, not 1: the first and last blocks differ from the inner ones (the last
+    # block's backward has no residual gradient to add), so a 1-block trace is not a stack's
+    # start with its end; extrapolate from 2 and 3, check against 4
     traced = []
-    for k in (1, 2, 3):
+    for k in (2, 3, 4):
         with truncated(parent, attr, k):
             traced.append(one())
-    (c1, _), (c2, _), (c3, passes) = traced
-    check = c1.extrapolate(c2, 3)
-    errs = {"peak memory": _rel(sum(check.step.values()), sum(c3.step.values())),
-            "time": _rel(sum(check.times.values()), sum(c3.times.values())),
-            "FLOPs": _rel(sum(check.flops.values()), sum(c3.flops.values()))}
+    (c2, _), (c3, _), (c4, passes) = traced
+    # The peak from the timelines' points (extrapolate.py); a linear extrapolation of the peak's
+    # breakdown only where the traces do not read as one block inserted
+    check = c2.extrapolate(c3, 4, blocks=2)
+    check_peak = extrapolate_peak(c2.liveness, c3.liveness, 3, 4)
+    peak = extrapolate_peak(c3.liveness, c4.liveness, 4, layers)
+    by_points = check_peak is not None and peak is not None
+    if by_points:
+        check.step = check_peak
+    errs = {"peak memory": _rel(sum(check.step.values()), sum(c4.step.values())),
+            "time": _rel(sum(check.times.values()), sum(c4.times.values())),
+            "FLOPs": _rel(sum(check.flops.values()), sum(c4.flops.values()))}
     worst = max(errs.values())
+    how = ("its timeline's points" if by_points else
+           "its breakdown, linearly (the traces do not read as one block's nodes inserted)")
     note = (f"repeated-layer extrapolation: {type(model).__name__}.{attr} has {layers} identical "
-            f"{type(blocks[0]).__name__} blocks; traced with 1, 2 and 3 blocks in {time.perf_counter() - t0:.1f}s "
-            f"and extrapolated linearly to {layers} (check at 3 blocks: "
+            f"{type(blocks[0]).__name__} blocks; traced with 2, 3 and 4 blocks in {time.perf_counter() - t0:.1f}s "
+            f"and extrapolated linearly to {layers}, the peak memory from {how} (check at 4 blocks: "
             + ", ".join(f"{k} error {v:.2%}" for k, v in errs.items())
-            + "); the timeline is the 3-block trace's")
+            + "); the timeline is the 4-block trace's")
     notes = [*first, note]
     if worst > 0.01:
-        notes.append(f"warning: the 3-block check misses by {worst:.1%}; the blocks may not be independent "
+        notes.append(f"warning: the 4-block check misses by {worst:.1%}; the blocks may not be independent "
                      "(set Config(layer_extrapolation=False) to trace the whole model)")
-    costs = c1.extrapolate(c2, layers)
-    costs.timeline = c3.timeline
+    costs = c2.extrapolate(c3, layers, blocks=2)
+    costs.timeline = c4.timeline
+    if by_points:
+        costs.step = peak
     negative = sorted(c for c, v in costs.step.items() if v < 0)
     if negative:
-        # The peak is at another place in the 1- and 2-block traces (a tensor counted as one
+        # (Linear fallback) the peak is at another place in the 2- and 3-block traces (a tensor counted as one
         # category in one and another in the other): the breakdown, and likely the peak, are wrong
         notes.append(f"warning: the extrapolated peak has negative {', '.join(negative)}: the peak moves between "
-                     "the 1- and 2-block traces, so the extrapolated peak memory is not reliable; set "
+                     "the traces, so the extrapolated peak memory is not reliable; set "
                      "Config(layer_extrapolation=False) to trace the whole model")
     return costs, passes, notes
 

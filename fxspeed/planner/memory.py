@@ -30,6 +30,12 @@ class Timeline:
     gradients: list[int] = field(default_factory=list)  # live gradient bytes after each node
     peak_index: int = 0
     peak: dict[str, int] = field(default_factory=dict)
+    # For extrapolating the timeline of a deeper stack (planner/extrapolate.py): each node's
+    # live bytes by category, what it computes (op and target: equal for the same op of two
+    # blocks), and the grad_scale the peak was chosen with.
+    live: list[dict[str, int]] = field(default_factory=list, repr=False)
+    keys: list[str] = field(default_factory=list, repr=False)
+    grad_scale: float = 1.0
 
     @property
     def peak_bytes(self) -> int:
@@ -88,7 +94,7 @@ def memory_timeline(gm: fx.GraphModule, grad_scale: float = 1.0) -> Timeline:
     for n, i in last_use.items():
         frees.setdefault(i, []).append(n)
 
-    tl = Timeline()
+    tl = Timeline(grad_scale=grad_scale)
     live: dict[str, int] = {}
     best = -1
     for i, n in enumerate(nodes):
@@ -101,6 +107,8 @@ def memory_timeline(gm: fx.GraphModule, grad_scale: float = 1.0) -> Timeline:
         tl.roles.append(inf.role if inf else "")
         tl.totals.append(total)
         tl.gradients.append(live.get(GRADIENTS, 0))
+        tl.live.append(dict(live))
+        tl.keys.append(f"{n.op}:{n.target}" if n.op == "call_function" else n.op)
         weighted = total - (1.0 - grad_scale) * live.get(GRADIENTS, 0)
         if weighted > best:
             best, tl.peak_index, tl.peak = weighted, i, dict(live)
