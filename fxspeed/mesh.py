@@ -17,6 +17,7 @@ CUDA, gloo on CPU), or uses the default group when the script already initialize
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import time
@@ -57,12 +58,23 @@ def join(n_devices: int, timeout_s: float) -> DistContext:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        # The group is ours: end it at exit as a script would (NCCL warns about a group left
+        # undestroyed, and its communicators were torn down in no order)
+        atexit.register(_destroy_at_exit)
     world = dist.get_world_size()
     if world != n_devices:
         raise ConfigError(f"devices={n_devices} but the process group has {world} ranks; pass devices={world} "
                           f"or launch {n_devices} processes")
     group = dist.group.WORLD
     return DistContext(dist.get_rank(), world, group, group.group_name)
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # at exit, after a failure: nothing left to save
+            pass
 
 
 def comm_device(group: Any) -> torch.device:
