@@ -90,6 +90,21 @@ def test_a_model_whose_width_does_not_split_into_its_heads_is_told_to_check_its_
     assert "check the example inputs' shapes and the model's config" in msg and "unsupported construct" not in msg
 
 
+def test_float_token_ids_are_told_to_be_int64_not_to_rewrite_the_line_and_torch_logs_no_traceback(
+        capfd: pytest.CaptureFixture) -> None:
+    """Float ids into an embedding (and float class labels into cross_entropy's gather) fail
+    eagerly too: a dtype mistake in the example, said as one, without FakeTensor's logged
+    traceback before the error."""
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    ids = torch.randint(0, 64, (2, 16))
+    for x, y in ((ids.float(), ids), (ids, ids.float())):
+        with pytest.raises(fxspeed.CaptureError) as info:
+            fxspeed.compile(model, 1, example_inputs=(x, y))
+        msg = str(info.value)
+        assert "must be int64 (torch.long)" in msg and "unsupported construct" not in msg, msg
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_capture_error_is_an_fxspeed_error_not_a_value_error() -> None:
     with pytest.raises(fxspeed.FxspeedError):
         fxspeed.compile(BranchOnData(), 1, example_inputs=(torch.randn(2, 4),))

@@ -892,8 +892,16 @@ def _rng_untouched(model: nn.Module, tensors: list[torch.Tensor]) -> contextlib.
 def _tracing_flags() -> Iterator[None]:
     # Libraries (Hugging Face in particular) skip data-dependent Python branches when they
     # believe they are being compiled; our trace is a compilation in exactly that sense.
-    with mock.patch.object(torch.compiler, "is_compiling", lambda: True):
-        yield
+    # FakeTensor logs a traceback at ERROR for an op whose meta check fails (a float index to
+    # gather) before raising it; the CaptureError made of it says what failed and where, once.
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        with mock.patch.object(torch.compiler, "is_compiling", lambda: True):
+            yield
+    finally:
+        fake_log.setLevel(level)
 
 
 class _ModuleOwners:
@@ -1090,6 +1098,11 @@ _SHAPE_ERROR = re.compile(r"is invalid for input of size|shapes cannot be multip
                           r"|size mismatch|Sizes of tensors must match|out of bounds for dimension|expected .* size")
 
 
+# Dtype errors ATen raises for fake and real tensors alike (float indices, mixed matmul dtypes).
+_DTYPE_ERROR = re.compile(r"to have one of the following scalar types|Expected dtype int|expected scalar type"
+                          r"|must have the same dtype|to have the same dtype|expected target dtype|dtype .* but got")
+
+
 def _capture_error(model: nn.Module, e: BaseException, train: bool = True) -> CaptureError:
     op = getattr(e, "func", None)
     op_name = str(op) if op is not None else None
@@ -1126,6 +1139,10 @@ def _capture_error(model: nn.Module, e: BaseException, train: bool = True) -> Ca
         inside = next((c for c in (_torch_callee(model, x) for x in chain) if c is not None), None)
         if inside is not None:
             reason, hint = _torch_module_hint(inside, reason, hint)
+    elif any(isinstance(c, (RuntimeError, ValueError, TypeError)) and _DTYPE_ERROR.search(str(c)) for c in chain):
+        hint = ("the model raises this for the example's dtypes, eagerly too: token ids, class labels and indices "
+                "must be int64 (torch.long) tensors, and the tensors a matmul or cat combines of one floating "
+                "dtype; check the example inputs' dtypes and any cast at that line")
     elif any(isinstance(c, (RuntimeError, ValueError, IndexError)) and _SHAPE_ERROR.search(str(c)) for c in chain):
         # Not a tracing limit: fake tensors check shapes as eager does, so the model raises this
         # on these inputs too (a view that does not divide, a width that is not heads x head_dim).
