@@ -10,7 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import fxspeed
-from fxspeed.ir import ACTIVATIONS, BACKWARD, FORWARD, GRADIENTS, PARAMETERS, TEMPORARIES
+from fxspeed.ir import BACKWARD, FORWARD, GRADIENTS
 from fxspeed.planner.extrapolate import extrapolate_peak
 from fxspeed.planner.memory import Timeline
 
