@@ -7,6 +7,10 @@
                   both ranks (parameters unchanged everywhere, both count one skipped step)
     eval_global   eval_step on 2 ranks returns the global batch's mean loss on both (as
                   train_step does), not each rank's own
+    token_mean    labels padded with -100 unevenly over the ranks (rank 1's all -100 at step 1):
+                  the README's recipe for the exact global token mean (the local sum x replicas /
+                  the global count, the count passed as a tensor in the batch) gives one process's
+                  SGD steps on the global batch's mean, count changing between steps
     layout_dp     channels_last conv + transposed Parameter, ZeRO-1 and ZeRO-2 on 2 ranks: three
                   steps equal one process's eager fused AdamW on the global batch
 
@@ -102,7 +106,59 @@ def layout_dp() -> str:
     return "; ".join(out) or "ok"
 
 
-CASES = {"zero3_module": zero3_module, "nan_one_rank": nan_one_rank, "eval_global": eval_global, "layout_dp": layout_dp}
+class TokenLM(torch.nn.Module):
+    """An HF-style LM whose loss is the sum over valid tokens / `n_items` (HF's num_items_in_batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor, n_items: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.head(self.emb(ids)).flatten(0, 1)
+        if n_items is None:  # eager, one process: the mean over the valid tokens
+            return torch.nn.functional.cross_entropy(logits, labels.flatten(), ignore_index=-100)
+        total = torch.nn.functional.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="sum")
+        return total / n_items
+
+
+def token_mean() -> str:
+    torch.manual_seed(0)
+    rank = int(os.environ["RANK"])
+    model = TokenLM()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 16, (4, 6))
+    steps = []
+    for step in range(3):
+        labels = torch.randint(0, 16, (4, 6))
+        labels[:, : 2 + step] = -100  # fewer valid tokens each step
+        if step == 1:
+            labels[2:] = -100  # rank 1's rows: nothing to learn from (its own mean would be NaN)
+        steps.append(labels)
+    # the replicas' gradients are averaged (as DDP's): scale the local sum by their number
+    local = lambda labels: (ids[2 * rank:2 * rank + 2], labels[2 * rank:2 * rank + 2],  # noqa: E731
+                            (labels != -100).sum().double().float() / 2)
+    engine = fxspeed.compile(model, 2, fxspeed.Config(optimizer="sgd", lr=0.5), example_inputs=local(steps[0]))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    out = []
+    for step, labels in enumerate(steps):
+        got = engine.train_step(*local(labels))
+        opt.zero_grad()
+        loss = ref(ids, labels)
+        loss.backward()
+        opt.step()
+        want = loss.item()
+        if abs(got - want) > 1e-5 * abs(want):
+            out.append(f"step {step}: loss {got} != the global mean {want}")
+    state = engine.state_dict()
+    for name, p in ref.state_dict().items():
+        err = float((state[name] - p).abs().max() / p.abs().max())
+        if err > 1e-5:
+            out.append(f"{name}: relative error {err:.3g}")
+    return "; ".join(out) or "ok"
+
+
+CASES = {"zero3_module": zero3_module, "token_mean": token_mean, "nan_one_rank": nan_one_rank, "eval_global": eval_global, "layout_dp": layout_dp}
 
 
 if __name__ == "__main__":
