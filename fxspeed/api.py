@@ -99,10 +99,8 @@ def plan(model: nn.Module, devices: Devices = 1, config: Config | dict | str | N
     devs = normalize_devices(devices)
     args, kwargs = _split_example(example_inputs, "plan")
     # The degrees against the devices first: a tracing error (heads that do not split) would
-    # otherwise hide that the mesh cannot be built at all.
-    if cfg.pipeline > 1:
-        check_pipeline_config(cfg, len(devs))
-    if cfg.tensor > 1:
+    # otherwise hide that the mesh cannot be built at all (plan_pipeline checks its own).
+    if cfg.tensor > 1 and cfg.pipeline == 1:
         from fxspeed.planner.placement import check_tensor_config
 
         check_tensor_config(cfg, len(devs))

@@ -384,7 +384,7 @@ def test_a_misspelt_keyword_to_config_is_a_config_error_naming_the_closest_key()
 
 
 @pytest.mark.parametrize("tensor,pipeline,match", [(128, 1, "use devices=128"), (3, 1, "tensor that divides 64"),
-                                                   (2, 3, "pipeline degree x the tensor degree")])
+                                                   (2, 3, "not a multiple of Config.pipeline x Config.tensor")])
 def test_plan_refuses_degrees_that_do_not_divide_the_devices_before_tracing(tensor: int, pipeline: int, match: str):
     import torch
 

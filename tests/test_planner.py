@@ -435,3 +435,22 @@ def test_a_grouped_matmul_of_moe_experts_counts_two_flops_per_multiply_add() -> 
     assert flops(torch.empty(12, 8), torch.empty(3, 8, 5), torch.empty(12, 5)) == 3 * 2 * 4 * 8 * 5
     # dW_e = x_e^T g_e for each expert: [8, 12] x [12, 5] -> [3, 8, 5], the 12 tokens split 4/4/4
     assert flops(torch.empty(8, 12), torch.empty(12, 5), torch.empty(3, 8, 5)) == 2 * 12 * 8 * 5
+
+
+@pytest.mark.parametrize("zero,devices", [(0, 1), (3, 2), (2, 4)])
+def test_the_plotted_timeline_peaks_at_the_plans_step_phase_peak(zero: int, devices: int) -> None:
+    """plot_timeline drew the traced graph's own bytes (full-size weights, no optimizer states or
+    buffers): a ZeRO-3 plot peaked at another number than plan.memory. It draws the rank's bytes
+    under the strategy now, whose maximum is the step phase's peak."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from fxspeed.tools import viz
+
+    model = GPT(GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=32))
+    ids = torch.zeros(4, 32, dtype=torch.long)
+    plan = fxspeed.plan(model, devices, fxspeed.Config(zero=zero), example_inputs=(ids, ids))
+    step = plan.phase_memory["step"]
+    assert max(plan.timeline["rank_bytes"]) == pytest.approx(step.get("total", sum(step.values())), abs=8)
+    ax = viz.plot_timeline(plan)
+    assert "rank 0" in ax.get_ylabel()

@@ -332,6 +332,11 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
         formula = zero_paper_bytes(share, z, dp, k=12, bytes_per_param=2)
     timeline = dict(costs.timeline)
     timeline["resident"] = [int(step[OPTIMIZER_STATES] + comm)]
+    if costs.liveness is not None and pp == 1 and timeline.get("bytes"):
+        # What the rank holds at each node under the strategy (its shards, optimizer states,
+        # buffers), whose maximum is the step phase's peak: what viz.plot_timeline draws. Only for
+        # a plan of the whole traced graph: an extrapolated plan's timeline is a shorter trace's
+        timeline["rank_bytes"] = [int(round(v)) for v in step_phase_series(costs, config, dp, moved, staged_here)]
     model_states = {PARAMETERS: int(round(resident_parameters(costs, config, dp))),
                     GRADIENTS: int(round(shard(costs.grad_bytes or t_bytes, 2))),
                     OPTIMIZER_STATES: int(round(resident_optimizer_states(config, states, moved, in_file, staged_here)
@@ -574,13 +579,15 @@ def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, 
     return step
 
 
-def step_phase_series(costs: GraphCosts, config: Config, n_devices: int) -> list[float]:
-    """The rank's total bytes after each node of the graph (the step phase at every node)."""
+def step_phase_series(costs: GraphCosts, config: Config, dp: int, offloaded: float | None = None,
+                      staged_here: bool = True) -> list[float]:
+    """The rank's total bytes after each node of the graph (the step phase at every node, as
+    `step_phase` makes the peak's: `dp` replicas, `offloaded` optimizer-state bytes)."""
     graph_params = costs.step.get(PARAMETERS, 0.0)
     out = []
     for total, grads in zip(costs.timeline["bytes"], costs.timeline["gradients"]):
         live = {PARAMETERS: graph_params, GRADIENTS: grads, TEMPORARIES: total - graph_params - grads}
-        out.append(sum(step_phase(live, costs, config, n_devices).values()))
+        out.append(sum(step_phase(live, costs, config, dp, offloaded, staged_here).values()))
     return out
 
 

@@ -215,7 +215,8 @@ def fit_symbolic(plan: Plan, model: nn.Module, args: tuple, kwargs: dict, dynami
         a, kw = resized_inputs(args, kwargs, dynamic, dict(zip(names, point)))
         costs, passes, notes = trace_costs(model, a, kw, config=config, devices=devices, loss_fn=loss_fn)
         p = finish_plan(costs, model_name=plan.model, config=config, devices=devices, passes=passes)
-        per_node = step_phase_series(costs, config, len(devices)) if not notes else None  # not when extrapolated
+        dp = max(1, len(devices) // (config.pipeline * config.tensor))
+        per_node = step_phase_series(costs, config, dp) if not notes else None  # not when extrapolated
         return quantities(p), costs.timeline["names"], per_node
 
     samples = [sample(p) for p in grid]

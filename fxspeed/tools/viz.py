@@ -173,13 +173,18 @@ def draw_graph(g: Any, color_by: str = "role", ax: Any = None, labels: bool = Tr
 
 
 def plot_timeline(plan: Any, ax: Any = None, unit: float = 1e6, unit_name: str = "MB") -> Any:
-    """Predicted live bytes (rank 0) after each node of the step, shaded by forward/backward."""
+    """Predicted bytes rank 0 holds after each node of the step, shaded by forward/backward: its
+    shards, optimizer states and buffers under the plan's strategy, so the curve's peak is the
+    plan's step-phase peak (`plan.phase_memory["step"]`). An extrapolated plan (a deep stack
+    traced with a few blocks) or a pipeline's carries the traced graph's own bytes only
+    (full-size weights, no strategy, the shorter trace): the plot says so."""
     import matplotlib.pyplot as plt
 
     tl = plan.timeline
     if not tl or not tl.get("bytes"):
         raise ValueError("this plan has no timeline (plans built before the memory analysis ran carry none)")
-    ys = [b / unit for b in tl["bytes"]]
+    ranked = bool(tl.get("rank_bytes"))
+    ys = [b / unit for b in (tl["rank_bytes"] if ranked else tl["bytes"])]
     roles = tl.get("roles") or [""] * len(ys)
     if ax is None:
         _, ax = plt.subplots(figsize=(12, 4))
@@ -193,12 +198,22 @@ def plot_timeline(plan: Any, ax: Any = None, unit: float = 1e6, unit_name: str =
     peak = max(range(len(ys)), key=ys.__getitem__)
     ax.annotate(f"peak {ys[peak]:,.1f} {unit_name}\n{tl['names'][peak]}", (peak, ys[peak]), xytext=(25, -35),
                 textcoords="offset points", fontsize=8, arrowprops={"arrowstyle": "->"})
+    handles = []
+    if ranked and plan.peak_phase and plan.peak_phase[0] == "optimizer":
+        opt = plan.peak_memory(0) / unit  # the optimizer step after the graph peaks higher
+        handles.append(ax.axhline(opt, color="r", ls="--", lw=1, label=f"optimizer phase {opt:,.1f} {unit_name}"))
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color=ROLE_COLORS[r], alpha=0.3, label=r) for r in ("forward", "backward")], loc="upper left")
+    handles += [Patch(color=ROLE_COLORS[r], alpha=0.3, label=r) for r in ("forward", "backward")]
+    ax.legend(handles=handles, loc="upper left")
     ax.set_xlabel("node (execution order)")
-    ax.set_ylabel(f"live {unit_name} (rank 0)")
-    ax.set_title(f"{plan.model}: predicted memory over one training step")
+    if ranked:
+        ax.set_ylabel(f"rank 0 {unit_name}")
+        ax.set_title(f"{plan.model}: predicted memory of rank 0 over one training step")
+    else:
+        ax.set_ylabel(f"live {unit_name} in the traced graph")
+        ax.set_title(f"{plan.model}: live bytes of the traced graph (full-size weights, before the strategy; "
+                     "an extrapolated plan's shorter trace)", fontsize=9)
     return ax
 
 
