@@ -193,3 +193,22 @@ def test_planned_peak_of_each_rank_is_within_15_percent_of_its_measured_peak_rss
         if rec["engine_plan"] is not None:  # the engine plans its own rank with the same functions
             assert rec["engine_plan"]["total"] == predicted, report
     print("\n".join(report))
+
+
+def test_an_extrapolated_pipeline_cuts_where_the_whole_trace_does_even_leaving_a_stage_no_block() -> None:
+    """A head far heavier than a block (a 32k vocabulary over width 128): the whole trace's
+    balanced cut puts all 8 blocks on stage 0 and the head alone on stage 1. The extrapolated
+    cut started every stage at one block (7/1, a program the engine would not run: its peaks 7%
+    and 8% off); it starts from none now."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                                             num_attention_heads=2, num_key_value_heads=2, vocab_size=32000))
+    ids = torch.zeros(2, 1024, dtype=torch.long)
+    plans = [fxspeed.plan(model, 2, fxspeed.Config(pipeline=2, microbatches=2, layer_extrapolation=e),
+                          example_inputs=((), {"input_ids": ids, "labels": ids})) for e in (True, False)]
+    cuts = [[sum(m.startswith("model.layers.") for m in st["modules"]) for st in p.pipeline["stages"]] for p in plans]
+    assert cuts[0] == cuts[1] == [8, 0]
+    for r in range(2):
+        assert plans[0].peak_memory(r) == pytest.approx(plans[1].peak_memory(r), rel=0.015)

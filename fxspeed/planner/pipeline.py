@@ -582,8 +582,10 @@ def _plan_extrapolated(model: Any, found: tuple, n_stages: int, program: Any, co
             traced.append(program([f"{prefix}{k * s}" for s in range(1, n_stages)]))
     one, two, three = traced
     fwd = [(p1.predicted.get("forward", 0.0), p2.predicted.get("forward", 0.0)) for p1, p2 in zip(one.stages, two.stages)]
-    n = [1] * n_stages  # blocks per stage: the next block to the stage whose forward stays shortest
-    for _ in range(L - n_stages):
+    # Blocks per stage: the next block to the stage whose forward stays shortest. From none: a
+    # stage may get no block (a large head alone on the last one), as the whole trace's cut allows
+    n = [0] * n_stages
+    for _ in range(L):
         s = min(range(n_stages), key=lambda i: (fwd[i][0] + (fwd[i][1] - fwd[i][0]) * n[i], i))
         n[s] += 1
 
