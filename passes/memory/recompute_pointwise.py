@@ -22,7 +22,9 @@ A forward node is recomputed when
   - backward reads it, directly or through forward views of it (which are recomputed with it),
     and neither it nor such a view is a graph output;
   - every tensor it reads is a value backward reads anyway (saved, or a placeholder backward
-    reads), or another value recomputed by this rule (chains: silu(g), then silu(g) * u).
+    reads), or another value recomputed by this rule (chains: silu(g), then silu(g) * u); a cast
+    may also read a weight under a pipeline (a stage holds its weights throughout), so a bf16 twin
+    of an fp32 weight is cast again in backward rather than kept per micro-batch in flight.
 Clones go before the first backward reader or the first clone reading them, so each lives only
 as long as backward needs it. Random ops (dropout) never qualify: their mask is kept.
 
@@ -93,6 +95,19 @@ def recompute_pointwise(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     def returned(n: fx.Node) -> bool:
         return any(u.op == "output" for u in n.users) or any(returned(u) for u in forward_views(n))
 
+    # Under a pipeline, a weight's low-precision twin (insert_casts' `to(w, bf16)`: pipelines keep
+    # fp32 weights) is cast again in backward: the stage holds the weight throughout, and kept, the
+    # twin lived from a micro-batch's forward to its backward, one copy of the stage's weights per
+    # micro-batch in flight (a 4-layer GPT's first stage, bf16 on 2 H100s: 221 -> 208 MB planned).
+    # A joint program keeps one twin either way (its peak did not move), so it casts once.
+    resident: set[fx.Node] = set()
+    if ctx.options.pipeline > 1:
+        placeholders = [n for n in nodes if n.op == "placeholder"]
+        resident = {ph for spec, ph in zip(ctx.signature.inputs, placeholders) if spec.kind in ("param", "param_tp")}
+
+    def kept(a: fx.Node, n: fx.Node) -> bool:
+        return a in chosen or bool(backward_users(a)) or (a in resident and n.target in CASTS)
+
     chosen: set[fx.Node] = set()
     for n in nodes:  # in graph order: a chain's inputs are decided before it
         if n not in forward or not read_in_backward(n) or returned(n):
@@ -104,7 +119,7 @@ def recompute_pointwise(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             continue
         # each input recomputed too, or read by backward anyway (saved; a candidate not chosen
         # stays saved), so the clone extends no other value's life
-        if _cheap(n) and all(a in chosen or backward_users(a) for a in n.all_input_nodes):
+        if _cheap(n) and all(kept(a, n) for a in n.all_input_nodes):
             chosen.add(n)
     # Defensive: a chosen value no backward node and no chosen value reads would have no place
     # to go (views are chosen with their base, so this does not happen for the ops seen so far).
