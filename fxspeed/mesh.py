@@ -162,10 +162,16 @@ def broadcast_into(tensors: list[torch.Tensor], src: int, group: Any, receive: b
 
 
 def check_same_model(ctx: DistContext, model: Any, config: Any) -> None:
-    """Every rank must build the same model (parameter names, shapes, dtypes) and Config."""
-    shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
-    check_agreement(ctx, "the model and config", fingerprint(type(model).__name__, shapes, config.to_dict()),
-                    "every rank must build the same model (same parameter names, shapes, dtypes) and Config")
+    """Every rank must build the same model (parameter and buffer names, shapes, dtypes, which
+    parameters train) and Config. Buffers too: start_alike broadcasts parameters and buffers
+    as flat chunks, and a buffer one rank lacks shifted the others' values with no error (gloo
+    takes a shorter message); requires_grad too: a weight frozen on one rank only aborted gloo at
+    the first step."""
+    shapes = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
+    buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
+    check_agreement(ctx, "the model and config", fingerprint(type(model).__name__, shapes, buffers, config.to_dict()),
+                    "every rank must build the same model (same parameter and buffer names, shapes, dtypes and "
+                    "requires_grad) and Config")
 
 
 # Per process: how many times each (group, name) check ran, so every call has its own store key.

@@ -41,7 +41,7 @@ def test_a_rank_that_fails_after_compile_stops_every_rank_with_an_error_naming_i
         assert "rank 1 fails on purpose after compile" in out  # the failed rank's own traceback
 
 
-CONFIG_ERROR_CASES = ("model", "config", "shapes", "indivisible")
+CONFIG_ERROR_CASES = ("model", "config", "shapes", "indivisible", "buffer", "frozen")
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,9 @@ def config_errors(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.
     ("shapes", "ranks disagree on the step (train_step or eval_step) and its batch signature (shapes, dtypes, "
                "structure): rank(s) [1] differ from rank 0"),
     ("indivisible", "a global batch of 5 rows cannot be split evenly across 2 ranks"),
-], ids=["model", "config", "shapes", "indivisible"])
+    ("buffer", "ranks disagree on the model and config: rank(s) [1] differ from rank 0"),
+    ("frozen", "ranks disagree on the model and config: rank(s) [1] differ from rank 0"),
+], ids=["model", "config", "shapes", "indivisible", "buffer", "frozen"])
 def test_ranks_that_disagree_or_a_batch_that_cannot_be_split_raise_a_config_error_on_every_rank(
         case: str, what: str, config_errors: tuple[subprocess.CompletedProcess, float, Path]) -> None:
     proc, wall, tmp_path = config_errors

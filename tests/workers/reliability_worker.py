@@ -38,7 +38,8 @@ def main() -> None:
     os.environ.setdefault("FXSPEED_BACKEND", "gloo")
     torch.set_num_threads(1)
     cases = a.case.split(",")
-    if not (cases in (["raise"], ["exit"], ["midstep"]) or set(cases) <= {"model", "config", "indivisible", "shapes"}):
+    if not (cases in (["raise"], ["exit"], ["midstep"]) or set(cases) <= {"model", "config", "indivisible", "shapes",
+                                                                                       "buffer", "frozen"}):
         ap.error(f"--case {a.case}: raise, exit, midstep, or some of model, config, indivisible, shapes")
     for case in cases:
         run(case, a.out)
@@ -88,6 +89,10 @@ def run(case: str, out: str | None) -> None:
     try:
         if case == "model" and rank == 1:
             model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32))
+        if case == "buffer" and rank == 1:  # one rank's extra buffer shifted the others' values
+            model.register_buffer("extra", torch.zeros(3))
+        if case == "frozen" and rank == 1:  # a weight frozen on one rank aborted gloo at the first step
+            next(model.parameters()).requires_grad_(False)
         if case == "config" and rank == 1:
             cfg = fxspeed.Config(zero=3, lr=3e-2, bucket_mb=0.05)
         if case == "indivisible":
