@@ -975,6 +975,8 @@ class Engine:
             self._half_stepped = (f"train_step {self.stats['steps']} failed ({type(e).__name__}: {e}) after the program "
                                   f"had updated {moved} of {self._in_backward_units()} inside backward, so the model "
                                   "is partly stepped")
+            if self.dist.active:  # and the other ranks are in (or will run) this step's collectives
+                self._out_of_step = self._half_stepped + " while the other ranks ran the step's collectives"
             raise FxspeedError(self._half_stepped + "; load a checkpoint (engine.load) before training on") from e
 
     def _in_backward_units(self) -> str:
@@ -1468,6 +1470,7 @@ class Engine:
         and pipelines (call it on every rank). Without them, as with
         nn.Module.state_dict(), the tensors alias the live weights: clone them to keep a snapshot."""
         if self.pipelined or self.config.zero >= 3 or self._tp or (self._flat is not None and self._flat.released):
+            self._begin_step("engine.state_dict()")  # its collectives would pair with a failed step's
             self._expect_all_ranks("engine.state_dict()")
         local = self._local_state()
         if self.pipelined and self.dist.active:
@@ -1557,6 +1560,7 @@ class Engine:
         if self.optimizer is None:
             raise FxspeedError("engine.save: nothing to save before the engine is compiled; pass example_inputs to "
                                "fxspeed.compile or run a train_step first")
+        self._begin_step("engine.save()")
         self._expect_all_ranks("engine.save()", fix="Call engine.save(path) on every rank (each rank writes or reads its "
                                "part; do not guard it with `if rank == 0`)")
         rng: list[Any] = [torch.get_rng_state()]
