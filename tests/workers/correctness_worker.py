@@ -83,6 +83,17 @@ def eval_global() -> str:
     return "ok" if abs(got - want) <= 1e-6 * abs(want) else f"eval_step gave {got}, global mean is {want}"
 
 
+def state_errors(engine: fxspeed.Engine, ref: torch.nn.Module, prefix: str = "") -> list[str]:
+    """The engine's tensors whose largest difference from the eager reference's exceeds 1e-5 of
+    the reference's largest value."""
+    state, out = engine.state_dict(), []
+    for name, p in ref.state_dict().items():
+        err = float((state[name] - p).abs().max() / p.abs().max())
+        if err > 1e-5:
+            out.append(f"{prefix}{name}: relative error {err:.3g}")
+    return out
+
+
 def layout_dp() -> str:
     out = []
     for zero in (1, 2):
@@ -98,11 +109,7 @@ def layout_dp() -> str:
             opt.zero_grad()
             ref(x).backward()
             opt.step()
-        state = engine.state_dict()
-        for name, p in ref.state_dict().items():
-            err = float((state[name] - p).abs().max() / p.abs().max())
-            if err > 1e-5:
-                out.append(f"zero={zero} {name}: relative error {err:.3g}")
+        out += state_errors(engine, ref, f"zero={zero} ")
     return "; ".join(out) or "ok"
 
 
@@ -150,11 +157,7 @@ def token_mean() -> str:
         want = loss.item()
         if abs(got - want) > 1e-5 * abs(want):
             out.append(f"step {step}: loss {got} != the global mean {want}")
-    state = engine.state_dict()
-    for name, p in ref.state_dict().items():
-        err = float((state[name] - p).abs().max() / p.abs().max())
-        if err > 1e-5:
-            out.append(f"{name}: relative error {err:.3g}")
+    out += state_errors(engine, ref)
     return "; ".join(out) or "ok"
 
 
