@@ -830,10 +830,10 @@ class Engine:
         if self._serving is not None:
             raise ConfigError("train_step: this engine was compiled for inference by fxspeed.serve (no optimizer); "
                               "use fxspeed.compile(model, ...) to train")
+        self._begin_step("train_step")  # first: out of step, only restarting every rank mends it
         if self._half_stepped:
             raise FxspeedError(self._half_stepped + "; load a checkpoint with engine.load (weights and optimizer states) "
                                "to train on")
-        self._begin_step("train_step")
         self._check_replica_batch("train_step", args, kwargs)
         if self.scaler is not None:
             self._scale.copy_(self.scaler.scale)
