@@ -52,7 +52,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
 }
 # Name-list fields where a single string is one name (a 1-tuple), never split into characters.
 # split_points is not one of them: how many names it holds decides the number of stages.
-_ONE_NAME_OK = ("fp32_modules", "disable_passes")
+_ONE_NAME_OK = ("fp32_modules", "disable_passes", "no_weight_decay")
 # Optimizer hyperparameters and the optimizers that read them: a non-default value under any
 # other optimizer would have no effect, so it is refused.
 _OPTIMIZER_ONLY = {"momentum": ("sgd",), "betas": ("adamw", "adam"), "eps": ("adamw", "adam")}
@@ -74,7 +74,7 @@ class Config:
     integral (`zero=1.0` -> use `zero=1`); a `float` field takes an int or a float, not a bool,
     and must be finite (no nan/inf); `| None` fields also take None; tuple fields take a list or a
     tuple (JSON gives lists) of items of the annotated type; `betas` takes exactly two numbers in
-    [0, 1). A single string for `fp32_modules` or `disable_passes` is one name (`"head"` ->
+    [0, 1). A single string for `fp32_modules`, `disable_passes` or `no_weight_decay` is one entry (`"head"` ->
     `("head",)`, never split into characters); for `split_points` it is refused (give a list).
     Values are stored normalized: tuples, Python ints and floats.
 
@@ -90,6 +90,11 @@ class Config:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    # Parameters weight decay leaves alone (torch.optim's param groups with weight_decay=0):
+    # entries are substrings of a parameter's name ("bias", "LayerNorm.weight": the Hugging Face
+    # recipe), globs when they hold * ? or [ ("*.ln_*"), or "1d": every parameter with fewer than
+    # two dimensions (biases, norm scales: Megatron's and nanoGPT's rule). Empty: decay everything.
+    no_weight_decay: tuple[str, ...] = ()
     momentum: float = 0.0
     grad_clip: float | None = None
     # "manual": the engine never changes the lr after Config.lr; set engine.optimizer's
@@ -194,6 +199,9 @@ class Config:
         _positive("lr", self.lr, allow_zero=True)
         _positive("eps", self.eps)
         _positive("weight_decay", self.weight_decay, allow_zero=True)
+        if "" in self.no_weight_decay:
+            raise ConfigError("Config.no_weight_decay holds an empty entry, which would match every parameter; give "
+                              "name substrings ('bias'), globs ('*.ln_*') or '1d'")
         _positive("momentum", self.momentum, allow_zero=True)
         _positive("bucket_mb", self.bucket_mb)
         _choice("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
@@ -266,6 +274,8 @@ class Config:
             ignored += [(k, f"precision={self.precision!r} uses no loss scaling (only 'fp16' does)")
                         for k in ("loss_scale", "loss_scale_window", "loss_scale_backoff", "loss_scale_growth")
                         if k in changed]
+        if self.weight_decay == 0 and "no_weight_decay" in changed:
+            ignored.append(("no_weight_decay", "weight_decay=0 decays nothing (set Config.weight_decay)"))
         if self.precision == "fp32" and "fp32_modules" in changed:
             ignored.append(("fp32_modules", "precision='fp32' keeps every module in fp32 already"))
         if self.precision == "fp32" and "low_activations" in changed:
@@ -358,6 +368,7 @@ class Config:
         d["betas"] = list(self.betas)
         d["disable_passes"] = list(self.disable_passes)
         d["fp32_modules"] = list(self.fp32_modules)
+        d["no_weight_decay"] = list(self.no_weight_decay)
         d["split_points"] = list(self.split_points)
         return d
 

@@ -57,7 +57,7 @@ from fxspeed.runtime.offloaded_optimizer import OffloadedAdam
 from fxspeed.runtime.offloaded_activations import ActivationOffload
 from fxspeed.runtime.offloaded_activations import register as register_activations
 from fxspeed.runtime.offloaded_parameters import register
-from fxspeed.runtime.optimizer import OptimizerSpec, build_optimizer, lr_lambda
+from fxspeed.runtime.optimizer import OptimizerSpec, WeightDecay, build_optimizer, lr_lambda, undecayed_parameters
 from fxspeed.runtime.runner import PipelineRuntime
 from fxspeed.runtime.step_in_backward import InBackwardSteps, in_layout_of
 from fxspeed.runtime.step_in_backward import register as register_steps
@@ -125,6 +125,8 @@ class Engine:
         self._names_of: dict[int, list[str]] = {}  # id(Parameter) -> every name it has
         for name, p in self._params.items():
             self._names_of.setdefault(id(p), []).append(name)
+        self._undecayed = undecayed_parameters(model, self._params, config.no_weight_decay) \
+            if config.weight_decay and config.no_weight_decay else None  # ids of Parameters weight decay skips
         self._flat: FlatParameters | None = None
         # Tensor parallel: Parameters cut to this tp rank's slice after the first compile.
         self._tp = TensorParallelParameters(mesh.group("tp"), mesh.coords()["tp"], mesh.tp) if mesh.tp > 1 else None
@@ -402,24 +404,52 @@ class Engine:
 
     def _build_optimizer(self, tensors: list[torch.Tensor]) -> None:
         spec = dataclasses.replace(_optimizer_spec(self.config), **self._offload_spec())
+        decay = self._weight_decay(tensors)
         link = self._host_link() if self.config.offloads_optimizer else None
         if link is not None:
             # The tensors live on a device: the offloaded optimizer steps them through its host
             # tier, states in pinned host memory (swap_root None) or in files (nvme).
             self.optimizer = OffloadedAdam(tensors, lr=spec.lr, betas=spec.betas, eps=spec.eps,
-                                           weight_decay=spec.weight_decay, decoupled=spec.name == "adamw",
-                                           swap_root=spec.swap_root, name=spec.swap_name, chunk_bytes=spec.chunk_bytes,
+                                           weight_decay=0.0 if decay else spec.weight_decay,
+                                           decoupled=spec.name == "adamw", swap_root=spec.swap_root,
+                                           name=spec.swap_name, chunk_bytes=spec.chunk_bytes,
                                            offload_bytes=spec.offload_bytes, masters=spec.masters,
-                                           chunk_starts=spec.chunk_starts, link=link)
+                                           chunk_starts=spec.chunk_starts, link=link, decay=decay)
             self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
         else:
-            self.optimizer, self.lr_scheduler = build_optimizer(tensors, spec)
+            self.optimizer, self.lr_scheduler = build_optimizer(tensors, spec, decay)
         self._lr_set = [g["lr"] for g in self.optimizer.param_groups]
         store = self.compiler.options.optimizer_store
         if store:  # the training programs step this optimizer inside backward (passes/memory/step_in_backward,
             # by parameter; step_buckets_in_backward, by reduced bucket of the flat layout)
             self._in_backward = InBackwardSteps(self.optimizer, self._params, flat=self._flat)
             register_steps(store, self._in_backward)
+
+    def _weight_decay(self, tensors: list[torch.Tensor]) -> WeightDecay | None:
+        """Config.no_weight_decay: which elements of the optimizer's tensors decay. A tensor is a
+        Parameter (or its tp slice), decayed whole or not at all, or a flat ZeRO shard, whose runs
+        are the decayed Parameters' elements inside it."""
+        if self._undecayed is None:
+            return None
+        shards = {id(t): k for k, t in enumerate(self._flat.shards)} if self._flat is not None else {}
+        runs: dict[int, tuple[tuple[int, int], ...]] = {}
+        for t in tensors:
+            if id(t) in shards:
+                b = self._flat.buckets[shards[id(t)]]
+                lo, hi = self._flat._range(b)
+                mine: list[tuple[int, int]] = []
+                for name, shape, off in zip(b.names, b.shapes, b.offsets):
+                    a, e = max(off, lo), min(off + _numel(shape), hi)
+                    if a >= e or id(self._params[name]) in self._undecayed:
+                        continue
+                    if mine and mine[-1][1] == a - lo:  # neighbours: one run
+                        mine[-1] = (mine[-1][0], e - lo)
+                    else:
+                        mine.append((a - lo, e - lo))
+                runs[id(t)] = tuple(mine)
+            elif id(t) not in self._undecayed:
+                runs[id(t)] = ((0, t.numel()),)
+        return WeightDecay(self.config.weight_decay, self.config.optimizer == "adamw", runs)
 
     def _activation_store(self) -> ActivationOffload:
         """Where this engine's programs put the activations they offload (made on first use):

@@ -114,7 +114,7 @@ class OffloadedAdam(torch.optim.Optimizer):
     def __init__(self, params: Iterable[torch.Tensor], *, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, decoupled: bool, swap_root: str | os.PathLike | None, name: str,
                  chunk_bytes: int = 64 * 2**20, offload_bytes: int | None = None, masters: bool = False,
-                 chunk_starts: Sequence[int] = (), link: DeviceLink | None = None) -> None:
+                 chunk_starts: Sequence[int] = (), link: DeviceLink | None = None, decay: Any = None) -> None:
         """`chunk_starts`: indices of tensors that begin a new chunk (the first of each gradient
         bucket the program steps on its own: a chunk shared by two buckets would be read and
         written once for each).
@@ -123,9 +123,16 @@ class OffloadedAdam(torch.optim.Optimizer):
         step runs on the host: each chunk's gradients (and, without `masters`, its weights) are
         copied to staging host buffers, stepped there, and the new weights copied back. With
         `swap_root=None` every chunk's states stay in (pinned) host memory; with a `swap_root`
-        the offloaded chunks go to files as on the CPU."""
+        the offloaded chunks go to files as on the CPU.
+
+        `decay` (runtime/optimizer.WeightDecay, Config.no_weight_decay): the weight decay of the
+        elements it names, applied to each chunk's weights (the fp32 masters with `masters`) or
+        gradients just before its update; `weight_decay` must then be 0."""
         super().__init__(list(params), dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.decoupled = decoupled
+        self.decay = decay
+        if decay is not None and weight_decay:
+            raise FxspeedError("the offloaded optimizer takes weight_decay or a per-element decay, not both")
         self.masters = masters
         # masters: where the rounded new working values go instead of the working tensor itself,
         # as (tensor, first element, values) per piece (parameter offload: ParameterFiles.write_piece)
@@ -296,6 +303,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         # the fused kernel reads (and counts) its step on the tensors' device; the counters stay
         # on the host (state_dict, the chunks stepped there), advanced alongside
         moved_steps = [t.to(flat.device, copy=True) for t in steps] if flat.device != steps[0].device else steps
+        if self.decay is not None:
+            self.decay.apply([(pc.p, w, g, pc.start, pc.count) for pc, w, g in zip(live, weights, grads)], group["lr"])
         adam_update(weights, grads, m, v, [], moved_steps, fused=True,
                     decoupled_weight_decay=self.decoupled, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)

@@ -11,9 +11,11 @@ why: docs/decisions/fused-optimizers.md
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
@@ -43,8 +45,85 @@ class OptimizerSpec:
     chunk_starts: tuple[int, ...] = ()
 
 
-def build_optimizer(params: Iterable[torch.Tensor], spec: OptimizerSpec) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+@dataclass(frozen=True)
+class WeightDecay:
+    """Weight decay on some elements of the optimizer's tensors only (Config.no_weight_decay).
+
+    torch.optim decays a whole param group; ZeRO's flat shards hold decayed weights and
+    undecayed biases/norms side by side, so the optimizer runs with weight_decay=0 and this
+    applies the decay to the decayed runs just before each step, as torch.optim would inside it:
+
+        AdamW (decoupled):  p[run] *= 1 - lr * rate          (torch: param.mul_(1 - lr * wd))
+        Adam / SGD (L2):    g[run] += rate * p[run]          (torch: grad = grad.add(param, alpha=wd))
+
+    `runs`: id(tensor) -> the [start, end) runs of its elements (flat order) that decay; a
+    tensor not in it does not decay."""
+
+    rate: float
+    decoupled: bool
+    runs: dict[int, tuple[tuple[int, int], ...]]
+
+    @torch.no_grad()  # torch.optim runs step pre-hooks outside its own no_grad
+    def apply(self, items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]], lr: float) -> None:
+        """`items`: (tensor, weights, gradients, start, count): the elements start .. start + count
+        of `tensor`, as `weights` and `gradients` views (the tensor and its .grad themselves, or a
+        flat run of them, or the offloaded optimizer's staged copies)."""
+        ws: list[torch.Tensor] = []
+        gs: list[torch.Tensor] = []
+        for t, w, g, start, count in items:
+            for a, b in self.runs.get(id(t), ()):
+                a, b = max(a, start) - start, min(b, start + count) - start
+                if a >= b:
+                    continue
+                if a == 0 and b == count:
+                    ws.append(w)
+                    gs.append(g)
+                else:  # part of a flat (1-D) shard or run
+                    ws.append(w.view(-1)[a:b])
+                    gs.append(g.view(-1)[a:b])
+        if not ws:
+            return
+        if self.decoupled:
+            torch._foreach_mul_(ws, 1.0 - lr * self.rate)
+        else:
+            torch._foreach_add_(gs, ws, alpha=self.rate)
+
+    def hook(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        """A torch.optim step pre-hook: decay the tensors that will step (those with a gradient)."""
+        for g in optimizer.param_groups:
+            self.apply([(t, t, t.grad, 0, t.numel()) for t in g["params"] if t.grad is not None], g["lr"])
+
+
+def undecayed_parameters(model: torch.nn.Module, params: dict[str, torch.Tensor], patterns: Sequence[str]) -> set[int]:
+    """ids of the Parameters Config.no_weight_decay exempts: a name containing an entry (or
+    matching it as a glob), or any Parameter of fewer than two dimensions for "1d". A tied
+    Parameter is exempt when any of its names is. An entry that matches nothing is an error
+    (a typo would otherwise decay what the user meant to exempt)."""
+    from fxspeed.errors import ConfigError
+
+    def matches(pattern: str, name: str) -> bool:
+        return fnmatch.fnmatchcase(name, pattern) if any(c in pattern for c in "*?[") else pattern in name
+
+    out: set[int] = set()
+    for pattern in patterns:
+        hit = {id(p) for name, p in params.items()
+               if (p.dim() < 2 if pattern == "1d" else matches(pattern, name)) and p.requires_grad}
+        if not hit:
+            names = [n for n, p in params.items() if p.requires_grad]
+            raise ConfigError(f"Config.no_weight_decay entry {pattern!r} matches no trainable parameter of "
+                              f"{type(model).__name__} (names look like {', '.join(map(repr, names[:4]))}); entries "
+                              "are name substrings ('bias'), globs ('*norm*.weight') or '1d'")
+        out |= hit
+    return out
+
+
+def build_optimizer(params: Iterable[torch.Tensor], spec: OptimizerSpec, decay: WeightDecay | None = None
+                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """The optimizer over `params` and its lr schedule. With `decay`, the optimizer itself decays
+    nothing and `decay` decays what it names before each step (Config.no_weight_decay)."""
     params = list(params)
+    if decay is not None:
+        spec = dataclasses.replace(spec, weight_decay=0.0)
     if spec.swap_root is not None:
         if spec.name not in ("adamw", "adam"):
             raise ValueError(f"optimizer offload steps Adam/AdamW only, not {spec.name!r}")
@@ -52,7 +131,7 @@ def build_optimizer(params: Iterable[torch.Tensor], spec: OptimizerSpec) -> tupl
                                                    weight_decay=spec.weight_decay, decoupled=spec.name == "adamw",
                                                    swap_root=spec.swap_root, name=spec.swap_name,
                                                    chunk_bytes=spec.chunk_bytes, offload_bytes=spec.offload_bytes,
-                                                   masters=spec.masters, chunk_starts=spec.chunk_starts)
+                                                   masters=spec.masters, chunk_starts=spec.chunk_starts, decay=decay)
     elif spec.name in ("adamw", "adam"):
         cls = torch.optim.AdamW if spec.name == "adamw" else torch.optim.Adam
         opt = _fused(cls, params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
@@ -60,6 +139,8 @@ def build_optimizer(params: Iterable[torch.Tensor], spec: OptimizerSpec) -> tupl
         opt = _fused(torch.optim.SGD, params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
     else:
         raise ValueError(f"unknown optimizer {spec.name!r}; accepted: 'adamw', 'adam', 'sgd'")
+    if decay is not None and not isinstance(opt, OffloadedAdam):  # OffloadedAdam applies it chunk by chunk
+        opt.register_step_pre_hook(decay.hook)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec))
 
 

@@ -13,6 +13,9 @@
                   SGD steps on the global batch's mean, count changing between steps
     layout_dp     channels_last conv + transposed Parameter, ZeRO-1 and ZeRO-2 on 2 ranks: three
                   steps equal one process's eager fused AdamW on the global batch
+    no_decay_zero Config.no_weight_decay=("1d",) under ZeRO-0..3 with buckets so small that the
+                  flat shards cut Parameters: equals one process's AdamW with the 1-D parameters
+                  in a param group with weight_decay=0
 
 Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt and exits 0 (`--case all`:
 every case in one launch; tests/workers/common.py run_cases, shared with tensor_parallel_worker).
@@ -113,6 +116,24 @@ def layout_dp() -> str:
     return "; ".join(out) or "ok"
 
 
+def no_decay_zero() -> str:
+    from tests.test_weight_decay import NormedMLP, _batch, _eager
+
+    out = []
+    for zero in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        model = NormedMLP()
+        ref = copy.deepcopy(model)
+        lb = local_batch(_batch())
+        engine = fxspeed.compile(model, 2, fxspeed.Config(lr=0.05, weight_decay=0.1, no_weight_decay=("1d",), zero=zero,
+                                                          bucket_mb=0.002), example_inputs=lb)
+        for _ in range(3):
+            engine.train_step(*lb)
+        _eager(ref, "adamw", {"up.bias", "norm.weight", "norm.bias", "down.bias"}, 3)
+        out += state_errors(engine, ref, f"zero={zero} ")
+    return "; ".join(out) or "ok"
+
+
 class TokenLM(torch.nn.Module):
     """An HF-style LM whose loss is the sum over valid tokens / `n_items` (HF's num_items_in_batch)."""
 
@@ -161,7 +182,8 @@ def token_mean() -> str:
     return "; ".join(out) or "ok"
 
 
-CASES = {"zero3_module": zero3_module, "token_mean": token_mean, "nan_one_rank": nan_one_rank, "eval_global": eval_global, "layout_dp": layout_dp}
+CASES = {"zero3_module": zero3_module, "token_mean": token_mean, "nan_one_rank": nan_one_rank, "eval_global": eval_global, "layout_dp": layout_dp,
+         "no_decay_zero": no_decay_zero}
 
 
 if __name__ == "__main__":
