@@ -128,6 +128,7 @@ class Engine:
         self._undecayed = undecayed_parameters(model, self._params, config.no_weight_decay) \
             if config.weight_decay and config.no_weight_decay else None  # ids of Parameters weight decay skips
         self._flat: FlatParameters | None = None
+        self._accumulated: dict[int, torch.Tensor] = {}  # grad_accum: the step's earlier slices' flat buckets
         # Tensor parallel: Parameters cut to this tp rank's slice after the first compile.
         self._tp = TensorParallelParameters(mesh.group("tp"), mesh.coords()["tp"], mesh.tp) if mesh.tp > 1 else None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -213,10 +214,12 @@ class Engine:
         return [s for s, r in enumerate(self.schedule.placement) if r == self.position] if self.schedule else []
 
     # --- compile: one stage --------------------------------------------------------------------
-    def _executor(self, args: tuple, kwargs: dict, train: bool) -> StepExecutor:
+    def _executor(self, args: tuple, kwargs: dict, train: bool, role: str = "whole") -> StepExecutor:
+        """The program for this batch signature, compiled on first use. `role`: a grad_accum
+        slice's part in a step that reduces once ("local" / "last"; see _accumulates_locally)."""
         # A train step traces the modules in the modes they are in (a frozen BatchNorm stays in
         # eval, as in eager), so the modes are part of what a trace assumed; eval is all-eval.
-        key = (train, input_key(args, kwargs), self._python_state(train))
+        key = (train, input_key(args, kwargs), self._python_state(train), role)
         if self.dist.active:
             # Every step: a rank meeting a new shape alone would otherwise trace and run
             # collectives the others never join.
@@ -234,13 +237,13 @@ class Engine:
         # ZeRO-3 keeps only shards between steps, tensor parallelism slices; tracing needs the full
         # parameters once.
         with self._full_weights():
-            compiled = self.compiler.step(self.model, args, kwargs, train=train,
+            compiled = self.compiler.step(self.model, args, kwargs, train=train, grad_accum_role=role,
                                           analyze=costs_reader(self.config, self.devices) if want_plan else None)
         after = self._python_state(train)
         if after != key[2]:
             _warn_python_state_changed(self.model, key[2][0], after[0])
             # Keyed under what the next step will see, or every step would trace again.
-            key = (train, key[1], after)
+            key = (train, key[1], after, role)
         cap = compiled.captured
         if want_plan:  # before the state: the optimizer follows the plan's offload choice
             self.plan = finish_plan(compiled.costs, model_name=type(self.model).__name__, config=self.config,
@@ -711,6 +714,8 @@ class Engine:
             return self._flat.work_shards[int(spec.target)]
         if spec.kind == "grad_buffer" and self._flat is not None:
             return self._flat.grad_buffer(int(spec.target))
+        if spec.kind == "grad_accum":  # a new tensor every step: read at each run
+            return _EachRun(functools.partial(self._accumulated.__getitem__, int(spec.target)))
         if spec.kind == "loss_scale":
             return self._scale
         raise FxspeedError(f"the program has an input {spec} the engine cannot bind")
@@ -944,8 +949,11 @@ class Engine:
             # The program may step parameters while it runs: the lr rule is checked first.
             self._check_lr_untouched()
             self._in_backward.begin()
+        once = self._accumulates_locally()
+        self._accumulated.clear()  # (the programs' grad_accum inputs read this dict at each run)
         for i, (a, kw) in enumerate(split_batch(args, kwargs, k, key="grad_accum")):
-            ex = self._executor(a, kw, train=True)
+            role = "whole" if not once else "last" if i == k - 1 else "local"
+            ex = self._executor(a, kw, train=True, role=role)
             if i == 0 and ex.draws_random:
                 share_generators(self.mesh, self._device)
             defer = ex.program.signature.waits_for_parameters
@@ -954,9 +962,16 @@ class Engine:
             out = self._run_stepping(ex, tensor_leaves(a, kw))
             total = out.loss if total is None else total + out.loss
             _accumulate(grads, out.grads)
-            # Reduced buckets may be persistent buffers the next slice overwrites: copy them.
-            _accumulate(buckets, out.grad_buckets if k == 1 else {n: t.clone() for n, t in out.grad_buckets.items()})
+            if role == "local":  # unreduced flat buckets (maybe in workspaces the next slice reuses)
+                _accumulate(self._accumulated, {n: t.clone() if n not in self._accumulated else t
+                                                for n, t in out.grad_buckets.items()})
+            elif role == "last":  # every slice's buckets, reduced once
+                buckets = out.grad_buckets
+            else:
+                # Reduced buckets may be persistent buffers the next slice overwrites: copy them.
+                _accumulate(buckets, out.grad_buckets if k == 1 else {n: t.clone() for n, t in out.grad_buckets.items()})
         del out  # the accumulated dicts now hold the only references
+        self._accumulated.clear()
         self._broadcast_buffers(ex.updated_buffers)
         self.synchronize()  # a no-op when the program waited; the optimizer must not race a gather
         if k > 1:
@@ -980,6 +995,14 @@ class Engine:
             dist.all_reduce(total, group=self.dist.group)
             total /= self.dist.world
         return float(total)
+
+    def _accumulates_locally(self) -> bool:
+        """Config.grad_accum under ZeRO-0/1 over several replicas: the step's slices sum their
+        gradients locally and only the last slice's program reduces (the sum), as DDP's no_sync
+        does: one slice's bytes per step instead of grad_accum times them. ZeRO-2/3 reduce every
+        slice (they hold only their shard of each gradient between slices, as in DeepSpeed)."""
+        return (self.config.grad_accum > 1 and self.dist.active and self.dp_size > 1 and self.config.zero <= 1
+                and self._in_backward is None)
 
     def _broadcast_buffers(self, buffers: list[torch.Tensor]) -> None:
         """Buffers the step wrote (BatchNorm's running statistics) take the values of the first rank
@@ -1537,28 +1560,36 @@ class Engine:
     def optimizer_state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load a full model state (original names); each rank keeps what it holds. Over several
         ranks it is collective: every rank loads (the same state), or the replicas would silently
-        train on different weights."""
+        train on different weights. `strict` as in nn.Module.load_state_dict: a parameter or
+        persistent buffer the state lacks, or a key the model does not have, is an error (nothing
+        is loaded); with strict=False those keep their values and extra keys are ignored."""
         # Checked on every distributed run, not only where a collective follows (ZeRO-3, offload):
         # under ZeRO-0 a load on one rank left the replicas apart with no error at all.
         self._expect_all_ranks("engine.load_state_dict()", fix="Call engine.load_state_dict(state) on every rank, "
                                "with the same full state", patient=True)
         self.synchronize()  # an in-flight gather would overwrite what is loaded
-        self._load_model_state(state)
+        self._load_model_state(state, strict)
 
-    def _load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+    def _load_model_state(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         shapes = self._full_shapes()
         # Everything is checked before anything is written: a half-loaded model is a silent mix.
         pairs, problems = [], []
+        if strict:
+            persistent = {n for n in self.model.state_dict(keep_vars=True) if n not in self._params}
+            known = set(self._params) | {n for n, _ in self.model.named_buffers(remove_duplicate=False)}
+            problems += [f"buffer {n} is missing" for n in sorted(persistent - set(state))]
+            problems += [f"{n} is not in the model" for n in sorted(set(state) - known)]
         for name, p in self._params.items():
             if id(p) in self._freed_shapes:
                 continue
             src = state.get(name, state.get(self._canonical[id(p)]))
             want = shapes.get(self._canonical[id(p)], tuple(p.shape))
             if src is None:
-                problems.append(f"{name} is missing")
+                if strict:
+                    problems.append(f"{name} is missing")
             elif tuple(src.shape) != want:
                 problems.append(f"{name} has shape {tuple(src.shape)} in the state but {want} in the model")
             else:
@@ -1569,7 +1600,8 @@ class Engine:
         if problems:
             raise ConfigError(f"load_state_dict: the state does not fit {type(self.model).__name__} ({len(problems)} "
                               f"problem(s); nothing was loaded): {'; '.join(problems[:5])}"
-                              + (" ..." if len(problems) > 5 else "") + ". Pass the full state of the same model")
+                              + (" ..." if len(problems) > 5 else "") + ". Pass the full state of the same model "
+                              "(or strict=False to load only the keys both have)")
         # Under tp each rank copies its slice of the full value into its sliced Parameter.
         with torch.no_grad(), self._gathered():
             for name, src in pairs:
@@ -1623,6 +1655,7 @@ class Engine:
         if missing:
             raise FxspeedError(f"engine.load({str(directory)!r}): the checkpoint has no {', '.join(missing)}; it was not "
                                "written by engine.save (nothing was loaded)")
+        self._check_optimizer_states(ck.optimizer, ck.extra["stats"].get("steps", 0), directory)
         self._load_model_state(ck.model)
         self._load_canonical_optimizer_state(ck.optimizer)
         self._load_lr_schedule(ck.extra["lr_scheduler"])
@@ -1708,6 +1741,28 @@ class Engine:
                     out[name] = {key: self._tp.gather_like(p, v) for key, v in out[name].items()}
         return out
 
+    def _check_optimizer_states(self, saved: dict[str, dict[str, torch.Tensor]], steps: int,
+                                directory: str | os.PathLike) -> None:
+        """The checkpoint's optimizer states must be this optimizer's: SGD's momentum_buffer under
+        AdamW loaded without a word and failed inside the next step (KeyError: 'exp_avg'), and
+        Adam's moments under SGD were dropped silently."""
+        c = self.config
+        own = {"step", "exp_avg", "exp_avg_sq"} if c.optimizer in ("adam", "adamw") else \
+            {"momentum_buffer"} if c.momentum else set()
+        keys = {k for st in saved.values() for k in st}
+        if keys - own:
+            kind = "Adam/AdamW's" if "exp_avg" in keys else "SGD with momentum's" if "momentum_buffer" in keys else "other"
+            raise ConfigError(f"engine.load({str(directory)!r}): the checkpoint holds {kind} optimizer states "
+                              f"({', '.join(sorted(keys))}) and this engine's Config.optimizer={c.optimizer!r}"
+                              + (f" (momentum={c.momentum:g})" if c.optimizer == "sgd" else "") + " keeps "
+                              + (", ".join(sorted(own)) or "none") + "; nothing was loaded. Compile with the "
+                              "checkpoint's optimizer settings, or load the weights alone: "
+                              "engine.load_state_dict(state) of an engine.state_dict() or exported model")
+        if own and not keys and steps:
+            log.warning("fxspeed: engine.load(%r): the checkpoint was trained %d steps but holds no optimizer states "
+                        "(its optimizer kept none, e.g. SGD without momentum); Config.optimizer=%r starts from fresh "
+                        "states", str(directory), steps, c.optimizer)
+
     def _load_canonical_optimizer_state(self, saved: dict[str, dict[str, torch.Tensor]]) -> None:
         if isinstance(self.optimizer, OffloadedAdam):
             staged: dict = {}
@@ -1738,6 +1793,8 @@ class Engine:
                     st[key] = full[lo:hi].clone()
                 if st:
                     opt_state[shard] = st
+                else:  # saved before its first step: fresh, not what this engine had stepped since
+                    opt_state.pop(shard, None)
             return
         for g in self.optimizer.param_groups:
             for p in g["params"]:
@@ -1745,6 +1802,8 @@ class Engine:
                 if name in saved and saved[name]:
                     opt_state[p] = {key: (self._tp.local(p, v) if self._tp else v).clone().to(p.device)
                                     for key, v in saved[name].items()}
+                else:  # saved before its first step: fresh, not what this engine had stepped since
+                    opt_state.pop(p, None)
 
 
 def unscale_or_skip(scaler: DynamicLossScaler | None, stepped: list[torch.Tensor], stats: dict,
@@ -1913,6 +1972,12 @@ def _canonical_names(model: nn.Module) -> dict[int, str]:
     for name, p in model.named_parameters(remove_duplicate=False):
         out.setdefault(id(p), name)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _EachRun:
+    """A program input whose tensor changes between runs: StepExecutor calls `current()` at each."""
+    current: Callable[[], torch.Tensor]
 
 
 def _accumulate(into: dict, new: dict) -> None:

@@ -7,7 +7,10 @@ every run, for a given hypothesis version and strategy source) over `case_strate
 explicit @example edge cases. A case is a random MLP (depth, odd or even width, activation,
 residual, LayerNorm, tied weights, a parameter that gets no gradient) with a ZeRO stage, a
 tiny bucket size (often several buckets, padded where the world size does not divide them),
-AdamW or SGD, and a batch of rows_per_rank * world rows. The worker (tests/workers/property_worker.py) trains 3 steps.
+AdamW or SGD (weight decay on every parameter or, `no_decay`, not on the 1-D ones:
+Config.no_weight_decay), gradient accumulation over 1 or 2 slices (under ZeRO-0/1 the slices
+sum locally and the last one reduces), and a batch of rows_per_rank * world * grad_accum rows.
+The worker (tests/workers/property_worker.py) trains 3 steps.
 
 Properties, for every case and world size:
   (a) parity with one eager process on the global batch using the torch.optim twin: every
@@ -38,7 +41,7 @@ import torch
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from tests.workers.property_worker import LR, MOMENTUM, build, global_batches
+from tests.workers.property_worker import LR, MOMENTUM, build, exempt, global_batches
 from tests.multiprocess import rank_env, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +68,8 @@ def case_strategy(draw: st.DrawFn) -> dict[str, Any]:
         "grad_clip": draw(st.sampled_from([None, 0.05])),
         "rows_per_rank": draw(st.integers(1, 3)),
         "seed": draw(st.integers(0, 2**16)),
+        "grad_accum": draw(st.sampled_from([1, 2])),
+        "no_decay": draw(st.booleans()),
     }
 
 
@@ -74,13 +79,13 @@ def case_strategy(draw: st.DrawFn) -> dict[str, Any]:
 EXPLICIT = [
     {"depth": 3, "width": 5, "activation": "gelu", "residual": True, "layernorm": True, "tied": True,
      "no_grad": "unused", "zero": 3, "bucket_mb": 0.00005, "optimizer": "adamw", "weight_decay": 0.1,
-     "grad_clip": 0.05, "rows_per_rank": 1, "seed": 7},
+     "grad_clip": 0.05, "rows_per_rank": 1, "seed": 7, "grad_accum": 2, "no_decay": True},
     {"depth": 2, "width": 3, "activation": "tanh", "residual": False, "layernorm": False, "tied": False,
      "no_grad": "frozen", "zero": 2, "bucket_mb": 0.00005, "optimizer": "sgd", "weight_decay": 0.1,
-     "grad_clip": None, "rows_per_rank": 2, "seed": 11},
+     "grad_clip": None, "rows_per_rank": 2, "seed": 11, "grad_accum": 1, "no_decay": True},
     {"depth": 2, "width": 33, "activation": "relu", "residual": True, "layernorm": True, "tied": False,
      "no_grad": "detached", "zero": 1, "bucket_mb": 0.001, "optimizer": "adamw", "weight_decay": 0.1,
-     "grad_clip": None, "rows_per_rank": 3, "seed": 3},
+     "grad_clip": None, "rows_per_rank": 3, "seed": 3, "grad_accum": 2, "no_decay": False},
 ]
 
 
@@ -121,10 +126,14 @@ def eager_reference(case: dict[str, Any], world: int) -> tuple[list[float], dict
     torch.set_num_threads(1)
     model = build(case)
     params = [p for p in model.parameters() if p.requires_grad]
+    skip = bool(exempt(case))  # Config.no_weight_decay=("1d",): the 1-D parameters in a group without decay
+    groups = [{"params": [p for p in params if not (skip and p.dim() < 2)]},
+              {"params": [p for p in params if skip and p.dim() < 2], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
     if case["optimizer"] == "sgd":
-        opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=case["weight_decay"], fused=True)
+        opt = torch.optim.SGD(groups, lr=LR, momentum=MOMENTUM, weight_decay=case["weight_decay"], fused=True)
     else:
-        opt = torch.optim.AdamW(params, lr=LR, weight_decay=case["weight_decay"], fused=True)
+        opt = torch.optim.AdamW(groups, lr=LR, weight_decay=case["weight_decay"], fused=True)
     losses, with_grad = [], set()
     for x, y in global_batches(case, world):
         opt.zero_grad(set_to_none=True)

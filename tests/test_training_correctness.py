@@ -156,10 +156,12 @@ def test_two_rank_correctness_cases(tmp_path: Path) -> None:
     both; eval_global: eval_step returns the global mean on every rank; layout_dp: channels_last/transposed gradients under DP x ZeRO-1/2 equal one process;
     token_mean: the README's recipe for the exact global token mean with -100 labels spread
     unevenly (one rank's all -100) gives one process's steps on the global batch; no_decay_zero:
-    Config.no_weight_decay under ZeRO-0..3 (shards cutting Parameters) equals torch param groups."""
+    Config.no_weight_decay under ZeRO-0..3 (shards cutting Parameters) equals torch param groups;
+    accum_once: grad_accum under ZeRO-0/1 reduces once per step (the last slice's program, the sum
+    of every slice) and equals eager on the global batch."""
     proc = _worker("all", tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    for case in ("zero3_module", "nan_one_rank", "eval_global", "layout_dp", "token_mean", "no_decay_zero"):
+    for case in ("zero3_module", "nan_one_rank", "eval_global", "layout_dp", "token_mean", "no_decay_zero", "accum_once"):
         for r in range(2):
             got = (tmp_path / f"{case}_rank{r}.txt").read_text()
             assert got == "ok", f"{case} rank {r}: {got}"

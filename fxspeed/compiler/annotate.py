@@ -18,7 +18,7 @@ from fxspeed.ir import (ACTIVATIONS, BACKWARD, BUFFERS, FORWARD, GRADIENTS, INPU
 
 _INPUT_CATEGORY = {"param": PARAMETERS, "param_shard": PARAMETERS, "param_tp": PARAMETERS, "buffer": BUFFERS,
                    "input": INPUTS,
-                   "loss_scale": INPUTS, "grad_buffer": GRADIENTS,
+                   "loss_scale": INPUTS, "grad_buffer": GRADIENTS, "grad_accum": GRADIENTS,
                    # inference programs (passes/inference/kv_cache.py): the cache is state, the rest per step
                    "kv_cache": BUFFERS, "tokens": INPUTS, "positions": INPUTS, "slot_mapping": INPUTS,
                    "block_table": INPUTS, "query_index": INPUTS, "query_pos": INPUTS, "logits_index": INPUTS,

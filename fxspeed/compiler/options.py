@@ -54,6 +54,11 @@ class PassOptions:
     scatter_via_exchange: bool = False
     gather_via_exchange: bool = False
     reuse_grad_buckets: bool = False         # ZeRO-0: persistent reduced-gradient buckets
+    # gradient accumulation without a collective per slice (ZeRO-0/1 under Config.grad_accum, as
+    # DDP's no_sync): "local" programs flatten the buckets and reduce nothing, the step's "last"
+    # slice adds the accumulated flat buckets ("grad_accum" inputs) before its reduction; "whole":
+    # every program reduces its own gradients
+    grad_accum_role: str = "whole"
     # offload_parameters (ZeRO-3, Config.offload="parameters"/"all"): the name the engine registers
     # this rank's parameter files under (runtime/offloaded_parameters.py); the program reads each
     # shard from them ahead of its gather instead of taking it as an input. "" = shards are inputs.
@@ -117,6 +122,7 @@ class PassOptions:
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
         _one_of("zero", self.zero, (0, 1, 2, 3))
+        _one_of("grad_accum_role", self.grad_accum_role, ("whole", "local", "last"))
         _one_of("schedule", self.schedule, SCHEDULES)
         for name in ("world_size", "pipeline", "microbatches", "pipeline_chunks", "bucket_bytes"):
             _int(name, getattr(self, name), 1)
@@ -197,7 +203,8 @@ class PassOptions:
         micro-batch graph is compiled with before it is cut into stages."""
         return dataclasses.replace(self, world_size=1, rank=0, zero=0, group_name="", scatter_via_all_reduce=False,
                                    gather_via_all_reduce=False, scatter_via_exchange=False,
-                                   gather_via_exchange=False, reuse_grad_buckets=False, master_weights=False,
+                                   gather_via_exchange=False, reuse_grad_buckets=False, grad_accum_role="whole",
+                                   master_weights=False,
                                    parameter_store="", optimizer_store="", activation_store="")
 
     def to_dict(self) -> dict[str, Any]:

@@ -334,12 +334,16 @@ class Compiler:
         self.options = derive_options(config, mesh, device)
 
     def step(self, model: nn.Module, args: tuple, kwargs: dict, *, train: bool,
-             analyze: Callable[[fx.GraphModule, StepSignature], Any] | None = None) -> CompiledStep:
+             analyze: Callable[[fx.GraphModule, StepSignature], Any] | None = None,
+             grad_accum_role: str = "whole") -> CompiledStep:
         """One-stage program: the joint step graph rewritten for this rank (data parallel, ZeRO).
-        Eval programs are compiled without data parallelism."""
+        Eval programs are compiled without data parallelism. `grad_accum_role`: "local" / "last"
+        for the slices of a step that reduces once (PassOptions.grad_accum_role)."""
+        options = self.options if train else self.options.local()
+        if train and grad_accum_role != "whole":
+            options = dataclasses.replace(options, grad_accum_role=grad_accum_role)
         return compile_step(model, args, kwargs, config=self.config, loss_fn=self.loss_fn, train=train,
-                            options=self.options if train else self.options.local(), analyze=analyze,
-                            analyses=self.analyses)
+                            options=options, analyze=analyze, analyses=self.analyses)
 
     def inference(self, model: nn.Module, tokens: int, pack: bool = True) -> Any:
         """The serving program for one packed row of `tokens` tokens, with the paged KV cache

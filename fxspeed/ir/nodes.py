@@ -65,7 +65,9 @@ class IOSpec:
              "param_tp" (target: parameter name; this tensor-parallel rank's slice of it, as
              `StepSignature.tp_layout[name]` says),
              "grad_buffer" (target: bucket index; a persistent flat buffer the program reduces
-             gradients into, ZeRO-0), "loss_scale" (fp16: the dynamic loss scale)
+             gradients into, ZeRO-0), "grad_accum" (target: bucket index; the flat bucket summed
+             over the step's earlier grad_accum slices, added before the reduction), "loss_scale"
+             (fp16: the dynamic loss scale)
              inference programs (passes/inference/): "tokens", "positions", "slot_mapping",
              "block_table", "query_index", "query_pos", "logits_index" (per serving step),
              "kv_cache" (target "<layer>.k" / "<layer>.v"; the paged cache, written in place),

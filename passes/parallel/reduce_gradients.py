@@ -42,6 +42,17 @@ Needs the gradients in their own dtype and the 1/N in the backward seed; otherwi
 gets a fresh buffer. ZeRO-1/2/3 keep fresh flat buffers (reuse_buffers places them).
 why: docs/decisions/persistent-gradient-buckets-for-zero0.md
 
+Gradient accumulation (`grad_accum_role`, ZeRO-0/1 under Config.grad_accum, DDP's no_sync):
+the step's first slices run "local" programs, which flatten (and scale) each bucket and reduce
+nothing; the last slice's program takes the sum of their flat buckets as "grad_accum" inputs and
+adds it before the one reduction of the step, which still overlaps that slice's backward:
+
+    local:  b0 = mul(cat([g_w2, ...]), 1/N)                                      return (loss, b0, ...)
+    last:   b0 = all_reduce_(add(mul(cat([g_w2, ...]), 1/N), grad_accum_0))     ...
+
+so a step of k slices moves one slice's bytes, not k times them. (ZeRO-2/3 keep reducing every
+slice, as DeepSpeed does: their point is to hold only the shard of each gradient.)
+
 On one rank (world_size 1) nothing is reduced and the pass returns the graph unchanged, except
 under master weights with optimizer or parameter offload (`master_weights` on one rank), where the runtime's
 flat layout needs the buckets: each bucket is flattened (cat + pad), no collective.
@@ -52,7 +63,7 @@ backward with 1/N (fxspeed.compiler.rewrite.scale_backward_seed), so no extra pa
 gradients is needed. The layout goes to `signature.buckets`; outputs become "grad_bucket" entries.
 
 Options read from ctx.options: world_size, rank, zero, group_name, bucket_bytes, scatter_via_all_reduce,
-scatter_via_exchange, reuse_grad_buckets, reduce_dtype
+scatter_via_exchange, reuse_grad_buckets, grad_accum_role, reduce_dtype
 ("auto" default, and "fp32": gradients are reduced in their own dtype, which keep_weights_low
 made the working precision under master weights; "bf16"/"fp16" halve the bytes of fp32 ones).
 """
@@ -87,6 +98,7 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     # ZeRO-1 keeps all-reducing: its layout holds the full reduced gradients (the ZeRO paper's
     # P_os, what the planner counts); a reduce-scatter would give it ZeRO-2's gradient memory.
     # (one replica has nothing to scatter: its "reduced" buckets are the flattened gradients)
+    role = "whole" if local or zero >= 2 else opts.grad_accum_role
     via_exchange = not local and zero >= 2 and opts.scatter_via_exchange
     via_all_reduce = not local and zero >= 2 and opts.scatter_via_all_reduce and not via_exchange
     rank = opts.rank
@@ -112,9 +124,10 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
     scale = 1.0 if local or scale_backward_seed(gm, sig, 1.0 / world) else 1.0 / world
     # Persistent buffers only where nothing but the flattening writes the reduced bucket.
-    reuse = opts.reuse_grad_buckets and zero == 0 and scale == 1.0
+    reuse = opts.reuse_grad_buckets and zero == 0 and scale == 1.0 and role != "local"
     last_input = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     buffers: list[int] = []
+    added: list[IOSpec] = []  # the new inputs, in placeholder order
     waits: list[fx.Node] = []
     buckets: list[Bucket] = []
     pending: fx.Node | None = None
@@ -135,6 +148,13 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 buf = last_input = g.placeholder(f"grad_buffer_{k}")
             buf.meta["val"] = nodes[0].meta["val"].new_empty(padded)
             buffers.append(k)
+            added.append(IOSpec("grad_buffer", str(k)))
+        acc: fx.Node | None = None
+        if role == "last":  # the earlier slices' flat bucket, in the gradients' dtype
+            with g.inserting_after(last_input):
+                acc = last_input = g.placeholder(f"grad_accum_{k}")
+            acc.meta["val"] = nodes[0].meta["val"].new_empty(padded)
+            added.append(IOSpec("grad_accum", str(k)))
         with g.inserting_before(last.next):  # keeps the new nodes in creation order
             # Wait for the previous bucket just before flattening this one: its collective ran
             # behind the backward that produced this bucket's gradients, and once it is waited
@@ -150,14 +170,19 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             if local:
                 waits.append(_flatten(g, pieces, reduce_dtype))
                 continue
+            if role == "local":  # reduced by the step's last slice, summed with its own
+                waits.append(_flatten(g, pieces, None, scale))
+                continue
             if buf is not None:
                 # Fills the persistent buffer; the collective reads cat's result (the buffer),
                 # so the order is a data dependency.
                 flat = call(g, aten.cat.out, (pieces,), {"out": buf})
+                if acc is not None:
+                    flat = call(g, aten.add_.Tensor, (flat, acc))
                 coll = call(g, c10d.all_reduce_.default, (flat, "sum", group))
             else:
                 coll = _flatten_and_reduce(g, pieces, scale, reduce_dtype, zero >= 2 and not via_all_reduce,
-                                           world, group, via_exchange)
+                                           world, group, via_exchange, acc)
         pending = coll
     if pending is not None:
         with g.inserting_before(out):
@@ -196,31 +221,35 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     keep = [i for i, s in enumerate(sig.outputs) if s.kind != "grad"]
     out.args = (tuple([outs[i] for i in keep] + waits),)
     sig.outputs = [sig.outputs[i] for i in keep] + [IOSpec("grad_bucket", str(b.index)) for b in buckets]
-    sig.inputs = sig.inputs + [IOSpec("grad_buffer", str(k)) for k in buffers]
+    sig.inputs = sig.inputs + added
     sig.buckets = buckets
     return PassResult(gm, modified=True)
 
 
-def _flatten(g: fx.Graph, pieces: list[fx.Node], reduce_dtype: torch.dtype | None, scale: float = 1.0) -> fx.Node:
-    """A new flat tensor of `pieces`, scaled and cast as asked."""
+def _flatten(g: fx.Graph, pieces: list[fx.Node], reduce_dtype: torch.dtype | None, scale: float = 1.0,
+             acc: fx.Node | None = None) -> fx.Node:
+    """A new flat tensor of `pieces`, scaled, plus `acc` (the step's earlier slices) and cast as asked."""
     flat = call(g, aten.cat.default, (pieces,)) if len(pieces) > 1 else pieces[0]
     if scale != 1.0:
         flat = call(g, aten.mul.Tensor, (flat, scale))
+    if acc is not None:
+        flat = call(g, aten.add.Tensor, (flat, acc))
     if reduce_dtype is not None and reduce_dtype != flat.meta["val"].dtype:
         flat = call(g, aten._to_copy.default, (flat,), {"dtype": reduce_dtype})
     return flat
 
 
 def _flatten_and_reduce(g: fx.Graph, pieces: list[fx.Node], scale: float, reduce_dtype: torch.dtype | None,
-                        scatter: bool, world: int, group: str, exchange: bool = False) -> fx.Node:
-    """The collective over a new flat tensor of `pieces` (scaled and cast as asked); with
+                        scatter: bool, world: int, group: str, exchange: bool = False,
+                        acc: fx.Node | None = None) -> fx.Node:
+    """The collective over a new flat tensor of `pieces` (scaled, plus `acc`, cast as asked); with
     `exchange`, the point-to-point half of a reduce-scatter (the caller adds the chunks)."""
-    flat = _flatten(g, pieces, reduce_dtype, scale)
+    flat = _flatten(g, pieces, reduce_dtype, scale, acc)
     if exchange:
         return call(g, exchange_scatter, (flat, world, group))
     if scatter:
         return call(g, c10d.reduce_scatter_tensor.default, (flat, "sum", world, group))
-    if len(pieces) > 1 or scale != 1.0:
+    if len(pieces) > 1 or scale != 1.0 or acc is not None:
         # `flat` is a fresh buffer nothing else reads: reduce it in place, saving a copy.
         return call(g, c10d.all_reduce_.default, (flat, "sum", group))
     return call(g, c10d.all_reduce.default, (flat, "sum", group))

@@ -13,6 +13,10 @@
                   SGD steps on the global batch's mean, count changing between steps
     layout_dp     channels_last conv + transposed Parameter, ZeRO-1 and ZeRO-2 on 2 ranks: three
                   steps equal one process's eager fused AdamW on the global batch
+    accum_once    Config.grad_accum=2/3 under ZeRO-0/1 (fp32; ZeRO-1 bf16 with master weights too):
+                  only the step's last slice's program holds collectives, it reduces the sum of
+                  every slice, and three steps equal one process's eager AdamW on the global
+                  batch (the mean of the slices' means)
     no_decay_zero Config.no_weight_decay=("1d",) under ZeRO-0..3 with buckets so small that the
                   flat shards cut Parameters: equals one process's AdamW with the 1-D parameters
                   in a param group with weight_decay=0
@@ -116,6 +120,51 @@ def layout_dp() -> str:
     return "; ".join(out) or "ok"
 
 
+def accum_once() -> str:
+    from tests.test_weight_decay import NormedMLP, _batch
+
+    out = []
+    for zero, k, precision in ((0, 2, "fp32"), (1, 3, "fp32"), (0, 3, "fp32"), (1, 2, "bf16")):
+        torch.manual_seed(0)
+        model = NormedMLP()
+        ref = copy.deepcopy(model)
+        x, y = torch.cat([_batch()[0]] * 3), torch.cat([_batch()[1]] * 3)  # 24 rows: 12 per rank, k slices
+        x = x + 0.1 * torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+        lb = local_batch((x, y))
+        engine = fxspeed.compile(model, 2, fxspeed.Config(lr=0.05, zero=zero, grad_accum=k, precision=precision,
+                                                          bucket_mb=0.002), example_inputs=lb)
+        opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.0)
+        for _ in range(3):
+            engine.train_step(*lb)
+            opt.zero_grad()
+            # the engine's loss: the mean over ranks and slices of each slice's mean
+            sum(ref(xs, ys) for xs, ys in zip(x.chunk(2 * k), y.chunk(2 * k))).div(2 * k).backward()
+            opt.step()
+        kinds = {key[3]: sum("reduce" in str(n.target) for n in ex.program.gm.graph.nodes)
+                 for key, ex in engine._executors.items() if key[0] and key[3] != "whole"}
+        if kinds.get("local", -1) != 0 or kinds.get("last", 0) == 0:
+            out.append(f"zero={zero} k={k}: collectives per program role {kinds}")
+        if precision == "fp32":
+            out += state_errors(engine, ref, f"zero={zero} k={k} ")
+            continue
+        # bf16 working copies: eager fp32 is no reference, and Adam's first steps turn rounding
+        # into lr-sized moves; the reduced gradients of one step reducing every slice are
+        grads = []
+        for local in (True, False):
+            torch.manual_seed(0)
+            e = fxspeed.compile(NormedMLP(), 2, fxspeed.Config(lr=0.05, zero=zero, grad_accum=k, precision=precision,
+                                                               bucket_mb=0.002), example_inputs=lb)
+            e._accumulates_locally = lambda local=local: local
+            seen: dict[int, torch.Tensor] = {}
+            e._flat.set_grads = lambda b, seen=seen: seen.update({i: t.float().clone() for i, t in b.items()})
+            e.train_step(*lb)
+            grads.append(seen)
+        err = max(float((grads[0][i] - g).abs().max() / g.abs().max()) for i, g in grads[1].items())
+        if err > 1e-2:
+            out.append(f"zero={zero} k={k} bf16: reduced gradients off by {err:.3g} from reducing every slice")
+    return "; ".join(out) or "ok"
+
+
 def no_decay_zero() -> str:
     from tests.test_weight_decay import NormedMLP, _batch, _eager
 
@@ -183,7 +232,7 @@ def token_mean() -> str:
 
 
 CASES = {"zero3_module": zero3_module, "token_mean": token_mean, "nan_one_rank": nan_one_rank, "eval_global": eval_global, "layout_dp": layout_dp,
-         "no_decay_zero": no_decay_zero}
+         "no_decay_zero": no_decay_zero, "accum_once": accum_once}
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ reference build exactly the same things:
     {"depth": 1-4, "width": 3-33, "activation": "relu"|"gelu"|"tanh", "residual": bool,
      "layernorm": bool, "tied": bool, "no_grad": "none"|"unused"|"frozen"|"detached",
      "zero": 0-3, "bucket_mb": float, "optimizer": "adamw"|"sgd", "weight_decay": float,
-     "grad_clip": float|null, "rows_per_rank": int, "seed": int}
+     "grad_clip": float|null, "rows_per_rank": int, "seed": int, "grad_accum": 1|2, "no_decay": bool}
+
+(rows_per_rank rows per grad_accum slice; no_decay: Config.no_weight_decay=("1d",), where a
+1-D parameter trains)
 """
 
 from __future__ import annotations
@@ -73,9 +76,10 @@ def build(c: dict[str, Any]) -> CaseModel:
 
 
 def global_batches(c: dict[str, Any], world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """STEPS global batches of rows_per_rank * world rows (so every world size splits evenly)."""
+    """STEPS global batches of rows_per_rank * world * grad_accum rows (so every world size and
+    slice count splits evenly)."""
     g = torch.Generator().manual_seed(c["seed"] + 1)
-    rows = c["rows_per_rank"] * world
+    rows = c["rows_per_rank"] * world * c.get("grad_accum", 1)
     return [(torch.randn(rows, c["width"], generator=g), torch.randn(rows, c["width"], generator=g))
             for _ in range(STEPS)]
 
@@ -84,7 +88,14 @@ def config_kwargs(c: dict[str, Any]) -> dict[str, Any]:
     """The fxspeed.Config fields of a case (the eager reference uses the same numbers)."""
     return {"zero": c["zero"], "bucket_mb": c["bucket_mb"], "optimizer": c["optimizer"], "lr": LR,
             "momentum": MOMENTUM if c["optimizer"] == "sgd" else 0.0, "weight_decay": c["weight_decay"],
-            "grad_clip": c["grad_clip"]}
+            "grad_clip": c["grad_clip"], "grad_accum": c.get("grad_accum", 1), "no_weight_decay": exempt(c)}
+
+
+def exempt(c: dict[str, Any]) -> tuple[str, ...]:
+    """Config.no_weight_decay of a case: ("1d",) when asked for and something it names trains."""
+    if not (c.get("no_decay") and c["weight_decay"]):
+        return ()
+    return ("1d",) if any(p.dim() < 2 and p.requires_grad for p in build(c).parameters()) else ()
 
 
 def run_case(c: dict[str, Any], world: int) -> dict[str, Any]:
