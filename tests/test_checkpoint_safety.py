@@ -387,3 +387,56 @@ def test_a_save_that_fails_writing_is_an_fxspeed_error_that_removes_its_partial_
     monkeypatch.setattr(ckpt.dcp, "save", real)
     engine.load(tmp_path / "ck")
     assert all(torch.equal(engine.state_dict()[k], v) for k, v in before.items())
+
+
+class BNNet(torch.nn.Sequential):
+    def __init__(self) -> None:
+        super().__init__(torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return torch.nn.functional.mse_loss(super().forward(x), y)
+
+
+def _bn_engine(config: fxspeed.Config) -> tuple[fxspeed.Engine, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 6), torch.randn(8, 2))
+    return fxspeed.compile(BNNet(), 1, config, example_inputs=batch), batch
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_loading_a_checkpoint_saved_before_the_first_step_brings_the_optimizer_back_to_fresh_states(
+        tmp_path: Path, zero: int) -> None:
+    """The same batches after the load give the same losses as the first time (the moments and
+    step counts of the steps taken since the save are dropped, not kept)."""
+    engine, batch = _bn_engine(fxspeed.Config(lr=0.05, zero=zero))
+    engine.save(tmp_path / "ck")
+    first = [engine.train_step(*batch) for _ in range(3)]
+    engine.load(tmp_path / "ck")
+    assert [engine.train_step(*batch) for _ in range(3)] == first
+
+
+@pytest.mark.parametrize("saved, loaded", [(dict(optimizer="sgd", momentum=0.9), dict(optimizer="adamw")),
+                                           (dict(optimizer="adamw"), dict(optimizer="sgd", momentum=0.9))])
+def test_a_checkpoint_of_another_optimizer_is_refused_before_anything_is_loaded(tmp_path: Path, saved: dict,
+                                                                                  loaded: dict) -> None:
+    engine, batch = _bn_engine(fxspeed.Config(lr=0.05, **saved))
+    engine.train_step(*batch)
+    engine.save(tmp_path / "ck")
+    other, _ = _bn_engine(fxspeed.Config(lr=0.05, **loaded))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(fxspeed.ConfigError, match=r"optimizer states \(.*\) and this engine's Config.optimizer=.*nothing was loaded"):
+        other.load(tmp_path / "ck")
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+    other.train_step(*batch)  # and it trains on
+
+
+def test_load_state_dict_is_strict_about_buffers_and_unknown_keys_as_torch_is_and_strict_false_loads_the_rest() -> None:
+    engine, batch = _bn_engine(fxspeed.Config(lr=0.05))
+    engine.train_step(*batch)
+    fresh = BNNet().state_dict()
+    partial = {k: v for k, v in fresh.items() if not k.startswith("1.running")} | {"typo.weight": torch.zeros(1)}
+    with pytest.raises(fxspeed.ConfigError, match=r"buffer 1\.running_mean is missing.*typo\.weight is not in the model"):
+        engine.load_state_dict(partial)
+    engine.load_state_dict(partial, strict=False)
+    state = engine.state_dict()
+    assert torch.equal(state["0.weight"], fresh["0.weight"]) and not torch.equal(state["1.running_mean"], fresh["1.running_mean"])
