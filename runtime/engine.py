@@ -1698,8 +1698,14 @@ class Engine:
 
         self._expect_all_ranks("engine.export()", fix="Call engine.export(path) on every rank (each rank writes or reads its "
                                "part; do not guard it with `if rank == 0`)")
+        hf = hasattr(self.model, "config") and hasattr(self.model.config, "save_pretrained")
+        if not hf and (os.path.isdir(path) or os.fspath(path).endswith(("/", os.sep))):
+            # (checked on every rank, before the collective state_dict: rank 0 alone raising would hang the others)
+            raise ConfigError(f"engine.export({os.fspath(path)!r}): {type(self.model).__name__} is exported as one "
+                              "safetensors file and the path is a directory; give a file path, e.g. "
+                              f"{os.path.join(os.fspath(path), 'model.safetensors')!r}")
         state = self.state_dict()
-        if hasattr(self.model, "config") and hasattr(self.model.config, "save_pretrained"):
+        if hf:
             export_hf(path, self.model, state)
         else:
             export_safetensors(path, state, rank=self.rank)

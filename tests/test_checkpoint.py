@@ -198,3 +198,7 @@ def test_export_of_a_plain_model_loads_strictly_into_the_model(tmp_path: Path) -
     plain.load_state_dict(load_file(tmp_path / "gpt.safetensors"), strict=True)
     for k, v in engine.state_dict().items():
         assert torch.equal(plain.state_dict()[k], v), k
+    # a directory (existing, or named with a trailing slash) is an error that says to give a file
+    for where in (tmp_path, f"{tmp_path}/new_dir/"):
+        with pytest.raises(fxspeed.ConfigError, match="exported as one safetensors file and the path is a directory"):
+            engine.export(where)
