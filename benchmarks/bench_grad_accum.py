@@ -13,7 +13,8 @@ seconds hits them alike), on `--nproc` gloo ranks with one thread each:
     ddp          torch DDP, the first k-1 slices under no_sync(): DDP's own recipe
 
 Reported: the median step time of each row (slowest rank), and the ratio to fx{z}-every and to
-DDP. All rows train the same GPT from the same weights on the same batches; their losses agree.
+DDP. All rows train the same GPT from the same weights on the same batches; the fxspeed rows'
+losses (the global batch's) agree; DDP's is rank 0's own, so it differs slightly.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def main() -> None:
             with ctx:
                 loss = ddp(xs, ys) / a.accum
                 loss.backward()
-            total += float(loss)
+            total += loss.item()
         opt.step()
         return total
 

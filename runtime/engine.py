@@ -1000,7 +1000,8 @@ class Engine:
         """Config.grad_accum under ZeRO-0/1 over several replicas: the step's slices sum their
         gradients locally and only the last slice's program reduces (the sum), as DDP's no_sync
         does: one slice's bytes per step instead of grad_accum times them. ZeRO-2/3 reduce every
-        slice (they hold only their shard of each gradient between slices, as in DeepSpeed)."""
+        slice (they hold only their shard of each gradient between slices, as in DeepSpeed).
+        why: docs/decisions/reduce-once-per-accumulated-step.md"""
         return (self.config.grad_accum > 1 and self.dist.active and self.dp_size > 1 and self.config.zero <= 1
                 and self._in_backward is None)
 
