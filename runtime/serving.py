@@ -357,7 +357,8 @@ class ServingLoop:
         self.packed = PackedWeights(decode)
         # Not probed: it is compiled before any weight list exists (the largest bucket, usually past
         # pack_linear_tokens; under tp the decode bucket), so it packs wherever the pass applies.
-        first = compile_bucket(decode if agree is not None else self.buckets[-1], pack_linear != "never")
+        first = self._check_window(compile_bucket(decode if agree is not None else self.buckets[-1],
+                                                  pack_linear != "never"))
         self._packable = (first.gm.meta.get("packable_weights", []), first.gm.meta.get("pack_linear_tokens", 0))
         self.cache = _allocate_cache(first, cache_tokens, max_context * max_batch, block_size, device, agree_min)
         self.programs: dict[int, _Bound | _Static] = {}
@@ -366,6 +367,17 @@ class ServingLoop:
                                       "compile_s": first.capture_seconds + first.pass_seconds}
         self.record_logits: dict[int, list[torch.Tensor]] | None = None  # tests: logits per sampled token
         self._only_bucket: int | None = None  # check_against runs every step in one bucket
+
+    def _check_window(self, program: InferenceProgram) -> InferenceProgram:
+        """A program whose masks hide keys `window` or more positions back (a sliding window) is
+        served as plain causal attention, so only while requests stay within the window."""
+        window = program.window
+        if window is not None and window < self.max_context:
+            raise ConfigError(f"serve: the attention masks of {program.tokens}-token steps hide keys {window} or more "
+                              f"positions back (a sliding window) but requests may reach {self.context_limit}; "
+                              "fxspeed serves sliding-window attention up to the window only: set the model "
+                              f"config's sliding_window to {window} (or max_position_embeddings <= {window})")
+        return program
 
     def _bound(self, program: InferenceProgram) -> _Bound | _Static:
         """Bucket `program` ready to run: at fixed shapes (captured on CUDA) where it is one of the
@@ -388,7 +400,7 @@ class ServingLoop:
         """The bound program of bucket T, compiled on first use."""
         if T not in self.programs:
             t0 = time.perf_counter()
-            program = self._compile(T, self._packs(T))
+            program = self._check_window(self._compile(T, self._packs(T)))
             if list(program.kv_layout) != self.cache.layout:
                 # Every bucket writes the same cache: under tensor parallelism its heads must be
                 # split the same way in every program (the layout is solved once and kept).

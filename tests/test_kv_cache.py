@@ -122,6 +122,66 @@ def test_attention_traced_to_its_masked_math_form_is_refused_naming_the_mask():
         compile_inference(_MaskedCausalLM().eval(), 4, config=Config())
 
 
+class _MaskedSDPA(nn.Module):
+    """Attention through SDPA with an explicit mask of one kind (its fused CPU kernel, which the
+    kv_cache pass rewrites, takes the mask as it is)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.emb, self.qkv, self.head = nn.Embedding(64, 32), nn.Linear(32, 96), nn.Linear(32, 64)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(input_ids)
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        i = torch.arange(T, device=x.device)
+        back = i[:, None] - i[None, :]
+        visible = back >= 0
+        if self.kind == "window3":
+            visible = visible & (back < 3)
+        elif self.kind == "future":
+            visible = back >= -1
+        mask = torch.zeros(T, T).masked_fill(~visible, float("-inf"))
+        if self.kind == "bool":
+            mask = visible
+        elif self.kind == "alibi":  # Falcon / BLOOM: a per-head linear bias on the visible positions
+            slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]).view(4, 1, 1)
+            mask = mask - slopes * back.clamp(min=0)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(B, 4, T, T))
+        return self.head(y.transpose(1, 2).reshape(B, T, 32))
+
+
+@pytest.mark.parametrize("kind, window", [("bool", None), ("additive", None), ("window3", 3)])
+def test_an_explicit_causal_mask_is_checked_and_a_sliding_window_is_recorded(kind: str, window: int | None) -> None:
+    program = compile_inference(_MaskedSDPA(kind).eval(), 8, config=Config())
+    assert torch.ops.fxspeed.paged_attention.default in targets(program.gm)
+    assert program.window == window
+
+
+@pytest.mark.parametrize("kind, says", [("alibi", "adds a bias to the visible positions"), ("future", "is not causal")])
+def test_a_mask_that_is_not_plain_causal_is_refused_not_dropped(kind: str, says: str) -> None:
+    """Falcon with alibi=True was served with its ALiBi bias dropped (the paged attention is
+    causal by construction and ignored the mask): logits off by 3e-3 at 40 tokens, other tokens."""
+    with pytest.raises(PassError, match=says):
+        compile_inference(_MaskedSDPA(kind).eval(), 8, config=Config())
+
+
+def test_falcon_with_alibi_is_refused_by_serve() -> None:
+    torch.manual_seed(0)
+    cfg = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                    alibi=True, max_position_embeddings=64)
+    with pytest.raises(PassError, match="adds a bias to the visible positions"):
+        fxspeed.serve(transformers.FalconForCausalLM(cfg), devices=1, token_budget=16)
+
+
+def test_serving_past_a_window_the_config_does_not_declare_is_refused() -> None:
+    model = _MaskedSDPA("window3").eval()
+    model.config = type("C", (), {"vocab_size": 64, "max_position_embeddings": 32})()
+    with pytest.raises(fxspeed.ConfigError, match="hide keys 3 or more positions back .* sliding window"):
+        fxspeed.serve(model, devices=1, token_budget=8, max_batch=4).generate([[1, 2, 3, 4, 5]], max_new_tokens=4)
+
+
 _ENGINE: dict = {}
 
 

@@ -140,7 +140,8 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     check_no_fake_constants(model, gm, cap.module_of)
     t2 = time.perf_counter()
     return InferenceProgram(gm=gm, signature=sig, tokens=tokens, kv_layout=list(gm.meta["kv_cache_layout"]),
-                            selects_logits=bool(gm.meta.get("selects_logits")), records=pm.records, capture_seconds=t1 - t0, pass_seconds=t2 - t1)
+                            selects_logits=bool(gm.meta.get("selects_logits")), window=gm.meta.get("kv_cache_window"),
+                            records=pm.records, capture_seconds=t1 - t0, pass_seconds=t2 - t1)
 
 
 def _check_buffer_writes(model: nn.Module, written: list[str]) -> None:

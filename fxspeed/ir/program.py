@@ -125,6 +125,9 @@ class InferenceProgram:
     tokens: int
     kv_layout: list[tuple[int, int, torch.dtype]]
     selects_logits: bool = False
+    # the sliding window its attention masks apply (keys this many positions back or more are
+    # hidden): served as plain causal attention, so only up to this context; None: no window
+    window: int | None = None
     records: list[Any] = field(default_factory=list)
     capture_seconds: float = 0.0
     pass_seconds: float = 0.0

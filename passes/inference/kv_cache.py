@@ -142,6 +142,17 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if not (causal or masked or T == 1):
             raise PassError(f"kv_cache: attention {n.name} of {ctx.model_name} is not causal (no mask, is_causal="
                             "False); a KV cache serves decoder (causal) attention only")
+        if masked and T > 1:
+            # The paged attention is causal by construction and drops the mask: it must be the
+            # plain causal mask, not one that also carries a bias (Falcon's ALiBi was served without it).
+            mask = _arg(n, mask_i if mask_i is not None else 99, mask_name, None)
+            problem, window = _not_causal(gm, ctx, mask, T)
+            if window is not None:  # a sliding window: served only up to it (the runtime's context limit)
+                gm.meta["kv_cache_window"] = min(window, gm.meta.get("kv_cache_window", window))
+            if problem:
+                raise PassError(f"kv_cache: attention {n.name} of {ctx.model_name} reads a mask {mask.name} that "
+                                f"{problem}; the paged attention applies the causal mask only, so this model cannot "
+                                "be served yet (a position bias such as ALiBi, or another mask, has no paged form here)")
         qv = q.meta["val"]
         if qv.shape[0] != 1 or qv.shape[2] != T:
             raise PassError(f"kv_cache: attention {n.name} has queries of shape {tuple(qv.shape)}, expected "
@@ -179,6 +190,57 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     gm.meta["kv_cache_layout"] = layout
     gm.recompile()
     return PassResult(gm, modified=True)
+
+
+def _not_causal(gm: fx.GraphModule, ctx: PassContext, mask: fx.Node, T: int) -> tuple[str, int | None]:
+    """Why `mask` is not the plain causal mask of a row of T tokens at positions 0 .. T-1 ("" when
+    it is), and the sliding window W it also applies, if any (positions W or more back hidden:
+    plain causal attention for requests of at most W tokens). The nodes computing it are run on
+    those tokens and positions. A boolean mask must be (banded) lower triangular; an additive one
+    0 there and very negative elsewhere."""
+    kinds = {ph: s.kind for ph, s in zip([n for n in gm.graph.nodes if n.op == "placeholder"], ctx.signature.inputs)}
+    needed, stack = set(), [mask]
+    while stack:
+        x = stack.pop()
+        if x not in needed:
+            needed.add(x)
+            stack.extend(x.all_input_nodes)
+    env: dict[fx.Node, object] = {}
+    for x in gm.graph.nodes:
+        if x not in needed:
+            continue
+        if x.op == "placeholder":
+            val = x.meta["val"]
+            if kinds.get(x) == "tokens":
+                env[x] = torch.zeros(val.shape, dtype=val.dtype, device=val.device)
+            elif kinds.get(x) == "positions":
+                env[x] = torch.arange(T, dtype=val.dtype, device=val.device).view(val.shape)
+            else:
+                return f"depends on the input {x.name} ({kinds.get(x)}), so it cannot be checked to be causal", None
+        elif x.op == "get_attr":
+            env[x] = getattr(gm, x.target)
+        elif x.op == "call_function":
+            env[x] = x.target(*fx.node.map_arg(x.args, env.__getitem__), **fx.node.map_arg(x.kwargs, env.__getitem__))
+        else:
+            return f"is computed by {x.op} {x.name}, which cannot be checked", None
+    m = env[mask]
+    if not isinstance(m, torch.Tensor) or m.dim() < 2 or tuple(m.shape[-2:]) != (T, T):
+        return f"has shape {tuple(getattr(m, 'shape', ()))}, not [..., {T}, {T}]", None
+    visible = m if m.dtype == torch.bool else m == 0
+    if m.dtype != torch.bool and not bool(((m == 0) | (m <= -1e4)).all()):
+        bias = m[(m != 0) & (m > -1e4)]
+        return f"adds a bias to the visible positions (up to {float(bias.abs().max()):.3g})", None
+    vis = visible.reshape(-1, T, T)
+    if not bool((vis == vis[:1]).all()):
+        return "differs between heads or rows", None
+    i = torch.arange(T, device=m.device)
+    back = i[:, None] - i[None, :]  # how far back each key is from its query
+    hidden_back = back[(back >= 0) & ~vis[0]]
+    window = int(hidden_back.min()) if hidden_back.numel() else None
+    want = (back >= 0) & (back < (window if window is not None else T))
+    if window == 0 or not bool((vis[0] == want).all()):
+        return "is not causal (it shows later positions, or hides others than a sliding window does)", None
+    return "", window
 
 
 def _dead_code(g: fx.Graph) -> None:
