@@ -11,7 +11,9 @@ holds the per-step scheduling it runs). One serving step:
     run          program(tokens, positions, slot_mapping, block_table, query_index, query_pos,
                  *kv_cache) -> logits; the cache is written in place by the program
     sample       for each request whose chunk reached the end of what it has: greedy, or
-                 temperature / top_k / top_p from its own seeded generator
+                 temperature / top_k / top_p from its own seeded generator (seed x 1000003 +
+                 the request's index in the call: the same call samples the same tokens whatever
+                 the batching, but a prompt at another index draws other samples)
     retire       a request that produced eos or max_new_tokens frees its blocks; waiting
                  requests join as soon as blocks are free
 
@@ -477,6 +479,8 @@ class ServingLoop:
         else:
             try:  # (a 0-d tensor or numpy array is Iterable, and fails here)
                 max_new = None if isinstance(max_new_tokens, (str, bytes)) else list(max_new_tokens)
+                if isinstance(max_new_tokens, torch.Tensor) and not max_new_tokens.is_floating_point():
+                    max_new = [int(m) for m in max_new]  # a tensor of ints, as numpy's already were
             except TypeError:
                 max_new = None
             if max_new is None:
@@ -707,6 +711,9 @@ def _check_sampling(temperature: Any, top_k: Any, top_p: Any, seed: Any) -> None
         raise ConfigError(f"generate: top_p must be a number in (0, 1] (1 or None: no nucleus cut), got {top_p!r}")
     if seed is not None and not _is_int(seed):
         raise ConfigError(f"generate: seed must be an int or None, got {seed!r}")
+    if temperature == 0 and (top_k not in (None, 0) or top_p not in (None, 1.0)):
+        log.warning("fxspeed: generate: top_k / top_p apply to sampling only; temperature=0 decodes greedily (set a "
+                    "temperature > 0 to sample)")
 
 
 def _eos_set(e: Any, name: str) -> frozenset[int]:

@@ -479,3 +479,15 @@ def test_models_the_serving_programs_cannot_follow_are_refused_with_what_is_wron
     ids = torch.randint(0, V, (2, 8))
     with pytest.raises(CaptureError, match="fake buffer|keeps it on the module"):  # training: AOT export's own check
         fxspeed.compile(Caching(), 1, example_inputs=(ids,), loss_fn=lambda out, ids: out.float().mean())
+
+
+def test_max_new_tokens_as_a_tensor_of_ints_is_one_per_prompt_and_top_p_without_temperature_is_warned(caplog) -> None:
+    import logging
+
+    model = fxspeed.models.GPT(fxspeed.models.GPTConfig(vocab_size=64, block_size=48, n_layer=1, n_head=2, n_embd=16)).eval()
+    engine = fxspeed.serve(model, devices=1, token_budget=16, max_batch=4)
+    outs = engine.generate([[1, 2], [3]], max_new_tokens=torch.tensor([3, 1]))
+    assert [len(o) for o in outs] == [3, 1]
+    with caplog.at_level(logging.WARNING, logger="fxspeed"):
+        engine.generate([[1, 2]], max_new_tokens=2, top_p=0.5)
+    assert "temperature=0 decodes greedily" in caplog.text
