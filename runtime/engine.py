@@ -366,7 +366,8 @@ class Engine:
         snap = self._state_snapshots.get(train)
         if snap is not None and snap.unchanged():
             return snap.key
-        key = tuple((m.training if train else False, _scalars(m)) for m in self.model.modules())
+        seen: set[int] = set()
+        key = tuple((m.training if train else False, _scalars(m, seen)) for m in self.model.modules())
         self._state_snapshots[train] = _StateSnapshot(self.model, key)
         return key
 
@@ -1889,8 +1890,25 @@ def _function_scalars(fn: Any) -> tuple:
     return tuple(out)
 
 
-def _scalars(m: nn.Module) -> tuple:
-    return tuple((k, v) for k, v in m.__dict__.items() if type(v) in _SCALARS and k != "training")
+def _scalar_slots(m: Any, seen: set[int] | None = None) -> list[tuple[str, dict, str]]:
+    """(name, the dict holding it, its key) of every number or string `m` holds: its own
+    attributes, and one level into the plain objects and dicts it holds (a Hugging Face model's
+    `self.config.X`, an options dict), each held object read once per key (`seen`)."""
+    seen = set() if seen is None else seen
+    out = [(k, m.__dict__, k) for k, v in m.__dict__.items() if type(v) in _SCALARS and k != "training"]
+    for k, v in m.__dict__.items():
+        if k.startswith("_") or id(v) in seen or isinstance(v, (nn.Module, torch.Tensor, type)) or callable(v):
+            continue
+        inner = v if type(v) is dict else getattr(v, "__dict__", None) if hasattr(v, "__dict__") else None
+        if not isinstance(inner, dict):
+            continue
+        seen.add(id(v))
+        out += [(f"{k}.{kk}", inner, kk) for kk, vv in inner.items() if isinstance(kk, str) and type(vv) in _SCALARS]
+    return out
+
+
+def _scalars(m: Any, seen: set[int] | None = None) -> tuple:
+    return tuple((name, d[k]) for name, d, k in _scalar_slots(m, seen))
 
 
 class _StateSnapshot:
@@ -1903,7 +1921,8 @@ class _StateSnapshot:
         self.key = key
         self.modules = list(model.modules())
         self.modes = [m.training for m in self.modules]
-        self.slots = [(m.__dict__, k) for m, (_, scalars) in zip(self.modules, key) for k, _ in scalars]
+        seen: set[int] = set()
+        self.slots = [(d, k) for m in self.modules for _, d, k in _scalar_slots(m, seen)]
         self.values = [v for _, scalars in key for _, v in scalars]
 
     def unchanged(self) -> bool:

@@ -424,3 +424,32 @@ def test_the_batch_digest_sees_contents_not_layout(dtype: torch.dtype, rows: int
     assert batch_digest((changed,), {"mask": x > 0}) != batch_digest((x,), {"mask": x > 0})
     if not torch.equal(x[1:], x[:-1]):
         assert batch_digest((x[1:],), {}) != batch_digest((x[:-1],), {})
+
+
+class _HeldSettings(nn.Module):
+    """Reads its temperature through a held config object and a held dict, as Hugging Face models
+    read `self.config.X`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.config = type("Cfg", (), {})()
+        self.config.temp = 1.0
+        self.opts = {"scale": 1.0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x) / self.config.temp * self.opts["scale"]).square().mean()
+
+
+def test_a_setting_changed_in_a_held_config_object_or_dict_retraces_as_eager_reads_it() -> None:
+    """It kept training with the traced value (a helper: Gemma2's config.final_logit_softcapping
+    changed after two steps was ignored)."""
+    torch.manual_seed(0)
+    model = _HeldSettings()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    engine = fxspeed.compile(model, 1, fxspeed.Config(lr=0.0), example_inputs=(x,))
+    for change in (lambda m: setattr(m.config, "temp", 0.5), lambda m: m.opts.__setitem__("scale", 3.0)):
+        change(model)
+        change(ref)
+        assert engine.train_step(x) == pytest.approx(float(ref(x)), rel=1e-6)
