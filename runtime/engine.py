@@ -367,8 +367,11 @@ class Engine:
         if snap is not None and snap.unchanged():
             return snap.key
         seen: set[int] = set()
-        key = tuple((m.training if train else False, _scalars(m, seen)) for m in self.model.modules())
-        self._state_snapshots[train] = _StateSnapshot(self.model, key)
+        slots = [_scalar_slots(m, seen) for m in self.model.modules()]
+        key = tuple((m.training if train else False, tuple((name, d[k]) for name, d, k in mine))
+                    for m, mine in zip(self.model.modules(), slots))
+        # the snapshot reads the same slots, found once
+        self._state_snapshots[train] = _StateSnapshot(self.model, key, [(d, k) for mine in slots for _, d, k in mine])
         return key
 
     def _check_parameters_not_replaced(self) -> None:
@@ -1917,12 +1920,12 @@ class _StateSnapshot:
     533 attributes, a sixth of rebuilding the key). A new attribute is not seen: a trace could
     not have read it."""
 
-    def __init__(self, model: nn.Module, key: tuple) -> None:
+    def __init__(self, model: nn.Module, key: tuple, slots: list[tuple[dict, str]]) -> None:
+        """`slots`: (dict, key) of every value in `key`, in its order."""
         self.key = key
         self.modules = list(model.modules())
         self.modes = [m.training for m in self.modules]
-        seen: set[int] = set()
-        self.slots = [(d, k) for m in self.modules for _, d, k in _scalar_slots(m, seen)]
+        self.slots = slots
         self.values = [v for _, scalars in key for _, v in scalars]
 
     def unchanged(self) -> bool:

@@ -95,10 +95,11 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     group = opts.dp_group("reduce_gradients") if not local else ""
     limit = opts.bucket_bytes
     reduce_dtype = REDUCE_DTYPES[opts.reduce_dtype]
+    # Only ZeRO-0/1 over several replicas accumulate slices locally (ZeRO-2/3 scatter every slice).
+    role = "whole" if local or zero >= 2 else opts.grad_accum_role
     # ZeRO-1 keeps all-reducing: its layout holds the full reduced gradients (the ZeRO paper's
     # P_os, what the planner counts); a reduce-scatter would give it ZeRO-2's gradient memory.
     # (one replica has nothing to scatter: its "reduced" buckets are the flattened gradients)
-    role = "whole" if local or zero >= 2 else opts.grad_accum_role
     via_exchange = not local and zero >= 2 and opts.scatter_via_exchange
     via_all_reduce = not local and zero >= 2 and opts.scatter_via_all_reduce and not via_exchange
     rank = opts.rank
