@@ -367,11 +367,14 @@ class Engine:
         if snap is not None and snap.unchanged():
             return snap.key
         seen: set[int] = set()
-        slots = [_scalar_slots(m, seen) for m in self.model.modules()]
+        held: list[tuple[dict, str, Any]] = []
+        slots = [_scalar_slots(m, seen, held) for m in self.model.modules()]
         key = tuple((m.training if train else False, tuple((name, d[k]) for name, d, k in mine))
                     for m, mine in zip(self.model.modules(), slots))
-        # the snapshot reads the same slots, found once
-        self._state_snapshots[train] = _StateSnapshot(self.model, key, [(d, k) for mine in slots for _, d, k in mine])
+        # the snapshot reads the same slots, found once, and checks the held objects are the same
+        # ones (a config replaced by another one would leave it reading the old object's values)
+        self._state_snapshots[train] = _StateSnapshot(self.model, key, [(d, k) for mine in slots for _, d, k in mine],
+                                                      held)
         return key
 
     def _check_parameters_not_replaced(self) -> None:
@@ -1893,10 +1896,12 @@ def _function_scalars(fn: Any) -> tuple:
     return tuple(out)
 
 
-def _scalar_slots(m: Any, seen: set[int] | None = None) -> list[tuple[str, dict, str]]:
+def _scalar_slots(m: Any, seen: set[int] | None = None,
+                  held: list[tuple[dict, str, Any]] | None = None) -> list[tuple[str, dict, str]]:
     """(name, the dict holding it, its key) of every number or string `m` holds: its own
     attributes, and one level into the plain objects and dicts it holds (a Hugging Face model's
-    `self.config.X`, an options dict), each held object read once per key (`seen`)."""
+    `self.config.X`, an options dict), each held object read once per key (`seen`). `held`
+    collects (m.__dict__, attribute, object) of each object read into."""
     seen = set() if seen is None else seen
     out = [(k, m.__dict__, k) for k, v in m.__dict__.items() if type(v) in _SCALARS and k != "training"]
     for k, v in m.__dict__.items():
@@ -1906,6 +1911,8 @@ def _scalar_slots(m: Any, seen: set[int] | None = None) -> list[tuple[str, dict,
         if not isinstance(inner, dict):
             continue
         seen.add(id(v))
+        if held is not None:
+            held.append((m.__dict__, k, v))
         out += [(f"{k}.{kk}", inner, kk) for kk, vv in inner.items() if isinstance(kk, str) and type(vv) in _SCALARS]
     return out
 
@@ -1920,16 +1927,21 @@ class _StateSnapshot:
     533 attributes, a sixth of rebuilding the key). A new attribute is not seen: a trace could
     not have read it."""
 
-    def __init__(self, model: nn.Module, key: tuple, slots: list[tuple[dict, str]]) -> None:
-        """`slots`: (dict, key) of every value in `key`, in its order."""
+    def __init__(self, model: nn.Module, key: tuple, slots: list[tuple[dict, str]],
+                 held: list[tuple[dict, str, Any]]) -> None:
+        """`slots`: (dict, key) of every value in `key`, in its order; `held`: (dict, key, object)
+        of the objects the slots read into, which must still be those objects."""
         self.key = key
+        self.held = held
         self.modules = list(model.modules())
         self.modes = [m.training for m in self.modules]
         self.slots = slots
         self.values = [v for _, scalars in key for _, v in scalars]
 
     def unchanged(self) -> bool:
-        return [m.training for m in self.modules] == self.modes and [d.get(k) for d, k in self.slots] == self.values
+        return ([m.training for m in self.modules] == self.modes
+                and all(d.get(k) is v for d, k, v in self.held)
+                and [d.get(k) for d, k in self.slots] == self.values)
 
 
 def _reduce_bucket(flat: FlatParameters, k: int, buf: torch.Tensor, *, scatter: bool) -> Callable[[], torch.Tensor]:

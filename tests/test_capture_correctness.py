@@ -449,7 +449,12 @@ def test_a_setting_changed_in_a_held_config_object_or_dict_retraces_as_eager_rea
     ref = copy.deepcopy(model)
     x = torch.randn(3, 4)
     engine = fxspeed.compile(model, 1, fxspeed.Config(lr=0.0), example_inputs=(x,))
-    for change in (lambda m: setattr(m.config, "temp", 0.5), lambda m: m.opts.__setitem__("scale", 3.0)):
+    def replace_config(m: nn.Module) -> None:  # a new object of another value: nothing else changed
+        m.config = type("Cfg", (), {})()
+        m.config.temp = 0.25
+
+    for change in (lambda m: setattr(m.config, "temp", 0.5), lambda m: m.opts.__setitem__("scale", 3.0),
+                   replace_config, lambda m: setattr(m.config, "temp", 2.0), lambda m: setattr(m, "opts", {"scale": 0.5})):
         change(model)
         change(ref)
         assert engine.train_step(x) == pytest.approx(float(ref(x)), rel=1e-6)
