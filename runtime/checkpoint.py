@@ -768,7 +768,7 @@ def export_hf(directory: str | os.PathLike, model: torch.nn.Module, model_state:
     if config is None or not hasattr(config, "save_pretrained"):
         raise FxspeedError(f"{type(model).__name__} has no Hugging Face `config` with save_pretrained; "
                            "use export_safetensors for plain modules")
-    aliases, persistent = tied_aliases(model), list(model.state_dict())
+    aliases, persistent = tied_aliases(model), list(model.state_dict(keep_vars=True))
     state = dict(model_state)
     for alias, kept in aliases.items():
         if kept not in state and alias in state:

@@ -326,15 +326,28 @@ class Engine:
         # Looked up at call time: while the engine traces, stand-ins of full shape replace it.
         owner, leaf = next((m, n) for m in self.model.modules() for n, p in m._parameters.items() if p is released[0])
 
-        def refuse(module: nn.Module, args: Any) -> None:
+        def refuse(what: str, instead: str) -> None:
             if owner._parameters[leaf].numel() == 0:  # not inside engine.gathered(), not while tracing
                 raise FxspeedError(
-                    f"{name} was called directly, but fxspeed's engine holds its parameters {where}: this rank's "
-                    "module has 0-size Parameters. Use engine.train_step / engine.eval_step, or get the full "
-                    "weights with engine.state_dict() (collective: call it on every rank) and load them into a "
-                    f"copy of the model{also}")
+                    f"{name}{what}, but fxspeed's engine holds its parameters {where}: this rank's "
+                    f"module has 0-size Parameters. {instead}")
 
-        self._release_hook = self.model.register_forward_pre_hook(refuse)
+        full = ("get the full weights with engine.state_dict() (collective: call it on every rank) and load them "
+                "into a copy of the model")
+        # A plain state_dict() would hand back the 0-size tensors: torch.save of it writes an empty
+        # checkpoint with no error. The engine's own reads pass keep_vars=True.
+        self._release_hook = [
+            self.model.register_forward_pre_hook(
+                lambda m, args: refuse(" was called directly", f"Use engine.train_step / engine.eval_step, or {full}{also}")),
+            self.model.register_state_dict_pre_hook(
+                lambda m, prefix, keep_vars: keep_vars or refuse(
+                    ".state_dict() was called", "Use engine.state_dict() (collective: call it on every rank; save on "
+                    "rank 0) or engine.save(path)")),
+            self.model.register_load_state_dict_pre_hook(
+                lambda m, *args: refuse(
+                    ".load_state_dict() was called", "Use engine.load_state_dict(state) (collective: call it on every "
+                    "rank, with the same full state) or engine.load(path)")),
+        ]
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:

@@ -151,8 +151,8 @@ def _worker(case: str, tmp: Path) -> subprocess.CompletedProcess:
 
 
 def test_two_rank_correctness_cases(tmp_path: Path) -> None:
-    """zero3_module: calling the user's module under ZeRO-3 names the engine and the way out, and
-    `engine.gathered()` makes it usable; nan_one_rank: a NaN on one rank's batch skips the step on
+    """zero3_module: calling the user's module (or its state_dict / load_state_dict) under ZeRO-3
+    or ZeRO-1 bf16 names the engine and the way out, and `engine.gathered()` makes it usable; nan_one_rank: a NaN on one rank's batch skips the step on
     both; eval_global: eval_step returns the global mean on every rank; layout_dp: channels_last/transposed gradients under DP x ZeRO-1/2 equal one process;
     token_mean: the README's recipe for the exact global token mean with -100 labels spread
     unevenly (one rank's all -100) gives one process's steps on the global batch; no_decay_zero:

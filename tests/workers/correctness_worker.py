@@ -1,6 +1,7 @@
 """Run under `fxspeed run -n 2 -m tests.workers.correctness_worker --case CASE --out DIR`.
 
-    zero3_module  under ZeRO-3 the user's module holds 0-size Parameters: calling it raises an
+    zero3_module  under ZeRO-3 (and ZeRO-1 bf16: master weights) the user's module holds 0-size
+                  Parameters: calling it, its state_dict() or load_state_dict() raises an
                   FxspeedError naming the engine's way out; inside `engine.gathered()` it gives
                   the eager output of the current weights
     nan_one_rank  Config(nan_check="skip"): a NaN in rank 1's local batch only skips the step on
@@ -41,21 +42,28 @@ from tests.workers.common import run_cases
 
 
 def zero3_module() -> str:
-    torch.manual_seed(0)
-    model = Tiny()
-    ref = copy.deepcopy(model)
-    a, b = torch.randn(4, 4), torch.randn(4, 4)
-    engine = fxspeed.compile(model, 2, fxspeed.Config(zero=3, lr=0.0), example_inputs=local_batch((a, b)))
-    try:
-        model(a, b)
-        return "calling the ZeRO-3 module did not raise"
-    except FxspeedError as e:
-        if "engine.state_dict()" not in str(e) or "gathered" not in str(e):
-            return f"unhelpful error: {e}"
-    with engine.gathered():
-        got = model(a, b)
-    if not torch.allclose(got, ref(a, b)):
-        return f"gathered module gives {float(got)} != eager {float(ref(a, b))}"
+    for config in (fxspeed.Config(zero=3, lr=0.0), fxspeed.Config(zero=1, precision="bf16", lr=0.0)):
+        torch.manual_seed(0)
+        model = Tiny()
+        ref = copy.deepcopy(model)
+        a, b = torch.randn(4, 4), torch.randn(4, 4)
+        engine = fxspeed.compile(model, 2, config, example_inputs=local_batch((a, b)))
+        full = engine.state_dict()
+        # the module's own state_dict would be 0-size tensors: torch.save of it an empty checkpoint
+        for call, fix in ((lambda: model(a, b), "gathered"), (model.state_dict, "engine.save"),
+                          (lambda: model.load_state_dict(full), "engine.load_state_dict")):
+            try:
+                call()
+                return f"zero={config.zero} {config.precision}: the module with 0-size Parameters did not raise"
+            except FxspeedError as e:
+                if fix not in str(e):
+                    return f"unhelpful error: {e}"
+        with engine.gathered():
+            got = model(a, b)
+            if any(v.numel() == 0 for v in model.state_dict().values()):
+                return "state_dict inside gathered() is 0-size"
+        if not torch.allclose(got, ref(a, b), atol=1e-2 if config.precision == "bf16" else 1e-6):
+            return f"gathered module gives {float(got)} != eager {float(ref(a, b))}"
     return "ok"
 
 
