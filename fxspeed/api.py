@@ -140,7 +140,7 @@ def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | 
     Forward-only programs over a packed row of tokens (one per token bucket, compiled on first
     use) with a paged KV cache of `cache_tokens` tokens (default: max_batch x the model's
     context, capped at half the memory free after compiling, with a warning) in blocks of
-    `block_size`; each step runs at most `token_budget` tokens and
+    `block_size`; each step runs at most `token_budget` tokens (at most the model's context) and
     `max_batch` requests (continuous batching, prompts split in chunks). `engine.plan` is an
     InferencePlan (`engine.plan.summary()`). `devices=N` with `Config(tensor=N)` serves
     tensor-parallel (every rank of a `fxspeed run -n N` launch calls serve and generate with the

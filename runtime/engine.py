@@ -779,6 +779,14 @@ class Engine:
         from fxspeed.runtime.serving import ServingLoop, model_limits
 
         vocab, context, limit = model_limits(self.model)
+        budget = options.get("token_budget", 256)
+        if budget > context:
+            # A step's packed row longer than the model's context would index past its position
+            # tables and causal-mask buffers (GPT-Neo's is context x context): the capture fails.
+            log.info("fxspeed: serve's token_budget %d is above %s; each step runs at most %d tokens",
+                     budget, limit or f"the model's context of {context} tokens", context)
+            options["token_budget"] = context
+            options["max_batch"] = min(options.get("max_batch", 16), context)
         self.model.eval()
         tp = self._tp
         self._serving = ServingLoop(self._inference_program, self._bind, vocab_size=vocab, max_context=context,

@@ -175,6 +175,17 @@ def test_falcon_with_alibi_is_refused_by_serve() -> None:
         fxspeed.serve(transformers.FalconForCausalLM(cfg), devices=1, token_budget=16)
 
 
+def test_a_model_with_a_context_below_the_token_budget_is_refused_for_its_attention_not_its_buffers() -> None:
+    """GPT-Neo's causal-mask buffer is context x context: a packed row of the default 256 tokens
+    failed inside the capture with a broadcast error. Steps are capped at the context, so the
+    user reads why it cannot be served (its attention has no SDPA form)."""
+    torch.manual_seed(0)
+    cfg = transformers.GPTNeoConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, window_size=16,
+                                    attention_types=[[["global", "local"], 1]], max_position_embeddings=64)
+    with pytest.raises(PassError, match="cannot be served yet"):
+        fxspeed.serve(transformers.GPTNeoForCausalLM(cfg).eval(), devices=1)
+
+
 def test_serving_past_a_window_the_config_does_not_declare_is_refused() -> None:
     model = _MaskedSDPA("window3").eval()
     model.config = type("C", (), {"vocab_size": 64, "max_position_embeddings": 32})()
