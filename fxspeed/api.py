@@ -148,7 +148,10 @@ def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | 
     tokens). `cuda_graphs` (default: on for one CUDA device): the decode-sized buckets are
     captured as CUDA graphs, each step one replay (runtime/serving.py `_Static`). Before
     returning, two short packed requests are served and checked against the model's own eager
-    forward (a model the passes would serve wrongly is refused here). Puts the model in eval mode.
+    forward (a model the passes would serve wrongly is refused here). Puts the model in eval mode
+    and, for a Hugging Face model built with another attention implementation, switches it to
+    SDPA (`model.config._attn_implementation == "sdpa"` afterwards: the same attention, as the one
+    op the KV cache is threaded through).
     `pack_linear` (CPU): buckets of a few tokens run their fp32 linears over weights pre-packed
     for oneDNN or through ATen's GEMM, whichever a probe pass over the model's weights measures
     faster on this machine ("auto": timed when each such bucket is first used, except the first

@@ -474,6 +474,8 @@ class ServingLoop:
         if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)):
             raise ConfigError("generate: prompts must be a list of token-id lists (one per request)")
         n = len(prompts)
+        if isinstance(max_new_tokens, torch.Tensor) and max_new_tokens.dim() == 0 and not max_new_tokens.is_floating_point():
+            max_new_tokens = int(max_new_tokens)
         if isinstance(max_new_tokens, numbers.Integral):  # one for all (a bool is refused per request below)
             max_new = [max_new_tokens] * n
         else:
@@ -492,8 +494,17 @@ class ServingLoop:
         if eos_token_ids is not None and len(eos_token_ids) != n:
             raise ConfigError(f"generate: eos_token_ids has {len(eos_token_ids)} entries for {n} prompts (one per "
                               "prompt; eos_token_id= applies one to all)")
+        if eos_token_ids is not None and eos_token_id is not None:
+            # one would silently win over the other
+            raise ConfigError("generate: give eos_token_id (stops every request) or eos_token_ids (one entry per "
+                              "prompt), not both; put the shared ids into each entry of eos_token_ids")
         eos_each = list(eos_token_ids) if eos_token_ids is not None else [eos_token_id] * n
-        eos_sets = [_eos_set(e, "eos_token_ids" if eos_token_ids is not None else "eos_token_id") for e in eos_each]
+        name = "eos_token_ids" if eos_token_ids is not None else "eos_token_id"
+        eos_sets = [_eos_set(e, name) for e in eos_each]
+        outside = sorted({t for e in eos_sets for t in e if not 0 <= t < self.vocab_size})
+        if outside:  # it could never be sampled: the request would silently run to max_new_tokens
+            raise ConfigError(f"generate: {name} {outside[:5]} outside the vocabulary [0, {self.vocab_size}) can never "
+                              "be generated; give ids of the model's vocabulary (or None for no stop token)")
         _check_sampling(temperature, top_k, top_p, seed)
         out: list[_Request | RequestError] = []
         for i, p in enumerate(prompts):
@@ -718,6 +729,8 @@ def _check_sampling(temperature: Any, top_k: Any, top_p: Any, seed: Any) -> None
 
 def _eos_set(e: Any, name: str) -> frozenset[int]:
     """One request's stop tokens: None, an id, or a list of ids."""
+    if isinstance(e, torch.Tensor) and not e.is_floating_point():  # an id or ids as a tensor, as prompts may be
+        e = e.tolist()
     ids = [] if e is None else [e] if not isinstance(e, (list, tuple, set, frozenset)) else list(e)
     if not all(_is_int(t) for t in ids):
         raise ConfigError(f"generate: {name} must be a token id, a list of ids or None (per request for "
@@ -737,11 +750,17 @@ def model_limits(model: nn.Module) -> tuple[int, int, str]:
     cfg = getattr(model, "config", None)
     vocab = getattr(cfg, "vocab_size", None)
     ctx = None
-    for name in ("max_position_embeddings", "n_positions", "block_size", "n_ctx"):
+    for name in ("max_position_embeddings", "n_positions", "block_size", "n_ctx", "max_seq_len"):
         ctx = ctx or getattr(cfg, name, None)
     if vocab is None:
         emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         vocab = emb.num_embeddings if emb is not None else None
+    attn_config = getattr(cfg, "attn_config", None)
+    if getattr(cfg, "model_type", None) == "bloom" or getattr(attn_config, "alibi", False):
+        # the real reason, before any context-length message (BLOOM has no context length at all)
+        raise ConfigError(f"serve: {type(model).__name__} adds ALiBi position biases to its attention scores; "
+                          "fxspeed.serve threads the KV cache through plain causal attention, so this model "
+                          "cannot be served yet")
     if vocab is None or ctx is None:
         raise ConfigError(f"serve: cannot read the vocabulary size and context length of {type(model).__name__} "
                           "(model.config.vocab_size and max_position_embeddings / n_positions / block_size)")
@@ -756,6 +775,9 @@ def model_limits(model: nn.Module) -> tuple[int, int, str]:
                           "yet. Build the model with rope scaling off or of a fixed kind ('linear', 'yarn', "
                           "'llama3')")
     window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and layer_types and "sliding_attention" not in layer_types:
+        window = None  # Hugging Face's per-layer kinds: no layer slides (Qwen2's max_window_layers)
     if isinstance(window, int) and window < ctx and getattr(cfg, "use_sliding_window", True):
         # sliding-window attention is plain causal attention up to the window: serve that far
         what = (f"the model's sliding window of {window} tokens (its context is {ctx}; fxspeed serves "

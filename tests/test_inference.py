@@ -154,9 +154,9 @@ def test_a_sampling_option_out_of_its_range_is_refused_before_any_token_is_made(
     assert engine._serving.cache.free_blocks() == engine._serving.cache.usable_blocks  # nothing held
 
 
-@pytest.mark.parametrize("max_new", [2.0, torch.tensor(2), "2", pytest.param("np0d", id="numpy-0d")])
+@pytest.mark.parametrize("max_new", [2.0, torch.tensor(2.0), "2", pytest.param("np0d", id="numpy-0d")])
 def test_max_new_tokens_that_is_neither_an_int_nor_one_per_prompt_is_refused_naming_it(gpt2_engine, max_new):
-    """A float or a 0-d tensor failed with Python's "'float' object is not iterable"."""
+    """A float or a 0-d float tensor failed with Python's "'float' object is not iterable"."""
     import numpy as np
 
     _, engine = gpt2_engine
@@ -491,3 +491,46 @@ def test_max_new_tokens_as_a_tensor_of_ints_is_one_per_prompt_and_top_p_without_
     with caplog.at_level(logging.WARNING, logger="fxspeed"):
         engine.generate([[1, 2]], max_new_tokens=2, top_p=0.5)
     assert "temperature=0 decodes greedily" in caplog.text
+
+
+def test_eos_ids_outside_the_vocabulary_both_eos_options_and_hugging_face_only_options_are_refused(gpt2_engine):
+    """Each was silent: an eos id the model can never sample ran the request to max_new_tokens,
+    eos_token_ids silently replaced eos_token_id, and do_sample=/max_length= failed as a TypeError
+    naming the internal ServingLoop.stream. Tensors are taken where ints are, as prompts are."""
+    _, engine = gpt2_engine
+    prompts = [[1, 2, 3], [9, 8]]
+    full = engine.generate(prompts, max_new_tokens=4)
+    for bad in (-1, V, [3, V + 7]):
+        with pytest.raises(ConfigError, match="outside the vocabulary"):
+            engine.generate(prompts, max_new_tokens=4, eos_token_id=bad)
+    with pytest.raises(ConfigError, match="not both"):
+        engine.generate(prompts, max_new_tokens=4, eos_token_id=full[0][1], eos_token_ids=[None, full[1][1]])
+    with pytest.raises(ConfigError, match="do_sample: temperature > 0 samples"):
+        engine.generate(prompts, max_new_tokens=4, do_sample=True)
+    with pytest.raises(ConfigError, match="max_length: give max_new_tokens"):
+        list(engine.stream(prompts, max_length=8))
+    stop = full[0][1]
+    cut = engine.generate(prompts, max_new_tokens=torch.tensor(4), eos_token_id=torch.tensor(stop))
+    assert cut[0] == full[0][:full[0].index(stop) + 1]
+
+
+def test_bloom_and_mpt_are_refused_for_their_alibi_and_a_qwen2_whose_layers_do_not_slide_serves_past_the_window():
+    """BLOOM/MPT were told to add a context length (the blocker is ALiBi); Qwen2 with
+    use_sliding_window but max_window_layers covering every layer (HF: all 'full_attention') was
+    refused past a window no layer uses."""
+    small = dict(vocab_size=V, num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    for model in (transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=V, hidden_size=32, n_layer=1,
+                                                                          n_head=4)),
+                  transformers.MptForCausalLM(transformers.MptConfig(vocab_size=V, d_model=32, n_layers=1, n_heads=4,
+                                                                      max_seq_len=64))):
+        with pytest.raises(ConfigError, match="ALiBi"):
+            fxspeed.serve(model.eval())
+    torch.manual_seed(0)
+    qwen = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**small, sliding_window=8, use_sliding_window=True,
+                                                                  max_window_layers=2)).eval()
+    prompt = list(range(1, 21))
+    ref = qwen.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 20, dtype=torch.long), max_new_tokens=5,
+                        do_sample=False, pad_token_id=None, eos_token_id=None)[0, 20:].tolist()
+    engine = fxspeed.serve(qwen, token_budget=16, max_batch=2, block_size=4)
+    assert engine.generate([prompt], max_new_tokens=5) == [ref]
