@@ -30,10 +30,10 @@ SMALL = dict(token_budget=8, max_batch=3, block_size=4, cache_tokens=96, pack_li
 UNPACKED = fxspeed.Config(disable_passes=("pack_linear_weights",))
 
 
-def _hf(name: str) -> nn.Module:
+def _hf(name: str, context: int = 64) -> nn.Module:
     torch.manual_seed(0)
     if name == "gpt2":  # Conv1D weights [in, out] through addmm; the head tied to the embedding
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=V,
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=context, vocab_size=V,
                                       attn_implementation="sdpa", initializer_range=0.2)
         return transformers.GPT2LMHeadModel(cfg).eval()
     cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -95,7 +95,7 @@ def test_every_linear_of_a_small_bucket_reads_a_packed_weight_and_the_tokens_are
 
 
 def test_a_bucket_above_pack_linear_tokens_reads_the_parameters_and_the_plan_counts_the_copies_to_come():
-    model = _hf("gpt2")
+    model = _hf("gpt2", context=256)  # a step's token budget is at most the model's context
     engine = fxspeed.serve(model, token_budget=256, max_batch=2, block_size=16, cache_tokens=128,
                            pack_linear="always")
     big = engine._serving.programs[256].program
