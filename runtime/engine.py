@@ -1568,7 +1568,14 @@ class Engine:
             if c in local:
                 by_id[id(p)] = local[c]
         state = self.model.state_dict(keep_vars=True)
-        return {n: by_id.get(id(v), local.get(n, v.detach())) for n, v in state.items()}
+        out = {n: by_id.get(id(v), local.get(n, v.detach())) for n, v in state.items()}
+        released = (self._flat is not None and self._flat.released) or bool(self._freed_shapes)
+        empty = [n for n in self._params if released and n in out and out[n].numel() == 0]
+        if empty:  # never hand back (or save, or export) a weight as a 0-size placeholder
+            raise FxspeedError(f"engine.state_dict(): {empty[:5]} of {type(self.model).__name__} came back 0-size "
+                               "(a tied weight under ZeRO-3 reached through another name is a known gap); train "
+                               "with zero<=2 to save this model, or untie the weights")
+        return out
 
     def _expect_all_ranks(self, name: str, fix: str | None = None, patient: bool = False) -> None:
         """Fail fast when a collective method is called on some ranks only (`if rank == 0:
@@ -1959,7 +1966,11 @@ def _scalar_slots(m: Any, seen: set[int] | None = None,
         seen.add(id(v))
         if held is not None:
             held.append((m.__dict__, k, v))
-        out += [(f"{k}.{kk}", inner, kk) for kk, vv in inner.items() if isinstance(kk, str) and type(vv) in _SCALARS]
+        # private slots left out: they hold bookkeeping such as HF generation_config's
+        # _original_object_hash, a hash() that differs per process (PYTHONHASHSEED), which made
+        # the ranks' step keys disagree
+        out += [(f"{k}.{kk}", inner, kk) for kk, vv in inner.items()
+                if isinstance(kk, str) and not kk.startswith("_") and type(vv) in _SCALARS]
     return out
 
 

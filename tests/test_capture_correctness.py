@@ -458,3 +458,14 @@ def test_a_setting_changed_in_a_held_config_object_or_dict_retraces_as_eager_rea
         change(model)
         change(ref)
         assert engine.train_step(x) == pytest.approx(float(ref(x)), rel=1e-6)
+
+
+def test_private_bookkeeping_in_a_held_object_is_not_part_of_the_step_key() -> None:
+    """HF's generation_config._original_object_hash is a hash() that differs per process: in the
+    key, two ranks of `fxspeed run` (not forked from one server) disagreed on every step."""
+    from fxspeed.runtime.engine import _scalars
+
+    model = _HeldSettings()
+    model.config._original_object_hash = hash("differs with PYTHONHASHSEED")
+    names = [name for name, _ in _scalars(model)]
+    assert "config.temp" in names and "config._original_object_hash" not in names
