@@ -1572,9 +1572,9 @@ class Engine:
         released = (self._flat is not None and self._flat.released) or bool(self._freed_shapes)
         empty = [n for n in self._params if released and n in out and out[n].numel() == 0]
         if empty:  # never hand back (or save, or export) a weight as a 0-size placeholder
-            raise FxspeedError(f"engine.state_dict(): {empty[:5]} of {type(self.model).__name__} came back 0-size "
-                               "(a tied weight under ZeRO-3 reached through another name is a known gap); train "
-                               "with zero<=2 to save this model, or untie the weights")
+            raise FxspeedError(f"engine.state_dict(): {empty[:5]} of {type(self.model).__name__} came back 0-size: "
+                               "the engine lost track of where this rank keeps them (a bug in fxspeed; please report "
+                               "it with the model). Train with zero<=2 to save this model meanwhile")
         return out
 
     def _expect_all_ranks(self, name: str, fix: str | None = None, patient: bool = False) -> None:

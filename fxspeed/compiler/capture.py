@@ -356,9 +356,10 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs:
     _check_dense_grads(model, gm, signature)
     # The canonical name of a tied weight is the first name the graph is fed (a hidden alias
     # is never canonical: passes that merge aliases look the canonical up among the inputs).
+    named = list(model.named_parameters(remove_duplicate=False))
+    _feed_first_names(signature, named)
     fed = {s.target for s in signature.inputs if s.kind == "param"}
     first: dict[int, str] = {}
-    named = list(model.named_parameters(remove_duplicate=False))
     for name, p in sorted(named, key=lambda np_: np_[0] not in fed):  # stable: fed names first
         if id(p) in first:
             signature.tied[name] = first[id(p)]
@@ -826,6 +827,32 @@ def _signature(gm: fx.GraphModule, sig: Any, n_user: int, train: bool, loss_out:
         else:
             outputs.append(IOSpec("grad", _strip(grads[arg.name])))
     return StepSignature(inputs, outputs)
+
+
+def _feed_first_names(signature: StepSignature, named: list[tuple[str, nn.Parameter]]) -> None:
+    """A tied weight fed only under a later name is fed under its first one instead.
+
+    Before: `inputs=[param enc.weight]`, outputs `[grad enc.weight]` (the forward reaches the
+    weight through `enc` only; `shared` is hidden from the trace as an unused alias).
+    After:  `inputs=[param shared.weight]`, `[grad shared.weight]` -- the name the runtime,
+    checkpoints and `state_dict` know the weight by (`model.named_parameters()`'s first name);
+    under ZeRO-3 the flat shards held it as `enc.weight` and state_dict read it back 0-size.
+    """
+    first: dict[int, str] = {}
+    for name, p in named:
+        first.setdefault(id(p), name)
+    by_name = dict(named)
+    fed = {s.target for s in signature.inputs if s.kind == "param"}
+    rename: dict[str, str] = {}
+    for s in signature.inputs:
+        p = by_name.get(s.target) if s.kind == "param" else None
+        if p is not None and first[id(p)] not in fed and first[id(p)] not in rename.values():
+            rename[s.target] = first[id(p)]
+    if rename:
+        signature.inputs = [IOSpec(s.kind, rename[s.target]) if s.kind in ("param", "grad") and s.target in rename
+                            else s for s in signature.inputs]
+        signature.outputs = [IOSpec(s.kind, rename[s.target]) if s.kind == "grad" and s.target in rename
+                             else s for s in signature.outputs]
 
 
 def _has_aliases(module: nn.Module) -> bool:

@@ -18,6 +18,11 @@
                   only the step's last slice's program holds collectives, it reduces the sum of
                   every slice, and three steps equal one process's eager AdamW on the global
                   batch (the mean of the slices' means)
+    tie_second_name a weight tied under two names whose forward reaches it through the second only
+                  (T5's shared / encoder.embed_tokens), ZeRO-3 and ZeRO-1 bf16: state_dict gives
+                  the trained weight under both names (it came back 0-size under ZeRO-3), equal
+                  to eager; save, load into a fresh engine and one more step equals three
+                  uninterrupted steps
     no_decay_zero Config.no_weight_decay=("1d",) under ZeRO-0..3 with buckets so small that the
                   flat shards cut Parameters: equals one process's AdamW with the 1-D parameters
                   in a param group with weight_decay=0
@@ -107,6 +112,50 @@ def state_errors(engine: fxspeed.Engine, ref: torch.nn.Module, prefix: str = "")
         if err > 1e-5:
             out.append(f"{prefix}{name}: relative error {err:.3g}")
     return out
+
+
+class SecondNameTie(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = torch.nn.Embedding(50, 16)
+        self.enc = torch.nn.Embedding(50, 16)
+        self.enc.weight = self.shared.weight  # the first name, `shared`, is never called
+        self.head = torch.nn.Linear(16, 50)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.head(self.enc(x)).flatten(0, 1), y.flatten())
+
+
+def tie_second_name() -> str:
+    out = []
+    for config in (fxspeed.Config(zero=3), fxspeed.Config(zero=1, precision="bf16")):
+        torch.manual_seed(0)
+        batches = [(torch.randint(0, 50, (4, 8)), torch.randint(0, 50, (4, 8))) for _ in range(3)]
+        model = SecondNameTie()
+        ref = copy.deepcopy(model)
+        opt = torch.optim.AdamW(ref.parameters(), lr=config.lr, weight_decay=0.0)
+        engine = fxspeed.compile(model, 2, config, example_inputs=local_batch(batches[0]))
+        for x, y in batches[:2]:
+            engine.train_step(*local_batch((x, y)))
+        if config.precision == "fp32":
+            for x, y in batches[:2]:
+                opt.zero_grad()
+                ref(x, y).backward()
+                opt.step()
+            out += state_errors(engine, ref, f"zero={config.zero}: ")
+        path = os.path.join(os.environ["WORKER_OUT"], f"tie_z{config.zero}")
+        engine.save(path)
+        want = engine.train_step(*local_batch(batches[2]))
+        torch.manual_seed(1)
+        fresh = fxspeed.compile(SecondNameTie(), 2, config, example_inputs=local_batch(batches[0]))
+        fresh.load(path)
+        got = fresh.train_step(*local_batch(batches[2]))
+        if got != want:
+            out.append(f"zero={config.zero} {config.precision}: resumed loss {got} != uninterrupted {want}")
+        a, b = engine.state_dict(), fresh.state_dict()
+        out += [f"zero={config.zero} {config.precision}: {n} differs after resuming" for n in a
+                if not torch.equal(a[n], b[n])]
+    return "; ".join(out) or "ok"
 
 
 def layout_dp() -> str:
@@ -240,7 +289,7 @@ def token_mean() -> str:
 
 
 CASES = {"zero3_module": zero3_module, "token_mean": token_mean, "nan_one_rank": nan_one_rank, "eval_global": eval_global, "layout_dp": layout_dp,
-         "no_decay_zero": no_decay_zero, "accum_once": accum_once}
+         "no_decay_zero": no_decay_zero, "accum_once": accum_once, "tie_second_name": tie_second_name}
 
 
 if __name__ == "__main__":
