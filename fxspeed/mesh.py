@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -111,15 +111,30 @@ def fingerprint(*parts: Any) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
-def check_agreement(ctx: DistContext, what: str, value: str, fix: str) -> None:
-    """Raise on every rank when ranks disagree on `value` (a fingerprint of `what`)."""
+def check_agreement(ctx: DistContext, what: str, value: str, fix: str,
+                    parts: Callable[[], dict[str, str]] | None = None) -> None:
+    """Raise on every rank when ranks disagree on `value` (a fingerprint of `what`). `parts`: the
+    named pieces the fingerprint was taken of (computed only here, on the slow path), so the
+    error says which of them differ, not only that something does."""
     if not ctx.active:
         return
+    try:
+        named = parts() if parts is not None else {}
+    except Exception:  # noqa: BLE001 - a diagnostic: without it the error still names the ranks
+        named = {}
     values: list[Any] = [None] * ctx.world
-    dist.all_gather_object(values, value, group=ctx.group)
-    differ = [r for r, v in enumerate(values) if v != values[0]]
+    dist.all_gather_object(values, (value, named), group=ctx.group)
+    differ = [r for r, (v, _) in enumerate(values) if v != values[0][0]]
     if differ:
-        raise ConfigError(f"ranks disagree on {what}: rank(s) {differ} differ from rank 0. {fix}")
+        raise ConfigError(f"ranks disagree on {what}: rank(s) {differ} differ from rank 0"
+                          f"{_differing_parts(values[0][1], values[differ[0]][1], differ[0])}. {fix}")
+
+
+def _differing_parts(first: dict[str, str], other: dict[str, str], rank: int) -> str:
+    diffs = [f"{k} is {other.get(k, '(absent)')} on rank {rank} and {first.get(k, '(absent)')} on rank 0"
+             for k in sorted(set(first) | set(other)) if first.get(k) != other.get(k)]
+    more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
+    return f" ({'; '.join(diffs[:3])}{more})" if diffs else ""
 
 
 def same_everywhere(ctx: DistContext, value: str) -> bool:
@@ -131,13 +146,14 @@ def same_everywhere(ctx: DistContext, value: str) -> bool:
     return int(t[0]) == h and -int(t[1]) == h
 
 
-def check_same_everywhere(ctx: DistContext, what: str, value: str, fix: str) -> None:
+def check_same_everywhere(ctx: DistContext, what: str, value: str, fix: str,
+                          parts: Callable[[], dict[str, str]] | None = None) -> None:
     """Cheap per-step agreement (one 2-element all-reduce): raise on every rank when ranks
     hold different `value`s, before they diverge into mismatched collectives."""
     if not ctx.active:
         return
     if not same_everywhere(ctx, value):  # same result on every rank: all take this path
-        check_agreement(ctx, what, value, fix)  # names the ranks that differ
+        check_agreement(ctx, what, value, fix, parts)  # names the ranks and the parts that differ
 
 
 def start_alike(ctx: DistContext, model: Any) -> bool:

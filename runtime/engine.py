@@ -925,10 +925,43 @@ class Engine:
         """Every rank runs the same step: the same method and batch signature. (A step called on
         one rank only pairs with the others' next one; that is found only when a collective
         times out, and said by _failed_mid_step.)"""
-        check_same_everywhere(self.dist, "the step (train_step or eval_step) and its batch signature (shapes, "
-                              "dtypes, structure)", fingerprint(key),
+        check_same_everywhere(self.dist, "the step (train_step or eval_step), its batch signature (shapes, "
+                              "dtypes, structure) or the model's Python settings", fingerprint(key),
                               "every rank must call the same step, in the same order, with local batches of the "
-                              "same shapes; split the global batch evenly with fxspeed.data.local_batch")
+                              "same shapes, on a model with the same Python attributes; split the global batch "
+                              "evenly with fxspeed.data.local_batch", parts=lambda: self._key_parts(key))
+
+    def _key_parts(self, key: tuple) -> dict[str, str]:
+        """A step key's pieces by what a user would call them, for the error naming which differ:
+        (train, batch key, (module states, loss_fn scalars), role), or a pipeline's
+        ("pipeline", train, batch key)."""
+        def short(v: Any) -> str:
+            r = repr(v)
+            return r if len(r) <= 120 else r[:117] + "..."
+
+        def batch_parts(batch: tuple) -> dict[str, str]:
+            spec, leaves = batch
+            out = {"the batch's structure": short(" ".join(spec.split()))}
+            for i, leaf in enumerate(leaves):
+                if leaf[0] == "T":  # ("T", shape, dtype, device, format): see input_key
+                    out[f"batch value {i}"] = f"a tensor of shape {tuple(leaf[1])}, " \
+                                              f"{str(leaf[2]).removeprefix('torch.')} on {leaf[3]} ({leaf[4]})"
+                else:
+                    out[f"batch value {i}"] = short(leaf[-1])
+            return out
+
+        if key[0] == "pipeline":
+            return {"the step": "train_step" if key[1] else "eval_step", **batch_parts(key[2])}
+        train, batch, (modules, fn_scalars), role = key
+        out = {"the step": "train_step" if train else "eval_step", **batch_parts(batch),
+               "loss_fn's numbers and strings": short(fn_scalars), "the grad_accum slice": short(role)}
+        root = type(self.model).__name__
+        for (name, _), (mode, attrs) in zip(self.model.named_modules(), modules):
+            where = f"{root}.{name}" if name else root
+            out[f"{where}.training"] = str(mode)
+            for attr, value in attrs:
+                out[f"{where}.{attr}"] = short(value)
+        return out
 
     def _begin_step(self, name: str) -> None:
         if self._out_of_step:

@@ -7,6 +7,7 @@
     config     rank 1 passes a different Config      -> ConfigError at compile on every rank
     indivisible  a global batch of 5 rows on 2 ranks -> ConfigError from local_batch
     shapes     rank 1's local batch has another shape -> ConfigError at compile on every rank
+    attribute  a plain Python attribute of the model differs on rank 1 -> ConfigError naming it
 
 Expected errors are written to --out/{case}_rank{r}.txt as "ConfigError: message" and the worker
 exits 0. The ConfigError cases may be joined by commas (`--case model,config,shapes,indivisible`):
@@ -39,8 +40,9 @@ def main() -> None:
     torch.set_num_threads(1)
     cases = a.case.split(",")
     if not (cases in (["raise"], ["exit"], ["midstep"]) or set(cases) <= {"model", "config", "indivisible", "shapes",
-                                                                                       "buffer", "frozen"}):
-        ap.error(f"--case {a.case}: raise, exit, midstep, or some of model, config, indivisible, shapes")
+                                                                                       "buffer", "frozen", "attribute"}):
+        ap.error(f"--case {a.case}: raise, exit, midstep, or some of model, config, indivisible, shapes, buffer, "
+                 "frozen, attribute")
     for case in cases:
         run(case, a.out)
     if dist.is_initialized():
@@ -98,6 +100,8 @@ def run(case: str, out: str | None) -> None:
         if case == "indivisible":
             x = torch.randint(0, 64, (5, 16))
             example = local_batch((x, x))
+        if case == "attribute":  # baked into the trace like a shape: the ranks' programs would differ
+            model.loss_scale_hint = 2.0 if rank == 1 else 1.0
         if case == "shapes" and rank == 1:
             example = tuple(t[:, :8] for t in example)  # a shorter sequence on rank 1 only
         engine = fxspeed.compile(model, world, cfg, example_inputs=example)
