@@ -779,14 +779,6 @@ class Engine:
         from fxspeed.runtime.serving import ServingLoop, model_limits
 
         vocab, context, limit = model_limits(self.model)
-        budget = options.get("token_budget", 256)
-        if budget > context:
-            # A step's packed row longer than the model's context would index past its position
-            # tables and causal-mask buffers (GPT-Neo's is context x context): the capture fails.
-            log.info("fxspeed: serve's token_budget %d is above %s; each step runs at most %d tokens",
-                     budget, limit or f"the model's context of {context} tokens", context)
-            options["token_budget"] = context
-            options["max_batch"] = min(options.get("max_batch", 16), context)
         self.model.eval()
         tp = self._tp
         self._serving = ServingLoop(self._inference_program, self._bind, vocab_size=vocab, max_context=context,
@@ -842,7 +834,9 @@ class Engine:
         eos_token_id (all requests) or eos_token_ids (one per prompt), on_error ("raise": a
         GenerationError after the other requests finished, with .results; "return": the
         RequestError in place of that request's tokens). See runtime/serving.py."""
-        _check_generate_options("generate", kwargs)
+        from fxspeed.runtime.serving import check_generate_options
+
+        check_generate_options("generate", kwargs)
         loop = self._serving_loop()
         self._same_requests_on_every_rank("generate", prompts, max_new_tokens, kwargs)
         return loop.generate(prompts, max_new_tokens, **kwargs)
@@ -850,7 +844,9 @@ class Engine:
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16,
                **kwargs: Any) -> Any:
         """Yield (req_id, token) as tokens are produced, (req_id, RequestError) for a refused request."""
-        _check_generate_options("stream", kwargs)
+        from fxspeed.runtime.serving import check_generate_options
+
+        check_generate_options("stream", kwargs)
         loop = self._serving_loop()
         self._same_requests_on_every_rank("stream", prompts, max_new_tokens, kwargs)
         return loop.stream(prompts, max_new_tokens, **kwargs)
@@ -1957,29 +1953,6 @@ def _function_scalars(fn: Any) -> tuple:
         elif isinstance(v, dict) and len(v) <= 64 and all(type(x) in _SCALARS for x in v.values()):
             out.append((name, tuple(sorted(((repr(k), x) for k, x in v.items())))))
     return tuple(out)
-
-
-_GENERATE_OPTIONS = ("temperature", "top_k", "top_p", "seed", "eos_token_id", "eos_token_ids")
-# Hugging Face generate() arguments a user brings along, and what fxspeed takes instead
-_HF_GENERATE_HINTS = {
-    "do_sample": "temperature > 0 samples, temperature=0 (the default) is greedy",
-    "max_length": "give max_new_tokens (new tokens per prompt, an int or one per prompt)",
-    "min_new_tokens": "not supported: a request stops at max_new_tokens or at one of its eos ids",
-    "num_beams": "beam search is not supported (greedy or sampling only)",
-    "pad_token_id": "not needed: requests are packed, never padded",
-    "attention_mask": "not needed: give each prompt as its own list of ids, unpadded",
-}
-
-
-def _check_generate_options(name: str, kwargs: dict) -> None:
-    """An unknown keyword is refused by name with what to use instead (it failed as a TypeError
-    naming the internal ServingLoop.stream)."""
-    allowed = _GENERATE_OPTIONS + (("on_error",) if name == "generate" else ())
-    unknown = [k for k in kwargs if k not in allowed]
-    if unknown:
-        hints = "; ".join(f"{k}: {_HF_GENERATE_HINTS[k]}" for k in unknown if k in _HF_GENERATE_HINTS)
-        raise ConfigError(f"engine.{name}() got unknown option(s) {unknown}" + (f" ({hints})" if hints else "")
-                          + f"; it takes prompts, max_new_tokens and {', '.join(allowed)}")
 
 
 def _scalar_slots(m: Any, seen: set[int] | None = None,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import inspect
 import math
 import numbers
 import os
@@ -328,6 +329,12 @@ class ServingLoop:
         if max_batch > token_budget:
             raise ConfigError(f"serve: max_batch ({max_batch}) > token_budget ({token_budget}): every running request "
                               "needs a token of each step's budget; raise token_budget or lower max_batch")
+        if token_budget > max_context:
+            # A step's packed row longer than the model's context would index past its position
+            # tables and causal-mask buffers (GPT-Neo's is context x context): the capture fails.
+            log.info("fxspeed: serve's token_budget %d is above %s; each step runs at most %d tokens",
+                     token_budget, context_limit or f"the model's context of {max_context} tokens", max_context)
+            token_budget, max_batch = max_context, min(max_batch, max_context)
         self._compile = compile_bucket
         self.pack_linear = pack_linear
         # bucket -> (packed, GEMM) seconds of one probe pass (pack_linear="auto", runtime/kernels/packed_linear.py)
@@ -682,6 +689,37 @@ class ServingLoop:
         if on_error == "raise" and any(isinstance(r, RequestError) for r in results):
             raise GenerationError(results)
         return results
+
+
+# Hugging Face generate() arguments a user brings along, and what fxspeed takes instead
+_HF_GENERATE_HINTS = {
+    "do_sample": "temperature > 0 samples, temperature=0 (the default) is greedy",
+    "max_length": "give max_new_tokens (new tokens per prompt, an int or one per prompt)",
+    "min_new_tokens": "not supported: a request stops at max_new_tokens or at one of its eos ids",
+    "num_beams": "beam search is not supported (greedy or sampling only)",
+    "pad_token_id": "not needed: requests are packed, never padded",
+    "attention_mask": "not needed: give each prompt as its own list of ids, unpadded",
+}
+
+
+def generate_options(name: str) -> tuple[str, ...]:
+    """The keyword options engine.stream / engine.generate take: read from ServingLoop's own
+    signatures, so a new option is never refused by a stale list."""
+    def keywords(f: Callable) -> list[str]:
+        return [p.name for p in inspect.signature(f).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+    return tuple(keywords(ServingLoop.stream) + (keywords(ServingLoop.generate) if name == "generate" else []))
+
+
+def check_generate_options(name: str, kwargs: dict) -> None:
+    """An unknown keyword is refused by name with what to use instead (it failed as a TypeError
+    naming the internal ServingLoop.stream)."""
+    allowed = generate_options(name)
+    unknown = [k for k in kwargs if k not in allowed]
+    if unknown:
+        hints = "; ".join(f"{k}: {_HF_GENERATE_HINTS[k]}" for k in unknown if k in _HF_GENERATE_HINTS)
+        raise ConfigError(f"engine.{name}() got unknown option(s) {unknown}" + (f" ({hints})" if hints else "")
+                          + f"; it takes prompts, max_new_tokens and {', '.join(allowed)}")
 
 
 def _sample(logits: torch.Tensor, r: _Request) -> int:
