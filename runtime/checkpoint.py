@@ -108,18 +108,20 @@ def save_checkpoint(directory: str | os.PathLike, state: CanonicalState, *,
     except (FxspeedError, OSError) as e:
         error = str(e) if isinstance(e, FxspeedError) else f"cannot create a directory next to {directory!r}: {e}"
     layout = {k: (tuple(v.shape), v.dtype) for k, v in flat.items()}
+    mine = (error, layout, token, _free_bytes(directory), len(extra))
     if group is not None:
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (error, layout, token), group=group)
+        _save_collective(directory, lambda: dist.all_gather_object(gathered, mine, group=group))
     else:
-        gathered = [(error, layout, token)]
+        gathered = [mine]
     token = gathered[0][2]  # group rank 0's: all ranks write into the same temporary directory
     tmp = f"{directory}.tmp-{token}"
     try:
-        errors = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(gathered) if e]
+        errors = [f"rank {r}: {e}" for r, (e, *_) in enumerate(gathered) if e]
         if errors:
             raise FxspeedError(f"not saving checkpoint {directory!r}:\n" + "\n".join(errors))
-        _check_replicas_agree(directory, [lay for _, lay, _ in gathered])
+        _check_replicas_agree(directory, [lay for _, lay, *_ in gathered])
+        _check_room(directory, gathered)
     except FxspeedError:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -141,7 +143,11 @@ def save_checkpoint(directory: str | os.PathLike, state: CanonicalState, *,
             shutil.rmtree(tmp, ignore_errors=True)
         kept = " (the checkpoint already there is untouched)" if os.path.isdir(directory) else ""
         left = f"rank 0 removed the partial files in {tmp!r}" if collective else f"partial files left in {tmp!r}"
-        raise FxspeedError(f"saving checkpoint {directory!r} failed{kept}; {left}: {str(e).strip()[:2000]}") from e
+        free = _free_bytes(directory)
+        # torch's writer reports a full disk as "unexpected pos 704 vs 598" at best: say how full it is
+        room = f" (the filesystem holding it has {_mb(free)} free now)" if free is not None else ""
+        raise FxspeedError(f"saving checkpoint {directory!r} failed{kept}{room}; {left}: "
+                           f"{str(e).strip()[:2000]}") from e
 
     # Every rank's tensors and DCP's .metadata are on disk. Each rank checksums the data files it
     # wrote (DCP names them __<group rank>_<n>.distcp) in parallel; rank 0 checksums the rest,
@@ -153,7 +159,7 @@ def save_checkpoint(directory: str | os.PathLike, state: CanonicalState, *,
         error = f"rank {rank} cannot read back its files in {tmp!r}: {e!r}"
     if group is not None:
         sums: list[Any] = [None] * world
-        dist.all_gather_object(sums, (error, digests), group=group)
+        _save_collective(directory, lambda: dist.all_gather_object(sums, (error, digests), group=group))
     else:
         sums = [(error, digests)]
     error = None
@@ -175,10 +181,58 @@ def save_checkpoint(directory: str | os.PathLike, state: CanonicalState, *,
             error = f"finishing checkpoint {directory!r} on rank 0 failed (files left in {tmp!r}): {e!r}"
     if group is not None:
         box = [error]
-        dist.broadcast_object_list(box, group=group, group_src=0)  # doubles as the closing barrier
+        # doubles as the closing barrier
+        _save_collective(directory, lambda: dist.broadcast_object_list(box, group=group, group_src=0))
         error = box[0]
     if error:
         raise FxspeedError(error)
+
+
+def _save_collective(directory: str, run: Any) -> None:
+    """One of save's collectives; a peer that died mid-save (killed, out of memory) surfaced as
+    gloo's bare "Connection reset by peer" from inside all_gather_object."""
+    try:
+        run()
+    except RuntimeError as e:
+        raise FxspeedError(f"saving checkpoint {directory!r} failed: another rank left the save (its process ended or "
+                           f"failed; see its own error); {_kept(directory)}. Restart every rank from the last checkpoint: "
+                           f"{str(e).strip()[:500]}") from e
+
+
+def _free_bytes(directory: str) -> int | None:
+    """Free bytes on the filesystem that will hold `directory` (its nearest existing ancestor)."""
+    path = os.path.abspath(directory)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _mb(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def _check_room(directory: str, gathered: list[tuple]) -> None:
+    """Refuse before writing when a rank's filesystem cannot hold the whole checkpoint (each key
+    written once, plus rank 0's extra.pt), the previous checkpoint kept until the new one is
+    complete. A full disk mid-write used to end in torch's "unexpected pos 704 vs 598"."""
+    shapes: dict[str, tuple] = {}
+    for _, layout, *_ in gathered:
+        shapes.update(layout)
+    need = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in shapes.values())
+    need += gathered[0][4] + (1 << 20)  # rank 0's extra.pt; DCP's metadata and the marker
+    short = [(r, free) for r, (_, _, _, free, _) in enumerate(gathered) if free is not None and free < need]
+    if short:
+        r, free = short[0]
+        raise FxspeedError(f"not saving checkpoint {directory!r}: it needs about {_mb(need)} and the filesystem "
+                           f"holding it has {_mb(free)} free (seen by rank {r}); {_kept(directory)}. Free some "
+                           "space or save elsewhere")
+
+
+def _kept(directory: str) -> str:
+    return "the checkpoint already there is untouched" if os.path.isdir(directory) else "nothing was written"
 
 
 def _normalize(directory: str | os.PathLike) -> str:
@@ -267,7 +321,7 @@ def _describe(key: str) -> str:
 
 
 def _union(gathered: list[tuple]) -> set[str]:
-    return set().union(*(lay for _, lay, _ in gathered))
+    return set().union(*(lay for _, lay, *_ in gathered))
 
 
 def _pickle_extra(extra: dict[str, Any], directory: str) -> bytes:

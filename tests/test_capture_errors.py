@@ -78,6 +78,20 @@ def test_item_call_in_forward_raises_capture_error_naming_its_line() -> None:
     assert ".item()" in str(info.value)
 
 
+def test_an_empty_batch_is_told_to_be_empty_not_to_rewrite_the_loss_line() -> None:
+    """mse_loss's backward divides by the batch's numel: the capture failed with "float division
+    by zero ... rewrite that line", naming the user's loss line."""
+    class Regression(nn.Linear):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return nn.functional.mse_loss(super().forward(x), y)
+
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    engine = fxspeed.compile(Regression(4, 4), 1, example_inputs=(x, y))
+    with pytest.raises(fxspeed.CaptureError, match=r"the batch holds empty tensors \(batch value 0: \(0, 4\), 1: "
+                                                   r"\(0, 4\)\); an empty batch has no loss to train on"):
+        engine.train_step(x[:0], y[:0])
+
+
 def test_a_model_whose_width_does_not_split_into_its_heads_is_told_to_check_its_shapes_not_to_rewrite_the_line() -> None:
     """64 wide with 12 heads: the view in attention fails eagerly too; that is a config error,
     not a construct fxspeed cannot trace."""

@@ -389,6 +389,24 @@ def test_a_save_that_fails_writing_is_an_fxspeed_error_that_removes_its_partial_
     assert all(torch.equal(engine.state_dict()[k], v) for k, v in before.items())
 
 
+def test_a_save_to_a_filesystem_without_room_for_it_is_refused_before_writing_and_says_how_much_is_free(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk mid-write ended in torch's "unexpected pos 704 vs 598", naming neither the disk
+    nor its free space."""
+    engine = _mlp_engine(8, 2, seed=0)
+    engine.save(tmp_path / "ck")
+    before = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    monkeypatch.setattr(ckpt, "_free_bytes", lambda directory: 1000)
+    with pytest.raises(FxspeedError, match=r"it needs about 1\.0 MiB and the filesystem holding it has 0\.0 MiB free "
+                                           r"\(seen by rank 0\); the checkpoint already there is untouched"):
+        engine.save(tmp_path / "ck")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no ck.tmp-* left
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == before
+    with pytest.raises(FxspeedError, match="nothing was written"):
+        engine.save(tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+
+
 class BNNet(torch.nn.Sequential):
     def __init__(self) -> None:
         super().__init__(torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2))

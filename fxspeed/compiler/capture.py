@@ -173,8 +173,17 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn
     from fxspeed.compiler.checkpoint_regions import checkpoint_regions
 
     # torch.utils.checkpoint regions: traced directly, their nodes tagged meta["recompute"]
-    with fake_model_state(model, args, kwargs) as (fargs, fkwargs), checkpoint_regions() as regions:
-        cap = _capture(model, args, kwargs, fargs, fkwargs, loss_fn=loss_fn, train=train)
+    try:
+        with fake_model_state(model, args, kwargs) as (fargs, fkwargs), checkpoint_regions() as regions:
+            cap = _capture(model, args, kwargs, fargs, fkwargs, loss_fn=loss_fn, train=train)
+    except CaptureError as e:
+        empty = [f"{i}: {tuple(t.shape)}" for i, t in enumerate(split_inputs(args, kwargs)[0])
+                 if isinstance(t, torch.Tensor) and t.numel() == 0]
+        if empty:  # mse_loss's backward divides by numel(): the error named the user's loss line
+            raise CaptureError(f"the batch holds empty tensors (batch value {', '.join(empty[:3])}); an empty batch "
+                               "has no loss to train on (eager gives NaN). Skip it, or give every rank rows. "
+                               f"The capture said: {e}") from e
+        raise
     regions.tag(cap.gm)
     if check_constants:
         check_no_fake_constants(model, cap.gm, cap.module_of)
