@@ -39,7 +39,7 @@ from fxspeed.devices import DeviceSpec
 from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.ir import Bucket, IOSpec, Program, StepSignature
 from fxspeed.ir.program import graphs_draw_random
-from fxspeed.ir.batch import batch_digest, input_key, split_batch, tensor_leaves
+from fxspeed.ir.batch import batch_digest, input_key, split_batch, split_inputs, tensor_leaves
 from fxspeed.ir.schedule import GATHER, B, F, I, RECV_B, RECV_F, SEND_F, STEP, W, Action, Schedule
 from fxspeed.mesh import (Mesh, check_agreement, check_same_everywhere, check_same_in_replica, check_same_model,
                           broadcast_into, share_generators, start_alike,
@@ -229,6 +229,11 @@ class Engine:
             return ex
         self.synchronize()  # tracing reads the weights
         self._check_parameters_unchanged()
+        wants_grad = [i for i, t in enumerate(split_inputs(args, kwargs)[0]) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if train and wants_grad:
+            log.warning("fxspeed: batch value(s) %s require grad; train_step computes the parameters' gradients only, "
+                        "so their .grad stays None (eager backward would fill it). Take input gradients with "
+                        "torch.autograd on the eager model", wants_grad)
         if train and not self.model.training:
             log.warning("fxspeed: %s is in eval mode; train_step trains it that way, as eager would (dropout off, "
                         "BatchNorm on running statistics). Call model.train() first to train in training mode",

@@ -92,6 +92,17 @@ def test_an_empty_batch_is_told_to_be_empty_not_to_rewrite_the_loss_line() -> No
         engine.train_step(x[:0], y[:0])
 
 
+def test_a_batch_tensor_that_requires_grad_is_warned_to_get_no_grad(caplog: pytest.LogCaptureFixture) -> None:
+    """Eager backward fills x.grad; the compiled step differentiates the parameters only."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    x = torch.randn(4, 4, requires_grad=True)
+    engine = fxspeed.compile(model, 1, example_inputs=(x,), loss_fn=lambda out, x: out.square().mean())
+    with caplog.at_level("WARNING", logger="fxspeed"):
+        engine.train_step(x)
+    assert x.grad is None
+    assert "batch value(s) [0] require grad; train_step computes the parameters' gradients only" in caplog.text
+
+
 def test_a_model_whose_width_does_not_split_into_its_heads_is_told_to_check_its_shapes_not_to_rewrite_the_line() -> None:
     """64 wide with 12 heads: the view in attention fails eagerly too; that is a config error,
     not a construct fxspeed cannot trace."""
