@@ -103,6 +103,31 @@ def test_a_batch_tensor_that_requires_grad_is_warned_to_get_no_grad(caplog: pyte
     assert "batch value(s) [0] require grad; train_step computes the parameters' gradients only" in caplog.text
 
 
+def test_labels_of_the_wrong_batch_size_are_told_to_check_the_shapes_not_to_rewrite_the_line() -> None:
+    """cross_entropy's "Expected input batch_size (4) to match target batch_size (32)" (per-token
+    labels given to a classifier) was not read as a shape error: its capital E."""
+    class Classifier(nn.Linear):
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return nn.functional.cross_entropy(super().forward(x), labels.view(-1))
+
+    with pytest.raises(fxspeed.CaptureError) as info:
+        fxspeed.compile(Classifier(8, 3), 1, example_inputs=(torch.randn(4, 8), torch.randint(0, 3, (4, 8))))
+    msg = str(info.value)
+    assert "Expected input batch_size (4) to match target batch_size (32). How to fix: the model raises this for " \
+           "the example's shapes" in msg and "unsupported construct" not in msg
+
+
+def test_a_loss_fn_that_does_not_take_a_keyword_batch_is_told_how_it_is_called() -> None:
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    x = torch.randint(0, 64, (2, 16))
+    with pytest.raises(fxspeed.CaptureError) as info:
+        fxspeed.compile(model, 1, example_inputs={"idx": x}, loss_fn=lambda out, *batch: out.float().mean())
+    msg = str(info.value)
+    assert "loss_fn <lambda> is called as loss_fn(output, *args, **kwargs) with the whole batch, here the output and " \
+           "0 positional arguments and keywords idx, and it does not accept that (got an unexpected keyword " \
+           "argument 'idx')" in msg and "unsupported construct" not in msg
+
+
 def test_a_model_whose_width_does_not_split_into_its_heads_is_told_to_check_its_shapes_not_to_rewrite_the_line() -> None:
     """64 wide with 12 heads: the view in attention fails eagerly too; that is a config error,
     not a construct fxspeed cannot trace."""

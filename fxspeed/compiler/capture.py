@@ -345,6 +345,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs:
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes one clear error
         if not (train and not unroll_rnns and _is_rnn_export_limit(model, e)):
             known = (_signature_mismatch(model, args, kwargs, e, train)
+                     or _loss_fn_mismatch(model, loss_fn, args, kwargs, e, train)
                      or (_known_capture_error(model, wrapper, tensors, e) if train else None)
                      or _gradient_in_forward(model, grad_calls, train))
             raise (known or _capture_error(model, e, train)) from e
@@ -577,6 +578,36 @@ def _signature_mismatch(model: nn.Module, args: tuple, kwargs: dict, e: BaseExce
         "batch. How to fix: let forward take every batch element (e.g. def forward(self, x, y=None) that ignores "
         "y, which loss_fn(out, x, y) then receives), or wrap the model in a module whose forward(x, y) returns "
         "the loss, e.g. loss_fn(self.model(x), y), and compile that without loss_fn.",
+    )
+
+
+def _loss_fn_mismatch(model: nn.Module, loss_fn: LossFn | None, args: tuple, kwargs: dict, e: BaseException,
+                      train: bool = True) -> CaptureError | None:
+    """loss_fn does not take (output, *args, **kwargs): `lambda out, *batch: ...` given a keyword
+    batch failed as "<lambda>() got an unexpected keyword argument 'input_ids'. How to fix: rewrite
+    that line without the unsupported construct", naming no line."""
+    cur: BaseException | None = e
+    while cur is not None and not isinstance(cur, TypeError):
+        cur = cur.__cause__ or cur.__context__
+    if cur is None or loss_fn is None:
+        return None
+    try:
+        inspect.signature(loss_fn).bind(None, *args, **kwargs)
+        return None
+    except ValueError:  # no signature to read (a builtin)
+        return None
+    except TypeError as bad:
+        why = str(bad)
+    given = [f"{len(args)} positional argument{'s' if len(args) != 1 else ''}"]
+    if kwargs:
+        given.append("keywords " + ", ".join(kwargs))
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    return CaptureError(
+        f"cannot capture the {'training' if train else 'eval'} step of {type(model).__name__}: loss_fn {name} is "
+        f"called as loss_fn(output, *args, **kwargs) with the whole batch, here the output and "
+        f"{' and '.join(given)}, and it does not accept that ({why}). How to fix: take what the batch holds, e.g. "
+        "loss_fn=lambda out, *args, **kwargs: ... (a keyword batch such as engine.train_step(**batch) arrives "
+        "as keywords), or def loss_fn(out, input_ids, labels, **rest).",
     )
 
 
@@ -1131,7 +1162,8 @@ def _first_user_frame(frames: Any) -> traceback.FrameSummary | None:
 
 # Shape errors ATen raises for any tensor, fake or real (view, matmul, broadcasting, cat, indexing).
 _SHAPE_ERROR = re.compile(r"is invalid for input of size|shapes cannot be multiplied|must match the size of tensor"
-                          r"|size mismatch|Sizes of tensors must match|out of bounds for dimension|expected .* size")
+                          r"|size mismatch|Sizes of tensors must match|out of bounds for dimension|expected .* size"
+                          r"|expected input batch_size", re.IGNORECASE)
 
 
 # Dtype errors ATen raises for fake and real tensors alike (float indices, mixed matmul dtypes).
@@ -1151,7 +1183,7 @@ def _capture_error(model: nn.Module, e: BaseException, train: bool = True) -> Ca
     source = f"{frame.filename}:{frame.lineno}" if frame else None
     code = f" `{frame.line.strip()}`" if frame and frame.line else ""
     hint = "rewrite that line without the unsupported construct"
-    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    reason = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
     chain: list[BaseException] = []
     cur = e
     while cur is not None and cur not in chain:
