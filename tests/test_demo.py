@@ -77,3 +77,13 @@ def test_demo_as_two_pipelines_of_two_stages_with_zero1_trains_and_samples_from_
     assert r.returncode == 0, out[-4000:]
     assert "2-stage pipeline x 2 replicas" in r.stdout and "pipeline: 2 stages, schedule 1f1b" in r.stdout
     assert "loss: first" in r.stdout and "sample:" in r.stdout
+
+
+def test_demo_with_zero1_bf16_on_two_ranks_samples_from_the_fp32_masters() -> None:
+    """The module holds 0-size Parameters under master weights: sampling from it raised after
+    training (the demo gathered the weights for pipelines and ZeRO-3 only)."""
+    r = _run("demo", "--devices", "2", "--zero", "1", "--precision", "bf16", "--model", "tiny", "--steps", "2",
+             "--batch-size", "4", "--seq-len", "32", "--sample", "8", timeout=400)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "loss: first" in r.stdout and "sample:" in r.stdout

@@ -39,3 +39,28 @@ def test_an_unknown_model_name_is_refused_with_the_closest_model_types_not_all_o
     with pytest.raises(SystemExit, match=hint) as e:
         build_model(name, 1)
     assert len(str(e.value)) < 300  # Hugging Face's own message lists all ~800 types
+
+
+@pytest.mark.parametrize("flag,value,said", [
+    ("--layers", "0", "argument --layers: expected a positive integer, got 0"),
+    ("--tensor", "-2", "argument --tensor: expected a positive integer, got -2"),
+    ("--token-budget", "0", "argument --token-budget: expected a positive integer, got 0"),
+    ("--max-new-tokens", "0", "argument --max-new-tokens: expected a positive integer, got 0"),
+    ("--top-p", "1.5", "argument --top-p: expected a number in (0, 1], got 1.5"),
+    ("--temperature", "-1", "argument --temperature: expected a number >= 0, got -1"),
+])
+def test_a_bad_serve_value_is_an_argparse_error_before_any_model_is_built(flag, value, said, capsys):
+    """They were tracebacks from Config or the serving loop after compiling, or a misleading error
+    (--layers 0: 'no scaled_dot_product_attention'; --token-budget 0 blamed max_batch)."""
+    from fxspeed.tools.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "gpt2", "--prompt", "1 2", flag, value])
+    assert said in capsys.readouterr().err
+
+
+def test_a_model_folder_without_a_config_is_refused_naming_it(tmp_path):
+    from fxspeed.tools.serve_cli import build_model
+
+    with pytest.raises(SystemExit, match="is a folder without a config.json"):
+        build_model(str(tmp_path), None)

@@ -13,6 +13,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from fxspeed.tools.arg_types import positive_int
 from fxspeed.tools.launcher import default_threads, launch  # noqa: F401  (re-exported: the CLI's own API)
 
 
@@ -56,22 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT; fxspeed.compile(model, N, "
                                    "...) joins the group. If one process fails the others are stopped and the "
                                    "failed rank is reported.")
-    r.add_argument("-n", "--nproc", type=_positive_int, required=True, metavar="N", help="number of processes")
+    r.add_argument("-n", "--nproc", type=positive_int, required=True, metavar="N", help="number of processes")
     r.add_argument("-m", "--module", action="store_true",
                    help="treat SCRIPT as a Python module name and run it like `python -m`")
     r.add_argument("script", metavar="SCRIPT", help="training script (or module name with -m)")
     r.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to the script")
     return p
-
-
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
-    return n
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -175,13 +175,13 @@ def _train(args: Any, devices: int, zero: int) -> int:
     say(f"trained {args.steps} steps in {train_s:.1f} s ({tokens * args.steps / train_s:,.0f} tokens/s"
         + (" over all ranks" if devices > 1 else "") + f"); total {time.perf_counter() - t0:.1f} s")
     if args.sample > 0:
-        if pipeline > 1 or zero >= 3:
-            # A pipeline rank holds its stages' weights, a ZeRO-3 rank shards: state_dict() gathers the
-            # full model on every rank (a collective).
-            state = engine.state_dict()
-            if lead:
-                model = GPT(cfg)
-                model.load_state_dict(state)
+        # The engine may keep the weights elsewhere than the module (a pipeline rank its stages', a
+        # ZeRO-3 rank shards, ZeRO-1/2 bf16 fp32 masters): state_dict() gathers the full model on
+        # every rank (a collective), whatever the config.
+        state = engine.state_dict()
+        if lead:
+            model = GPT(cfg)
+            model.load_state_dict(state)
         if lead:
             print("\nsample:", repr(sample(model, data, args.sample, gen)))
     return 0

@@ -17,6 +17,7 @@ import os
 import sys
 import time
 
+from fxspeed.tools.arg_types import non_negative_float, positive_int, probability
 from fxspeed.tools.launcher import launch
 
 
@@ -24,17 +25,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="serve a Hugging Face causal LM built from its config and print the tokens",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--model", required=True, help="a folder with config.json, or a model type such as gpt2 or llama")
-    s.add_argument("--layers", type=int, default=None, help="override the config's layer count (quick trials)")
+    s.add_argument("--layers", type=positive_int, default=None, help="override the config's layer count (quick trials)")
     s.add_argument("--prompt", action="append", required=True, metavar="IDS",
                    help="space-separated token ids of one request; repeat for more requests")
-    s.add_argument("--max-new-tokens", type=int, default=16)
-    s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    s.add_argument("--top-k", type=int, default=None)
-    s.add_argument("--top-p", type=float, default=None)
+    s.add_argument("--max-new-tokens", type=positive_int, default=16)
+    s.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 is greedy (default)")
+    s.add_argument("--top-k", type=positive_int, default=None)
+    s.add_argument("--top-p", type=probability, default=None)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--tensor", type=int, default=1, help="tensor-parallel processes (default: 1)")
+    s.add_argument("--tensor", type=positive_int, default=1, help="tensor-parallel processes (default: 1)")
     s.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
-    s.add_argument("--token-budget", type=int, default=256)
+    s.add_argument("--token-budget", type=positive_int, default=256)
     s.add_argument("--plan", action="store_true", help="print the inference plan first")
 
 
@@ -43,6 +44,9 @@ def build_model(name: str, layers: int | None):  # noqa: ANN201 - a transformers
 
     transformers.logging.set_verbosity_error()
     if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise SystemExit(f"fxspeed serve: --model {name!r} is a folder without a config.json; give a Hugging Face "
+                             "model folder (config.json, and weights if it has them) or a model type such as gpt2")
         cfg = transformers.AutoConfig.from_pretrained(name)
         has_weights = any(f.endswith((".safetensors", ".bin")) for f in os.listdir(name))
     else:
