@@ -87,6 +87,15 @@ def test_run_requires_a_positive_process_count_and_a_script() -> None:
     assert (a.nproc, a.script, a.script_args, a.module) == (2, "train.py", ["--steps", "3"], False)
 
 
+def test_run_of_a_script_that_does_not_exist_is_a_usage_error_before_any_rank_starts(
+        capsys: pytest.CaptureFixture) -> None:
+    from fxspeed.tools.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["run", "-n", "2", "no_such_script.py"])
+    assert "run: no such script 'no_such_script.py' (use -m to run a module)" in capsys.readouterr().err
+
+
 def test_demo_on_two_processes_with_zero3_prints_the_plan_once_and_finishes() -> None:
     r = fxspeed("demo", "--devices", "2", "--zero", "3", "--steps", "3", "--batch-size", "4", "--seq-len", "32",
                 env={"OMP_NUM_THREADS": "1"}, timeout=180)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -82,6 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         script_args = list(args.script_args)
         if script_args[:1] == ["--"]:
             script_args = script_args[1:]
+        if not args.module and not os.path.isfile(args.script):
+            # else every rank starts, fails to open it, and torchrun's failure report buries the cause
+            parser.error(f"run: no such script {args.script!r}" + (" (use -m to run a module)"
+                                                                      if "/" not in args.script else ""))
         return launch(args.nproc, args.script, script_args, module=args.module)
     parser.print_help()
     return 1
