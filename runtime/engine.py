@@ -131,6 +131,7 @@ class Engine:
         self._accumulated: dict[int, torch.Tensor] = {}  # grad_accum: the step's earlier slices' flat buckets
         # Tensor parallel: Parameters cut to this tp rank's slice after the first compile.
         self._tp = TensorParallelParameters(mesh.group("tp"), mesh.coords()["tp"], mesh.tp) if mesh.tp > 1 else None
+        self._tp_unsharded_said = False
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
         self.plan: Plan | None = None
@@ -711,6 +712,13 @@ class Engine:
         (a tied weight fed under two names, one sliced and one whole, would be bound wrongly)."""
         if not self._tp:
             self._tp.apply(self._params, sig.tp_layout)
+            if not sig.tp_layout and not self._tp_unsharded_said:
+                self._tp_unsharded_said = True
+                log.warning("fxspeed: tensor=%d: the planner sharded none of %s's parameters (at these sizes keeping "
+                            "every weight whole on each tp rank was cheaper than the collectives sharding needs), so "
+                            "the %d tp ranks compute the same thing. Use them for data parallelism (tensor=1) with "
+                            "this model, or a wider one for tensor parallelism", self.mesh.tp,
+                            type(self.model).__name__, self.mesh.tp)
         have = {id(p): (d, b) for p, d, b, _ in self._tp.layout.values()}
         for spec in sig.inputs:
             if spec.kind not in ("param", "param_tp"):

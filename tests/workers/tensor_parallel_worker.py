@@ -34,6 +34,9 @@ eagerly on the same batches: relative error <= 1e-5.
     gpt_offload_tiers  TP=2 x DP=WORLD_SIZE/2, ZeRO-3 bf16, clipping, save/load: offload
              "optimizer", "parameters" and "all" bit for bit alike
 
+    tiny_unsharded  a model too small to shard (2 x 8 wide): the solver keeps every weight whole and
+             the engine warns that the tp ranks compute the same thing (it said nothing)
+
 Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt and exits 0 (`--case all`:
 every case in one launch; tests/workers/common.py run_cases, shared with correctness_worker).
 """
@@ -560,10 +563,36 @@ def gpt_offload_tiers() -> str:
                           for t in ("optimizer", "parameters", "all")}, resume=True)
 
 
+def tiny_unsharded() -> str:
+    import logging
+
+    class Keep(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.said: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.said.append(record.getMessage())
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    keep = Keep()
+    logging.getLogger("fxspeed").addHandler(keep)
+    try:
+        engine = fxspeed.compile(model, 2, fxspeed.Config(tensor=2), example_inputs=(x,),
+                                 loss_fn=lambda out, x: torch.nn.functional.mse_loss(out, y))
+        engine.train_step(x)
+    finally:
+        logging.getLogger("fxspeed").removeHandler(keep)
+    said = [m for m in keep.said if "the planner sharded none of Sequential's parameters" in m]
+    return "ok" if len(said) == 1 else f"warnings: {keep.said}"
+
+
 CASES = {"gpt": gpt, "gpt_dropout": gpt_dropout, "gpt2_dropout": gpt2_dropout, "gpt_bf16": gpt_bf16, "gpt_dp_bf16_offload": gpt_dp_bf16_offload,
          "gpt_offload_tiers": gpt_offload_tiers, "gpt_dp_bf16": gpt_dp_bf16, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
          "gpt_dp_zero3": gpt_dp_zero3, "gpt_pp": gpt_pp, "t5": t5, "gpt_sp": gpt_sp, "gpt_dropout_sp": gpt_dropout_sp, "llama_sp": llama_sp,
-         "gpt_pp_zero1": gpt_pp_zero1, "gpt_pp_sp_zero1": gpt_pp_sp_zero1}
+         "gpt_pp_zero1": gpt_pp_zero1, "gpt_pp_sp_zero1": gpt_pp_sp_zero1, "tiny_unsharded": tiny_unsharded}
 
 
 if __name__ == "__main__":
