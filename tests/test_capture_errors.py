@@ -128,6 +128,21 @@ def test_a_loss_fn_that_does_not_take_a_keyword_batch_is_told_how_it_is_called()
            "argument 'idx')" in msg and "unsupported construct" not in msg
 
 
+def test_a_float64_batch_into_float32_weights_is_refused_at_capture_as_eager_refuses_it() -> None:
+    """Fake tensors' addmm does not check dtypes: the step traced, then failed when it ran (on
+    several ranks as "the ranks are out of step", though every rank failed alike)."""
+    class Regression(nn.Linear):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return nn.functional.mse_loss(super().forward(x), y)
+
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    engine = fxspeed.compile(Regression(4, 4), 1, example_inputs=(x, y))
+    with pytest.raises(fxspeed.CaptureError, match=r"a matrix multiply \(aten.addmm.default\) of float32 and "
+                                                   r"float64 tensors; eager PyTorch refuses it too"):
+        engine.train_step(x.double(), y.double())
+    engine.train_step(x, y)  # the engine goes on
+
+
 def test_a_model_whose_width_does_not_split_into_its_heads_is_told_to_check_its_shapes_not_to_rewrite_the_line() -> None:
     """64 wide with 12 heads: the view in attention fails eagerly too; that is a config error,
     not a construct fxspeed cannot trace."""

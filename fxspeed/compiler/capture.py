@@ -185,6 +185,7 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn
                                f"The capture said: {e}") from e
         raise
     regions.tag(cap.gm)
+    _check_matmul_dtypes(model, cap.gm, train)
     if check_constants:
         check_no_fake_constants(model, cap.gm, cap.module_of)
     _widen_loss_targets(cap)
@@ -579,6 +580,29 @@ def _signature_mismatch(model: nn.Module, args: tuple, kwargs: dict, e: BaseExce
         "y, which loss_fn(out, x, y) then receives), or wrap the model in a module whose forward(x, y) returns "
         "the loss, e.g. loss_fn(self.model(x), y), and compile that without loss_fn.",
     )
+
+
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "mv", "addmv"}
+
+
+def _check_matmul_dtypes(model: nn.Module, gm: fx.GraphModule, train: bool) -> None:
+    """A matmul of two floating dtypes (a float64 batch into float32 weights) traces: fake
+    tensors' addmm does not check dtypes, where eager raises "mat1 and mat2 must have the same
+    dtype". The compiled step then failed when it ran, and on several ranks as "the ranks are
+    out of step", though every rank failed alike. Said at capture, with the line, as eager would."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or getattr(n.target, "__name__", "").split(".")[0] not in _MATMULS:
+            continue
+        dtypes = {a.meta["val"].dtype for a in n.args
+                  if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)}
+        if len(dtypes) < 2:
+            continue
+        names = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        raise CaptureError(
+            f"cannot capture the {'training' if train else 'eval'} step of {type(model).__name__}: a matrix "
+            f"multiply ({n.target}) of {names} tensors; eager PyTorch refuses it too (mat1 and mat2 must have the "
+            "same dtype). How to fix: give the batch the model's floating dtype (x.float() for a float32 model; "
+            "integer ids stay int64), or cast before the multiply.", op=str(n.target))
 
 
 def _loss_fn_mismatch(model: nn.Module, loss_fn: LossFn | None, args: tuple, kwargs: dict, e: BaseException,
