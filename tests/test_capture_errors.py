@@ -78,15 +78,16 @@ def test_item_call_in_forward_raises_capture_error_naming_its_line() -> None:
     assert ".item()" in str(info.value)
 
 
+class _Regression(nn.Linear):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return nn.functional.mse_loss(super().forward(x), y)
+
+
 def test_an_empty_batch_is_told_to_be_empty_not_to_rewrite_the_loss_line() -> None:
     """mse_loss's backward divides by the batch's numel: the capture failed with "float division
     by zero ... rewrite that line", naming the user's loss line."""
-    class Regression(nn.Linear):
-        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-            return nn.functional.mse_loss(super().forward(x), y)
-
     x, y = torch.randn(4, 4), torch.randn(4, 4)
-    engine = fxspeed.compile(Regression(4, 4), 1, example_inputs=(x, y))
+    engine = fxspeed.compile(_Regression(4, 4), 1, example_inputs=(x, y))
     with pytest.raises(fxspeed.CaptureError, match=r"the batch holds empty tensors \(batch value 0: \(0, 4\), 1: "
                                                    r"\(0, 4\)\); an empty batch has no loss to train on"):
         engine.train_step(x[:0], y[:0])
@@ -131,12 +132,8 @@ def test_a_loss_fn_that_does_not_take_a_keyword_batch_is_told_how_it_is_called()
 def test_a_float64_batch_into_float32_weights_is_refused_at_capture_as_eager_refuses_it() -> None:
     """Fake tensors' addmm does not check dtypes: the step traced, then failed when it ran (on
     several ranks as "the ranks are out of step", though every rank failed alike)."""
-    class Regression(nn.Linear):
-        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-            return nn.functional.mse_loss(super().forward(x), y)
-
     x, y = torch.randn(4, 4), torch.randn(4, 4)
-    engine = fxspeed.compile(Regression(4, 4), 1, example_inputs=(x, y))
+    engine = fxspeed.compile(_Regression(4, 4), 1, example_inputs=(x, y))
     with pytest.raises(fxspeed.CaptureError, match=r"a matrix multiply \(aten.addmm.default\) of float32 and "
                                                    r"float64 tensors; eager PyTorch refuses it too"):
         engine.train_step(x.double(), y.double())

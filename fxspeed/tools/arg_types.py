@@ -5,34 +5,22 @@ model was built and compiled."""
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 
-def positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
-    return n
+def _checked(convert: Callable[[str], float], ok: Callable[[float], bool], expected: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):  # NaN fails every comparison: refused too
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value:g}")
+        return value
+
+    return parse
 
 
-def probability(text: str) -> float:
-    """A top-p: a float in (0, 1]."""
-    try:
-        p = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0.0 < p <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {p:g}")
-    return p
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not x >= 0.0:  # NaN too
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {x:g}")
-    return x
+positive_int = _checked(int, lambda n: n >= 1, "a positive integer")
+probability = _checked(float, lambda p: 0.0 < p <= 1.0, "a number in (0, 1]")  # a top-p
+non_negative_float = _checked(float, lambda x: x >= 0.0, "a number >= 0")
