@@ -87,6 +87,12 @@ def test_run_requires_a_positive_process_count_and_a_script() -> None:
     assert (a.nproc, a.script, a.script_args, a.module) == (2, "train.py", ["--steps", "3"], False)
 
 
+def test_run_without_a_script_names_only_the_script_as_missing(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "-n", "2"])
+    assert capsys.readouterr().err.rstrip().endswith("the following arguments are required: SCRIPT")
+
+
 def test_run_of_a_script_that_does_not_exist_is_a_usage_error_before_any_rank_starts(
         capsys: pytest.CaptureFixture) -> None:
     from fxspeed.tools.cli import main

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-m", "--module", action="store_true",
                    help="treat SCRIPT as a Python module name and run it like `python -m`")
     r.add_argument("script", metavar="SCRIPT", help="training script (or module name with -m)")
-    r.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to the script")
+    rest = r.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to the script")
+    rest.required = False  # argparse marks a REMAINDER positional required: "required: SCRIPT, ARGS" without a script
     return p
 
 
