@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class FxspeedError(Exception):
     """Base class of every error fxspeed raises on purpose."""
@@ -25,3 +27,9 @@ class ConfigError(FxspeedError, ValueError):
 
 class PassError(FxspeedError):
     """A rewrite pass failed or left an invalid graph; names the pass and those run before it."""
+
+
+def short_repr(value: Any, limit: int = 120) -> str:
+    """`repr(value)` cut to `limit` characters, for a value quoted inside an error message."""
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit - 3] + "..."

@@ -38,7 +38,7 @@ import uuid
 import warnings
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,6 +76,16 @@ class CanonicalState:
 # save
 
 
+class _RankPrep(NamedTuple):
+    """What each rank tells the others before a save writes anything."""
+
+    error: str | None  # why this rank cannot save, or None
+    layout: dict[str, tuple[tuple[int, ...], torch.dtype]]  # its tensors' shapes and dtypes by key
+    token: str  # group rank 0's names the temporary directory every rank writes into
+    free: int | None  # free bytes on the filesystem this rank writes to (None: unknown)
+    extra_bytes: int  # rank 0's pickled extra.pt
+
+
 def save_checkpoint(directory: str | os.PathLike, state: CanonicalState, *,
                     group: dist.ProcessGroup | None = None, rank: int = 0) -> None:
     """Write `state` to `directory` (replacing an earlier fxspeed checkpoint there).
@@ -108,19 +118,19 @@ def save_checkpoint(directory: str | os.PathLike, state: CanonicalState, *,
     except (FxspeedError, OSError) as e:
         error = str(e) if isinstance(e, FxspeedError) else f"cannot create a directory next to {directory!r}: {e}"
     layout = {k: (tuple(v.shape), v.dtype) for k, v in flat.items()}
-    mine = (error, layout, token, _free_bytes(directory), len(extra))
+    mine = _RankPrep(error, layout, token, _free_bytes(directory), len(extra))
     if group is not None:
         gathered: list[Any] = [None] * world
         _save_collective(directory, lambda: dist.all_gather_object(gathered, mine, group=group))
     else:
         gathered = [mine]
-    token = gathered[0][2]  # group rank 0's: all ranks write into the same temporary directory
+    token = gathered[0].token  # group rank 0's: all ranks write into the same temporary directory
     tmp = f"{directory}.tmp-{token}"
     try:
-        errors = [f"rank {r}: {e}" for r, (e, *_) in enumerate(gathered) if e]
+        errors = [f"rank {r}: {g.error}" for r, g in enumerate(gathered) if g.error]
         if errors:
             raise FxspeedError(f"not saving checkpoint {directory!r}:\n" + "\n".join(errors))
-        _check_replicas_agree(directory, [lay for _, lay, *_ in gathered])
+        _check_replicas_agree(directory, [g.layout for g in gathered])
         _check_room(directory, gathered)
     except FxspeedError:
         if rank == 0:
@@ -214,16 +224,16 @@ def _mb(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**20:.1f} MiB"
 
 
-def _check_room(directory: str, gathered: list[tuple]) -> None:
+def _check_room(directory: str, gathered: list[_RankPrep]) -> None:
     """Refuse before writing when a rank's filesystem cannot hold the whole checkpoint (each key
     written once, plus rank 0's extra.pt), the previous checkpoint kept until the new one is
     complete. A full disk mid-write used to end in torch's "unexpected pos 704 vs 598"."""
     shapes: dict[str, tuple] = {}
-    for _, layout, *_ in gathered:
-        shapes.update(layout)
+    for g in gathered:
+        shapes.update(g.layout)
     need = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in shapes.values())
-    need += gathered[0][4] + (1 << 20)  # rank 0's extra.pt; DCP's metadata and the marker
-    short = [(r, free) for r, (_, _, _, free, _) in enumerate(gathered) if free is not None and free < need]
+    need += gathered[0].extra_bytes + (1 << 20)  # rank 0's extra.pt; DCP's metadata and the marker
+    short = [(r, g.free) for r, g in enumerate(gathered) if g.free is not None and g.free < need]
     if short:
         r, free = short[0]
         raise FxspeedError(f"not saving checkpoint {directory!r}: it needs about {_mb(need)} and the filesystem "
@@ -320,8 +330,8 @@ def _describe(key: str) -> str:
     return f"model[{name!r}]" if kind == "model" else f"optimizer[{name!r}][{slot!r}]"
 
 
-def _union(gathered: list[tuple]) -> set[str]:
-    return set().union(*(lay for _, lay, *_ in gathered))
+def _union(gathered: list[_RankPrep]) -> set[str]:
+    return set().union(*(g.layout for g in gathered))
 
 
 def _pickle_extra(extra: dict[str, Any], directory: str) -> bytes:

@@ -36,10 +36,10 @@ import torch.utils._pytree as pytree
 
 from fxspeed.config import Config
 from fxspeed.devices import DeviceSpec
-from fxspeed.errors import ConfigError, FxspeedError
+from fxspeed.errors import ConfigError, FxspeedError, short_repr
 from fxspeed.ir import Bucket, IOSpec, Program, StepSignature
 from fxspeed.ir.program import graphs_draw_random
-from fxspeed.ir.batch import batch_digest, input_key, split_batch, split_inputs, tensor_leaves
+from fxspeed.ir.batch import batch_digest, describe_input_key, input_key, split_batch, split_inputs, tensor_leaves
 from fxspeed.ir.schedule import GATHER, B, F, I, RECV_B, RECV_F, SEND_F, STEP, W, Action, Schedule
 from fxspeed.mesh import (Mesh, check_agreement, check_same_everywhere, check_same_in_replica, check_same_model,
                           broadcast_into, share_generators, start_alike,
@@ -230,8 +230,9 @@ class Engine:
             return ex
         self.synchronize()  # tracing reads the weights
         self._check_parameters_unchanged()
-        wants_grad = [i for i, t in enumerate(split_inputs(args, kwargs)[0]) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if train and wants_grad:
+        wants_grad = [i for i, t in enumerate(split_inputs(args, kwargs)[0])
+                      if isinstance(t, torch.Tensor) and t.requires_grad] if train else []
+        if wants_grad:
             log.warning("fxspeed: batch value(s) %s require grad; train_step computes the parameters' gradients only, "
                         "so their .grad stays None (eager backward would fill it). Take input gradients with "
                         "torch.autograd on the eager model", wants_grad)
@@ -944,32 +945,17 @@ class Engine:
         """A step key's pieces by what a user would call them, for the error naming which differ:
         (train, batch key, (module states, loss_fn scalars), role), or a pipeline's
         ("pipeline", train, batch key)."""
-        def short(v: Any) -> str:
-            r = repr(v)
-            return r if len(r) <= 120 else r[:117] + "..."
-
-        def batch_parts(batch: tuple) -> dict[str, str]:
-            spec, leaves = batch
-            out = {"the batch's structure": short(" ".join(spec.split()))}
-            for i, leaf in enumerate(leaves):
-                if leaf[0] == "T":  # ("T", shape, dtype, device, format): see input_key
-                    out[f"batch value {i}"] = f"a tensor of shape {tuple(leaf[1])}, " \
-                                              f"{str(leaf[2]).removeprefix('torch.')} on {leaf[3]} ({leaf[4]})"
-                else:
-                    out[f"batch value {i}"] = short(leaf[-1])
-            return out
-
         if key[0] == "pipeline":
-            return {"the step": "train_step" if key[1] else "eval_step", **batch_parts(key[2])}
+            return {"the step": "train_step" if key[1] else "eval_step", **describe_input_key(key[2])}
         train, batch, (modules, fn_scalars), role = key
-        out = {"the step": "train_step" if train else "eval_step", **batch_parts(batch),
-               "loss_fn's numbers and strings": short(fn_scalars), "the grad_accum slice": short(role)}
+        out = {"the step": "train_step" if train else "eval_step", **describe_input_key(batch),
+               "loss_fn's numbers and strings": short_repr(fn_scalars), "the grad_accum slice": short_repr(role)}
         root = type(self.model).__name__
         for (name, _), (mode, attrs) in zip(self.model.named_modules(), modules):
             where = f"{root}.{name}" if name else root
             out[f"{where}.training"] = str(mode)
             for attr, value in attrs:
-                out[f"{where}.{attr}"] = short(value)
+                out[f"{where}.{attr}"] = short_repr(value)
         return out
 
     def _begin_step(self, name: str) -> None:

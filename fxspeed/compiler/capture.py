@@ -366,17 +366,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs:
     _drop_metadata_asserts(gm)
     signature = _signature(gm, sig, n_user=len(tensors), train=train, loss_out=wrapper.out_spec is None)
     _check_dense_grads(model, gm, signature)
-    # The canonical name of a tied weight is the first name the graph is fed (a hidden alias
-    # is never canonical: passes that merge aliases look the canonical up among the inputs).
-    named = list(model.named_parameters(remove_duplicate=False))
-    _feed_first_names(signature, named)
-    fed = {s.target for s in signature.inputs if s.kind == "param"}
-    first: dict[int, str] = {}
-    for name, p in sorted(named, key=lambda np_: np_[0] not in fed):  # stable: fed names first
-        if id(p) in first:
-            signature.tied[name] = first[id(p)]
-        else:
-            first[id(p)] = name
+    _name_ties(signature, list(model.named_parameters(remove_duplicate=False)))
     gm.meta["fxspeed_frozen"] = [n for n, p in model.named_parameters() if any(p is f for f in frozen)]
     return CapturedStep(gm=gm, signature=signature, in_spec=spec,
                         tensor_leaf=[isinstance(x, torch.Tensor) for x in leaves],
@@ -553,34 +543,48 @@ def _signature_mismatch(model: nn.Module, args: tuple, kwargs: dict, e: BaseExce
                         train: bool = True) -> CaptureError | None:
     """The batch does not fit forward's parameters (forward(x) given (x, y)): fxspeed calls the
     model with the whole batch, which users of a loss_fn often do not expect."""
+    refused = _call_refused(model.forward, args, kwargs, e)
+    if refused is None:
+        return None
+    sig, why = refused
+    name = type(model).__name__
+    return CaptureError(
+        f"cannot capture the {'training' if train else 'eval'} step of {name}: fxspeed calls the model with the "
+        "whole batch, "
+        f"{name}(*args, **kwargs) of example_inputs (and of each train_step(*args, **kwargs)), here "
+        f"{_given(args, kwargs)}, but {name}.forward{sig} does not accept that ({why}). loss_fn does not change "
+        "how the model is called: it is called after forward as loss_fn(output, *args, **kwargs), with the same "
+        "batch. How to fix: let forward take every batch element (e.g. def forward(self, x, y=None) that ignores "
+        "y, which loss_fn(out, x, y) then receives), or wrap the model in a module whose forward(x, y) returns "
+        "the loss, e.g. loss_fn(self.model(x), y), and compile that without loss_fn.",
+    )
+
+
+def _call_refused(f: Callable, args: tuple, kwargs: dict, e: BaseException
+                  ) -> tuple[inspect.Signature, str] | None:
+    """(f's signature, why) when the failure `e` holds a TypeError and f(*args, **kwargs) does not
+    bind; None when it binds or f has no signature to read (a builtin)."""
     cur: BaseException | None = e
     while cur is not None and not isinstance(cur, TypeError):
         cur = cur.__cause__ or cur.__context__
     if cur is None:
         return None
     try:
-        sig = inspect.signature(model.forward)
+        sig = inspect.signature(f)
     except (TypeError, ValueError):
         return None
     try:
         sig.bind(*args, **kwargs)
         return None
     except TypeError as bad:
-        why = str(bad)
-    name = type(model).__name__
+        return sig, str(bad)
+
+
+def _given(args: tuple, kwargs: dict) -> str:
     given = [f"{len(args)} positional argument{'s' if len(args) != 1 else ''}"]
     if kwargs:
         given.append("keywords " + ", ".join(kwargs))
-    return CaptureError(
-        f"cannot capture the {'training' if train else 'eval'} step of {name}: fxspeed calls the model with the "
-        "whole batch, "
-        f"{name}(*args, **kwargs) of example_inputs (and of each train_step(*args, **kwargs)), here "
-        f"{' and '.join(given)}, but {name}.forward{sig} does not accept that ({why}). loss_fn does not change "
-        "how the model is called: it is called after forward as loss_fn(output, *args, **kwargs), with the same "
-        "batch. How to fix: let forward take every batch element (e.g. def forward(self, x, y=None) that ignores "
-        "y, which loss_fn(out, x, y) then receives), or wrap the model in a module whose forward(x, y) returns "
-        "the loss, e.g. loss_fn(self.model(x), y), and compile that without loss_fn.",
-    )
+    return " and ".join(given)
 
 
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "mv", "addmv"}
@@ -590,7 +594,7 @@ def _check_matmul_dtypes(model: nn.Module, gm: fx.GraphModule, train: bool) -> N
     """A matmul of two floating dtypes (a float64 batch into float32 weights) traces: fake
     tensors' addmm does not check dtypes, where eager raises "mat1 and mat2 must have the same
     dtype". The compiled step then failed when it ran, and on several ranks as "the ranks are
-    out of step", though every rank failed alike. Said at capture, with the line, as eager would."""
+    out of step", though every rank failed alike. Said at capture, as eager says it."""
     for n in gm.graph.nodes:
         if n.op != "call_function" or getattr(n.target, "__name__", "").split(".")[0] not in _MATMULS:
             continue
@@ -611,26 +615,15 @@ def _loss_fn_mismatch(model: nn.Module, loss_fn: LossFn | None, args: tuple, kwa
     """loss_fn does not take (output, *args, **kwargs): `lambda out, *batch: ...` given a keyword
     batch failed as "<lambda>() got an unexpected keyword argument 'input_ids'. How to fix: rewrite
     that line without the unsupported construct", naming no line."""
-    cur: BaseException | None = e
-    while cur is not None and not isinstance(cur, TypeError):
-        cur = cur.__cause__ or cur.__context__
-    if cur is None or loss_fn is None:
+    refused = _call_refused(loss_fn, (None, *args), kwargs, e) if loss_fn is not None else None
+    if refused is None:
         return None
-    try:
-        inspect.signature(loss_fn).bind(None, *args, **kwargs)
-        return None
-    except ValueError:  # no signature to read (a builtin)
-        return None
-    except TypeError as bad:
-        why = str(bad)
-    given = [f"{len(args)} positional argument{'s' if len(args) != 1 else ''}"]
-    if kwargs:
-        given.append("keywords " + ", ".join(kwargs))
+    why = refused[1]
     name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
     return CaptureError(
         f"cannot capture the {'training' if train else 'eval'} step of {type(model).__name__}: loss_fn {name} is "
         f"called as loss_fn(output, *args, **kwargs) with the whole batch, here the output and "
-        f"{' and '.join(given)}, and it does not accept that ({why}). How to fix: take what the batch holds, e.g. "
+        f"{_given(args, kwargs)}, and it does not accept that ({why}). How to fix: take what the batch holds, e.g. "
         "loss_fn=lambda out, *args, **kwargs: ... (a keyword batch such as engine.train_step(**batch) arrives "
         "as keywords), or def loss_fn(out, input_ids, labels, **rest).",
     )
@@ -894,18 +887,24 @@ def _signature(gm: fx.GraphModule, sig: Any, n_user: int, train: bool, loss_out:
     return StepSignature(inputs, outputs)
 
 
-def _feed_first_names(signature: StepSignature, named: list[tuple[str, nn.Parameter]]) -> None:
-    """A tied weight fed only under a later name is fed under its first one instead.
+def _name_ties(signature: StepSignature, named: list[tuple[str, nn.Parameter]]) -> None:
+    """A tied weight's canonical name is its first name in `model.named_parameters()` (the one the
+    runtime, checkpoints and `state_dict` use); its other names go to `signature.tied`. A tie the
+    graph is fed only under a later name is fed under the canonical one instead, so the canonical
+    name is always among the inputs (passes that merge aliases look it up there).
 
     Before: `inputs=[param enc.weight]`, outputs `[grad enc.weight]` (the forward reaches the
     weight through `enc` only; `shared` is hidden from the trace as an unused alias).
-    After:  `inputs=[param shared.weight]`, `[grad shared.weight]` -- the name the runtime,
-    checkpoints and `state_dict` know the weight by (`model.named_parameters()`'s first name);
-    under ZeRO-3 the flat shards held it as `enc.weight` and state_dict read it back 0-size.
+    After:  `inputs=[param shared.weight]`, `[grad shared.weight]`, `tied={"enc.weight":
+    "shared.weight"}` -- under ZeRO-3 the flat shards held it as `enc.weight` and state_dict read
+    it back 0-size.
     """
     first: dict[int, str] = {}
     for name, p in named:
-        first.setdefault(id(p), name)
+        if id(p) in first:
+            signature.tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
     by_name = dict(named)
     fed = {s.target for s in signature.inputs if s.kind == "param"}
     rename: dict[str, str] = {}

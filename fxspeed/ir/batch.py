@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fxspeed.errors import ConfigError
+from fxspeed.errors import ConfigError, short_repr
 
 
 def split_inputs(args: tuple, kwargs: dict) -> tuple[list[Any], pytree.TreeSpec]:
@@ -31,6 +31,22 @@ def input_key(args: tuple, kwargs: dict) -> tuple:
         else:
             parts.append(_constant_key(x))
     return (str(spec), tuple(parts))
+
+
+def describe_input_key(key: tuple) -> dict[str, str]:
+    """An `input_key` in words, piece by piece (for an error naming which pieces differ between
+    ranks): {"the batch's structure": ..., "batch value 0": "a tensor of shape (4, 8), int64 on cpu
+    (contiguous)", ...}."""
+    spec, leaves = key
+    out = {"the batch's structure": short_repr(" ".join(spec.split()))}
+    for i, leaf in enumerate(leaves):
+        if leaf[0] == "T":
+            _, shape, dtype, device, fmt = leaf
+            out[f"batch value {i}"] = f"a tensor of shape {tuple(shape)}, {str(dtype).removeprefix('torch.')} " \
+                                      f"on {device} ({fmt})"
+        else:
+            out[f"batch value {i}"] = short_repr(leaf[-1])
+    return out
 
 
 def _constant_key(x: Any) -> tuple:

@@ -182,7 +182,6 @@ def _train(args: Any, devices: int, zero: int) -> int:
         if lead:
             model = GPT(cfg)
             model.load_state_dict(state)
-        if lead:
             print("\nsample:", repr(sample(model, data, args.sample, gen)))
     return 0
 
