@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from fxspeed.ir import (ACTIVATIONS, BACKWARD, BUFFERS, FORWARD, GRADIENTS, INPUTS, IO, META_KEY, PARAMETERS, STEP,
-                        TEMPORARIES, NodeInfo, StepSignature, dtype_name, step_calls, tensor_bytes)
+                        TEMPORARIES, NodeInfo, StepSignature, dtype_name, op_workspace, step_calls, tensor_bytes)
 
 _INPUT_CATEGORY = {"param": PARAMETERS, "param_shard": PARAMETERS, "param_tp": PARAMETERS, "buffer": BUFFERS,
                    "input": INPUTS,
@@ -62,6 +62,7 @@ def annotate(gm: fx.GraphModule, signature: StepSignature, module_of: dict[str, 
         inf.bytes_read = sum(tensor_bytes(a.meta.get("val")) for a in n.all_input_nodes) if not inf.is_view else 0
         inf.bytes_written = 0 if inf.is_view else inf.output_bytes
         inf.flops = node_flops(n)
+        inf.workspace = op_workspace(n)
         if n in grad_outputs:
             inf.category = GRADIENTS
         elif role == FORWARD and any(u not in forward and u.op != "output" for u in n.users):

@@ -52,6 +52,7 @@ class NodeInfo:
     role: str = FORWARD
     category: str = TEMPORARIES
     is_view: bool = False  # output aliases an input's storage: allocates nothing
+    workspace: int = 0  # bytes the op allocates and frees inside itself (op_workspace)
     time: float = 0.0  # predicted seconds on the plan's device (roofline)
 
     def to_dict(self) -> dict[str, Any]:
@@ -181,6 +182,28 @@ def tensor_bytes(t: Any) -> int:
     return 0
 
 
+# Scratch that an op allocates and frees inside itself, beyond its outputs: a fused kernel's fp32
+# accumulators and per-chunk blocks, which no graph value shows. ATen ops' own scratch is small
+# next to their outputs and is not modelled. A kernel registers a function of its arguments
+# (FakeTensors or ints, as in node.args) returning bytes; the liveness analyses count the bytes
+# as temporaries while the node runs.
+_WORKSPACE: dict[Any, Any] = {}
+
+
+def register_workspace(op: Any, fn: Any) -> None:
+    """Declare `fn(*args, **kwargs) -> bytes` as `op`'s internal scratch (an OpOverload)."""
+    _WORKSPACE[op] = fn
+
+
+def op_workspace(n: fx.Node) -> int:
+    """The scratch bytes `n`'s op declared for `n`'s arguments (0 for ops that declared none)."""
+    fn = _WORKSPACE.get(n.target) if n.op == "call_function" else None
+    if fn is None:
+        return 0
+    args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
+    return int(fn(*args, **kwargs))
+
+
 def is_dense(t: torch.Tensor) -> bool:
     """Its elements fill exactly numel() consecutive slots in some dimension order (a permuted
     contiguous tensor: transposed, channels_last), so its bytes move as one run and a
@@ -199,4 +222,4 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-__all__ = ['META_KEY', 'FORWARD', 'BACKWARD', 'IO', 'STEP', 'STEP_PARAMETERS_OP', 'STEP_BUCKETS_OP', 'step_calls', 'PARAMETERS', 'GRADIENTS', 'OPTIMIZER_STATES', 'ACTIVATIONS', 'TEMPORARIES', 'BUFFERS', 'INPUTS', 'COMM_BUFFERS', 'CATEGORIES', 'NodeInfo', 'IOSpec', 'Bucket', 'StepSignature', 'info', 'tensor_bytes', 'is_dense', 'dtype_name']
+__all__ = ['META_KEY', 'FORWARD', 'BACKWARD', 'IO', 'STEP', 'STEP_PARAMETERS_OP', 'STEP_BUCKETS_OP', 'step_calls', 'PARAMETERS', 'GRADIENTS', 'OPTIMIZER_STATES', 'ACTIVATIONS', 'TEMPORARIES', 'BUFFERS', 'INPUTS', 'COMM_BUFFERS', 'CATEGORIES', 'NodeInfo', 'IOSpec', 'Bucket', 'StepSignature', 'info', 'tensor_bytes', 'register_workspace', 'op_workspace', 'is_dense', 'dtype_name']

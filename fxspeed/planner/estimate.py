@@ -33,10 +33,10 @@ import torch.nn as nn
 from fxspeed.config import Config
 from fxspeed.planner.cost_model import estimate_times, optimizer_time
 from fxspeed.devices import DeviceSpec
-from fxspeed.ir import (BUFFERS, CATEGORIES, COMM_BUFFERS, GRADIENTS, INPUTS, META_KEY, OPTIMIZER_STATES, PARAMETERS,
-                        TEMPORARIES, StepSignature, step_calls, tensor_bytes)
-from fxspeed.planner.extrapolate import extrapolate_peak
-from fxspeed.planner.memory import memory_timeline
+from fxspeed.ir import (BACKWARD, BUFFERS, CATEGORIES, COMM_BUFFERS, GRADIENTS, INPUTS, META_KEY, OPTIMIZER_STATES, PARAMETERS,
+                        FORWARD, TEMPORARIES, StepSignature, step_calls, tensor_bytes)
+from fxspeed.planner.extrapolate import ALL, extrapolate_peak, extrapolate_peaks
+from fxspeed.planner.memory import memory_timeline, phase_of
 from fxspeed.planner.placement import PlacementAnalysis, collapse_blocks, describe_placements
 from fxspeed.planner.plan import Plan, layout_text
 
@@ -144,6 +144,10 @@ class GraphCosts:
     # The traced step's liveness (memory.Timeline): repeated-layer extrapolation extrapolates its
     # points (planner/extrapolate.py). None on extrapolated costs
     liveness: Any = field(default=None, repr=False, compare=False)
+    # The peak's breakdown within forward and within backward (memory.Timeline.phase_peaks): the
+    # gradient buckets a replica holds in flight are added to backward's only (step_peak). Empty:
+    # `step` stands for both
+    phase_steps: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def state_basis(self) -> float:
@@ -174,7 +178,9 @@ class GraphCosts:
                           tp_communication=lin_d(self.tp_communication, two.tp_communication),
                           offloaded_activation_bytes=lin(self.offloaded_activation_bytes,
                                                          two.offloaded_activation_bytes),
-                          gradient_order=_repeat_block(self.gradient_order, two.gradient_order, layers - blocks))
+                          gradient_order=_repeat_block(self.gradient_order, two.gradient_order, layers - blocks),
+                          phase_steps={ph: lin_d(self.phase_steps[ph], two.phase_steps[ph])
+                                       for ph in self.phase_steps.keys() & two.phase_steps.keys()})
 
 
 def _repeat_block(one: list[tuple[int, str]], two: list[tuple[int, str]], more: float) -> list[tuple[int, str]]:
@@ -264,6 +270,7 @@ def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec
         tp_placements=placed[0], tp_communication={k: float(v) for k, v in placed[1].items()},
         offloaded_activation_bytes=float(sum(signature.offloaded_activations.values())),
         gradient_order=_gradient_order(gm, signature, trainable), liveness=tl,
+        phase_steps={ph: {c: float(v) for c, v in peak.items()} for ph, peak in tl.phase_peaks.items()},
     )
 
 
@@ -285,7 +292,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
 
     shard = lambda b, stage: b / dp if z >= stage else b  # noqa: E731
     states, masters = partition_states(costs, config, dp)  # what offload may move; masters kept here
-    peak_resident = max(sum(step_phase(costs.step, costs, config, dp, 0).values()),  # nothing offloaded
+    peak_resident = max(sum(step_peak(costs, config, dp, 0).values()),  # nothing offloaded
                         sum(_optimizer_phase(costs, config, devices, dp, 0).values()))
     in_file = masters_in_file(costs, config)
     staged_here = staging_on_device(devices[0])
@@ -306,7 +313,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
         offloaded[f"activations ({where})"] = int(round(costs.offloaded_activation_bytes))
         notes.append("saved activations leave the device in forward and come back ahead of backward "
                      "(offload_activations): the memory above counts them gone in between")
-    step = step_phase(costs.step, costs, config, dp, moved, staged_here)
+    step = step_peak(costs, config, dp, moved, staged_here)
     comm = step[COMM_BUFFERS]
     opt_phase = _optimizer_phase(costs, config, devices, dp, moved)
     as_int = lambda d: {c: int(round(d.get(c, 0))) for c in CATEGORIES}  # noqa: E731
@@ -550,9 +557,21 @@ def choose_offload(config: Config, states: float, peak_resident: float,
     return int(moved), note
 
 
+def step_peak(costs: GraphCosts, config: Config, n_devices: int, offloaded: float | None = None,
+              staged_here: bool = True) -> dict[str, float]:
+    """The rank's bytes by category at the peak of the step: the larger of forward's peak and
+    backward's with the gradient buckets in flight (`step_phase` of each); of `costs.step` with
+    them where the costs have no phase peaks."""
+    phases = [(costs.phase_steps[ph], ph == BACKWARD) for ph in (FORWARD, BACKWARD) if ph in costs.phase_steps]
+    candidates = [step_phase(live, costs, config, n_devices, offloaded, staged_here, in_backward=b)
+                  for live, b in phases or [(costs.step, True)]]
+    return max(candidates, key=lambda d: sum(d.values()))
+
+
 def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, n_devices: int,
-               offloaded: float | None = None, staged_here: bool = True) -> dict[str, float]:
-    """Rank bytes by category while the graph runs, from the graph's live bytes at one node.
+               offloaded: float | None = None, staged_here: bool = True, in_backward: bool = True) -> dict[str, float]:
+    """Rank bytes by category while the graph runs, from the graph's live bytes at one node
+    (`in_backward`: a node of backward, where gradient buckets are in flight).
 
     The graph's own parameters and gradients are full-size; ZeRO shards what the rank keeps.
     Optimizer states are resident (steady state) and so are communication buffers."""
@@ -566,7 +585,7 @@ def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, 
                                                        staged_here) + masters
     comm = 0.0
     bucket = largest_gradient_bucket(costs, config.bucket_mb * 2**20)
-    if dp > 1:
+    if dp > 1 and in_backward:
         # Double-buffered gradient buckets. The planned program holds gradients per parameter (it
         # is planned before the distributed passes); with several replicas a bucket's gradients
         # stay full-size until the bucket is complete, and its reduction stages a second one.
@@ -585,9 +604,11 @@ def step_phase_series(costs: GraphCosts, config: Config, dp: int, offloaded: flo
     `step_phase` makes the peak's: `dp` replicas, `offloaded` optimizer-state bytes)."""
     graph_params = costs.step.get(PARAMETERS, 0.0)
     out = []
-    for total, grads in zip(costs.timeline["bytes"], costs.timeline["gradients"]):
+    roles = costs.timeline.get("roles") or [BACKWARD] * len(costs.timeline["bytes"])
+    for total, grads, role in zip(costs.timeline["bytes"], costs.timeline["gradients"], roles):
         live = {PARAMETERS: graph_params, GRADIENTS: grads, TEMPORARIES: total - graph_params - grads}
-        out.append(sum(step_phase(live, costs, config, dp, offloaded, staged_here).values()))
+        out.append(sum(step_phase(live, costs, config, dp, offloaded, staged_here,
+                                  in_backward=phase_of(role) == BACKWARD).values()))
     return out
 
 
@@ -721,8 +742,8 @@ def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, 
     # breakdown only where the traces do not read as one block inserted
     check = c2.extrapolate(c3, 4, blocks=2)
     check_peak = extrapolate_peak(c2.liveness, c3.liveness, 3, 4)
-    peak = extrapolate_peak(c3.liveness, c4.liveness, 4, layers)
-    by_points = check_peak is not None and peak is not None
+    peaks = extrapolate_peaks(c3.liveness, c4.liveness, 4, layers)
+    by_points = check_peak is not None and peaks is not None
     if by_points:
         check.step = check_peak
     errs = {"peak memory": _rel(sum(check.step.values()), sum(c4.step.values())),
@@ -743,7 +764,8 @@ def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, 
     costs = c2.extrapolate(c3, layers, blocks=2)
     costs.timeline = c4.timeline
     if by_points:
-        costs.step = peak
+        costs.step = peaks.pop(ALL)
+        costs.phase_steps = peaks
     negative = sorted(c for c, v in costs.step.items() if v < 0)
     if negative:
         # (Linear fallback) the peak is at another place in the 2- and 3-block traces (a tensor counted as one

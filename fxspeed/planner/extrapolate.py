@@ -24,17 +24,29 @@ index, so the maximum over these points is the L-block peak.
 from __future__ import annotations
 
 from fxspeed.ir import FORWARD, GRADIENTS
-from fxspeed.planner.memory import Timeline
+from fxspeed.planner.memory import Timeline, phase_of
 
 
 def extrapolate_peak(shallow: Timeline, deeper: Timeline, deeper_blocks: int,
                      layers: float) -> dict[str, float] | None:
+    """The overall peak of `extrapolate_peaks`."""
+    peaks = extrapolate_peaks(shallow, deeper, deeper_blocks, layers)
+    return None if peaks is None else peaks[ALL]
+
+
+ALL = "all"
+
+
+def extrapolate_peaks(shallow: Timeline, deeper: Timeline, deeper_blocks: int,
+                      layers: float) -> dict[str, dict[str, float]] | None:
     """The peak's live bytes by category with `layers` blocks, from the timelines of the same step
     traced with n (`shallow`) and n + 1 = `deeper_blocks` (`deeper`) blocks; the peak is chosen as memory_timeline
     chooses it (gradients weighted by the deeper trace's grad_scale).
 
-    >>> extrapolate_peak(timeline(model with 2 blocks), timeline(model with 3 blocks), 3, 32)
-    {'parameters': ..., 'activations': ..., 'gradients': ..., ...}
+    >>> extrapolate_peaks(timeline(model with 2 blocks), timeline(model with 3 blocks), 3, 32)
+    {'all': {'parameters': ..., 'activations': ..., 'gradients': ..., ...}, 'forward': {...}, 'backward': {...}}
+
+    ('all' is the peak; 'forward' and 'backward' the peaks within each phase, as Timeline.phase_peaks.)
 
     None when `deeper` is not `shallow` with one block's forward and backward nodes inserted (blocks
     whose nodes interleave, passes that rewrite per step): the caller falls back to a linear
@@ -54,15 +66,17 @@ def extrapolate_peak(shallow: Timeline, deeper: Timeline, deeper_blocks: int,
     p, r = split
     q = r + m_f  # where the block's backward nodes were inserted in the deeper trace
     k = layers - deeper_blocks
-    best, peak = float("-inf"), None
+    best: dict[str, float] = {}
+    peaks: dict[str, dict[str, float]] = {}
     for j in range(len(B)):
         i = j if j < p else j - m_f if j < q + m_b else j - m_f - m_b
         here, there = deeper.live[b[j]], shallow.live[a[i]]
         live = {c: here.get(c, 0) + k * (here.get(c, 0) - there.get(c, 0)) for c in {*here, *there}}
         weighted = sum(live.values()) - (1.0 - deeper.grad_scale) * live.get(GRADIENTS, 0)
-        if weighted > best:
-            best, peak = weighted, live
-    return peak
+        for key in (ALL, phase_of(deeper.roles[b[j]])):
+            if weighted > best.get(key, float("-inf")):
+                best[key], peaks[key] = weighted, live
+    return peaks if ALL in peaks else None
 
 
 def _insertions(A: list[str], B: list[str], m_f: int, m_b: int, turn: int) -> tuple[int, int] | None:

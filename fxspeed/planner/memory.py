@@ -1,7 +1,8 @@
 """Liveness analysis: bytes alive at every node of a step, by category.
 
 Walks the graph in execution order; a node's output is allocated when it runs and freed after
-its last reader (views and tuple elements keep their base alive). Graph inputs (parameters,
+its last reader (views and tuple elements keep their base alive); the scratch an op declares
+(`op_workspace`: a fused kernel's accumulators) is alive while that node runs. Graph inputs (parameters,
 buffers, the batch) are alive throughout; graph outputs (loss, gradients, buffer updates)
 stay alive to the end. This mirrors what FX codegen does at run time: it drops each value
 right after its last use.
@@ -15,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fxspeed.ir import ACTIVATIONS, GRADIENTS, META_KEY, TEMPORARIES, NodeInfo, tensor_bytes
+from fxspeed.ir import (ACTIVATIONS, BACKWARD, FORWARD, GRADIENTS, META_KEY, STEP, TEMPORARIES, NodeInfo, op_workspace,
+                        tensor_bytes)
 
 _PROMOTE = {ACTIVATIONS: 1, GRADIENTS: 2}
 
@@ -36,10 +38,20 @@ class Timeline:
     live: list[dict[str, int]] = field(default_factory=list, repr=False)
     keys: list[str] = field(default_factory=list, repr=False)
     grad_scale: float = 1.0
+    # The peak's breakdown within forward (and the program's inputs) and within backward (and the
+    # optimizer steps in it), chosen as `peak` is: the planner adds gradient buckets in flight to
+    # backward's only (phase_of)
+    phase_peaks: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> int:
         return sum(self.peak.values())
+
+
+def phase_of(role: str) -> str:
+    """BACKWARD for a node of backward or an optimizer step inside it, else FORWARD (forward's
+    nodes and the program's inputs): gradient buckets are in flight only in the first."""
+    return BACKWARD if role in (BACKWARD, STEP) else FORWARD
 
 
 def memory_timeline(gm: fx.GraphModule, grad_scale: float = 1.0) -> Timeline:
@@ -97,21 +109,28 @@ def memory_timeline(gm: fx.GraphModule, grad_scale: float = 1.0) -> Timeline:
     tl = Timeline(grad_scale=grad_scale)
     live: dict[str, int] = {}
     best = -1
+    phase_best: dict[str, float] = {}
     for i, n in enumerate(nodes):
         if n in alloc:
             size, cat = alloc[n]
             live[cat] = live.get(cat, 0) + size
-        total = sum(live.values())
-        tl.names.append(n.name)
         inf = n.meta.get(META_KEY)
+        now = dict(live)  # what is alive while n runs: its own scratch too, freed when it returns
+        if inf is not None and inf.workspace:
+            now[TEMPORARIES] = now.get(TEMPORARIES, 0) + inf.workspace
+        total = sum(now.values())
+        tl.names.append(n.name)
         tl.roles.append(inf.role if inf else "")
         tl.totals.append(total)
         tl.gradients.append(live.get(GRADIENTS, 0))
-        tl.live.append(dict(live))
+        tl.live.append(now)
         tl.keys.append(f"{n.op}:{n.target}" if n.op == "call_function" else n.op)
         weighted = total - (1.0 - grad_scale) * live.get(GRADIENTS, 0)
         if weighted > best:
-            best, tl.peak_index, tl.peak = weighted, i, dict(live)
+            best, tl.peak_index, tl.peak = weighted, i, now
+        phase = phase_of(tl.roles[-1])
+        if weighted > phase_best.get(phase, -1):
+            phase_best[phase], tl.phase_peaks[phase] = weighted, now
         for dead in frees.get(i, ()):
             if dead in alloc:
                 size, cat = alloc[dead]
@@ -210,7 +229,7 @@ def program_liveness(gm: fx.GraphModule) -> ProgramLiveness:
     live, total = [], 0
     for i, n in enumerate(nodes):
         total += alloc.get(n, 0)
-        live.append(total)
+        live.append(total + op_workspace(n))
         total -= frees.get(i, 0)
     out_node = nodes[-1]
     results = out_node.args[0] if out_node.op == "output" else ()
