@@ -275,7 +275,7 @@ class Engine:
             self._first_fetch = cap.signature.first_fetch
             if self.config.offloads_activations:
                 self._activation_store().reserve(cap.signature.offloaded_activations)
-        ex = StepExecutor(Program(cap.gm, cap.signature, train=train, out_spec=cap.out_spec),
+        ex = StepExecutor(Program(cap.gm, cap.signature, train=train, out_spec=cap.out_spec, out_type=cap.out_type),
                           functools.partial(self._bind, working=working))
         self._executors[key] = ex
         self._count_compile()
@@ -324,20 +324,24 @@ class Engine:
         if self._flat is not None and self._flat.released and self._device.type == "cpu":
             release_freed_host_memory()  # the module's fp32 Parameters, now empty
 
-    def _guard_released_module(self, released: list[nn.Parameter], where: str, also: str) -> None:
-        """The user's module holds 0-size Parameters where this rank does not keep the weight;
-        calling it would fail deep inside an op ("'weight' must be 2-D"). Say why, and what works."""
+    def _guard_released_module(self, released: list[nn.Parameter], where: str, also: str,
+                               partial: Callable[[torch.Tensor], bool] | None = None) -> None:
+        """The user's module holds 0-size Parameters where this rank does not keep the weight
+        (or, under tensor parallelism, this rank's slice: `partial` tells a Parameter that is not
+        whole); calling it would fail deep inside an op ("'weight' must be 2-D") or, with a slice,
+        compute the wrong thing silently. Say why, and what works."""
         if not released or self._release_hook is not None:
             return
+        partial = partial or (lambda t: t.numel() == 0)
         name = type(self.model).__name__
         # Looked up at call time: while the engine traces, stand-ins of full shape replace it.
         owner, leaf = next((m, n) for m in self.model.modules() for n, p in m._parameters.items() if p is released[0])
 
         def refuse(what: str, instead: str) -> None:
-            if owner._parameters[leaf].numel() == 0:  # not inside engine.gathered(), not while tracing
+            if partial(owner._parameters[leaf]):  # not inside engine.gathered(), not while tracing
                 raise FxspeedError(
                     f"{name}{what}, but fxspeed's engine holds its parameters {where}: this rank's "
-                    f"module has 0-size Parameters. {instead}")
+                    f"module does not hold them whole. {instead}")
 
         full = ("get the full weights with engine.state_dict() (collective: call it on every rank) and load them "
                 "into a copy of the model")
@@ -713,6 +717,11 @@ class Engine:
         (a tied weight fed under two names, one sliced and one whole, would be bound wrongly)."""
         if not self._tp:
             self._tp.apply(self._params, sig.tp_layout)
+            if self._tp:
+                p, _, _, full = next(iter(self._tp.layout.values()))
+                self._guard_released_module([p], f"as slices over the {self.mesh.tp} tensor-parallel ranks",
+                                            " or wrap the call in `with engine.gathered():` (on every rank)",
+                                            partial=lambda t: tuple(t.shape) != full)
             if not sig.tp_layout and not self._tp_unsharded_said:
                 self._tp_unsharded_said = True
                 log.warning("fxspeed: tensor=%d: the planner sharded none of %s's parameters (at these sizes keeping "
@@ -1425,8 +1434,11 @@ class Engine:
                 dist.all_reduce(loss, group=self.dist.group)
                 loss /= self.dist.world
             return float(loss)
-        spec = ex.program.out_spec
-        return pytree.tree_unflatten(out.outputs, spec) if spec is not None else out.outputs
+        spec, cls = ex.program.out_spec, ex.program.out_type
+        if spec is None:
+            return out.outputs
+        result = pytree.tree_unflatten(out.outputs, spec)
+        return cls(**result) if cls is not None and isinstance(result, dict) else result
 
     def _pipeline_eval(self, args: tuple, kwargs: dict) -> float:
         if self.dist.active:
@@ -2064,8 +2076,9 @@ def _warn_python_state_changed(model: nn.Module, before: tuple, after: tuple) ->
         if a != b:
             diff = [f"{k}: {dict(b).get(k)!r} -> {v!r}" for k, v in a if dict(b).get(k) != v]
             log.warning("fxspeed: %s's forward changes Python attribute(s) of module %r (%s) while being traced; the "
-                        "compiled step runs without forward's Python, so they keep these values and a branch on "
-                        "them is fixed. Keep such state in a buffer (register_buffer) updated with tensor ops",
+                        "compiled step runs without forward's Python: every step computes what eager's first call "
+                        "computes, the attributes keep the values that call left and a branch on them is fixed. "
+                        "Keep such state in a buffer (register_buffer) updated with tensor ops",
                         type(model).__name__, names.get(id(m), "?") or "(root)", "; ".join(diff[:3]))
             return
 

@@ -88,7 +88,7 @@ def test_eval_step_without_loss_returns_outputs_equal_to_eager_eval_no_grad() ->
     assert_unchanged(model, before)
 
 
-def test_eval_step_of_hf_model_without_labels_returns_a_dict_of_outputs() -> None:
+def test_eval_step_of_hf_model_without_labels_returns_the_models_output_class() -> None:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
                                   bos_token_id=0, eos_token_id=0)
@@ -100,6 +100,8 @@ def test_eval_step_of_hf_model_without_labels_returns_a_dict_of_outputs() -> Non
     model.eval()
     with torch.no_grad():
         expected = model(input_ids=ids)
+    assert type(out) is type(expected) and out.past_key_values is None  # `out.logits` works, as eager's
+    assert_close_rel(out.logits, expected.logits, "logits")
     assert_close_rel(out["logits"], expected.logits, "logits")
     assert isinstance(engine.eval_step(input_ids=ids, labels=ids), float)
 

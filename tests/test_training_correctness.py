@@ -262,6 +262,27 @@ def test_a_forward_that_changes_python_state_is_named_in_a_warning(caplog: pytes
     assert engine.stats["compiles"] == 1  # warned once, not traced again at every step
 
 
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.seen = getattr(self, "seen", 0) + 1  # an attribute forward creates
+        return (self.w * x).sum() * self.calls * self.seen
+
+
+def test_a_counter_forward_bumps_is_baked_in_at_eager_first_call_value_not_after_the_traces_extra_runs() -> None:
+    """AOT export runs forward's Python twice (metadata, then the trace): the step computed with
+    calls = 2 (loss 8 where eager's first step gives 4) and left calls at 2."""
+    engine = fxspeed.compile(Scaled(), 1, fxspeed.Config(optimizer="sgd", lr=0.0), example_inputs=(torch.ones(4),))
+    loss = engine.train_step(torch.ones(4))
+    assert loss == pytest.approx(4.0)
+    assert engine.model.calls == 1 and engine.model.seen == 1
+
+
 def test_changing_requires_grad_after_compile_is_an_error_naming_the_parameter() -> None:
     engine, batch = _tiny_engine()
     engine.model.l.weight.requires_grad_(False)

@@ -55,6 +55,9 @@ class CapturedStep:
     tensor_leaf: list[bool]  # which leaves of (args, kwargs) are graph inputs
     module_of: dict[str, str] = field(default_factory=dict)  # node name -> owning module path
     out_spec: pytree.TreeSpec | None = None  # eval graphs without a loss: structure of outputs
+    # ... and the model's output class where it was a Hugging Face ModelOutput (flattened as a
+    # dict of its tensor entries; eval_step gives the class back, so `out.logits` works)
+    out_type: type | None = None
     train: bool = True
 
 
@@ -131,8 +134,12 @@ class _StepModule(nn.Module):
         self._consts = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         self._want_loss = want_loss
         self.out_spec: pytree.TreeSpec | None = None
+        self.out_type: type | None = None
+        self.scalars: list[tuple[dict, str, Any]] | None = None  # _scalars_before: reset at every run
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.scalars is not None:
+            _reset_scalars(self.model, self.scalars)
         it = iter(tensors)
         leaves = [next(it) if c is None else c for c in self._consts]
         args, kwargs = pytree.tree_unflatten(leaves, self._spec)
@@ -144,15 +151,20 @@ class _StepModule(nn.Module):
             return (extract_loss(out, self._loss_fn, args, kwargs, name),)
         except CaptureError:
             flat, self.out_spec = pytree.tree_flatten(_plain(out))
+            self.out_type = type(out) if _is_model_output(out) else None
             return tuple(flat)
 
 
 def _plain(out: Any) -> Any:
     """Hugging Face ModelOutput -> dict, so pytree can flatten it. Entries that are not trees
     of tensors (a KV cache object such as `past_key_values`) are left out of eval outputs."""
-    if hasattr(out, "to_tuple") and hasattr(out, "keys"):
+    if _is_model_output(out):
         return {k: out[k] for k in out.keys() if _is_tensor_tree(out[k])}
     return out
+
+
+def _is_model_output(out: Any) -> bool:
+    return hasattr(out, "to_tuple") and hasattr(out, "keys")
 
 
 def _is_tensor_tree(x: Any) -> bool:
@@ -302,6 +314,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs:
         model.eval()
     owners = _ModuleOwners(model)
     attrs = _attributes_before(model)
+    wrapper.scalars = _scalars_before(model)
     grad_calls: list[traceback.FrameSummary] = []
     try:
         with _tracing_flags(), owners, _rng_untouched(model, tensors), _without_torch_compile(model), \
@@ -370,7 +383,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs:
     gm.meta["fxspeed_frozen"] = [n for n, p in model.named_parameters() if any(p is f for f in frozen)]
     return CapturedStep(gm=gm, signature=signature, in_spec=spec,
                         tensor_leaf=[isinstance(x, torch.Tensor) for x in leaves],
-                        module_of=owners.owner, out_spec=wrapper.out_spec, train=train)
+                        module_of=owners.owner, out_spec=wrapper.out_spec, out_type=wrapper.out_type, train=train)
 
 
 # --------------------------------------------------------------------------------------------
@@ -396,6 +409,34 @@ def _attributes_before(model: nn.Module) -> dict[tuple[int, str], tuple[Any, Any
             if k not in _MODULE_INTERNALS:
                 snap[(id(mod), k)] = (v, copy.copy(v) if type(v) in (list, dict) else None, _tensor_ids(v))
     return snap
+
+
+_SCALAR_TYPES = (int, float, bool, str)
+
+
+def _scalars_before(model: nn.Module) -> list[tuple[dict, str, Any]]:
+    """(module.__dict__, name, value) of each number or string a module holds, before a trace.
+
+    A trace runs forward's Python more than once (AOT export collects metadata in a first run,
+    the alias check runs another): a counter forward bumps (`self.calls += 1`) would be baked in
+    at its second or third value. Every run starts from these values instead, so the step computes
+    what eager's first call computes and the module is left as one call leaves it."""
+    return [(mod.__dict__, k, v) for mod in model.modules() for k, v in _own_scalars(mod)]
+
+
+def _own_scalars(mod: nn.Module) -> list[tuple[str, Any]]:
+    return [(k, v) for k, v in mod.__dict__.items() if type(v) in _SCALAR_TYPES and k != "training"]
+
+
+def _reset_scalars(model: nn.Module, before: list[tuple[dict, str, Any]]) -> None:
+    """Numbers and strings back to `before` (_scalars_before); ones forward added are removed."""
+    known = {(id(d), k) for d, k, _ in before}
+    for mod in model.modules():
+        for k, _ in _own_scalars(mod):
+            if (id(mod.__dict__), k) not in known:
+                del mod.__dict__[k]
+    for d, k, v in before:
+        d[k] = v
 
 
 def _restore_attributes(model: nn.Module, before: dict[tuple[int, str], tuple[Any, Any, list[int]]]) -> None:

@@ -41,6 +41,7 @@ class Program:
     signature: StepSignature
     train: bool = True
     out_spec: pytree.TreeSpec | None = None  # eval programs without a loss: output structure
+    out_type: type | None = None  # the model's output class (HF ModelOutput), rebuilt from out_spec's dict
 
     def describe(self) -> dict[str, Any]:
         return {"nodes": len(self.gm.graph.nodes), "train": self.train, "signature": self.signature.to_dict()}

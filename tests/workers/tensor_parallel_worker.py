@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 import fxspeed
-from fxspeed.errors import ConfigError
+from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.models import GPT, GPTConfig
 from tests.workers.common import key_bias_masked, run_cases
 
@@ -269,6 +269,17 @@ def gpt() -> str:
             return f"{name} halved inside engine.gathered() is not halved in engine.state_dict()"
         with engine.gathered(), torch.no_grad():
             dict(model.named_parameters())[name].copy_(before)
+        # the module holds slices: called directly it computed with half the weights, and its
+        # state_dict() was a checkpoint of slices, silently; both refused (gathered() allows it)
+        for what, call in (("called", lambda: model(*bs[0])), ("state_dict()", model.state_dict)):
+            try:
+                call()
+                return f"the module holding tp slices was {what} with no error"
+            except FxspeedError as e:
+                if "tensor-parallel" not in str(e) or "engine.gathered()" not in str(e):
+                    return f"unclear refusal of {what}: {e}"
+        with engine.gathered():
+            model(*bs[0])
         # tp ranks passing other rows (local_batch(batch) splits by the global rank): they
         # all-reduced partial results of different rows with no error; refused, state untouched
         other = tuple(torch.roll(t, dist.get_rank(), 0) for t in bs[0])
