@@ -542,7 +542,9 @@ class ServingLoop:
             if temperature > 0:
                 gen = torch.Generator(device="cpu")
                 base = seed if seed is not None else int(torch.randint(0, 2**31, ()).item())
-                gen.manual_seed(base * 1_000_003 + i)  # per request: results do not depend on batching
+                # per request: results do not depend on batching; within the generator's 64 bits (a
+                # seed from time.time_ns() overflowed)
+                gen.manual_seed((base * 1_000_003 + i) % 2**64)
             out.append(_Request(i, ids, int(m), eos, temperature, top_k, top_p, gen))
         return out
 
@@ -725,7 +727,10 @@ def check_generate_options(name: str, kwargs: dict) -> None:
 def _sample(logits: torch.Tensor, r: _Request) -> int:
     if r.temperature == 0.0:
         return int(torch.argmax(logits).item())
-    x = logits / r.temperature
+    # From the row's maximum: a tiny temperature then sends the others to -inf, not the maximum
+    # to inf (softmax of an inf is NaN: temperature=1e-40 failed the whole call)
+    x = logits.float()
+    x = (x - x.max()) / r.temperature
     if r.top_k is not None and 0 < r.top_k < x.numel():
         kth = torch.topk(x, r.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -767,7 +772,7 @@ def _check_sampling(temperature: Any, top_k: Any, top_p: Any, seed: Any) -> None
 
 def _eos_set(e: Any, name: str) -> frozenset[int]:
     """One request's stop tokens: None, an id, or a list of ids."""
-    if isinstance(e, torch.Tensor) and not e.is_floating_point():  # an id or ids as a tensor, as prompts may be
+    if isinstance(e, torch.Tensor) or type(e).__module__ == "numpy":  # ids as a tensor or array, as prompts may be
         e = e.tolist()
     ids = [] if e is None else [e] if not isinstance(e, (list, tuple, set, frozenset)) else list(e)
     if not all(_is_int(t) for t in ids):

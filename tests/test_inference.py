@@ -222,6 +222,21 @@ def test_sampling_is_reproducible_with_a_seed_and_top_k_1_is_greedy(gpt2_engine)
         engine.generate(prompts, temperature=-1.0)
 
 
+def test_a_tiny_temperature_decodes_greedily_and_any_int_seed_samples(gpt2_engine):
+    """temperature=1e-40 divided the logits to inf (softmax: NaN, the whole call failed midway); a
+    seed from time.time_ns() overflowed the generator's 64 bits."""
+    _, engine = gpt2_engine
+    prompts = [[1, 2, 3], [9, 8]]
+    assert engine.generate(prompts, max_new_tokens=6, temperature=1e-40, seed=0) == \
+        engine.generate(prompts, max_new_tokens=6)
+    for seed in (2 * 10**13, 1796505002289279384, -7, 2**80):
+        a = engine.generate(prompts, max_new_tokens=4, temperature=1.0, seed=seed)
+        assert a == engine.generate(prompts, max_new_tokens=4, temperature=1.0, seed=seed)
+    np = pytest.importorskip("numpy")
+    stop = engine.generate(prompts[:1], max_new_tokens=6)[0][1]
+    assert engine.generate(prompts[:1], max_new_tokens=6, eos_token_id=np.array([stop]))[0][-1] == stop
+
+
 def test_the_inference_plan_counts_cache_bytes_per_token_and_a_serving_engine_refuses_training(gpt2_engine):
     model, engine = gpt2_engine
     plan = engine.plan
