@@ -271,12 +271,13 @@ def gpt() -> str:
             dict(model.named_parameters())[name].copy_(before)
         # the module holds slices: called directly it computed with half the weights, and its
         # state_dict() was a checkpoint of slices, silently; both refused (gathered() allows it)
-        for what, call in (("called", lambda: model(*bs[0])), ("state_dict()", model.state_dict)):
+        for what, call, hint in (("called", lambda: model(*bs[0]), "engine.gathered()"),
+                                 ("state_dict()", model.state_dict, "engine.state_dict()")):
             try:
                 call()
                 return f"the module holding tp slices was {what} with no error"
             except FxspeedError as e:
-                if "tensor-parallel" not in str(e) or "engine.gathered()" not in str(e):
+                if "tensor-parallel" not in str(e) or hint not in str(e):
                     return f"unclear refusal of {what}: {e}"
         with engine.gathered():
             model(*bs[0])
