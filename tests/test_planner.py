@@ -454,3 +454,21 @@ def test_the_plotted_timeline_peaks_at_the_plans_step_phase_peak(zero: int, devi
     assert max(plan.timeline["rank_bytes"]) == pytest.approx(step.get("total", sum(step.values())), abs=8)
     ax = viz.plot_timeline(plan)
     assert "rank 0" in ax.get_ylabel()
+
+
+def test_two_buckets_in_flight_are_the_two_largest_not_the_largest_twice() -> None:
+    """One parameter that dominates (GPT-2's tied 98 MiB embedding among 25 MiB buckets) made the
+    plan hold two copies of its bucket in flight, for gradients and again for ZeRO-3's gathers: a
+    ZeRO-3 fp32 plan 1.4x the tensors measured at its peak."""
+    from fxspeed.planner.estimate import GraphCosts, gradient_buckets, two_buckets
+
+    mib = 2**20
+    order = [(10 * mib, "torch.float32")] * 5 + [(98 * mib, "torch.float32")]
+    costs = GraphCosts(step={}, param_bytes=148 * mib, trainable_bytes=148 * mib, largest_param=98 * mib,
+                       largest_trainable=98 * mib, n_params=0, n_trainable=0, flops={}, times={},
+                       gradient_order=order)
+    assert gradient_buckets(costs, 25 * mib) == [30 * mib, 118 * mib]  # closed at >= the limit
+    assert two_buckets(costs, 25 * mib) == 148 * mib
+    assert two_buckets(costs, 200 * mib) == 148 * mib  # one bucket of everything: not twice it
+    costs.gradient_order = order[:1] * 3 + [(98 * mib, "torch.bfloat16")]  # a dtype change closes a bucket
+    assert gradient_buckets(costs, 25 * mib) == [30 * mib, 98 * mib]

@@ -197,20 +197,33 @@ def _repeat_block(one: list[tuple[int, str]], two: list[tuple[int, str]], more: 
     return list(two)
 
 
-def largest_gradient_bucket(costs: GraphCosts, limit: float) -> float:
-    """Bytes of the largest gradient bucket reduce_gradients makes with `limit` (Config.bucket_mb):
-    it fills buckets in gradient order and closes one once it reaches the limit or the dtype
-    changes, so a bucket holds up to the limit plus one gradient. Without an order (a plan built
-    from costs that lack it): the limit, or every trainable byte if fewer."""
+def gradient_buckets(costs: GraphCosts, limit: float) -> list[float]:
+    """Bytes of each gradient bucket reduce_gradients makes with `limit` (Config.bucket_mb): it
+    fills buckets in gradient order and closes one once it reaches the limit or the dtype changes,
+    so a bucket holds up to the limit plus one gradient. Without an order (a plan built from costs
+    that lack it): one of the limit, or of every trainable byte if fewer."""
     if not costs.gradient_order:
-        return min(limit, costs.trainable_bytes)
-    best, size, kind = 0.0, float(limit), None
+        return [min(limit, costs.trainable_bytes)]
+    sizes: list[float] = []
+    size, kind = float(limit), None
     for nbytes, dtype in costs.gradient_order:
         if size >= limit or dtype != kind:
+            sizes.append(0.0)
             size, kind = 0.0, dtype
         size += nbytes
-        best = max(best, size)
-    return best
+        sizes[-1] = size
+    return sizes
+
+
+def largest_gradient_bucket(costs: GraphCosts, limit: float) -> float:
+    return max(gradient_buckets(costs, limit), default=0.0)
+
+
+def two_buckets(costs: GraphCosts, limit: float) -> float:
+    """Bytes of two buckets in flight (one being reduced or gathered while the next fills): the
+    two largest, not the largest twice, which a model whose one parameter dominates (a tied
+    embedding of a large vocabulary) counted as two copies of that parameter."""
+    return sum(sorted(gradient_buckets(costs, limit))[-2:])
 
 
 def _gradient_order(gm: fx.GraphModule, signature: StepSignature, trainable: set[str]) -> list[tuple[int, str]]:
@@ -584,16 +597,16 @@ def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, 
     step[OPTIMIZER_STATES] = resident_optimizer_states(config, states, offloaded, masters_in_file(costs, config),
                                                        staged_here) + masters
     comm = 0.0
-    bucket = largest_gradient_bucket(costs, config.bucket_mb * 2**20)
+    pair = two_buckets(costs, config.bucket_mb * 2**20)
     if dp > 1 and in_backward:
         # Double-buffered gradient buckets. The planned program holds gradients per parameter (it
         # is planned before the distributed passes); with several replicas a bucket's gradients
-        # stay full-size until the bucket is complete, and its reduction stages a second one.
-        comm = 2 * bucket
+        # stay full-size until the bucket is complete, and its reduction stages the next one.
+        comm = pair
     if z >= 3 and (dp > 1 or config.offloads_parameters):  # (one rank with parameter offload "gathers" from files)
         # two gathered parameter buckets in flight (the gradient buckets' parameters, in the
-        # working dtype the gradients have; a larger parameter alone)
-        comm += 2 * max(costs.largest_param, bucket)
+        # working dtype the gradients have); without a gradient order, the largest parameter twice
+        comm += pair if costs.gradient_order else 2 * max(costs.largest_param, pair / 2)
     step[COMM_BUFFERS] = comm
     return step
 
