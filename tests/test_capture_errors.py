@@ -288,3 +288,20 @@ def test_non_tensor_argument_with_a_new_value_is_retraced_and_baked_in() -> None
     for i, (a, b) in enumerate(zip(losses, ref_losses)):
         assert_close_rel(a, b, f"loss at step {i}")
     assert_models_match(model, ref)
+
+
+def test_an_in_place_write_of_a_tensor_backward_needs_says_so_instead_of_autograds_good_luck() -> None:
+    class Doubles(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            x.mul_(2.0)  # x was saved for a's weight gradient
+            return (h + self.a(x)).pow(2).mean()
+
+    with pytest.raises(fxspeed.CaptureError) as info:
+        fxspeed.compile(Doubles(), 1, fxspeed.Config(), example_inputs=(torch.randn(3, 4),))
+    msg = str(info.value)
+    assert "in-place operation in forward" in msg and "out-of-place" in msg and "Good luck" not in msg

@@ -1285,6 +1285,13 @@ def _capture_error(model: nn.Module, e: BaseException, train: bool = True) -> Ca
         # on these inputs too (a view that does not divide, a width that is not heads x head_dim).
         hint = ("the model raises this for the example's shapes, eagerly too: check the example inputs' shapes "
                 "and the model's config (sizes that must divide or match) at that line")
+    elif any("modified by an inplace operation" in str(c) for c in chain):
+        # autograd's own message ends "... Good luck!" and names no line: the write is in forward,
+        # the failure in backward, where no user frame is
+        reason = ("an in-place operation in forward (a method ending in _ such as x.mul_(2), x += y, an "
+                  "out= write) changed a tensor that backward needs; eager backward fails the same way")
+        hint = ("use the out-of-place form where forward writes that tensor (x = x * 2); on the eager model, "
+                "torch.autograd.set_detect_anomaly(True) names the op whose saved tensor was changed")
     where = f" at {source}{code}" if source else ""
     opmsg = f" in op {op_name}" if op_name else ""
     return CaptureError(
