@@ -472,3 +472,14 @@ def test_two_buckets_in_flight_are_the_two_largest_not_the_largest_twice() -> No
     assert two_buckets(costs, 200 * mib) == 148 * mib  # one bucket of everything: not twice it
     costs.gradient_order = order[:1] * 3 + [(98 * mib, "torch.bfloat16")]  # a dtype change closes a bucket
     assert gradient_buckets(costs, 25 * mib) == [30 * mib, 98 * mib]
+
+
+def test_a_cpu_add_of_two_dtypes_counts_the_copy_torch_makes_of_the_narrower_operand() -> None:
+    """CPU TensorIterator copies a bf16 operand to fp32 before adding it to an fp32 one (a 98 MiB
+    add of the tied embedding's two gradients peaked 196 MiB above its inputs)."""
+    from fxspeed.ir import op_workspace
+
+    gm = make_fx(lambda a, b, c: (a + b, b + c), tracing_mode="fake")(
+        torch.randn(64, 8).bfloat16(), torch.randn(64, 8), torch.randn(64, 8))
+    adds = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor]
+    assert [op_workspace(n) for n in adds] == [64 * 8 * 4, 0]
