@@ -172,7 +172,8 @@ class Plan:
                 lines.append(f"  {k} = {v}")
         if self.tp_placements:
             lines += ["", "tensor parallel placements (R replicated, S(d) sharded on dim d; chosen by the planner):"]
-            lines += [f"  {n:<48}{p}" for n, p in self.tp_placements.items()]
+            w = max(48, *(len(n) + 2 for n in self.tp_placements))  # T5's names run past 48
+            lines += [f"  {n:<{w}}{p}" for n, p in self.tp_placements.items()]
             lines.append("  tp collectives per step (rank 0): " + ", ".join(f"{k} {v / 1e6:.3f} MB"
                                                                   for k, v in self.tp_communication.items()))
         if self.passes:
