@@ -472,6 +472,8 @@ def test_two_buckets_in_flight_are_the_two_largest_not_the_largest_twice() -> No
     assert two_buckets(costs, 200 * mib) == 148 * mib  # one bucket of everything: not twice it
     costs.gradient_order = order[:1] * 3 + [(98 * mib, "torch.bfloat16")]  # a dtype change closes a bucket
     assert gradient_buckets(costs, 25 * mib) == [30 * mib, 98 * mib]
+    costs.gradient_order = []  # costs without an order: two buckets of the limit, as before there was one
+    assert two_buckets(costs, 25 * mib) == 50 * mib and two_buckets(costs, 200 * mib) == 2 * 148 * mib
 
 
 def test_a_cpu_add_of_two_dtypes_counts_the_copy_torch_makes_of_the_narrower_operand() -> None:

@@ -183,10 +183,10 @@ def tensor_bytes(t: Any) -> int:
 
 
 # Scratch that an op allocates and frees inside itself, beyond its outputs: a fused kernel's fp32
-# accumulators and per-chunk blocks, which no graph value shows. ATen ops' own scratch is small
-# next to their outputs and is not modelled. A kernel registers a function of its arguments
-# (FakeTensors or ints, as in node.args) returning bytes; the liveness analyses count the bytes
-# as temporaries while the node runs.
+# accumulators and per-chunk blocks, a CPU pointwise op's cast copy of an operand, which no graph
+# value shows. Other ATen ops' scratch is small next to their outputs and is not modelled. An op
+# registers a function of its arguments (FakeTensors or ints, as in node.args) returning bytes;
+# the liveness analyses count the bytes as temporaries while the node runs.
 _WORKSPACE: dict[Any, Any] = {}
 
 
@@ -213,13 +213,11 @@ def _cpu_cast_operands(*args: Any, **kwargs: Any) -> int:
     if len(ts) < 2 or ts[0].device.type != "cpu" or len({t.dtype for t in ts}) == 1:
         return 0
     out = torch.promote_types(ts[0].dtype, ts[1].dtype)
-    size = torch.empty((), dtype=out).element_size()
-    return sum(int(t.numel()) * size for t in ts if t.dtype != out)
+    return sum(int(t.numel()) * out.itemsize for t in ts if t.dtype != out)
 
 
-for _op in ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor"):
-    _name, _overload = _op.split(".")
-    register_workspace(getattr(getattr(torch.ops.aten, _name), _overload), _cpu_cast_operands)
+for _op in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor):
+    register_workspace(_op, _cpu_cast_operands)
 
 
 def is_dense(t: torch.Tensor) -> bool:

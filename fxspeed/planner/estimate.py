@@ -33,8 +33,8 @@ import torch.nn as nn
 from fxspeed.config import Config
 from fxspeed.planner.cost_model import estimate_times, optimizer_time
 from fxspeed.devices import DeviceSpec
-from fxspeed.ir import (BACKWARD, BUFFERS, CATEGORIES, COMM_BUFFERS, GRADIENTS, INPUTS, META_KEY, OPTIMIZER_STATES, PARAMETERS,
-                        FORWARD, TEMPORARIES, StepSignature, step_calls, tensor_bytes)
+from fxspeed.ir import (BACKWARD, BUFFERS, CATEGORIES, COMM_BUFFERS, FORWARD, GRADIENTS, INPUTS, META_KEY,
+                        OPTIMIZER_STATES, PARAMETERS, TEMPORARIES, StepSignature, step_calls, tensor_bytes)
 from fxspeed.planner.extrapolate import ALL, extrapolate_peak, extrapolate_peaks
 from fxspeed.planner.memory import memory_timeline, phase_of
 from fxspeed.planner.placement import PlacementAnalysis, collapse_blocks, describe_placements
@@ -139,7 +139,7 @@ class GraphCosts:
     # forward (the timeline already counts them gone between their offload and their reload)
     offloaded_activation_bytes: float = 0.0
     # (bytes, dtype) of each trainable parameter's gradient in the order backward completes them:
-    # the order reduce_gradients fills its buckets in (largest_gradient_bucket)
+    # the order reduce_gradients fills its buckets in (gradient_buckets)
     gradient_order: list[tuple[int, str]] = field(default_factory=list)
     # The traced step's liveness (memory.Timeline): repeated-layer extrapolation extrapolates its
     # points (planner/extrapolate.py). None on extrapolated costs
@@ -200,10 +200,7 @@ def _repeat_block(one: list[tuple[int, str]], two: list[tuple[int, str]], more: 
 def gradient_buckets(costs: GraphCosts, limit: float) -> list[float]:
     """Bytes of each gradient bucket reduce_gradients makes with `limit` (Config.bucket_mb): it
     fills buckets in gradient order and closes one once it reaches the limit or the dtype changes,
-    so a bucket holds up to the limit plus one gradient. Without an order (a plan built from costs
-    that lack it): one of the limit, or of every trainable byte if fewer."""
-    if not costs.gradient_order:
-        return [min(limit, costs.trainable_bytes)]
+    so a bucket holds up to the limit plus one gradient."""
     sizes: list[float] = []
     size, kind = float(limit), None
     for nbytes, dtype in costs.gradient_order:
@@ -215,14 +212,13 @@ def gradient_buckets(costs: GraphCosts, limit: float) -> list[float]:
     return sizes
 
 
-def largest_gradient_bucket(costs: GraphCosts, limit: float) -> float:
-    return max(gradient_buckets(costs, limit), default=0.0)
-
-
 def two_buckets(costs: GraphCosts, limit: float) -> float:
     """Bytes of two buckets in flight (one being reduced or gathered while the next fills): the
     two largest, not the largest twice, which a model whose one parameter dominates (a tied
-    embedding of a large vocabulary) counted as two copies of that parameter."""
+    embedding of a large vocabulary) counted as two copies of that parameter. Without an order (a
+    plan built from costs that lack it): two of the limit, or of every trainable byte if fewer."""
+    if not costs.gradient_order:
+        return 2 * min(limit, costs.trainable_bytes)
     return sum(sorted(gradient_buckets(costs, limit))[-2:])
 
 

@@ -27,14 +27,14 @@ from fxspeed.ir import FORWARD, GRADIENTS
 from fxspeed.planner.memory import Timeline, phase_of
 
 
+ALL = "all"  # extrapolate_peaks' key of the overall peak
+
+
 def extrapolate_peak(shallow: Timeline, deeper: Timeline, deeper_blocks: int,
                      layers: float) -> dict[str, float] | None:
     """The overall peak of `extrapolate_peaks`."""
     peaks = extrapolate_peaks(shallow, deeper, deeper_blocks, layers)
     return None if peaks is None else peaks[ALL]
-
-
-ALL = "all"
 
 
 def extrapolate_peaks(shallow: Timeline, deeper: Timeline, deeper_blocks: int,
