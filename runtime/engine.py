@@ -1245,7 +1245,7 @@ class Engine:
         # clipping them in place would round (fp16 would underflow), so the factors go to the
         # optimizer, which applies them to its fp32 upcast chunk by chunk.
         factors: list | None = [] if isinstance(self.optimizer, OffloadedAdam) and self.optimizer.masters else None
-        if not unscale_or_skip(self.scaler, stepped, self.stats, factors) and not self._nonfinite_skip(stepped, loss):
+        if not unscale_or_skip(self.scaler, stepped, self.stats, factors, say=self.rank == 0) and not self._nonfinite_skip(stepped, loss):
             if self.config.grad_clip is not None:
                 self._clip(stepped, factors)
             if not done:
@@ -1297,14 +1297,15 @@ class Engine:
         step = self.stats["steps"]
         where = "the loss or a gradient"
         if loss is not None and not torch.isfinite(loss.detach()).all():
-            where = f"the loss ({float(loss.detach().float().sum()):g})"
+            where = f"rank {self.rank}'s loss ({float(loss.detach().float().sum()):g})"
         if mode == "raise":
             raise FxspeedError(f"train_step {step}: {where} is NaN or inf (Config.nan_check='raise'); the weights and "
                                "optimizer states are unchanged (this step was not applied). Check this batch, or use "
                                "nan_check='skip' to skip such steps")
         self.stats["skipped_steps"] += 1
-        log.warning("fxspeed: step %d: %s is NaN or inf; skipped (Config.nan_check='skip'; %d skipped so far)",
-                    step, where, self.stats["skipped_steps"])
+        if self.rank == 0 or where.startswith("rank"):  # agreed: one line, plus any rank whose own loss it was
+            log.warning("fxspeed: step %d: %s is NaN or inf; skipped (Config.nan_check='skip'; %d skipped so far)",
+                        step, where, self.stats["skipped_steps"])
         return True
 
     def _clip(self, stepped: list[torch.Tensor], factors: list | None = None) -> None:
@@ -1891,11 +1892,12 @@ class Engine:
 
 
 def unscale_or_skip(scaler: DynamicLossScaler | None, stepped: list[torch.Tensor], stats: dict,
-                    factors: list | None = None) -> bool:
+                    factors: list | None = None, say: bool = True) -> bool:
     """fp16: unscale the gradients of `stepped` in place (or, given `factors`, append 1/scale to
     it and leave them as they are) and agree on overflow with every rank; True means skip this
     step (parameters, optimizer states and the lr schedule stay as they were). Counts skipped
-    steps and the scale in `stats`, and says so in the log."""
+    steps and the scale in `stats`, and says so in the log when `say` (one rank: the answer is
+    agreed, so every rank saying it would print the same line world-size times)."""
     if scaler is None:
         return False
     if factors is not None:
@@ -1905,8 +1907,9 @@ def unscale_or_skip(scaler: DynamicLossScaler | None, stepped: list[torch.Tensor
     stats["loss_scale"] = float(scaler.scale)
     if overflow:
         stats["skipped_steps"] += 1
-        log.warning("fxspeed: step %d overflowed in fp16; skipped (loss scale now %g, %d skipped so far)",
-                    stats["steps"], float(scaler.scale), stats["skipped_steps"])
+        if say:
+            log.warning("fxspeed: step %d overflowed in fp16; skipped (loss scale now %g, %d skipped so far)",
+                        stats["steps"], float(scaler.scale), stats["skipped_steps"])
     return overflow
 
 

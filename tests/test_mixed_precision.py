@@ -172,7 +172,7 @@ def test_the_loss_scale_grows_after_a_window_of_clean_steps() -> None:
 
 
 @pytest.mark.slow
-def test_on_two_ranks_an_overflow_on_one_rank_skips_everywhere_and_zero3_gathers_half_the_bytes_in_bf16(
+def test_on_two_ranks_an_overflow_on_one_rank_skips_everywhere_is_said_once_and_zero3_gathers_half_the_bytes_in_bf16(
         tmp_path: Path) -> None:
     launch_worker("tests.workers.mixed_precision_worker", 2, tmp_path, timeout=600)
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
@@ -187,6 +187,8 @@ def test_on_two_ranks_an_overflow_on_one_rank_skips_everywhere_and_zero3_gathers
     assert res[0]["state"].keys() == res[1]["state"].keys()
     for k in res[0]["state"]:
         assert torch.equal(res[0]["state"][k], res[1]["state"][k]), k
+    # The skip is agreed, so one rank says it (every rank's line was the same line twice).
+    assert [r["overflow_lines"] for r in res] == [1, 0]
 
 
 # ------------------------------------------------------------------------------------------

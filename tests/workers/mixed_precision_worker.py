@@ -4,6 +4,7 @@ ZeRO-3 in fp32 vs bf16 (summed over the collective nodes of the compiled graph).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 import torch
@@ -34,6 +35,10 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     g = torch.Generator().manual_seed(rank)
     good = [torch.randn(4, 8, generator=g) for _ in range(3)]
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("fxspeed").addHandler(handler)
     model = Scaler()
     engine = fxspeed.compile(model, world, fxspeed.Config(precision="fp16", zero=2, loss_scale=2.0**10),
                              example_inputs=(good[0],))
@@ -45,6 +50,7 @@ def main() -> None:
         engine.train_step(b)
         skipped.append(engine.stats["skipped_steps"] - before)
     state = engine.state_dict()
+    overflow_lines = sum("overflowed in fp16" in m for m in said)
     volume, workspaces = {}, {}
     for precision in ("fp32", "bf16"):
         x, y = batch()
@@ -54,7 +60,7 @@ def main() -> None:
         volume[precision] = gathered(e)
         # Gathered and flattened buckets share a few workspaces (passes/reuse_buffers).
         workspaces[precision] = sum(n.target is torch.ops.aten.empty.memory_format for n in e.graph().graph.nodes)
-    torch.save({"skipped": skipped, "state": state, "gather_bytes": volume, "workspaces": workspaces}, os.path.join(a.out, f"rank{rank}.pt"))
+    torch.save({"skipped": skipped, "overflow_lines": overflow_lines, "state": state, "gather_bytes": volume, "workspaces": workspaces}, os.path.join(a.out, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
 
