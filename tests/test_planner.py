@@ -476,6 +476,28 @@ def test_two_buckets_in_flight_are_the_two_largest_not_the_largest_twice() -> No
     assert two_buckets(costs, 25 * mib) == 50 * mib and two_buckets(costs, 200 * mib) == 2 * 148 * mib
 
 
+def test_gradient_buckets_in_flight_hold_no_more_than_backward_has_made_so_far() -> None:
+    """A replica's buckets were counted at backward's peak whatever it had made by then: where
+    activations peak at backward's start (a large vocabulary's logits), ZeRO-1/2/3 planned two
+    buckets that do not exist yet (HF GPT-2, 2 ranks, ZeRO-3 fp32: 865 MiB planned, 795 now, 739
+    of tensors measured). ZeRO-0 reduces into persistent buckets, there from backward's start."""
+    from fxspeed.ir import COMM_BUFFERS
+    from fxspeed.planner.memory import backward_front
+
+    model = GPT(GPTConfig(vocab_size=4096, block_size=64, n_layer=2, n_head=2, n_embd=32))
+    ids = torch.zeros(8, 64, dtype=torch.long)
+    comm = {z: fxspeed.plan(model, 2, fxspeed.Config(zero=z), example_inputs=(ids, ids)).memory(0)[COMM_BUFFERS]
+            for z in (0, 1, 3)}
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert comm[0] == pytest.approx(params, rel=0.01)  # one bucket of every gradient (all < bucket_mb)
+    assert comm[1] == 0  # the peak is the loss's backward: no gradient made yet
+    assert comm[3] == pytest.approx(params, rel=0.01)  # the gathered weights only
+    # each amount made keeps its largest node, and only while no later node has more
+    front = backward_front([("forward", 0, {"a": 20}, 20), ("backward", 0, {"a": 9}, 9), ("backward", 4, {"a": 6}, 6),
+                            ("backward", 4, {"a": 7}, 7), ("backward", 6, {"a": 1}, 1), ("backward", 8, {"a": 2}, 2)])
+    assert front == [(0, {"a": 9}), (4, {"a": 7}), (8, {"a": 2})]
+
+
 def test_a_cpu_add_of_two_dtypes_counts_the_copy_torch_makes_of_the_narrower_operand() -> None:
     """CPU TensorIterator copies a bf16 operand to fp32 before adding it to an fp32 one (a 98 MiB
     add of the tied embedding's two gradients peaked 196 MiB above its inputs)."""

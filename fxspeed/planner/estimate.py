@@ -35,7 +35,7 @@ from fxspeed.planner.cost_model import estimate_times, optimizer_time
 from fxspeed.devices import DeviceSpec
 from fxspeed.ir import (BACKWARD, BUFFERS, CATEGORIES, COMM_BUFFERS, FORWARD, GRADIENTS, INPUTS, META_KEY,
                         OPTIMIZER_STATES, PARAMETERS, TEMPORARIES, StepSignature, step_calls, tensor_bytes)
-from fxspeed.planner.extrapolate import ALL, extrapolate_peak, extrapolate_peaks
+from fxspeed.planner.extrapolate import ALL, FRONT, extrapolate_peak, extrapolate_peaks
 from fxspeed.planner.memory import memory_timeline, phase_of
 from fxspeed.planner.placement import PlacementAnalysis, collapse_blocks, describe_placements
 from fxspeed.planner.plan import Plan, layout_text
@@ -148,6 +148,11 @@ class GraphCosts:
     # gradient buckets a replica holds in flight are added to backward's only (step_peak). Empty:
     # `step` stands for both
     phase_steps: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Backward's candidate peaks as (gradient bytes made so far, breakdown) (memory.backward_front):
+    # the gradient buckets in flight at a node are at most what backward has made by then, so the
+    # replica's peak in backward is the largest of these with their buckets. Empty (a linear
+    # extrapolation): backward's phase_steps peak with two whole buckets
+    backward_front: list[tuple[float, dict[str, float]]] = field(default_factory=list, repr=False)
 
     @property
     def state_basis(self) -> float:
@@ -274,12 +279,14 @@ def graph_costs(gm: fx.GraphModule, signature: StepSignature, device: DeviceSpec
         n_params=float(sum(full.values())), n_trainable=float(sum(full[n] for n in trainable)),
         flops={k: float(v) for k, v in flops.items()},
         times={"forward": by_role.get("forward", 0.0), "backward": by_role.get("backward", 0.0)},
-        timeline={"names": tl.names, "roles": tl.roles, "bytes": tl.totals, "gradients": tl.gradients},
+        timeline={"names": tl.names, "roles": tl.roles, "bytes": tl.totals, "gradients": tl.gradients,
+                  "produced": tl.produced},
         master_bytes=master, grad_bytes=float(grad_bytes), stepped_grad_bytes=float(stepped_bytes),
         tp_placements=placed[0], tp_communication={k: float(v) for k, v in placed[1].items()},
         offloaded_activation_bytes=float(sum(signature.offloaded_activations.values())),
         gradient_order=_gradient_order(gm, signature, trainable), liveness=tl,
         phase_steps={ph: {c: float(v) for c, v in peak.items()} for ph, peak in tl.phase_peaks.items()},
+        backward_front=[(float(made), {c: float(v) for c, v in live.items()}) for made, live in tl.backward_front()],
     )
 
 
@@ -571,16 +578,20 @@ def step_peak(costs: GraphCosts, config: Config, n_devices: int, offloaded: floa
     """The rank's bytes by category at the peak of the step: the larger of forward's peak and
     backward's with the gradient buckets in flight (`step_phase` of each); of `costs.step` with
     them where the costs have no phase peaks."""
-    phases = [(costs.phase_steps[ph], ph == BACKWARD) for ph in (FORWARD, BACKWARD) if ph in costs.phase_steps]
-    candidates = [step_phase(live, costs, config, n_devices, offloaded, staged_here, in_backward=b)
-                  for live, b in phases or [(costs.step, True)]]
+    phases = [(costs.phase_steps[ph], ph == BACKWARD, None) for ph in (FORWARD, BACKWARD)
+              if ph in costs.phase_steps and not (ph == BACKWARD and costs.backward_front)]
+    phases += [(live, True, made) for made, live in costs.backward_front]
+    candidates = [step_phase(live, costs, config, n_devices, offloaded, staged_here, in_backward=b, made=made)
+                  for live, b, made in phases or [(costs.step, True, None)]]
     return max(candidates, key=lambda d: sum(d.values()))
 
 
 def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, n_devices: int,
-               offloaded: float | None = None, staged_here: bool = True, in_backward: bool = True) -> dict[str, float]:
+               offloaded: float | None = None, staged_here: bool = True, in_backward: bool = True,
+               made: float | None = None) -> dict[str, float]:
     """Rank bytes by category while the graph runs, from the graph's live bytes at one node
-    (`in_backward`: a node of backward, where gradient buckets are in flight).
+    (`in_backward`: a node of backward, where gradient buckets are in flight; `made`: the gradient
+    bytes backward has made by then, which ZeRO-1/2/3's fresh buckets cannot exceed).
 
     The graph's own parameters and gradients are full-size; ZeRO shards what the rank keeps.
     Optimizer states are resident (steady state) and so are communication buffers."""
@@ -598,7 +609,9 @@ def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, 
         # Double-buffered gradient buckets. The planned program holds gradients per parameter (it
         # is planned before the distributed passes); with several replicas a bucket's gradients
         # stay full-size until the bucket is complete, and its reduction stages the next one.
-        comm = pair
+        # ZeRO-0 reduces into persistent buckets that exist from backward's start
+        # (persistent-gradient-buckets-for-zero0.md); the others' hold what has been made.
+        comm = pair if z == 0 or made is None else min(pair, made)
     if z >= 3 and (dp > 1 or config.offloads_parameters):  # (one rank with parameter offload "gathers" from files)
         # two gathered parameter buckets in flight (the gradient buckets' parameters, in the
         # working dtype the gradients have); without a gradient order, the largest parameter twice
@@ -614,10 +627,11 @@ def step_phase_series(costs: GraphCosts, config: Config, dp: int, offloaded: flo
     graph_params = costs.step.get(PARAMETERS, 0.0)
     out = []
     roles = costs.timeline.get("roles") or [BACKWARD] * len(costs.timeline["bytes"])
-    for total, grads, role in zip(costs.timeline["bytes"], costs.timeline["gradients"], roles):
+    made = costs.timeline.get("produced") or [None] * len(roles)
+    for total, grads, role, m in zip(costs.timeline["bytes"], costs.timeline["gradients"], roles, made):
         live = {PARAMETERS: graph_params, GRADIENTS: grads, TEMPORARIES: total - graph_params - grads}
         out.append(sum(step_phase(live, costs, config, dp, offloaded, staged_here,
-                                  in_backward=phase_of(role) == BACKWARD).values()))
+                                  in_backward=phase_of(role) == BACKWARD, made=m).values()))
     return out
 
 
@@ -774,6 +788,7 @@ def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, 
     costs.timeline = c4.timeline
     if by_points:
         costs.step = peaks.pop(ALL)
+        costs.backward_front = peaks.pop(FRONT, [])  # type: ignore[assignment]
         costs.phase_steps = peaks
     negative = sorted(c for c, v in costs.step.items() if v < 0)
     if negative:

@@ -24,10 +24,11 @@ index, so the maximum over these points is the L-block peak.
 from __future__ import annotations
 
 from fxspeed.ir import FORWARD, GRADIENTS
-from fxspeed.planner.memory import Timeline, phase_of
+from fxspeed.planner.memory import Timeline, backward_front, phase_of
 
 
 ALL = "all"  # extrapolate_peaks' key of the overall peak
+FRONT = "backward front"  # and of backward's candidate peaks (memory.backward_front)
 
 
 def extrapolate_peak(shallow: Timeline, deeper: Timeline, deeper_blocks: int,
@@ -46,7 +47,8 @@ def extrapolate_peaks(shallow: Timeline, deeper: Timeline, deeper_blocks: int,
     >>> extrapolate_peaks(timeline(model with 2 blocks), timeline(model with 3 blocks), 3, 32)
     {'all': {'parameters': ..., 'activations': ..., 'gradients': ..., ...}, 'forward': {...}, 'backward': {...}}
 
-    ('all' is the peak; 'forward' and 'backward' the peaks within each phase, as Timeline.phase_peaks.)
+    ('all' is the peak; 'forward' and 'backward' the peaks within each phase, as Timeline.phase_peaks;
+    FRONT, a list, backward's candidates as Timeline.backward_front gives them.)
 
     None when `deeper` is not `shallow` with one block's forward and backward nodes inserted (blocks
     whose nodes interleave, passes that rewrite per step): the caller falls back to a linear
@@ -68,15 +70,24 @@ def extrapolate_peaks(shallow: Timeline, deeper: Timeline, deeper_blocks: int,
     k = layers - deeper_blocks
     best: dict[str, float] = {}
     peaks: dict[str, dict[str, float]] = {}
+    points = []
     for j in range(len(B)):
         i = j if j < p else j - m_f if j < q + m_b else j - m_f - m_b
         here, there = deeper.live[b[j]], shallow.live[a[i]]
         live = {c: here.get(c, 0) + k * (here.get(c, 0) - there.get(c, 0)) for c in {*here, *there}}
         weighted = sum(live.values()) - (1.0 - deeper.grad_scale) * live.get(GRADIENTS, 0)
-        for key in (ALL, phase_of(deeper.roles[b[j]])):
+        phase = phase_of(deeper.roles[b[j]])
+        if deeper.produced and shallow.produced:
+            made = deeper.produced[b[j]] + k * (deeper.produced[b[j]] - shallow.produced[a[i]])
+            points.append((phase, made, live, weighted))
+        for key in (ALL, phase):
             if weighted > best.get(key, float("-inf")):
                 best[key], peaks[key] = weighted, live
-    return peaks if ALL in peaks else None
+    if ALL not in peaks:
+        return None
+    if points:
+        peaks[FRONT] = backward_front(points)  # type: ignore[assignment]
+    return peaks
 
 
 def _insertions(A: list[str], B: list[str], m_f: int, m_b: int, turn: int) -> tuple[int, int] | None:

@@ -11,6 +11,7 @@ right after its last use.
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -42,16 +43,53 @@ class Timeline:
     # optimizer steps in it), chosen as `peak` is: the planner adds gradient buckets in flight to
     # backward's only (phase_of)
     phase_peaks: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Gradient bytes made so far after each node (every allocation of the gradients category):
+    # a replica's gradient buckets in flight hold at most these (backward_front)
+    produced: list[int] = field(default_factory=list, repr=False)
 
     @property
     def peak_bytes(self) -> int:
         return sum(self.peak.values())
+
+    def backward_front(self) -> list[tuple[float, dict]]:
+        """`backward_front` over this timeline's nodes."""
+        return backward_front((phase_of(role), made, live, total - (1.0 - self.grad_scale) * grads)
+                              for role, made, live, total, grads
+                              in zip(self.roles, self.produced, self.live, self.totals, self.gradients))
 
 
 def phase_of(role: str) -> str:
     """BACKWARD for a node of backward or an optimizer step inside it, else FORWARD (forward's
     nodes and the program's inputs): gradient buckets are in flight only in the first."""
     return BACKWARD if role in (BACKWARD, STEP) else FORWARD
+
+
+def backward_front(points: Iterable[tuple[str, float, dict, float]]) -> list[tuple[float, dict]]:
+    """The nodes of backward that can be a replica's peak once its gradient buckets in flight are
+    added, as (gradient bytes made so far, live bytes by category), from `points` (phase, bytes
+    made so far, live bytes, weighted total) in execution order.
+
+    The buckets in flight hold at most what backward has made so far: little at backward's
+    start, where activations peak, up to two buckets further on. So for each amount made, the
+    node with the most weighted bytes; and of those only the ones above every later one (a
+    later node has made at least as much, so holds at least as many buckets).
+
+    >>> backward_front([("backward", 0, {"activations": 9}, 9), ("backward", 4, {"activations": 6}, 6),
+    ...                 ("backward", 4, {"activations": 7}, 7), ("backward", 8, {"activations": 2}, 2)])
+    [(0, {'activations': 9}), (4, {'activations': 7}), (8, {'activations': 2})]
+    """
+    best: dict[float, tuple[float, dict]] = {}
+    for phase, made, live, weighted in points:
+        if phase == BACKWARD and (made not in best or weighted > best[made][0]):
+            best[made] = (weighted, live)
+    front: list[tuple[float, dict]] = []
+    top = float("-inf")
+    for made in sorted(best, reverse=True):
+        weighted, live = best[made]
+        if weighted > top:
+            top = weighted
+            front.append((made, live))
+    return front[::-1]
 
 
 def memory_timeline(gm: fx.GraphModule, grad_scale: float = 1.0) -> Timeline:
@@ -108,12 +146,15 @@ def memory_timeline(gm: fx.GraphModule, grad_scale: float = 1.0) -> Timeline:
 
     tl = Timeline(grad_scale=grad_scale)
     live: dict[str, int] = {}
+    made = 0
     best = -1
     phase_best: dict[str, float] = {}
     for i, n in enumerate(nodes):
         if n in alloc:
             size, cat = alloc[n]
             live[cat] = live.get(cat, 0) + size
+            if cat == GRADIENTS:
+                made += size
         inf = n.meta.get(META_KEY)
         now = dict(live)  # what is alive while n runs: its own scratch too, freed when it returns
         if inf is not None and inf.workspace:
@@ -123,6 +164,7 @@ def memory_timeline(gm: fx.GraphModule, grad_scale: float = 1.0) -> Timeline:
         tl.roles.append(inf.role if inf else "")
         tl.totals.append(total)
         tl.gradients.append(live.get(GRADIENTS, 0))
+        tl.produced.append(made)
         tl.live.append(now)
         tl.keys.append(f"{n.op}:{n.target}" if n.op == "call_function" else n.op)
         weighted = total - (1.0 - grad_scale) * live.get(GRADIENTS, 0)
