@@ -57,6 +57,7 @@ from fxspeed.runtime.offloaded_optimizer import OffloadedAdam
 from fxspeed.runtime.offloaded_activations import ActivationOffload
 from fxspeed.runtime.offloaded_activations import register as register_activations
 from fxspeed.runtime.offloaded_parameters import register
+from fxspeed.runtime.python_state import ModuleState, function_scalars, warn_python_state_changed
 from fxspeed.runtime.optimizer import OptimizerSpec, WeightDecay, build_optimizer, lr_lambda, undecayed_parameters
 from fxspeed.runtime.runner import PipelineRuntime
 from fxspeed.runtime.step_in_backward import InBackwardSteps, in_layout_of
@@ -161,7 +162,7 @@ class Engine:
         self._freed_shapes: dict[int, tuple[int, ...]] = {}
         self._requires_grad: list[tuple[str, bool]] | None = None  # at compile, by name
         self._release_hook: Any = None  # set when this rank's module holds 0-size Parameters
-        self._state_snapshots: dict[bool, _StateSnapshot] = {}  # the last _python_state, per train/eval
+        self._module_state = ModuleState(model)  # the last _python_state's modules part, per train/eval
         self._owned: list[nn.Parameter] = []
         self._tied: list[tuple[Any, nn.Parameter]] = []  # (group over the positions holding it, weight)
         self._counted: list[nn.Parameter] = []
@@ -248,7 +249,7 @@ class Engine:
                                           analyze=costs_reader(self.config, self.devices) if want_plan else None)
         after = self._python_state(train)
         if after != key[2]:
-            _warn_python_state_changed(self.model, key[2][0], after[0])
+            warn_python_state_changed(self.model, key[2][0], after[0])
             # Keyed under what the next step will see, or every step would trace again.
             key = (train, key[1], after, role)
         cap = compiled.captured
@@ -380,26 +381,11 @@ class Engine:
                 self._flat.capture_from_parameters()
 
     def _python_state(self, train: bool) -> tuple:
-        """What a trace baked in besides the batch: each module's train/eval mode (train steps) and
-        its plain Python attributes (numbers, strings), and the numbers and strings loss_fn reads
-        from its closure or globals (`_function_scalars`). A change retraces, as torch.compile's
-        guards would; computing it costs microseconds per module."""
-        return self._module_state(train), _function_scalars(self.loss_fn)
-
-    def _module_state(self, train: bool) -> tuple:
-        snap = self._state_snapshots.get(train)
-        if snap is not None and snap.unchanged():
-            return snap.key
-        seen: set[int] = set()
-        held: list[tuple[dict, str, Any]] = []
-        slots = [_scalar_slots(m, seen, held) for m in self.model.modules()]
-        key = tuple((m.training if train else False, tuple((name, d[k]) for name, d, k in mine))
-                    for m, mine in zip(self.model.modules(), slots))
-        # the snapshot reads the same slots, found once, and checks the held objects are the same
-        # ones (a config replaced by another one would leave it reading the old object's values)
-        self._state_snapshots[train] = _StateSnapshot(self.model, key, [(d, k) for mine in slots for _, d, k in mine],
-                                                      held)
-        return key
+        """What a trace baked in besides the batch (runtime/python_state.py): each module's
+        train/eval mode (train steps), its settings, its classes' and its forward's globals, its
+        plain tensor attributes' identities, and the numbers and strings loss_fn reads. A change
+        retraces, as torch.compile's guards would; the fast check costs ~0.1 ms for GPT-2."""
+        return self._module_state.key(train), function_scalars(self.loss_fn)
 
     def _check_parameters_not_replaced(self) -> None:
         """The model's Parameters are the objects the engine bound at compile: a Parameter object
@@ -1937,90 +1923,6 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
-_SCALARS = (bool, int, float, str)
-
-
-def _function_scalars(fn: Any) -> tuple:
-    """The numbers and strings function `fn` (a loss_fn) reads from its closure cells or its
-    module's globals, directly or one level into a list, tuple or dict of them: a trace bakes
-    them in (SCALE = {"s": 1.0}; loss_fn = lambda out, *b: out * SCALE["s"]). Functions it calls
-    and other objects are not followed. A callable object's own scalar attributes count too."""
-    fn = getattr(fn, "__func__", fn)
-    code = getattr(fn, "__code__", None)
-    if code is None:  # None, or a callable object (an nn.Module loss, say)
-        return _scalars(fn) if fn is not None and hasattr(fn, "__dict__") else ()
-    cells = [(n, c) for n, c in zip(code.co_freevars, fn.__closure__ or ())]
-    read = []
-    for name, cell in cells:
-        try:
-            read.append((name, cell.cell_contents))
-        except ValueError:  # an empty cell: not bound yet
-            continue
-    g = getattr(fn, "__globals__", {})
-    read += [(name, g[name]) for name in code.co_names if name in g]
-    out = []
-    for name, v in read:
-        if type(v) in _SCALARS:
-            out.append((name, v))
-        elif isinstance(v, (list, tuple)) and len(v) <= 64 and all(type(x) in _SCALARS for x in v):
-            out.append((name, tuple(v)))
-        elif isinstance(v, dict) and len(v) <= 64 and all(type(x) in _SCALARS for x in v.values()):
-            out.append((name, tuple(sorted(((repr(k), x) for k, x in v.items())))))
-    return tuple(out)
-
-
-def _scalar_slots(m: Any, seen: set[int] | None = None,
-                  held: list[tuple[dict, str, Any]] | None = None) -> list[tuple[str, dict, str]]:
-    """(name, the dict holding it, its key) of every number or string `m` holds: its own
-    attributes, and one level into the plain objects and dicts it holds (a Hugging Face model's
-    `self.config.X`, an options dict), each held object read once per key (`seen`). `held`
-    collects (m.__dict__, attribute, object) of each object read into."""
-    seen = set() if seen is None else seen
-    out = [(k, m.__dict__, k) for k, v in m.__dict__.items() if type(v) in _SCALARS and k != "training"]
-    for k, v in m.__dict__.items():
-        if k.startswith("_") or id(v) in seen or isinstance(v, (nn.Module, torch.Tensor, type)) or callable(v):
-            continue
-        inner = v if type(v) is dict else getattr(v, "__dict__", None) if hasattr(v, "__dict__") else None
-        if not isinstance(inner, dict):
-            continue
-        seen.add(id(v))
-        if held is not None:
-            held.append((m.__dict__, k, v))
-        # private slots left out: they hold bookkeeping such as HF generation_config's
-        # _original_object_hash, a hash() that differs per process (PYTHONHASHSEED), which made
-        # the ranks' step keys disagree
-        out += [(f"{k}.{kk}", inner, kk) for kk, vv in inner.items()
-                if isinstance(kk, str) and not kk.startswith("_") and type(vv) in _SCALARS]
-    return out
-
-
-def _scalars(m: Any, seen: set[int] | None = None) -> tuple:
-    return tuple((name, d[k]) for name, d, k in _scalar_slots(m, seen))
-
-
-class _StateSnapshot:
-    """The last `_python_state` and a fast test that nothing in it changed: the same modules'
-    modes and the same attribute values, read by name (about 0.1 ms for GPT-2's 164 modules and
-    533 attributes, a sixth of rebuilding the key). A new attribute is not seen: a trace could
-    not have read it."""
-
-    def __init__(self, model: nn.Module, key: tuple, slots: list[tuple[dict, str]],
-                 held: list[tuple[dict, str, Any]]) -> None:
-        """`slots`: (dict, key) of every value in `key`, in its order; `held`: (dict, key, object)
-        of the objects the slots read into, which must still be those objects."""
-        self.key = key
-        self.held = held
-        self.modules = list(model.modules())
-        self.modes = [m.training for m in self.modules]
-        self.slots = slots
-        self.values = [v for _, scalars in key for _, v in scalars]
-
-    def unchanged(self) -> bool:
-        return ([m.training for m in self.modules] == self.modes
-                and all(d.get(k) is v for d, k, v in self.held)
-                and [d.get(k) for d, k in self.slots] == self.values)
-
-
 def _reduce_bucket(flat: FlatParameters, k: int, buf: torch.Tensor, *, scatter: bool) -> Callable[[], torch.Tensor]:
     """Start summing bucket k's flat gradient `buf` over the replicas (asynchronous); the returned
     finish() waits and gives the reduced bucket, or with `scatter` (ZeRO-2/3, which keep only
@@ -2068,22 +1970,6 @@ def _meta_stand_ins(model: nn.Module, shapes: dict[int, tuple[int, ...]]) -> Ite
     finally:
         for store, name, t in swapped:
             store[name] = t
-
-
-def _warn_python_state_changed(model: nn.Module, before: tuple, after: tuple) -> None:
-    """Tracing ran forward's Python, which changed module attributes: the compiled step will not
-    run that Python again, so the attribute stays as tracing left it."""
-    names = dict((id(m), n) for n, m in model.named_modules())
-    mods = list(model.modules())
-    for m, (_, b), (_, a) in zip(mods, before, after):
-        if a != b:
-            diff = [f"{k}: {dict(b).get(k)!r} -> {v!r}" for k, v in a if dict(b).get(k) != v]
-            log.warning("fxspeed: %s's forward changes Python attribute(s) of module %r (%s) while being traced; the "
-                        "compiled step runs without forward's Python: every step computes what eager's first call "
-                        "computes, the attributes keep the values that call left and a branch on them is fixed. "
-                        "Keep such state in a buffer (register_buffer) updated with tensor ops",
-                        type(model).__name__, names.get(id(m), "?") or "(root)", "; ".join(diff[:3]))
-            return
 
 
 def _canonical_names(model: nn.Module) -> dict[int, str]:

@@ -460,10 +460,72 @@ def test_a_setting_changed_in_a_held_config_object_or_dict_retraces_as_eager_rea
         assert engine.train_step(x) == pytest.approx(float(ref(x)), rel=1e-6)
 
 
+MODE = "plain"  # read by _ReadsEverywhere.forward: a module global
+
+
+class _ReadsEverywhere(nn.Module):
+    """Branches on a class attribute, a module global, a list and a tuple, and scales by a plain
+    tensor attribute (not a buffer): every one of them used to keep the first trace's branch."""
+
+    extra = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.skips = [False]
+        self.order = (1, 2)
+        self.gain = torch.ones(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x) * self.gain
+        if self.extra:
+            y = y + 1
+        if MODE == "double":
+            y = y * 2
+        if not self.skips[0]:
+            y = y.relu()
+        return (y * self.order[0]).square().mean()
+
+
+def test_class_attributes_globals_lists_tuples_and_plain_tensor_attributes_forward_reads_retrace_when_changed() -> None:
+    """torch.compile guards on these; fxspeed's key held the module's own numbers and strings only."""
+    global MODE
+    torch.manual_seed(0)
+    model = _ReadsEverywhere()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    engine = fxspeed.compile(model, 1, fxspeed.Config(lr=0.0), example_inputs=(x,))
+    assert engine.train_step(x) == pytest.approx(float(ref(x)), rel=1e-6)
+
+    def set_global(_: nn.Module) -> None:
+        global MODE
+        MODE = "double"
+
+    changes = [lambda m: setattr(m, "extra", False),           # an instance attribute over the class's
+               lambda m: delattr(m, "extra"),                   # and the class's again
+               lambda m: setattr(type(m), "extra", False),      # the class attribute itself
+               set_global,
+               lambda m: m.skips.__setitem__(0, True),          # a list changed in place
+               lambda m: setattr(m, "order", (3, 2)),           # a tuple replaced
+               lambda m: setattr(m, "gain", torch.full((4,), 0.5))]  # a plain tensor replaced
+    try:
+        for change in changes:
+            change(model)
+            if change is not set_global:
+                change(ref)
+            got = engine.train_step(x)
+            assert got == pytest.approx(float(ref(x)), rel=1e-6), change
+    finally:
+        MODE = "plain"
+        _ReadsEverywhere.extra = True
+    # one program per state, none for a state seen before (deleting the instance attribute is the first state again)
+    assert len(engine._executors) == len(changes)
+
+
 def test_private_bookkeeping_in_a_held_object_is_not_part_of_the_step_key() -> None:
     """HF's generation_config._original_object_hash is a hash() that differs per process: in the
     key, two ranks of `fxspeed run` (not forked from one server) disagreed on every step."""
-    from fxspeed.runtime.engine import _scalars
+    from fxspeed.runtime.python_state import scalars as _scalars
 
     model = _HeldSettings()
     model.config._original_object_hash = hash("differs with PYTHONHASHSEED")

@@ -1,0 +1,189 @@
+"""What a trace bakes in besides the batch: the Python values forward and loss_fn read.
+
+A captured step runs ATen ops only; the Python that chose them ran at trace time. So every value
+that Python read is part of the step's key, and a change retraces, as torch.compile's guards
+would:
+
+- each module's train/eval mode;
+- each module's numbers and strings (bool, int, float, str) and lists or tuples of them, its
+  own and one level into the plain objects and dicts it holds (HF's `self.config.X`);
+- the class attributes of the module's own classes (not torch's), unless the instance shadows
+  them (`Cond.flag = False`, or `m.flag = False` over a class-level `flag = True`);
+- the module-level globals its forward reads by name (`MODE = "fast"; ... if MODE == ...`);
+- the identity of each plain tensor attribute (not a buffer: traced as a constant, so
+  replacing it must retrace; writing into it in place needs not);
+- loss_fn's numbers and strings from its closure and globals.
+
+Not followed: functions forward calls (their globals), objects two levels down. The key is
+compared across ranks, so it holds values and counters, never ids.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+log = logging.getLogger("fxspeed")
+
+SCALARS = (bool, int, float, str)
+_LONGEST = 64  # a longer list or dict is data, not a setting
+
+
+def _is_setting(v: Any) -> bool:
+    """A number, a string, or a short list or tuple of them."""
+    if type(v) in SCALARS:
+        return True
+    return type(v) in (list, tuple) and len(v) <= _LONGEST and all(type(x) in SCALARS for x in v)
+
+
+def _frozen(v: Any) -> Any:
+    # a list is compared by value: changed in place, it is the same object
+    return tuple(v) if type(v) is list else v
+
+
+def function_scalars(fn: Any) -> tuple:
+    """The numbers and strings function `fn` (a loss_fn) reads from its closure cells or its
+    module's globals, directly or one level into a list, tuple or dict of them: a trace bakes
+    them in (SCALE = {"s": 1.0}; loss_fn = lambda out, *b: out * SCALE["s"]). Functions it calls
+    and other objects are not followed. A callable object's own scalar attributes count too."""
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:  # None, or a callable object (an nn.Module loss, say)
+        return scalars(fn) if fn is not None and hasattr(fn, "__dict__") else ()
+    cells = [(n, c) for n, c in zip(code.co_freevars, fn.__closure__ or ())]
+    read = []
+    for name, cell in cells:
+        try:
+            read.append((name, cell.cell_contents))
+        except ValueError:  # an empty cell: not bound yet
+            continue
+    g = getattr(fn, "__globals__", {})
+    read += [(name, g[name]) for name in code.co_names if name in g]
+    out = []
+    for name, v in read:
+        if _is_setting(v):
+            out.append((name, tuple(v) if isinstance(v, (list, tuple)) else v))
+        elif isinstance(v, dict) and len(v) <= _LONGEST and all(type(x) in SCALARS for x in v.values()):
+            out.append((name, tuple(sorted(((repr(k), x) for k, x in v.items())))))
+    return tuple(out)
+
+
+Slot = tuple[str, Mapping, str]  # (name in the key, the mapping holding the value, its key there)
+
+
+def scalar_slots(m: Any, seen: set | None = None, held: list[tuple[dict, str, Any]] | None = None) -> list[Slot]:
+    """(name, the mapping holding it, its key) of every setting `m` reads: its own attributes,
+    one level into the plain objects and dicts it holds (a Hugging Face model's `self.config.X`,
+    an options dict; each held object read once, `seen`), its classes' attributes and its
+    forward's globals (each read once). `held` collects (m.__dict__, attribute, object) of each
+    object read into and of each plain tensor attribute: those must stay the same objects."""
+    seen = set() if seen is None else seen
+    own = m.__dict__
+    out: list[Slot] = [(k, own, k) for k, v in own.items() if k != "training" and _is_setting(v)]
+    for k, v in own.items():
+        if isinstance(v, torch.Tensor):  # (Parameters and buffers live in _parameters, _buffers)
+            if held is not None:
+                held.append((own, k, v))
+            continue
+        if k.startswith("_") or id(v) in seen or isinstance(v, (nn.Module, type)) or callable(v):
+            continue
+        inner = v if type(v) is dict else getattr(v, "__dict__", None) if hasattr(v, "__dict__") else None
+        if not isinstance(inner, dict):
+            continue
+        seen.add(id(v))
+        if held is not None:
+            held.append((own, k, v))
+        # private slots left out: they hold bookkeeping such as HF generation_config's
+        # _original_object_hash, a hash() that differs per process (PYTHONHASHSEED), which made
+        # the ranks' step keys disagree
+        out += [(f"{k}.{kk}", inner, kk) for kk, vv in inner.items()
+                if isinstance(kk, str) and not kk.startswith("_") and _is_setting(vv)]
+    for cls in type(m).__mro__:
+        if cls is object or cls.__module__.split(".")[0] in ("torch", "builtins"):
+            continue
+        for k, v in vars(cls).items():
+            if k.startswith("_") or k in own or (id(cls), k) in seen or not _is_setting(v):
+                continue
+            seen.add((id(cls), k))
+            out.append((f"{cls.__name__}.{k}", vars(cls), k))
+    fn = inspect.unwrap(type(m).forward) if hasattr(type(m), "forward") else None
+    if getattr(fn, "__code__", None) is not None and hasattr(fn, "__globals__"):
+        g = fn.__globals__
+        for name in fn.__code__.co_names:
+            if name in g and (id(g), name) not in seen and _is_setting(g[name]):
+                seen.add((id(g), name))
+                out.append((f"global {fn.__module__}.{name}", g, name))
+    return out
+
+
+def scalars(m: Any, seen: set | None = None) -> tuple:
+    """(name, value) of what `scalar_slots` finds."""
+    return tuple((name, _frozen(d[k])) for name, d, k in scalar_slots(m, seen))
+
+
+class ModuleState:
+    """Each module's mode and settings as a step key, with a fast test that nothing changed since
+    the last one: the same modules' modes, attribute counts (a new attribute may shadow a class
+    attribute) and values, read by name (about 0.1 ms for GPT-2's 164 modules), and the same held
+    objects (a config replaced by another would leave the slots reading the old one's values)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._last: dict[bool, tuple] = {}  # train -> (key, modules, modes, sizes, slots, values, held)
+        # a plain tensor attribute's number in the key: the same object keeps its number
+        self._tags: dict[int, tuple[weakref.ref, int]] = {}
+
+    def key(self, train: bool) -> tuple:
+        last = self._last.get(train)
+        if last is not None and self._unchanged(*last[1:]):
+            return last[0]
+        seen: set = set()
+        held: list[tuple[dict, str, Any]] = []
+        modules = list(self.model.modules())
+        slots = [scalar_slots(m, seen, held) for m in modules]
+        tensors = {(id(d), k): self._tag(v) for d, k, v in held if isinstance(v, torch.Tensor)}
+        key = tuple((m.training if train else False,
+                     tuple((name, _frozen(d[k])) for name, d, k in mine)
+                     + tuple((k, ("tensor", tensors[(id(m.__dict__), k)])) for k, v in m.__dict__.items()
+                             if (id(m.__dict__), k) in tensors))
+                    for m, mine in zip(modules, slots))
+        flat = [(d, k) for mine in slots for _, d, k in mine]
+        self._last[train] = (key, modules, [m.training for m in modules], [len(m.__dict__) for m in modules],
+                             flat, [_frozen(d[k]) for d, k in flat], held)
+        return key
+
+    def _tag(self, t: torch.Tensor) -> int:
+        entry = self._tags.get(id(t))
+        if entry is None or entry[0]() is not t:
+            entry = (weakref.ref(t), len(self._tags))
+            self._tags[id(t)] = entry
+        return entry[1]
+
+    @staticmethod
+    def _unchanged(modules: list[nn.Module], modes: list[bool], sizes: list[int], slots: list[tuple[Mapping, str]],
+                   values: list, held: list[tuple[dict, str, Any]]) -> bool:
+        return ([m.training for m in modules] == modes and [len(m.__dict__) for m in modules] == sizes
+                and all(d.get(k) is v for d, k, v in held)
+                and [_frozen(d.get(k)) for d, k in slots] == values)
+
+
+def warn_python_state_changed(model: nn.Module, before: tuple, after: tuple) -> None:
+    """Tracing ran forward's Python, which changed module attributes: the compiled step will not
+    run that Python again, so the attribute stays as tracing left it."""
+    names = dict((id(m), n) for n, m in model.named_modules())
+    mods = list(model.modules())
+    for m, (_, b), (_, a) in zip(mods, before, after):
+        if a != b:
+            diff = [f"{k}: {dict(b).get(k)!r} -> {v!r}" for k, v in a if dict(b).get(k) != v]
+            log.warning("fxspeed: %s's forward changes Python attribute(s) of module %r (%s) while being traced; the "
+                        "compiled step runs without forward's Python: every step computes what eager's first call "
+                        "computes, the attributes keep the values that call left and a branch on them is fixed. "
+                        "Keep such state in a buffer (register_buffer) updated with tensor ops",
+                        type(model).__name__, names.get(id(m), "?") or "(root)", "; ".join(diff[:3]))
+            return
