@@ -1272,7 +1272,11 @@ class Engine:
         grads = [t.grad for t in stepped]
         bad = torch.zeros((), dtype=torch.float32, device=self._device)
         if grads:
-            bad += torch.nn.utils.get_total_norm(grads, foreach=True).float() * 0  # NaN/inf survive * 0
+            # The largest magnitude, not the 2-norm: fp16 gradients still scaled by the loss scale
+            # (offloaded optimizer: unscaled inside its step) square to inf in fp16 though every
+            # one is finite, which skipped every step. NaN and inf survive max and * 0.
+            biggest = torch._foreach_norm(grads, float("inf"))
+            bad += torch.stack([b.float().to(bad.device) for b in biggest]).sum() * 0
         if loss is not None:
             bad += loss.detach().float().to(bad.device) * 0
         bad = (~torch.isfinite(bad)).float()

@@ -49,15 +49,17 @@ def _swap_dirs(root: Path) -> list[Path]:
 # The engine: parity, what moved, cleanup
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+# (bf16 with zero=1: activation offload alone once switched on the fp32 masters of the optimizer
+# offload's layout on one process, which rounds the update differently)
+@pytest.mark.parametrize("precision, zero", [("fp32", 0), ("bf16", 1)])
 def test_training_with_offloaded_activations_equals_training_without_bit_for_bit(tmp_path: Path,
-                                                                                precision: str) -> None:
+                                                                                precision: str, zero: int) -> None:
     x, y = _batch(16)
     # recompute_pointwise off: the counts below are of the values autograd saves (with it on, a
     # bf16 program keeps fewer of them at >= 1 MiB, and fewer move). upcast_cpu_compute off: on a
     # CPU without native bf16 its fp32 copies of a weight and of an activation live at the peak,
     # next to the saved values offloading halves (planned activations 7.9 -> 5.8 MB with it on).
-    cfg = dict(lr=1e-3, precision=precision, disable_passes=("recompute_pointwise", "upcast_cpu_compute"))
+    cfg = dict(lr=1e-3, precision=precision, zero=zero, disable_passes=("recompute_pointwise", "upcast_cpu_compute"))
     plain = fxspeed.compile(_gpt(), 1, fxspeed.Config(**cfg), example_inputs=(x, y))
     off = fxspeed.compile(_gpt(), 1, fxspeed.Config(**cfg, offload="activations", nvme_path=str(tmp_path)),
                           example_inputs=(x, y))

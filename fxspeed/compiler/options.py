@@ -239,7 +239,10 @@ def derive_options(config: Config, mesh: Any, device: Any = None) -> PassOptions
         # On one rank the layout saves nothing (the partition is the whole model) unless the fp32
         # master goes to the offload file with the optimizer states (ZeRO-Offload's layout) or the
         # working copies go to theirs (ZeRO-Infinity's).
-        master_weights=master_weights_wanted(config) and (mesh.dp > 1 or config.offload != "none"),
+        # (Activation offload alone moves no state: with masters it would round differently from
+        # the same run without it, and hold fp32 masters beside the working copies for nothing.)
+        master_weights=master_weights_wanted(config) and (mesh.dp > 1 or config.offloads_optimizer
+                                                          or config.offloads_parameters),
         parameter_store=f"rank{mesh.rank}-{next(_STORE_IDS)}" if config.offloads_parameters else "",
         optimizer_store=f"rank{mesh.rank}-{next(_STORE_IDS)}" if steps_in_backward(config, mesh.dp) else "",
         activation_store=f"rank{mesh.rank}-{next(_STORE_IDS)}" if config.offloads_activations else "",
