@@ -1231,11 +1231,32 @@ class Engine:
         # clipping them in place would round (fp16 would underflow), so the factors go to the
         # optimizer, which applies them to its fp32 upcast chunk by chunk.
         factors: list | None = [] if isinstance(self.optimizer, OffloadedAdam) and self.optimizer.masters else None
+        try:
+            self._step_or_skip(stepped, factors, done, defer, loss)
+        finally:
+            for g in self.optimizer.param_groups:
+                for t in g["params"]:
+                    # free gradients now rather than holding them through the next forward (and
+                    # after a failed step: the next one must not add to them)
+                    t.grad = None
+
+    def _step_or_skip(self, stepped: list[torch.Tensor], factors: list | None, done: bool, defer: bool,
+                      loss: torch.Tensor | None) -> None:
         if not unscale_or_skip(self.scaler, stepped, self.stats, factors, say=self.rank == 0) and not self._nonfinite_skip(stepped, loss):
             if self.config.grad_clip is not None:
                 self._clip(stepped, factors)
             if not done:
-                self.optimizer.step(**({"grad_factors": factors} if factors else {}))
+                try:
+                    self.optimizer.step(**({"grad_factors": factors} if factors else {}))
+                except BaseException as e:
+                    # An optimizer that steps chunk by chunk (the offloaded one: a disk read that
+                    # fails) leaves the chunks before it stepped: never trained on silently
+                    self._half_stepped = (f"train_step {self.stats['steps']} failed in the optimizer step "
+                                          f"({type(e).__name__}: {e}), which may have updated some parameters, so "
+                                          "the model may be partly stepped")
+                    if self.dist.active:  # the other ranks stepped (or will) and go on to the next step
+                        self._out_of_step = self._half_stepped + " on this rank only"
+                    raise FxspeedError(self._half_stepped + "; load a checkpoint (engine.load) before training on") from e
             if self.config.lr_schedule != "manual":
                 self.lr_scheduler.step()
                 self._lr_set = [g["lr"] for g in self.optimizer.param_groups]
@@ -1243,9 +1264,6 @@ class Engine:
                 # Deferred: the gathers overlap the next forward, which waits for each bucket
                 # just before its first use (passes/wait_parameter_gathers).
                 self._flat.after_step(defer=defer)
-        for g in self.optimizer.param_groups:
-            for t in g["params"]:
-                t.grad = None  # free gradients now rather than holding them through the next forward
 
     def _check_lr_untouched(self) -> None:
         """The lr rule: Config's schedule owns the learning rate unless Config.lr_schedule is

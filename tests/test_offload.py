@@ -418,6 +418,38 @@ def test_a_disk_without_room_is_an_error_before_training_and_leaves_nothing_behi
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_disk_read_failing_mid_step_leaves_a_model_that_refuses_to_train_until_a_checkpoint_is_loaded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The offloaded optimizer steps chunk by chunk: an I/O error at the third read had stepped
+    the first chunks, and the bare OSError let the next train_step train on that mix."""
+    from fxspeed.runtime import offload_io
+
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    plain, off, (x, y) = _pair(swap)
+    assert off.optimizer.stats["chunks"] >= 3
+    off.train_step(x, y)
+    off.save(tmp_path / "ck")
+    reads, real = [0], offload_io.SwapFile.read
+
+    def flaky(self: offload_io.SwapFile, *a: object, **k: object) -> object:
+        reads[0] += 1
+        if reads[0] == 3:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(offload_io.SwapFile, "read", flaky)
+    with pytest.raises(FxspeedError, match="failed in the optimizer step .*Input/output error.*engine.load"):
+        off.train_step(x, y)
+    monkeypatch.setattr(offload_io.SwapFile, "read", real)
+    with pytest.raises(FxspeedError, match="partly stepped"):
+        off.train_step(x, y)
+    off.load(tmp_path / "ck")
+    plain.train_step(x, y)
+    assert off.train_step(x, y) == plain.train_step(x, y)
+    _same_states(plain, off)
+
+
 def test_the_plan_shows_the_moments_on_disk_and_only_the_staging_slots_in_memory(tmp_path: Path) -> None:
     model, batch = _gpt()
     n = sum(p.numel() for p in model.parameters())
