@@ -1657,6 +1657,13 @@ class Engine:
         # under ZeRO-0 a load on one rank left the replicas apart with no error at all.
         self._expect_all_ranks("engine.load_state_dict()", fix="Call engine.load_state_dict(state) on every rank, "
                                "with the same full state", patient=True)
+        if self.dist.active:  # the same state: each rank keeps its part of it (the digest reads it once)
+            keys = sorted(state)
+            check_same_everywhere(self.dist, "the state given to engine.load_state_dict()",
+                                  fingerprint(keys, batch_digest(tuple(state[k] for k in keys), {})),
+                                  "every rank must load the same full state (each keeps its part of it); load it from "
+                                  "the same file on every rank, or use engine.save / engine.load",
+                                  parts=lambda: {k: fingerprint(batch_digest((state[k],), {})) for k in keys})
         self.synchronize()  # an in-flight gather would overwrite what is loaded
         self._load_model_state(state, strict)
 
@@ -1712,6 +1719,7 @@ class Engine:
         self._begin_step("engine.save()")
         self._expect_all_ranks("engine.save()", fix="Call engine.save(path) on every rank (each rank writes or reads its "
                                "part; do not guard it with `if rank == 0`)")
+        self._check_same_directory("engine.save()", directory)
         rng: list[Any] = [torch.get_rng_state()]
         if self.dist.active:  # the checkpoint keeps rank 0's `extra`: carry every rank's RNG in it
             rng = [None] * self.world_size
@@ -1733,6 +1741,7 @@ class Engine:
                                "the parameter layout and optimizer exist")
         self._expect_all_ranks("engine.load()", fix="Call engine.load(path) on every rank (each rank writes or reads its "
                                "part; do not guard it with `if rank == 0`)")
+        self._check_same_directory("engine.load()", directory)
         self.synchronize()
         held = [p for p in self._unique if id(p) not in self._freed_shapes]
         names = sorted({self._canonical[id(p)] for p in held} | {n for n, _ in self.model.named_buffers()})
@@ -1754,6 +1763,17 @@ class Engine:
         rng = ck.extra["rng"]
         # The same rank's stream when the world size matches (an exact resume); else rank 0's.
         torch.set_rng_state(rng[self.rank] if len(rng) == self.world_size else rng[0])
+
+    def _check_same_directory(self, name: str, directory: str | os.PathLike) -> None:
+        """One checkpoint is written (read) by all ranks together: ranks given different
+        directories each completed a part of one (a save that reported success, a load that mixed
+        two checkpoints' shards or left the replicas apart). A per-rank name, such as a timestamp
+        taken on each rank, is the usual cause."""
+        where = os.path.abspath(os.fspath(directory))
+        check_same_everywhere(self.dist, f"the directory of {name}", fingerprint(where),
+                              f"every rank must pass the same directory to {name} (one checkpoint is written and read "
+                              "by all ranks together); a name made on each rank (a timestamp) differs: make it from "
+                              "the step count, or on rank 0 and broadcast it", parts=lambda: {"the directory": where})
 
     def _load_lr_schedule(self, saved: dict[str, Any]) -> None:
         """The schedule resumes at the saved step, but Config wins over the checkpoint: the lr is

@@ -345,7 +345,7 @@ def test_a_collective_called_on_one_rank_only_fails_fast_naming_the_method_and_b
 
 
 @pytest.mark.slow
-def test_engine_state_dict_on_one_rank_under_zero3_fails_fast_with_a_clear_error_and_the_engine_goes_on(
+def test_engine_state_dict_on_one_rank_or_save_and_load_with_other_arguments_fail_fast_and_the_engine_goes_on(
         tmp_path: Path) -> None:
     """Engine.state_dict meets every rank first (fxspeed.mesh.expect_all_ranks, half of dist_timeout_s)."""
     _run("--out", str(tmp_path), "--engine", timeout=400)
@@ -356,6 +356,13 @@ def test_engine_state_dict_on_one_rank_under_zero3_fails_fast_with_a_clear_error
     for r in (0, 1):  # a caught error leaves the ranks in step: state_dict on both, then a step
         rec = json.loads((tmp_path / f"engine_rank{r}.json").read_text())
         assert rec["again"] is True and rec["after"] == "ok", rec
+        # different arguments on the ranks (a save reported done with rank 1's part stranded; a
+        # load leaving replicas apart or, under ZeRO-3, a mix of both states): refused everywhere
+        assert rec["save_apart"].startswith("ConfigError: ranks disagree on the directory of engine.save()"), rec
+        assert "ck_rank1 on rank 1" in rec["save_apart"], rec
+        assert rec["load_state_apart"].startswith(
+            "ConfigError: ranks disagree on the state given to engine.load_state_dict()"), rec
+        assert not [n for n in rec["nothing_written"] if n.startswith("ck_rank")], rec
 
 
 def test_a_save_that_fails_writing_is_an_fxspeed_error_that_removes_its_partial_files_and_keeps_the_old_one(

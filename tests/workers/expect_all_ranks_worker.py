@@ -9,8 +9,9 @@ another name (the store still works). out/rank{r}.json.
 --engine: a ZeRO-3 engine; rank 0 alone calls engine.state_dict() (the user pattern
 `if rank == 0: torch.save(engine.state_dict(), ...)`), rank 1 waits at a barrier. The
 engine calls expect_all_ranks first thing in state_dict(). Then both call state_dict(), rank 0
-alone calls load_state_dict() (the same error), both load and take a step (the engine still
-works). out/engine_rank{r}.json.
+alone calls load_state_dict() (the same error), both call save() with a directory per rank and
+load_state_dict() with states that differ (refused on both), both load and take a step (the
+engine still works). out/engine_rank{r}.json.
 """
 
 from __future__ import annotations
@@ -91,6 +92,18 @@ def engine(rank: int) -> dict:
         except Exception as e:  # noqa: BLE001 - the test checks which error it was
             record["load_alone"] = f"{type(e).__name__}: {e}"
     dist.barrier()
+    # Both ranks call, with different arguments: a directory per rank (a timestamp taken on each),
+    # a state that differs on rank 1. Each is refused on every rank before anything is written.
+    out = os.environ["FXSPEED_TEST_OUT"]
+    for what, call in (("save_apart", lambda: eng.save(os.path.join(out, f"ck_rank{rank}"))),
+                       ("load_state_apart", lambda: eng.load_state_dict(
+                           {k: v + rank for k, v in state.items()}))):
+        try:
+            call()
+            record[what] = "no error"
+        except Exception as e:  # noqa: BLE001 - the test checks which error it was
+            record[what] = f"{type(e).__name__}: {e}"
+    record["nothing_written"] = sorted(os.listdir(out))
     eng.load_state_dict(state)
     eng.train_step(*local_batch(batches[0]))
     record["after"] = "ok"
@@ -102,6 +115,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--engine", action="store_true")
     a = ap.parse_args()
+    os.environ["FXSPEED_TEST_OUT"] = a.out
     os.environ.setdefault("FXSPEED_BACKEND", "gloo")
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
