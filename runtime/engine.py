@@ -894,8 +894,9 @@ class Engine:
         That equals one step on the whole batch when the loss is a mean over equally weighted rows.
         A loss averaged over a varying number of items per slice or rank (tokens with padding or
         -100 labels) gives the mean of per-slice means, as DDP and DeepSpeed do; for the exact
-        global mean, return local sum x replicas / (the global batch's item count, a tensor in the
-        batch) from loss_fn (or the model): see README.md.
+        global mean, return local sum x replicas x k / (the global batch's item count, a tensor in
+        the batch) from loss_fn (or the model), k being grad_accum or a pipeline's microbatches:
+        see README.md.
         """
         if self._serving is not None:
             raise ConfigError("train_step: this engine was compiled for inference by fxspeed.serve (no optimizer); "
