@@ -269,8 +269,7 @@ class Engine:
         if train and self.optimizer is None:
             self._setup_state(cap.signature)
         elif train and self._flat is not None and _layout(cap.signature.buckets) != _layout(self._flat.buckets):
-            raise FxspeedError("a new batch shape produced a different gradient bucket layout; please report this "
-                               "with the model and shapes")
+            raise self._bucket_layout_changed(cap.signature.buckets)
         working = cap.signature.working_dtype is not None
         if train:
             self._first_fetch = cap.signature.first_fetch
@@ -281,6 +280,27 @@ class Engine:
         self._executors[key] = ex
         self._count_compile()
         return ex
+
+    def _bucket_layout_changed(self, buckets: list[Bucket]) -> FxspeedError:
+        """A new trace's gradients do not fill the buckets the engine laid out at its first step:
+        forward took another branch (a Python attribute, a new batch shape) that leaves some
+        parameters without a gradient, or gives some one it lacked."""
+        now = {n for b in buckets for n in b.names}
+        first = {n for b in self._flat.buckets for n in b.names}
+        lost, gained = sorted(first - now), sorted(now - first)
+        if not lost and not gained:
+            return FxspeedError("a new batch shape produced a different gradient bucket layout; please report this "
+                                "with the model and shapes")
+        said = "; ".join(f"{what}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+                         for what, names in (("no gradient now", lost), ("a gradient now, none at the first step",
+                                                                           gained)) if names)
+        return FxspeedError(
+            f"{type(self.model).__name__}'s forward now leaves other parameters without a gradient than at its first "
+            f"step ({said}): it took another branch (a Python attribute or the batch's shape). Under data parallelism "
+            "the gradient buckets are laid out once, for the parameters the first step trained. Keep every parameter "
+            "in the graph on every step (e.g. add 0 * the skipped module's output sum to the loss: its gradient is "
+            "then 0, and weight decay or momentum still move it), freeze the ones that sit out "
+            "(requires_grad=False before fxspeed.compile), or compile an engine per branch")
 
     def _setup_state(self, sig: StepSignature) -> None:
         if sig.buckets:

@@ -41,7 +41,7 @@ def test_a_rank_that_fails_after_compile_stops_every_rank_with_an_error_naming_i
         assert "rank 1 fails on purpose after compile" in out  # the failed rank's own traceback
 
 
-CONFIG_ERROR_CASES = ("model", "config", "shapes", "indivisible", "buffer", "frozen", "attribute")
+CONFIG_ERROR_CASES = ("model", "config", "shapes", "indivisible", "buffer", "frozen", "attribute", "branch")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,10 @@ def config_errors(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.
     ("buffer", "ranks disagree on the model and config: rank(s) [1] differ from rank 0"),
     ("frozen", "ranks disagree on the model and config: rank(s) [1] differ from rank 0"),
     ("attribute", "rank(s) [1] differ from rank 0 (GPT.loss_scale_hint is 2.0 on rank 1 and 1.0 on rank 0)"),
-], ids=["model", "config", "shapes", "indivisible", "buffer", "frozen", "attribute"])
+    # (an FxspeedError: both ranks agree; forward left b without a gradient, which crashed as an internal error)
+    ("branch", "forward now leaves other parameters without a gradient than at its first step (no gradient now: "
+               "b.bias, b.weight)"),
+], ids=["model", "config", "shapes", "indivisible", "buffer", "frozen", "attribute", "branch"])
 def test_ranks_that_disagree_or_a_batch_that_cannot_be_split_raise_a_config_error_on_every_rank(
         case: str, what: str, config_errors: tuple[subprocess.CompletedProcess, float, Path]) -> None:
     proc, wall, tmp_path = config_errors
@@ -70,7 +73,7 @@ def test_ranks_that_disagree_or_a_batch_that_cannot_be_split_raise_a_config_erro
     assert wall < DEADLINE_S, f"took {wall:.0f} s for the {len(CONFIG_ERROR_CASES)} cases"
     for r in range(2):
         msg = (tmp_path / f"{case}_rank{r}.txt").read_text()
-        assert msg.startswith("ConfigError: ") and what in msg, (r, msg)
+        assert msg.startswith("FxspeedError: " if case == "branch" else "ConfigError: ") and what in msg, (r, msg)
 
 
 def test_a_step_that_fails_on_one_rank_is_said_on_every_rank_and_the_failed_rank_refuses_further_steps(

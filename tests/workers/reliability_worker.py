@@ -8,6 +8,8 @@
     indivisible  a global batch of 5 rows on 2 ranks -> ConfigError from local_batch
     shapes     rank 1's local batch has another shape -> ConfigError at compile on every rank
     attribute  a plain Python attribute of the model differs on rank 1 -> ConfigError naming it
+    branch     after a step, forward skips a layer on every rank (a flag) -> FxspeedError naming the
+               layer's parameters (the gradient buckets were laid out for the first step's)
 
 Expected errors are written to --out/{case}_rank{r}.txt as "ConfigError: message" and the worker
 exits 0. The ConfigError cases may be joined by commas (`--case model,config,shapes,indivisible`):
@@ -25,7 +27,7 @@ import torch.distributed as dist
 
 import fxspeed
 from fxspeed.data import local_batch
-from fxspeed.errors import ConfigError
+from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.models import GPT, GPTConfig
 from tests.workers.common import build_model, global_batches
 
@@ -40,13 +42,29 @@ def main() -> None:
     torch.set_num_threads(1)
     cases = a.case.split(",")
     if not (cases in (["raise"], ["exit"], ["midstep"]) or set(cases) <= {"model", "config", "indivisible", "shapes",
-                                                                                       "buffer", "frozen", "attribute"}):
+                                                                                       "buffer", "frozen", "attribute",
+                                                                                       "branch"}):
         ap.error(f"--case {a.case}: raise, exit, midstep, or some of model, config, indivisible, shapes, buffer, "
-                 "frozen, attribute")
+                 "frozen, attribute, branch")
     for case in cases:
         run(case, a.out)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+class Skippable(torch.nn.Module):
+    """Uses layer b while `use_b` (a Python flag: a branch the trace bakes in)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.use_b = True
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.use_b:
+            h = self.b(h)
+        return ((h - y) ** 2).mean()
 
 
 def run(case: str, out: str | None) -> None:
@@ -86,6 +104,21 @@ def run(case: str, out: str | None) -> None:
                 msgs.append(f"{type(e).__name__}: {e}")
         with open(os.path.join(out, f"{case}_rank{rank}.txt"), "w") as f:
             f.write("\n".join(msgs))
+        return
+
+    if case == "branch":
+        skippable = Skippable()
+        x, y = torch.randn(4, 8), torch.randn(4, 8)
+        engine = fxspeed.compile(skippable, world, fxspeed.Config(zero=1, lr=1e-2), example_inputs=(x, y))
+        engine.train_step(x, y)
+        skippable.use_b = False
+        try:
+            engine.train_step(x, y)
+            msg = "no error"
+        except FxspeedError as e:
+            msg = f"FxspeedError: {e}"
+        with open(os.path.join(out, f"{case}_rank{rank}.txt"), "w") as f:
+            f.write(msg)
         return
 
     try:
