@@ -75,8 +75,13 @@ class SwapFile:
             raise FxspeedError(f"Config.nvme_path={str(root)!r} is not writable by this process; choose a directory "
                                "you can write to")
         self.nbytes = round_up(nbytes)
-        remove_stale_swap_dirs(root_path)
-        self.dir = tempfile.mkdtemp(prefix=f"{_PREFIX}{socket.gethostname()}-pid{os.getpid()}-{name}-", dir=root_path)
+        try:
+            remove_stale_swap_dirs(root_path)
+            self.dir = tempfile.mkdtemp(prefix=f"{_PREFIX}{socket.gethostname()}-pid{os.getpid()}-{name}-",
+                                        dir=root_path)
+        except OSError as e:  # os.access passes root everywhere: /proc, /sys, a read-only mount
+            raise FxspeedError(f"Config.nvme_path={str(root)!r}: cannot create a swap directory there ({e}); choose a "
+                               "directory on a local disk you can write to") from e
         self.path = os.path.join(self.dir, "states.bin")
         self.direct = hasattr(os, "O_DIRECT")
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL

@@ -418,6 +418,20 @@ def test_a_disk_without_room_is_an_error_before_training_and_leaves_nothing_behi
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_path_where_no_directory_can_be_made_is_an_error_naming_the_config_key(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """os.access says yes to root everywhere (/proc, /sys): the swap directory's own creation
+    failed with a raw FileNotFoundError / PermissionError."""
+    import tempfile
+
+    def refused(*a: object, **k: object) -> str:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    with pytest.raises(FxspeedError, match=r"Config.nvme_path=.*cannot create a swap directory there .*Operation not"):
+        _compile(tmp_path)
+
+
 def test_a_disk_read_failing_mid_step_leaves_a_model_that_refuses_to_train_until_a_checkpoint_is_loaded(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The offloaded optimizer steps chunk by chunk: an I/O error at the third read had stepped
