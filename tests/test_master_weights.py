@@ -133,6 +133,25 @@ def test_pipelines_zero0_and_fp32_keep_fp32_weights_and_tensor_parallelism_gets_
         assert not master_weights_wanted(cfg), cfg
 
 
+def test_one_replica_keeps_fp32_weights_unless_states_are_offloaded_and_its_plan_says_so(tmp_path: Path) -> None:
+    """The plan of one device traced the master layout (bf16 parameters, 12 bytes a parameter of
+    states) where the engine's program keeps fp32 weights: a wrong breakdown, a wrong total."""
+    from fxspeed.compiler.options import masters_kept
+    from fxspeed.ir import PARAMETERS
+
+    bf16 = dict(zero=1, precision="bf16")
+    assert masters_kept(fxspeed.Config(**bf16), 2) and not masters_kept(fxspeed.Config(**bf16), 1)
+    assert masters_kept(fxspeed.Config(**bf16, offload="optimizer", nvme_path=str(tmp_path)), 1)
+    assert not masters_kept(fxspeed.Config(**bf16, offload="activations", nvme_path=str(tmp_path)), 1)
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64))
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    fp32_bytes = 4 * sum(p.numel() for p in model.parameters())
+    one = fxspeed.plan(model, 1, fxspeed.Config(**bf16), example_inputs=(ids, ids))
+    two = fxspeed.plan(model, 2, fxspeed.Config(**bf16), example_inputs=(ids, ids))
+    assert one.memory(0)[PARAMETERS] == pytest.approx(fp32_bytes, rel=0.01)
+    assert two.memory(0)[PARAMETERS] == pytest.approx(fp32_bytes / 2, rel=0.01)  # bf16 working copies
+
+
 @pytest.mark.slow
 def test_zero_1_2_3_with_master_weights_train_like_the_fp32_weight_layout_and_resume_from_checkpoints(
         tmp_path: Path) -> None:

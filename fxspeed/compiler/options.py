@@ -236,13 +236,7 @@ def derive_options(config: Config, mesh: Any, device: Any = None) -> PassOptions
         tp_group_name=mesh.group_name("tp") if getattr(mesh, "tp", 1) > 1 else "",
         sequence_parallel=config.sequence_parallel,
         fuse_kernels=fuse_kernels_mode(), low_activations=low_activations_mode(config),
-        # On one rank the layout saves nothing (the partition is the whole model) unless the fp32
-        # master goes to the offload file with the optimizer states (ZeRO-Offload's layout) or the
-        # working copies go to theirs (ZeRO-Infinity's).
-        # (Activation offload alone moves no state: with masters it would round differently from
-        # the same run without it, and hold fp32 masters beside the working copies for nothing.)
-        master_weights=master_weights_wanted(config) and (mesh.dp > 1 or config.offloads_optimizer
-                                                          or config.offloads_parameters),
+        master_weights=masters_kept(config, mesh.dp),
         parameter_store=f"rank{mesh.rank}-{next(_STORE_IDS)}" if config.offloads_parameters else "",
         optimizer_store=f"rank{mesh.rank}-{next(_STORE_IDS)}" if steps_in_backward(config, mesh.dp) else "",
         activation_store=f"rank{mesh.rank}-{next(_STORE_IDS)}" if config.offloads_activations else "",
@@ -301,6 +295,15 @@ def master_weights_wanted(config: Config) -> bool:
     are the master, and the bytes are the paper's 16 per parameter either way.
     why: docs/decisions/master-weights-in-the-partition.md"""
     return config.precision != "fp32" and config.zero >= 1 and config.pipeline == 1
+
+
+def masters_kept(config: Config, dp: int) -> bool:
+    """Whether a run over `dp` replicas builds `master_weights_wanted`'s layout. On one replica it
+    saves nothing (the partition is the whole model) unless the fp32 master goes to the offload
+    file with the optimizer states (ZeRO-Offload's layout) or the working copies go to theirs
+    (ZeRO-Infinity's). Activation offload alone moves no state: with masters it would round
+    differently from the same run without it, and hold fp32 masters beside the working copies."""
+    return master_weights_wanted(config) and (dp > 1 or config.offloads_optimizer or config.offloads_parameters)
 
 
 FUSE_MODES = ("cuda", "always", "off")

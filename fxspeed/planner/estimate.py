@@ -568,7 +568,7 @@ def choose_offload(config: Config, states: float, peak_resident: float,
         moved = min(states, moved + chunk)
     note = None
     if peak(moved) > budget:
-        note = (f"Config.memory_budget_gb={config.memory_budget_gb:g}: the peak is {peak(moved) / 1e9:.2f} GB even "
+        note = (f"Config.memory_budget_gb={config.memory_budget_gb:g}: the peak is {peak(moved) / 1e9:.3g} GB even "
                 "with every optimizer state offloaded; shard more (zero=2/3, more ranks) or use a smaller batch")
     return int(moved), note
 
@@ -711,25 +711,25 @@ def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, 
     all blocks for a deep stack of identical blocks. Returns (costs, pass records, notes)."""
     from fxspeed.compiler import compile_step
 
-    options, analyses = None, []
+    from fxspeed.compiler.options import frees_gradients_in_backward, masters_kept, offload_flops_per_byte
+
+    options: dict[str, Any] = {}  # overrides of the single-device options, as the engine's rank has them
+    analyses: list = []
     if config.tensor > 1:  # plan tp rank 0's program, with the layout the engine would choose
-        from fxspeed.compiler.options import PassOptions
         from fxspeed.planner.placement import make_placement_analysis
 
-        options = PassOptions.single_device(config, tp_size=config.tensor, tp_group_name="tp (planned)")
-    from fxspeed.compiler.options import frees_gradients_in_backward
-
-    if frees_gradients_in_backward(config, len(devices) // (config.tensor * config.pipeline)):
+        options.update(tp_size=config.tensor, tp_group_name="tp (planned)")
+    dp = len(devices) // (config.tensor * config.pipeline)
+    if config.pipeline == 1 and not masters_kept(config, dp):  # (a pipeline's plan is built elsewhere)
+        options["master_weights"] = False
+    if frees_gradients_in_backward(config, dp):
         # What the engine's program does: the optimizer steps inside backward, by parameter on
         # one replica, by reduced bucket on several (read here as by parameter: the program is
         # planned before the distributed passes).
-        options = {**(options.to_dict() if options is not None else {}), "optimizer_store": "(planned)"}
+        options["optimizer_store"] = "(planned)"
     if config.offloads_activations and config.pipeline == 1:
-        from fxspeed.compiler.options import offload_flops_per_byte
-
-        options = {**(options.to_dict() if hasattr(options, "to_dict") else options or {}),
-                   "activation_store": "(planned)",
-                   "activation_offload_flops_per_byte": offload_flops_per_byte(config, devices[0])}
+        options.update(activation_store="(planned)",
+                       activation_offload_flops_per_byte=offload_flops_per_byte(config, devices[0]))
 
     options = for_target(options, devices[0])
 
