@@ -106,9 +106,12 @@ class SwapFile:
             self.close()
             if e.errno == errno.ENOSPC:
                 free = shutil.disk_usage(root_path).free
+                ours = _own_swap_bytes(root_path)  # (this file is closed and gone: the others')
+                held = (f" (this process's other swap files there hold {_size(ours)}: "
+                        f"{_size(ours + self.nbytes)} in all)") if ours else ""
                 raise FxspeedError(f"Config.nvme_path={str(root)!r}: the offloaded states need {_size(self.nbytes)} "
-                                   f"and that filesystem has {_size(free)} free; free space there or choose a "
-                                   "path on a larger disk (nothing was written)") from e
+                                   f"more and that filesystem has {_size(free)} free{held}; free space there or choose "
+                                   "a path on a larger disk (nothing was written)") from e
             raise FxspeedError(f"cannot reserve {_size(self.nbytes)} for the swap file {self.path!r}: {e}") from e
 
     # The pool's tasks hold the file's descriptor and name, never the SwapFile: the last reference
@@ -200,6 +203,19 @@ def _close(fd: int, directory: str, pool: ThreadPoolExecutor) -> None:
         os.close(fd)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _own_swap_bytes(root: Path) -> int:
+    """Bytes of the swap files this process holds under `root` (its engines' other tiers)."""
+    head = f"{_PREFIX}{socket.gethostname()}-pid{os.getpid()}-"
+    total = 0
+    for d in root.glob(head + "*"):
+        for f in d.glob("*"):
+            try:
+                total += f.stat().st_blocks * 512  # allocated, not the apparent size of a sparse file
+            except OSError:
+                continue
+    return total
 
 
 def _size(nbytes: int) -> str:

@@ -413,7 +413,7 @@ def test_a_disk_without_room_is_an_error_before_training_and_leaves_nothing_behi
 
     monkeypatch.setattr(os, "posix_fallocate", full)
     # a small model's states in a unit that shows them (they read "0.00 GB")
-    with pytest.raises(FxspeedError, match=r"need \d+\.\d\d [kM]B and that filesystem has \d+\.\d\d [kMG]B free"):
+    with pytest.raises(FxspeedError, match=r"need \d+\.\d\d [kM]B more and that filesystem has \d+\.\d\d [kMG]B free"):
         _compile(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
