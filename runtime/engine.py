@@ -380,6 +380,7 @@ class Engine:
                     ".load_state_dict() was called", "Use engine.load_state_dict(state) (collective: call it on every "
                     "rank, with the same full state) or engine.load(path)")),
         ]
+        self._module_state.ignore(self._release_hook[0])  # the engine's own hook: no new trace for it
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -410,7 +411,8 @@ class Engine:
     def _check_parameters_not_replaced(self) -> None:
         """The model's Parameters are the objects the engine bound at compile: a Parameter object
         put in place of one (module.weight = nn.Parameter(...), load_state_dict(assign=True))
-        would be ignored by the programs, which read the old one."""
+        would be ignored by the programs, which read the old one. So would a buffer (`m.buf = t`,
+        `bn.running_mean = torch.zeros(...)`), while engine.state_dict() showed the new one."""
         current = list(self.model.named_parameters(remove_duplicate=False))
         replaced = [n for n, p in current if self._params.get(n) is not p]
         if replaced or len(current) != len(self._params):
@@ -420,6 +422,15 @@ class Engine:
                                "so the new ones would be ignored. Change values in place (with torch.no_grad(): "
                                "p.copy_(...)), use engine.load_state_dict(state) or load_state_dict without "
                                "assign=True, or compile a new engine")
+        buffers = list(self.model.named_buffers(remove_duplicate=False))
+        moved = [n for n, b in buffers if self._buffers.get(n) is not b]
+        if moved or len(buffers) != len(self._buffers):
+            raise FxspeedError(f"{type(self.model).__name__}'s buffer(s) {moved[:5] or '(set changed)'} were replaced "
+                               "or added after compile (module.buf = tensor, register_buffer again, "
+                               "load_state_dict(assign=True)); the engine's programs read the buffers it compiled, "
+                               "so the new ones would be ignored. Write into "
+                               "the buffer in place (with torch.no_grad(): buf.copy_(...)), use "
+                               "engine.load_state_dict(state), or compile a new engine")
 
     def _check_parameters_unchanged(self) -> None:
         """requires_grad and Parameter hooks as at compile: the optimizer and gradient buffers are
@@ -1440,6 +1451,7 @@ class Engine:
         are gathered) and pipelines: call it on every rank."""
         self._begin_step("eval_step")
         self._check_replica_batch("eval_step", args, kwargs)
+        self._check_parameters_not_replaced()
         try:
             return self._eval_step(args, kwargs)
         except FxspeedError:

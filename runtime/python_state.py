@@ -11,7 +11,10 @@ would:
   them (`Cond.flag = False`, or `m.flag = False` over a class-level `flag = True`);
 - the module-level globals its forward reads by name (`MODE = "fast"; ... if MODE == ...`);
 - the identity of each plain tensor attribute (not a buffer: traced as a constant, so
-  replacing it must retrace; writing into it in place needs not);
+  replacing it must retrace; writing into it in place needs not), of each callable attribute
+  (`self.act = F.relu`, a patched `forward`), of each hook (the module's and the global ones: a
+  trace runs them once) and of each child module (a parameter-free child swapped for another);
+- numbers, strings, None, enums, dtypes, devices and numpy scalars are compared by value;
 - loss_fn's numbers and strings from its closure and globals.
 
 Not followed: functions forward calls (their globals), objects two levels down. The key is
@@ -20,6 +23,7 @@ compared across ranks, so it holds values and counters, never ids.
 
 from __future__ import annotations
 
+import enum
 import inspect
 import logging
 import weakref
@@ -33,18 +37,37 @@ log = logging.getLogger("fxspeed")
 
 SCALARS = (bool, int, float, str)
 _LONGEST = 64  # a longer list or dict is data, not a setting
+# values compared by equality besides SCALARS: None (an unset option), enums, dtypes, devices,
+# numpy scalars (np.float32(0.5) read from a config)
+_ATOMS = (type(None), enum.Enum, torch.dtype, torch.device)
+
+
+def _is_atom(v: Any) -> bool:
+    return type(v) in SCALARS or isinstance(v, _ATOMS) or (type(v).__module__ == "numpy" and hasattr(v, "item")
+                                                           and getattr(v, "ndim", 1) == 0)
 
 
 def _is_setting(v: Any) -> bool:
-    """A number, a string, or a short list or tuple of them."""
-    if type(v) in SCALARS:
+    """A number, a string, None, an enum, a dtype, or a short list or tuple of them."""
+    if _is_atom(v):
         return True
-    return type(v) in (list, tuple) and len(v) <= _LONGEST and all(type(x) in SCALARS for x in v)
+    return type(v) in (list, tuple) and len(v) <= _LONGEST and all(_is_atom(x) for x in v)
 
 
 def _frozen(v: Any) -> Any:
-    # a list is compared by value: changed in place, it is the same object
-    return tuple(v) if type(v) is list else v
+    # a list is compared by value: changed in place, it is the same object; a numpy scalar by its
+    # Python value (its repr differs across numpy versions)
+    if type(v) in (list, tuple):
+        return tuple(_frozen(x) for x in v)
+    if type(v).__module__ == "numpy" and hasattr(v, "item"):
+        return v.item()
+    return v
+
+
+def _held_by_identity(v: Any) -> bool:
+    """A value a trace bakes in by what it is, not by a number: a plain tensor attribute (a
+    traced constant) or a callable (`self.act = F.relu`, a patched `forward`, a hook)."""
+    return isinstance(v, torch.Tensor) or (callable(v) and not isinstance(v, (nn.Module, type)))
 
 
 def function_scalars(fn: Any) -> tuple:
@@ -87,11 +110,11 @@ def scalar_slots(m: Any, seen: set | None = None, held: list[tuple[dict, str, An
     own = m.__dict__
     out: list[Slot] = [(k, own, k) for k, v in own.items() if k != "training" and _is_setting(v)]
     for k, v in own.items():
-        if isinstance(v, torch.Tensor):  # (Parameters and buffers live in _parameters, _buffers)
+        if _held_by_identity(v):  # (Parameters, buffers and submodules live in their own dicts)
             if held is not None:
                 held.append((own, k, v))
             continue
-        if k.startswith("_") or id(v) in seen or isinstance(v, (nn.Module, type)) or callable(v):
+        if k.startswith("_") or id(v) in seen or isinstance(v, (nn.Module, type)):
             continue
         inner = v if type(v) is dict else getattr(v, "__dict__", None) if hasattr(v, "__dict__") else None
         if not isinstance(inner, dict):
@@ -104,6 +127,12 @@ def scalar_slots(m: Any, seen: set | None = None, held: list[tuple[dict, str, An
         # the ranks' step keys disagree
         out += [(f"{k}.{kk}", inner, kk) for kk, vv in inner.items()
                 if isinstance(kk, str) and not kk.startswith("_") and _is_setting(vv)]
+    if held is not None and isinstance(m, nn.Module):
+        for name in _HOOK_DICTS:
+            hooks = getattr(m, name, None)
+            if hooks:
+                held += [(hooks, k, fn) for k, fn in hooks.items()]
+        held += [(m._modules, k, child) for k, child in m._modules.items()]  # a child swapped for another
     for cls in type(m).__mro__:
         if cls is object or cls.__module__.split(".")[0] in ("torch", "builtins"):
             continue
@@ -122,6 +151,19 @@ def scalar_slots(m: Any, seen: set | None = None, held: list[tuple[dict, str, An
     return out
 
 
+# a module's hooks: a trace runs them once, so one added or removed after it must retrace
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _global_hooks() -> list[tuple[dict, Any, Any]]:
+    from torch.nn.modules import module as mm
+
+    return [(d, k, fn) for d in (getattr(mm, n, {}) for n in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                                                "_global_backward_hooks",
+                                                                "_global_backward_pre_hooks"))
+            for k, fn in d.items()]
+
+
 def scalars(m: Any, seen: set | None = None) -> tuple:
     """(name, value) of what `scalar_slots` finds."""
     return tuple((name, _frozen(d[k])) for name, d, k in scalar_slots(m, seen))
@@ -137,40 +179,66 @@ class ModuleState:
         self.model = model
         self._last: dict[bool, tuple] = {}  # train -> (key, modules, modes, sizes, slots, values, held)
         # a plain tensor attribute's number in the key: the same object keeps its number
-        self._tags: dict[int, tuple[weakref.ref, int]] = {}
+        self._tags: dict[int, tuple[Any, int]] = {}
+        self._own: set[tuple[int, Any]] = set()  # (id(hooks dict), key) of the engine's own hooks
+
+    def ignore(self, handle: Any) -> None:
+        """Leave out of the key a hook the engine registered itself (torch's RemovableHandle)."""
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None:
+            self._own.add((id(hooks), handle.id))
 
     def key(self, train: bool) -> tuple:
         last = self._last.get(train)
         if last is not None and self._unchanged(*last[1:]):
             return last[0]
         seen: set = set()
-        held: list[tuple[dict, str, Any]] = []
         modules = list(self.model.modules())
-        slots = [scalar_slots(m, seen, held) for m in modules]
-        tensors = {(id(d), k): self._tag(v) for d, k, v in held if isinstance(v, torch.Tensor)}
+        held_by: list[list[tuple[Any, Any, Any]]] = [[] for _ in modules]
+        slots = [scalar_slots(m, seen, mine) for m, mine in zip(modules, held_by)]
+        held_by = [[h for h in ids if (id(h[0]), h[1]) not in self._own] for ids in held_by]
+        glob = _global_hooks()
+        # identities as counters (keys are compared across ranks); children by their class
         key = tuple((m.training if train else False,
                      tuple((name, _frozen(d[k])) for name, d, k in mine)
-                     + tuple((k, ("tensor", tensors[(id(m.__dict__), k)])) for k, v in m.__dict__.items()
-                             if (id(m.__dict__), k) in tensors))
-                    for m, mine in zip(modules, slots))
+                     + tuple((str(k), ("held", type(v).__name__ if isinstance(v, nn.Module) else self._tag(v)))
+                             for _, k, v in ids))
+                    for m, mine, ids in zip(modules, slots, held_by)) + (tuple(self._tag(fn) for _, _, fn in glob),)
         flat = [(d, k) for mine in slots for _, d, k in mine]
+        held = [h for ids in held_by for h in ids] + glob
         self._last[train] = (key, modules, [m.training for m in modules], [len(m.__dict__) for m in modules],
-                             flat, [_frozen(d[k]) for d, k in flat], held)
+                             flat, [_frozen(d[k]) for d, k in flat], held,
+                             [len(d) for d in _hook_dicts(modules)])
         return key
 
-    def _tag(self, t: torch.Tensor) -> int:
-        entry = self._tags.get(id(t))
-        if entry is None or entry[0]() is not t:
-            entry = (weakref.ref(t), len(self._tags))
-            self._tags[id(t)] = entry
+    def _tag(self, obj: Any) -> int:
+        """A number for `obj` that stays while it is the same object (a weak reference where it
+        allows one; else the object itself is kept)."""
+        entry = self._tags.get(id(obj))
+        if entry is None or entry[0]() is not obj:
+            try:
+                ref = weakref.ref(obj)
+            except TypeError:
+                ref = (lambda o: lambda: o)(obj)
+            entry = (ref, len(self._tags))
+            self._tags[id(obj)] = entry
         return entry[1]
 
     @staticmethod
     def _unchanged(modules: list[nn.Module], modes: list[bool], sizes: list[int], slots: list[tuple[Mapping, str]],
-                   values: list, held: list[tuple[dict, str, Any]]) -> bool:
+                   values: list, held: list[tuple[dict, str, Any]], hooks: list[int]) -> bool:
         return ([m.training for m in modules] == modes and [len(m.__dict__) for m in modules] == sizes
+                and [len(d) for d in _hook_dicts(modules)] == hooks  # (a hook added: a new entry)
                 and all(d.get(k) is v for d, k, v in held)
                 and [_frozen(d.get(k)) for d, k in slots] == values)
+
+
+def _hook_dicts(modules: list[nn.Module]) -> list[dict]:
+    from torch.nn.modules import module as mm
+
+    return [getattr(m, n, {}) for m in modules for n in (*_HOOK_DICTS, "_modules")] + [
+        getattr(mm, n, {}) for n in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                                     "_global_backward_pre_hooks")]
 
 
 def warn_python_state_changed(model: nn.Module, before: tuple, after: tuple) -> None:

@@ -531,3 +531,70 @@ def test_private_bookkeeping_in_a_held_object_is_not_part_of_the_step_key() -> N
     model.config._original_object_hash = hash("differs with PYTHONHASHSEED")
     names = [name for name, _ in _scalars(model)]
     assert "config.temp" in names and "config._original_object_hash" not in names
+
+
+# ------------------------------------------------------------------------------------------
+# Python state a trace used to miss (a helper's new-user sweep): hooks added or removed after
+# compile, a buffer rebound in forward, a generator the module holds, counters in lists, RNG
+# control and Python's random in forward, buffers replaced after compile
+# ------------------------------------------------------------------------------------------
+
+class _Ema(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(()))
+        self.gen = torch.Generator().manual_seed(7)
+        self.calls = [0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ema = self.ema * 0.5 + 1.0  # rebinds the buffer
+        self.calls[0] += 1
+        noise = torch.rand(4, generator=self.gen)
+        return (self.lin(x) + noise).square().mean() * self.calls[0] + self.ema
+
+
+def test_hooks_added_or_removed_after_compile_retrace_and_state_forward_keeps_follows_eager() -> None:
+    torch.manual_seed(0)
+    model = _Ema()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    engine = fxspeed.compile(model, 1, fxspeed.Config(optimizer="sgd", lr=0.0), example_inputs=(x,))
+    first = float(ref(x))  # eager's first call: calls = 1
+    assert engine.train_step(x) == pytest.approx(first, rel=1e-6)
+    for step in range(2):  # the step computes eager's first call's counter at every step (documented)
+        ref.calls[0] = 0
+        assert engine.train_step(x) == pytest.approx(float(ref(x)), rel=1e-6), step  # ema and noise move on
+    assert float(model.ema) == pytest.approx(float(ref.ema)) and model.calls == [1]
+    hook = lambda m, args, out: out * 10  # noqa: E731
+    handles = [m.lin.register_forward_hook(hook) for m in (model, ref)]
+    ref.calls[0] = model.calls[0]  # a new trace starts from the counter as the module holds it
+    assert engine.train_step(x) == pytest.approx(float(ref(x)), rel=1e-6)
+    for h in handles:
+        h.remove()
+    ref.calls[0] = model.calls[0]
+    assert engine.train_step(x) == pytest.approx(float(ref(x)), rel=1e-6)
+    model.ema = torch.zeros(())  # replaced, not written: the program would read the old one
+    with pytest.raises(fxspeed.FxspeedError, match=r"buffer\(s\) \['ema'\] were replaced"):
+        engine.train_step(x)
+
+
+class _Seeds(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import random
+
+        torch.manual_seed(3)
+        h = F.dropout(self.lin(x), 0.5)
+        return h.square().mean() * (2.0 if random.random() < 0.5 else 1.0)
+
+
+def test_seeding_or_drawing_from_python_random_in_forward_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    x = torch.randn(3, 4)
+    with caplog.at_level("WARNING", logger="fxspeed"):
+        fxspeed.compile(_Seeds(), 1, fxspeed.Config(lr=0.0), example_inputs=(x,)).train_step(x)
+    assert "calls torch.manual_seed while traced" in caplog.text
+    assert "draws from Python's random while traced" in caplog.text

@@ -318,6 +318,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs:
     grad_calls: list[traceback.FrameSummary] = []
     try:
         with _tracing_flags(), owners, _rng_untouched(model, tensors), _without_torch_compile(model), \
+                _buffer_rebinds_as_writes(), _rng_control_said(model), \
                 (_rnns_unrolled(model) if unroll_rnns else contextlib.nullcontext()), \
                 _autograd_grad_calls(grad_calls):
             # AOT export lifts a parameter once per *name* and refuses a name that gets no
@@ -421,22 +422,35 @@ def _scalars_before(model: nn.Module) -> list[tuple[dict, str, Any]]:
     the alias check runs another): a counter forward bumps (`self.calls += 1`) would be baked in
     at its second or third value. Every run starts from these values instead, so the step computes
     what eager's first call computes and the module is left as one call leaves it."""
-    return [(mod.__dict__, k, v) for mod in model.modules() for k, v in _own_scalars(mod)]
+    out = [(mod.__dict__, k, v) for mod in model.modules() for k, v in _own_scalars(mod)]
+    # and the contents of lists and dicts of them (`self.calls[0] += 1`, `self.seen.append(n)`):
+    # kept as (the container, None, a copy), put back in place
+    out += [(v, None, copy.copy(v)) for mod in model.modules() for k, v in mod.__dict__.items()
+            if k not in _MODULE_INTERNALS and type(v) in (list, dict) and len(v) <= 64
+            and all(type(x) in _SCALAR_TYPES for x in (v.values() if type(v) is dict else v))]
+    return out
 
 
 def _own_scalars(mod: nn.Module) -> list[tuple[str, Any]]:
     return [(k, v) for k, v in mod.__dict__.items() if type(v) in _SCALAR_TYPES and k != "training"]
 
 
-def _reset_scalars(model: nn.Module, before: list[tuple[dict, str, Any]]) -> None:
-    """Numbers and strings back to `before` (_scalars_before); ones forward added are removed."""
-    known = {(id(d), k) for d, k, _ in before}
+def _reset_scalars(model: nn.Module, before: list[tuple[Any, str | None, Any]]) -> None:
+    """Numbers and strings back to `before` (_scalars_before); ones forward added are removed;
+    lists and dicts of them get their contents back."""
+    known = {(id(d), k) for d, k, _ in before if k is not None}
     for mod in model.modules():
         for k, _ in _own_scalars(mod):
             if (id(mod.__dict__), k) not in known:
                 del mod.__dict__[k]
     for d, k, v in before:
-        d[k] = v
+        if k is not None:
+            d[k] = v
+        elif type(d) is list:
+            d[:] = v
+        else:
+            d.clear()
+            d.update(v)
 
 
 def _restore_attributes(model: nn.Module, before: dict[tuple[int, str], tuple[Any, Any, list[int]]]) -> None:
@@ -1011,13 +1025,122 @@ def _drop_metadata_asserts(gm: fx.GraphModule) -> None:
         gm.recompile()
 
 
+@contextlib.contextmanager
+def _buffer_rebinds_as_writes() -> Iterator[None]:
+    """`self.ema = self.ema * 0.5 + 1` in forward rebinds a buffer to a new tensor. The trace
+    runs on stand-ins of the buffers and puts the originals back, so the update was lost with no
+    word (eager's ema moved every step; the step's stayed at its first value). While tracing, such
+    an assignment of a tensor of the buffer's shape and dtype writes into the buffer instead: a
+    buffer mutation the program carries out, as it does BatchNorm's running statistics."""
+    real = nn.Module.__setattr__
+
+    def setattr_(self: nn.Module, name: str, value: Any) -> None:
+        buffers = self.__dict__.get("_buffers")
+        old = buffers.get(name) if buffers is not None else None
+        if (isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor) and value is not old
+                and value.shape == old.shape and value.dtype == old.dtype and not value.requires_grad):
+            with torch.no_grad():
+                old.copy_(value)
+            return
+        real(self, name, value)
+
+    nn.Module.__setattr__ = setattr_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.__setattr__ = real  # type: ignore[method-assign]
+
+
 def _rng_untouched(model: nn.Module, tensors: list[torch.Tensor]) -> contextlib.AbstractContextManager:
     """Tracing must not advance the user's RNG: AOT export runs the model's random ops
     (dropout's bernoulli) on fake tensors, which still draws from the real CPU/CUDA
     generators, so a step after compile() would see other dropout masks than eager under
     the same torch.manual_seed. Save the generators' states and restore them afterwards."""
     cuda = sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers(), *tensors] if t.is_cuda})
-    return torch.random.fork_rng(devices=cuda)
+    return _generators_untouched(model, torch.random.fork_rng(devices=cuda))
+
+
+@contextlib.contextmanager
+def _generators_untouched(model: nn.Module, default: contextlib.AbstractContextManager) -> Iterator[None]:
+    """Besides the default generators: a torch.Generator a module holds (`self.gen`) is put back
+    too (the trace's draw left it one draw ahead: every step drew eager's next step's numbers),
+    and Python's and numpy's generators, whose draws a trace cannot follow: forward that draws
+    from them (`random.random() < p` to drop a layer) takes the trace's branch at every step,
+    which is said."""
+    import random
+
+    held = [g for m in model.modules() for g in m.__dict__.values() if isinstance(g, torch.Generator)]
+    states = [g.get_state() for g in held]
+    py = random.getstate()
+    np_random = sys.modules.get("numpy.random")
+    np_state = np_random.get_state() if np_random is not None else None
+    try:
+        with default:
+            yield
+    finally:
+        for g, st in zip(held, states):
+            g.set_state(st)
+        drew = []
+        if random.getstate() != py:
+            drew.append("Python's random")
+            random.setstate(py)
+        if np_random is not None and not _same_np_state(np_random.get_state(), np_state):
+            drew.append("numpy.random")
+            np_random.set_state(np_state)
+        if drew:
+            log.warning("fxspeed: %s's forward draws from %s while traced; the compiled step does not run that "
+                        "Python again, so every step takes the draws (and branches) of the trace. Draw with torch "
+                        "(torch.rand(()) < p), which the step draws anew each time", type(model).__name__,
+                        " and ".join(drew))
+
+
+@contextlib.contextmanager
+def _rng_control_said(model: nn.Module) -> Iterator[None]:
+    """Forward that seeds or restores torch's generator (`torch.manual_seed(42)` for a fixed mask,
+    get/set_rng_state to draw one mask twice) or makes its own torch.Generator: the program draws
+    from the step's generator as traced and runs none of that Python, so its masks are not
+    eager's. Said once per trace (calls from torch itself, as checkpoint's recompute, are not
+    the user's)."""
+    calls: list[str] = []
+    torch_dir = os.path.dirname(torch.__file__)
+
+    def noted(name: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def call(*a: Any, **k: Any) -> Any:
+            caller = sys._getframe(1).f_code.co_filename
+            if not caller.startswith(torch_dir) and name not in calls:
+                calls.append(name)
+            return fn(*a, **k)
+        return call
+
+    class AnyGenerator(type(torch.Generator)):  # isinstance(g, torch.Generator) stays true of every generator
+        def __instancecheck__(cls, obj: Any) -> bool:
+            return isinstance(obj, torch._C.Generator)
+
+    class Generator(torch._C.Generator, metaclass=AnyGenerator):  # a stand-in that notes its creation
+        def __init__(self, *a: Any, **k: Any) -> None:
+            if "torch.Generator()" not in calls:
+                calls.append("torch.Generator()")
+            super().__init__(*a, **k)
+
+    patches = [mock.patch.object(torch, n, noted(f"torch.{n}", getattr(torch, n)))
+               for n in ("manual_seed", "set_rng_state", "seed")]
+    patches += [mock.patch.object(torch.random, n, noted(f"torch.{n}", getattr(torch.random, n)))
+                for n in ("manual_seed", "set_rng_state", "seed")]
+    patches.append(mock.patch.object(torch, "Generator", Generator))
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+    if calls:
+        log.warning("fxspeed: %s's forward calls %s while traced; the compiled step draws its random numbers from "
+                    "the step's generator and runs none of that Python, so its dropout masks and random draws are "
+                    "not those eager would make (a fixed seed is not fixed, a replayed mask is not replayed). Keep "
+                    "seeding outside forward", type(model).__name__, ", ".join(calls))
+
+
+def _same_np_state(a: Any, b: Any) -> bool:
+    return a[0] == b[0] and bool((a[1] == b[1]).all()) and tuple(a[2:]) == tuple(b[2:])
 
 
 @contextlib.contextmanager
