@@ -121,6 +121,7 @@ class Engine:
         # and the trace may refer to it by either.
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self._buffers = dict(model.named_buffers(remove_duplicate=False))
+        self._kinds: list[tuple[str, torch.dtype, torch.device]] | None = None  # the parameters' dtypes/devices
         self._unique = list(model.parameters())
         self._canonical = _canonical_names(model)  # id(Parameter) -> its first name
         self._names_of: dict[int, list[str]] = {}  # id(Parameter) -> every name it has
@@ -436,6 +437,17 @@ class Engine:
         """requires_grad and Parameter hooks as at compile: the optimizer and gradient buffers are
         built once, and the captured graph runs no Python hooks on Parameters."""
         self._check_parameters_not_replaced()
+        kinds = [(n, p.dtype, p.device) for n, p in self._params.items()]
+        if self._kinds is None:
+            self._kinds = kinds
+        elif kinds != self._kinds:
+            n, was_dtype, was_device = next(k for k, now in zip(self._kinds, kinds) if k != now)
+            p = self._params[n]
+            raise FxspeedError(f"{type(self.model).__name__}'s parameter {n} is {p.dtype} on {p.device} now but was "
+                               f"{was_dtype} on {was_device} at compile (model.double(), .half() or .to() after "
+                               "fxspeed.compile); the engine's programs and optimizer were built for the old ones. "
+                               "Convert the model before compiling (for mixed precision use Config.precision), or "
+                               "compile a new engine")
         now = [(n, p.requires_grad) for n, p in self._params.items()]
         if self._requires_grad is None:
             self._requires_grad = now

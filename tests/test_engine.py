@@ -232,6 +232,17 @@ def test_a_parameter_replaced_after_compile_is_refused_naming_it_rather_than_sil
         engine.eval_step(*batch())
 
 
+def test_a_model_converted_to_another_dtype_after_compile_is_refused_naming_the_parameter() -> None:
+    """model.double() after compile ended in a raw 'mat1 and mat2 must have the same dtype' from
+    inside the program."""
+    model = Classifier()
+    engine = fxspeed.compile(model, 1, example_inputs=batch())
+    engine.train_step(*batch())
+    model.double()
+    with pytest.raises(fxspeed.FxspeedError, match=r"parameter \S+ is torch.float64 on cpu now but was torch.float32"):
+        engine.train_step(*batch())
+
+
 def test_a_number_loss_fn_reads_from_its_closure_or_globals_retraces_when_it_changes() -> None:
     """A trace bakes loss_fn's Python numbers in (as module attributes); changing one retraces."""
     scale = {"s": 1.0}
