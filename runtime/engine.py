@@ -423,6 +423,17 @@ class Engine:
                                "so the new ones would be ignored. Change values in place (with torch.no_grad(): "
                                "p.copy_(...)), use engine.load_state_dict(state) or load_state_dict without "
                                "assign=True, or compile a new engine")
+        kinds = [(n, p.dtype, p.device) for n, p in self._params.items()]
+        if self._kinds is None:
+            self._kinds = kinds
+        elif kinds != self._kinds:
+            n, was_dtype, was_device = next(k for k, now in zip(self._kinds, kinds) if k != now)
+            p = self._params[n]
+            raise FxspeedError(f"{type(self.model).__name__}'s parameter {n} is {p.dtype} on {p.device} now but was "
+                               f"{was_dtype} on {was_device} at compile (model.double(), .half() or .to() after "
+                               "fxspeed.compile); the engine's programs and optimizer were built for the old ones. "
+                               "Convert the model before compiling (for mixed precision use Config.precision), or "
+                               "compile a new engine")
         buffers = list(self.model.named_buffers(remove_duplicate=False))
         moved = [n for n, b in buffers if self._buffers.get(n) is not b]
         if moved or len(buffers) != len(self._buffers):
@@ -437,17 +448,6 @@ class Engine:
         """requires_grad and Parameter hooks as at compile: the optimizer and gradient buffers are
         built once, and the captured graph runs no Python hooks on Parameters."""
         self._check_parameters_not_replaced()
-        kinds = [(n, p.dtype, p.device) for n, p in self._params.items()]
-        if self._kinds is None:
-            self._kinds = kinds
-        elif kinds != self._kinds:
-            n, was_dtype, was_device = next(k for k, now in zip(self._kinds, kinds) if k != now)
-            p = self._params[n]
-            raise FxspeedError(f"{type(self.model).__name__}'s parameter {n} is {p.dtype} on {p.device} now but was "
-                               f"{was_dtype} on {was_device} at compile (model.double(), .half() or .to() after "
-                               "fxspeed.compile); the engine's programs and optimizer were built for the old ones. "
-                               "Convert the model before compiling (for mixed precision use Config.precision), or "
-                               "compile a new engine")
         now = [(n, p.requires_grad) for n, p in self._params.items()]
         if self._requires_grad is None:
             self._requires_grad = now
