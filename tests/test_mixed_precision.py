@@ -378,3 +378,24 @@ def test_the_loss_scalers_overflow_flag_and_scale_live_on_the_gradients_device(m
     assert s.scale.device.type == "meta"  # moved once, where the gradients are
     s.update(overflow=True)
     assert s.scale.device.type == "meta"
+
+
+def test_fp32_modules_keeps_a_bias_free_linear_heads_matmul_in_fp32() -> None:
+    """The head's mm reads its weight through t(): its module was taken from its other input (the
+    last block's), so a bias-free head named in fp32_modules computed in bf16 with no word."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 8, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.body(x))).square().mean()
+
+    x = torch.randn(4, 16)
+    engine = fxspeed.compile(Net(), 1, fxspeed.Config(precision="bf16", fp32_modules=("head",)), example_inputs=(x,))
+    engine.train_step(x)
+    gm = engine.graph()
+    head_mm = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default
+               and n.args[0].meta["val"].shape == (4, 16) and n.meta["val"].shape == (4, 8)]
+    assert head_mm and all(a.meta["val"].dtype == torch.float32 for a in head_mm[0].all_input_nodes)

@@ -40,6 +40,9 @@ def annotate(gm: fx.GraphModule, signature: StepSignature, module_of: dict[str, 
     grad_outputs |= {g for n in steps for g in n.args[3]}  # gradients the program steps itself
     param_module = {ph: signature.inputs[i].target.rpartition(".")[0] for i, ph in enumerate(placeholders)
                     if signature.inputs[i].kind in ("param", "param_tp")}
+    # a weight with one name (a tied one belongs to several modules: its reader is told by its other inputs)
+    tied = {*signature.tied, *signature.tied.values()}
+    untied = {ph for i, ph in enumerate(placeholders) if ph in param_module and signature.inputs[i].target not in tied}
 
     for i, ph in enumerate(placeholders):
         spec = signature.inputs[i]
@@ -56,7 +59,7 @@ def annotate(gm: fx.GraphModule, signature: StepSignature, module_of: dict[str, 
             role = STEP
         module = module_of.get(n.name) if role == FORWARD else None
         if module is None:
-            module = _module_from_inputs(n, param_module)
+            module = _module_from_inputs(n, param_module, untied)
         inf = _base_info(n, role=role, category=TEMPORARIES, module=module)
         inf.is_view = _is_view(n)
         inf.bytes_read = sum(tensor_bytes(a.meta.get("val")) for a in n.all_input_nodes) if not inf.is_view else 0
@@ -101,12 +104,20 @@ def _forward_nodes(outs: list[Any], signature: StepSignature) -> set[fx.Node]:
     return seen
 
 
-def _module_from_inputs(n: fx.Node, param_module: dict[fx.Node, str]) -> str:
-    """Backward nodes inherit the module of the parameter or forward value they read."""
+def _module_from_inputs(n: fx.Node, param_module: dict[fx.Node, str], untied: set[fx.Node]) -> str:
+    """Backward nodes inherit the module of the parameter or forward value they read: first of a
+    parameter read directly or through views (a bias-free Linear's mm reads t(weight): it is the
+    Linear's, not the module of its activation input, which fp32_modules and split points missed)."""
     best = ""
     for a in n.all_input_nodes:
         if a in param_module:
             return param_module[a]
+        base = a
+        while base.op == "call_function" and _is_view(base) and base.all_input_nodes:
+            base = base.all_input_nodes[0]
+            if base in untied:
+                return param_module[base]
+    for a in n.all_input_nodes:
         inf = a.meta.get(META_KEY)
         if inf is not None and inf.module and len(inf.module) > len(best):
             best = inf.module
