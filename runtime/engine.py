@@ -597,7 +597,8 @@ class Engine:
         key = input_key(args, kwargs)
         if self._key is not None:
             if key != self._key:
-                raise ConfigError("the pipeline engine was compiled for another batch signature; pass batches of the "
+                raise ConfigError("the pipeline engine was compiled for another batch signature (shapes, dtypes, or "
+                                  "the values of non-tensor arguments such as a Python float); pass batches of the "
                                   "shapes given as example_inputs (a new shape would re-split the model across ranks)")
             if self._python_state(True) != self._traced_state:
                 raise ConfigError(f"a module's train/eval mode or a Python attribute of {type(self.model).__name__} "
@@ -608,7 +609,8 @@ class Engine:
         check_agreement(self.dist, "the batch signature (shapes, dtypes, structure)", fingerprint(key),
                         "every rank must pass a batch of the same shapes (each pipeline: the same batch)")
         margs, mkw = split_batch(args, kwargs, self.M)[0]
-        micro_cfg = dataclasses.replace(self.config, pipeline=1, microbatches=1, schedule="1f1b", zero=0)
+        micro_cfg = dataclasses.replace(self.config, pipeline=1, microbatches=1, schedule="1f1b", zero=0,
+                                        split_points=(), pipeline_chunks=1)  # (kept, they warned "no effect")
         # Every position's stages get the same rewrites, so every rank's plan is the same plan.
         cp = self.compiler.program(self.model, margs, mkw, train=True, positions=range(self.config.pipeline),
                                    split_points=list(self.config.split_points) or None,

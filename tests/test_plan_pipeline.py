@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 
 import fxspeed
 from fxspeed.errors import ConfigError
@@ -212,3 +213,30 @@ def test_an_extrapolated_pipeline_cuts_where_the_whole_trace_does_even_leaving_a
     assert cuts[0] == cuts[1] == [8, 0]
     for r in range(2):
         assert plans[0].peak_memory(r) == pytest.approx(plans[1].peak_memory(r), rel=0.015)
+
+
+class _Named(nn.Module):
+    """Top-level modules that are not a numbered block stack, and a bias-free head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.l1, self.l2 = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.head = nn.Linear(32, 64, bias=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.l2(torch.tanh(self.l1(self.emb(x)))))
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_split_points_name_any_module_in_every_precision_and_a_bias_free_head(precision: str) -> None:
+    """Under bf16 a matmul reads a cast of its weight, and a bias-free head's reads t(weight): both
+    took their module from their activation input, so l1/l2 read as the embedding's under bf16
+    (refused as split points, "at most 1 stages") and the head could not be named at all."""
+    x = torch.randint(0, 64, (4, 8))
+    for points in (["l1"], ["l2"], ["head"]):
+        plan = fxspeed.plan(_Named(), 2, fxspeed.Config(pipeline=2, microbatches=2, precision=precision,
+                                                       split_points=points), example_inputs=(x, x))
+        assert len(plan.pipeline["stages"]) == 2, points
+    fxspeed.plan(_Named(), 2, fxspeed.Config(pipeline=2, microbatches=2, precision=precision), example_inputs=(x, x))

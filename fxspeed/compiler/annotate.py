@@ -106,14 +106,14 @@ def _forward_nodes(outs: list[Any], signature: StepSignature) -> set[fx.Node]:
 
 def _module_from_inputs(n: fx.Node, param_module: dict[fx.Node, str], untied: set[fx.Node]) -> str:
     """Backward nodes inherit the module of the parameter or forward value they read: first of a
-    parameter read directly or through views (a bias-free Linear's mm reads t(weight): it is the
+    parameter read directly or through views and casts (a bias-free Linear's mm reads t(weight): it is the
     Linear's, not the module of its activation input, which fp32_modules and split points missed)."""
     best = ""
     for a in n.all_input_nodes:
         if a in param_module:
             return param_module[a]
         base = a
-        while base.op == "call_function" and _is_view(base) and base.all_input_nodes:
+        while base.op == "call_function" and (_is_view(base) or base.target in _CASTS) and base.all_input_nodes:
             base = base.all_input_nodes[0]
             if base in untied:
                 return param_module[base]
@@ -122,6 +122,10 @@ def _module_from_inputs(n: fx.Node, param_module: dict[fx.Node, str], untied: se
         if inf is not None and inf.module and len(inf.module) > len(best):
             best = inf.module
     return best
+
+
+# a cast of a weight (bf16/fp16 working copy per step) reads as the weight
+_CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 
 
 def _is_view(n: fx.Node) -> bool:
