@@ -146,6 +146,8 @@ def build_optimizer(params: Iterable[torch.Tensor], spec: OptimizerSpec, decay: 
 
 def _fused(cls: type[torch.optim.Optimizer], params: list[torch.Tensor], **kw: object) -> torch.optim.Optimizer:
     """`cls` with torch's fused kernel where every tensor supports it, else its default implementation."""
+    if not params:  # a pipeline stage whose weights are all frozen: one empty group (torch refuses no group)
+        return cls([{"params": []}], **kw)
     if any(p.is_complex() for p in params):  # accepted at construction, refused at the first step
         return cls(params, **kw)
     try:

@@ -285,3 +285,15 @@ def test_weights_edited_inside_gathered_are_kept_under_master_weights(tmp_path) 
     other = fxspeed.compile(Classifier().eval(), 1, config, example_inputs=(x, y))  # loaded with the edited state
     other.load_state_dict(engine.state_dict())
     assert engine.eval_step(x, y) == other.eval_step(x, y)
+
+
+def test_an_optimizer_over_no_weights_builds_and_steps_for_a_pipeline_stage_whose_weights_are_all_frozen() -> None:
+    """torch refuses an empty parameter list: a last stage with every weight frozen failed on its
+    rank only ("optimizer got an empty parameter list") while the other rank went into the step."""
+    from fxspeed.runtime.optimizer import OptimizerSpec, build_optimizer
+
+    for name in ("adamw", "adam", "sgd"):
+        opt, schedule = build_optimizer([], OptimizerSpec(name=name, lr=1e-3))
+        opt.step()
+        schedule.step()
+        assert opt.param_groups[0]["params"] == []
