@@ -414,15 +414,6 @@ class Engine:
         put in place of one (module.weight = nn.Parameter(...), load_state_dict(assign=True))
         would be ignored by the programs, which read the old one. So would a buffer (`m.buf = t`,
         `bn.running_mean = torch.zeros(...)`), while engine.state_dict() showed the new one."""
-        current = list(self.model.named_parameters(remove_duplicate=False))
-        replaced = [n for n, p in current if self._params.get(n) is not p]
-        if replaced or len(current) != len(self._params):
-            raise FxspeedError(f"{type(self.model).__name__}'s Parameter(s) {replaced[:5] or '(set changed)'} were "
-                               "replaced or added after compile (module.weight = nn.Parameter(...), "
-                               "load_state_dict(assign=True)); the engine's programs read the Parameters it compiled, "
-                               "so the new ones would be ignored. Change values in place (with torch.no_grad(): "
-                               "p.copy_(...)), use engine.load_state_dict(state) or load_state_dict without "
-                               "assign=True, or compile a new engine")
         kinds = [(n, p.dtype, p.device) for n, p in self._params.items()]
         if self._kinds is None:
             self._kinds = kinds
@@ -434,15 +425,21 @@ class Engine:
                                "fxspeed.compile); the engine's programs and optimizer were built for the old ones. "
                                "Convert the model before compiling (for mixed precision use Config.precision), or "
                                "compile a new engine")
-        buffers = list(self.model.named_buffers(remove_duplicate=False))
-        moved = [n for n, b in buffers if self._buffers.get(n) is not b]
-        if moved or len(buffers) != len(self._buffers):
-            raise FxspeedError(f"{type(self.model).__name__}'s buffer(s) {moved[:5] or '(set changed)'} were replaced "
-                               "or added after compile (module.buf = tensor, register_buffer again, "
-                               "load_state_dict(assign=True)); the engine's programs read the buffers it compiled, "
-                               "so the new ones would be ignored. Write into "
-                               "the buffer in place (with torch.no_grad(): buf.copy_(...)), use "
-                               "engine.load_state_dict(state), or compile a new engine")
+        for what, bound, current, how, fix in (
+                ("Parameter(s)", self._params, self.model.named_parameters(remove_duplicate=False),
+                 "module.weight = nn.Parameter(...), load_state_dict(assign=True)",
+                 "Change values in place (with torch.no_grad(): p.copy_(...)), use engine.load_state_dict(state) or "
+                 "load_state_dict without assign=True"),
+                ("buffer(s)", self._buffers, self.model.named_buffers(remove_duplicate=False),
+                 "module.buf = tensor, register_buffer again, load_state_dict(assign=True)",
+                 "Write into the buffer in place (with torch.no_grad(): buf.copy_(...)), use "
+                 "engine.load_state_dict(state)")):
+            current = list(current)
+            replaced = [n for n, t in current if bound.get(n) is not t]
+            if replaced or len(current) != len(bound):
+                raise FxspeedError(f"{type(self.model).__name__}'s {what} {replaced[:5] or '(set changed)'} were "
+                                   f"replaced or added after compile ({how}); the engine's programs read the ones it "
+                                   f"compiled, so the new ones would be ignored. {fix}, or compile a new engine")
 
     def _check_parameters_unchanged(self) -> None:
         """requires_grad and Parameter hooks as at compile: the optimizer and gradient buffers are
