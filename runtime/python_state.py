@@ -23,8 +23,11 @@ compared across ranks, so it holds values and counters, never ids.
 
 from __future__ import annotations
 
+import dis
 import enum
+import functools
 import inspect
+import itertools
 import logging
 import weakref
 from collections.abc import Mapping
@@ -56,11 +59,15 @@ def _is_setting(v: Any) -> bool:
 
 def _frozen(v: Any) -> Any:
     # a list is compared by value: changed in place, it is the same object; a numpy scalar by its
-    # Python value (its repr differs across numpy versions)
+    # Python value (its repr differs across numpy versions; NaN as a string, or it never equals
+    # itself); a device by its type (its index is the rank's: keys are compared across ranks)
     if type(v) in (list, tuple):
         return tuple(_frozen(x) for x in v)
     if type(v).__module__ == "numpy" and hasattr(v, "item"):
-        return v.item()
+        v = v.item()
+        return "nan" if v != v else v
+    if isinstance(v, torch.device):
+        return ("device", v.type)
     return v
 
 
@@ -87,14 +94,22 @@ def function_scalars(fn: Any) -> tuple:
         except ValueError:  # an empty cell: not bound yet
             continue
     g = getattr(fn, "__globals__", {})
-    read += [(name, g[name]) for name in code.co_names if name in g]
+    read += [(name, g[name]) for name in _globals_read(code) if name in g]
     out = []
     for name, v in read:
         if _is_setting(v):
-            out.append((name, tuple(v) if isinstance(v, (list, tuple)) else v))
+            out.append((name, _frozen(v)))
         elif isinstance(v, dict) and len(v) <= _LONGEST and all(type(x) in SCALARS for x in v.values()):
             out.append((name, tuple(sorted(((repr(k), x) for k, x in v.items())))))
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _globals_read(code: Any) -> tuple[str, ...]:
+    """The global names `code` loads (co_names also lists attribute names: `self.device` would
+    have read a script's global `device`)."""
+    return tuple(dict.fromkeys(i.argval for i in dis.get_instructions(code)
+                               if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")))
 
 
 Slot = tuple[str, Mapping, str]  # (name in the key, the mapping holding the value, its key there)
@@ -144,7 +159,7 @@ def scalar_slots(m: Any, seen: set | None = None, held: list[tuple[dict, str, An
     fn = inspect.unwrap(type(m).forward) if hasattr(type(m), "forward") else None
     if getattr(fn, "__code__", None) is not None and hasattr(fn, "__globals__"):
         g = fn.__globals__
-        for name in fn.__code__.co_names:
+        for name in _globals_read(fn.__code__):
             if name in g and (id(g), name) not in seen and _is_setting(g[name]):
                 seen.add((id(g), name))
                 out.append((f"global {fn.__module__}.{name}", g, name))
@@ -172,7 +187,7 @@ def scalars(m: Any, seen: set | None = None) -> tuple:
 class ModuleState:
     """Each module's mode and settings as a step key, with a fast test that nothing changed since
     the last one: the same modules' modes, attribute counts (a new attribute may shadow a class
-    attribute) and values, read by name (about 0.1 ms for GPT-2's 164 modules), and the same held
+    attribute) and values, read by name (about 0.2 ms for GPT-2's 164 modules), and the same held
     objects (a config replaced by another would leave the slots reading the old one's values)."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -180,6 +195,7 @@ class ModuleState:
         self._last: dict[bool, tuple] = {}  # train -> (key, modules, modes, sizes, slots, values, held)
         # a plain tensor attribute's number in the key: the same object keeps its number
         self._tags: dict[int, tuple[Any, int]] = {}
+        self._numbers = itertools.count()  # (never len(_tags): an id reused after its object died kept it)
         self._own: set[tuple[int, Any]] = set()  # (id(hooks dict), key) of the engine's own hooks
 
     def ignore(self, handle: Any) -> None:
@@ -199,10 +215,12 @@ class ModuleState:
         held_by = [[h for h in ids if (id(h[0]), h[1]) not in self._own] for ids in held_by]
         glob = _global_hooks()
         # identities as counters (keys are compared across ranks); children by their class
+        # hooks by their place in their dict: a handle's id counts every hook the process made
         key = tuple((m.training if train else False,
                      tuple((name, _frozen(d[k])) for name, d, k in mine)
-                     + tuple((str(k), ("held", type(v).__name__ if isinstance(v, nn.Module) else self._tag(v)))
-                             for _, k, v in ids))
+                     + tuple((k if isinstance(k, str) else f"hook {i}",
+                              ("held", type(v).__name__ if isinstance(v, nn.Module) else self._tag(v)))
+                             for i, (_, k, v) in enumerate(ids)))
                     for m, mine, ids in zip(modules, slots, held_by)) + (tuple(self._tag(fn) for _, _, fn in glob),)
         flat = [(d, k) for mine in slots for _, d, k in mine]
         held = [h for ids in held_by for h in ids] + glob
@@ -220,7 +238,7 @@ class ModuleState:
                 ref = weakref.ref(obj)
             except TypeError:
                 ref = (lambda o: lambda: o)(obj)
-            entry = (ref, len(self._tags))
+            entry = (ref, next(self._numbers))
             self._tags[id(obj)] = entry
         return entry[1]
 

@@ -598,3 +598,29 @@ def test_seeding_or_drawing_from_python_random_in_forward_is_said(caplog: pytest
         fxspeed.compile(_Seeds(), 1, fxspeed.Config(lr=0.0), example_inputs=(x,)).train_step(x)
     assert "calls torch.manual_seed while traced" in caplog.text
     assert "draws from Python's random while traced" in caplog.text
+
+
+def test_the_step_key_holds_nothing_rank_specific_and_numbers_each_object_once() -> None:
+    """Keys are compared across ranks: a hook's handle id (counting every hook the process made)
+    and a device's index (the rank's) made them differ; a reused id once gave two objects one number."""
+    from fxspeed.runtime.python_state import ModuleState
+
+    class Net(nn.Module):
+        def __init__(self, index: int) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.device = torch.device("cpu", index)
+
+    keys = []
+    for extra_hooks, index in ((0, 0), (3, 1)):
+        for _ in range(extra_hooks):  # other hooks this process registered first
+            torch.zeros(1, requires_grad=True).register_hook(lambda g: g)
+        net = Net(index)
+        net.lin.register_forward_hook(lambda m, a, o: o)
+        keys.append(ModuleState(net).key(True))
+    assert keys[0] == keys[1]
+    state = ModuleState(nn.Linear(1, 1))
+    numbers = []
+    for _ in range(4):
+        numbers.append(state._tag(lambda: None))  # each dies at once: ids are reused
+    assert len(set(numbers)) == 4

@@ -1119,7 +1119,7 @@ def _rng_control_said(model: nn.Module) -> Iterator[None]:
 
     class Generator(torch._C.Generator, metaclass=AnyGenerator):  # a stand-in that notes its creation
         def __init__(self, *a: Any, **k: Any) -> None:
-            if "torch.Generator()" not in calls:
+            if "torch.Generator()" not in calls and not sys._getframe(1).f_code.co_filename.startswith(torch_dir):
                 calls.append("torch.Generator()")
             super().__init__(*a, **k)
 
