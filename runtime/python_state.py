@@ -170,13 +170,18 @@ def scalar_slots(m: Any, seen: set | None = None, held: list[tuple[dict, str, An
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
-def _global_hooks() -> list[tuple[dict, Any, Any]]:
+_GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                      "_global_backward_pre_hooks")  # in torch.nn.modules.module
+
+
+def _global_hook_dicts() -> list[dict]:
     from torch.nn.modules import module as mm
 
-    return [(d, k, fn) for d in (getattr(mm, n, {}) for n in ("_global_forward_hooks", "_global_forward_pre_hooks",
-                                                                "_global_backward_hooks",
-                                                                "_global_backward_pre_hooks"))
-            for k, fn in d.items()]
+    return [getattr(mm, n, {}) for n in _GLOBAL_HOOK_DICTS]
+
+
+def _global_hooks() -> list[tuple[dict, Any, Any]]:
+    return [(d, k, fn) for d in _global_hook_dicts() for k, fn in d.items()]
 
 
 def scalars(m: Any, seen: set | None = None) -> tuple:
@@ -192,7 +197,7 @@ class ModuleState:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self._last: dict[bool, tuple] = {}  # train -> (key, modules, modes, sizes, slots, values, held)
+        self._last: dict[bool, tuple] = {}  # train -> (key, modules, modes, sizes, slots, values, held, hooks)
         # a plain tensor attribute's number in the key: the same object keeps its number
         self._tags: dict[int, tuple[Any, int]] = {}
         self._numbers = itertools.count()  # (never len(_tags): an id reused after its object died kept it)
@@ -252,11 +257,7 @@ class ModuleState:
 
 
 def _hook_dicts(modules: list[nn.Module]) -> list[dict]:
-    from torch.nn.modules import module as mm
-
-    return [getattr(m, n, {}) for m in modules for n in (*_HOOK_DICTS, "_modules")] + [
-        getattr(mm, n, {}) for n in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                                     "_global_backward_pre_hooks")]
+    return [getattr(m, n, {}) for m in modules for n in (*_HOOK_DICTS, "_modules")] + _global_hook_dicts()
 
 
 def warn_python_state_changed(model: nn.Module, before: tuple, after: tuple) -> None:
