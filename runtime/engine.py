@@ -406,7 +406,7 @@ class Engine:
         """What a trace baked in besides the batch (runtime/python_state.py): each module's
         train/eval mode (train steps), its settings, its classes' and its forward's globals, its
         plain tensor attributes' identities, and the numbers and strings loss_fn reads. A change
-        retraces, as torch.compile's guards would; the fast check costs ~0.1 ms for GPT-2."""
+        retraces, as torch.compile's guards would; the fast check costs ~0.2 ms for GPT-2."""
         return self._module_state.key(train), function_scalars(self.loss_fn)
 
     def _check_parameters_not_replaced(self) -> None:
