@@ -579,6 +579,45 @@ def test_hooks_added_or_removed_after_compile_retrace_and_state_forward_keeps_fo
         engine.train_step(x)
 
 
+class _StatOfActivations(nn.Module):
+    def __init__(self, grow: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("stat", torch.zeros(()))
+        self.grow = grow
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.grow:  # a history that grows every step: no fixed buffer can hold it
+            self.stat = torch.cat([self.stat.reshape(-1), h.mean().detach().reshape(1)])
+        else:  # the new value requires grad; eager keeps it, graph and all
+            self.stat = self.stat * 0.9 + h.mean() * 0.1
+        return h.square().mean()
+
+
+def test_a_buffer_rebound_to_a_value_that_requires_grad_keeps_eagers_values() -> None:
+    torch.manual_seed(0)
+    model = _StatOfActivations()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    engine = fxspeed.compile(model, 1, fxspeed.Config(optimizer="sgd", lr=0.1), example_inputs=(x,))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        loss = engine.train_step(x)
+        expected = ref(x)
+        expected.backward()
+        opt.step()
+        opt.zero_grad()
+        assert loss == pytest.approx(float(expected), rel=1e-6), step
+        assert float(model.stat) == pytest.approx(float(ref.stat), rel=1e-6), step  # was left at 0
+
+
+def test_a_buffer_rebound_to_another_shape_is_refused_naming_it() -> None:
+    x = torch.randn(3, 4)
+    with pytest.raises(fxspeed.FxspeedError, match=r"rebinds its buffer `stat` to a tensor of shape \(2,\)"):
+        fxspeed.compile(_StatOfActivations(grow=True), 1, fxspeed.Config(lr=0.1), example_inputs=(x,))
+
+
 class _Seeds(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -1031,16 +1031,28 @@ def _buffer_rebinds_as_writes() -> Iterator[None]:
     runs on stand-ins of the buffers and puts the originals back, so the update was lost with no
     word (eager's ema moved every step; the step's stayed at its first value). While tracing, such
     an assignment of a tensor of the buffer's shape and dtype writes into the buffer instead: a
-    buffer mutation the program carries out, as it does BatchNorm's running statistics."""
+    buffer mutation the program carries out, as it does BatchNorm's running statistics.
+
+    A value that requires grad (`self.stat = self.stat * 0.9 + h.mean()`) is written detached:
+    eager's buffer would carry this step's graph into the next step, whose backward could not
+    go through it, so only its value can matter. A value of another shape, dtype or device
+    cannot be written into the buffer the program holds, and is refused naming the buffer."""
     real = nn.Module.__setattr__
 
     def setattr_(self: nn.Module, name: str, value: Any) -> None:
         buffers = self.__dict__.get("_buffers")
         old = buffers.get(name) if buffers is not None else None
-        if (isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor) and value is not old
-                and value.shape == old.shape and value.dtype == old.dtype and not value.requires_grad):
+        if isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor) and value is not old:
+            if (value.shape, value.dtype, value.device) != (old.shape, old.dtype, old.device):
+                raise CaptureError(
+                    f"{type(self).__name__}.forward rebinds its buffer `{name}` to a tensor of "
+                    f"shape {tuple(value.shape)}, {value.dtype} on {value.device}; the buffer is "
+                    f"{tuple(old.shape)}, {old.dtype} on {old.device}. A compiled step writes "
+                    "buffers in place, so the new value must keep the buffer's shape, dtype and "
+                    "device: cast it (`.to(self.{0}.dtype)`) or keep the tensor as a plain "
+                    "attribute or output instead of a buffer.".replace("{0}", name))
             with torch.no_grad():
-                old.copy_(value)
+                old.copy_(value.detach())
             return
         real(self, name, value)
 
