@@ -199,7 +199,7 @@ class ModuleState:
         self.model = model
         self._last: dict[bool, tuple] = {}  # train -> (key, modules, modes, sizes, slots, values, held, hooks)
         # a plain tensor attribute's number in the key: the same object keeps its number
-        self._tags: dict[int, tuple[Any, int]] = {}
+        self._tags: dict[int, tuple[Any, int, bool]] = {}  # id -> (ref, number, held strongly)
         self._numbers = itertools.count()  # (never len(_tags): an id reused after its object died kept it)
         self._own: set[tuple[int, Any]] = set()  # (id(hooks dict), key) of the engine's own hooks
 
@@ -229,6 +229,7 @@ class ModuleState:
                     for m, mine, ids in zip(modules, slots, held_by)) + (tuple(self._tag(fn) for _, _, fn in glob),)
         flat = [(d, k) for mine in slots for _, d, k in mine]
         held = [h for ids in held_by for h in ids] + glob
+        self._forget_tags({id(v) for _, _, v in held})
         self._last[train] = (key, modules, [m.training for m in modules], [len(m.__dict__) for m in modules],
                              flat, [_frozen(d[k]) for d, k in flat], held,
                              [len(d) for d in _hook_dicts(modules)])
@@ -240,12 +241,21 @@ class ModuleState:
         entry = self._tags.get(id(obj))
         if entry is None or entry[0]() is not obj:
             try:
-                ref = weakref.ref(obj)
+                ref, strong = weakref.ref(obj), False
             except TypeError:
-                ref = (lambda o: lambda: o)(obj)
-            entry = (ref, next(self._numbers))
+                ref, strong = (lambda o: lambda: o)(obj), True
+            entry = (ref, next(self._numbers), strong)
             self._tags[id(obj)] = entry
         return entry[1]
+
+    def _forget_tags(self, held: set[int]) -> None:
+        """Drop the numbers of objects that died, and of objects held by reference (no weak
+        reference allowed) that the model no longer holds: a module whose attribute takes a new
+        such object every step would otherwise keep every one alive. One that comes back gets a
+        new number (one more trace), never another object's."""
+        for i, (ref, _, strong) in list(self._tags.items()):
+            if ref() is None or (strong and i not in held):
+                del self._tags[i]
 
     @staticmethod
     def _unchanged(modules: list[nn.Module], modes: list[bool], sizes: list[int], slots: list[tuple[Mapping, str]],

@@ -663,3 +663,17 @@ def test_the_step_key_holds_nothing_rank_specific_and_numbers_each_object_once()
     for _ in range(4):
         numbers.append(state._tag(lambda: None))  # each dies at once: ids are reused
     assert len(set(numbers)) == 4
+
+
+def test_the_step_key_keeps_no_object_the_model_stopped_holding() -> None:
+    """A dict (no weak reference allowed) held by value: replaced every step, each old one was
+    kept alive by the key's numbering."""
+    from fxspeed.runtime.python_state import ModuleState
+
+    net = nn.Linear(1, 1)
+    state = ModuleState(net)
+    keys = set()
+    for step in range(50):
+        net.options = {"step": step % 3}
+        keys.add(state.key(True))
+    assert len(state._tags) <= 2 and len(keys) == 50  # a new object is a new key, never an old number
