@@ -149,6 +149,40 @@ def test_user_split_points() -> None:
         split_stages(cap.gm, cap.signature, 2, split_points=["nope"])
 
 
+class _SharedTables(torch.nn.Module):
+    """A mask buffer and a frozen scale on the root module, read by every block (as a causal
+    mask or a rotary table is): read-only state several stages need."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.linspace(-0.1, 0.1, 8))
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8), requires_grad=False)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + torch.tanh(block(x)) * self.scale + self.shift
+        return ((self.head(x).squeeze(-1) - y) ** 2).mean()
+
+
+def test_a_buffer_or_frozen_weight_read_by_every_stage_is_held_by_each_and_the_stages_compose() -> None:
+    torch.manual_seed(0)
+    model = _SharedTables()
+    batch = [torch.randn(4, 8), torch.randn(4)]
+    cap = _joint(model, tuple(batch))
+    progs = split_stages(cap.gm, cap.signature, 2)  # refused before: "read by stages [0, 1]"
+    assert all({"shift", "scale"} <= p.names() for p in progs)
+    state = dict(model.named_parameters()) | dict(model.named_buffers())
+    loss, grads = _run_stages_in_one_process(progs, state, batch)
+    ref = model(*batch)
+    ref.backward()
+    assert torch.equal(loss, ref.detach()) and "scale" not in grads
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-6, msg=name)
+
+
 def test_bad_pipeline_configs_are_refused_with_what_works() -> None:
     with pytest.raises(ConfigError,
                        match=r"microbatches=3 is not a multiple of Config.pipeline=2.*microbatches=2 or 4"):

@@ -246,8 +246,14 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
     tied_groups = {g for g in group_of.values() if g in sig.tied.values()}
     readers: dict[fx.Node, set[int]] = {ph: {stage[u] for u in ph.users if u in forward} for ph in state_ph}
     pstage: dict[fx.Node, int] = {}  # the stage of an untied parameter
+    # State nothing writes (a buffer: updates are refused above; a frozen weight) may be read
+    # on several stages, as a causal mask or rotary table on the root module read by every
+    # block: each of them holds a copy, and there is no gradient to sum.
+    has_grad = {name for _, name in grad_out}
+    read_only = {ph for ph, spec in state_ph.items() if spec.kind == "buffer"
+                 or (spec.kind in ("param", "param_tp") and spec.target not in has_grad)}
     for ph, spec in state_ph.items():
-        if group_of[ph] in tied_groups:
+        if group_of[ph] in tied_groups or (ph in read_only and len(readers[ph]) > 1):
             continue
         if len(readers[ph]) > 1:
             raise PipelineSplitError(
