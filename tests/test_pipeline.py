@@ -183,6 +183,41 @@ def test_a_buffer_or_frozen_weight_read_by_every_stage_is_held_by_each_and_the_s
             torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-6, msg=name)
 
 
+class _GateBetweenBlocks(torch.nn.Module):
+    """The root module scales the activations between two blocks by its own weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8))
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = x + torch.tanh(block(x))
+            if i == 1:
+                x = x * self.gate
+        return ((self.head(x).squeeze(-1) - y) ** 2).mean()
+
+
+def test_a_root_weight_read_just_before_a_cut_stays_on_its_stage_though_backward_recomputed_its_product() -> None:
+    """recompute_pointwise has backward recompute `x * gate`, the next stage's input; that
+    recomputation read stage 0's gate on stage 1 ("backward node mul_5 on stage 1 reads
+    parameter 'gate' of stage 0; not supported"). Stage 1 reads the forward value it received."""
+    torch.manual_seed(0)
+    model = _GateBetweenBlocks()
+    batch = [torch.randn(4, 8), torch.randn(4)]
+    cap = _joint(model, tuple(batch))
+    progs = split_stages(cap.gm, cap.signature, 2, split_points=["blocks.2"])
+    assert "gate" in progs[0].names() and "gate" not in progs[1].names()
+    loss, grads = _run_stages_in_one_process(progs, dict(model.named_parameters()), batch, split=True)
+    ref = model(*batch)
+    ref.backward()
+    assert torch.equal(loss, ref.detach())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-6, msg=name)
+
+
 def test_bad_pipeline_configs_are_refused_with_what_works() -> None:
     with pytest.raises(ConfigError,
                        match=r"microbatches=3 is not a multiple of Config.pipeline=2.*microbatches=2 or 4"):

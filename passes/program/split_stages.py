@@ -150,7 +150,7 @@ def choose_cuts(costs: list[float], cuts: list[int], n_stages: int) -> list[int]
 
 def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
                  split_points: Sequence[str] | None = None, model_name: str = "the model",
-                 split_backward: bool = True) -> list[StageProgram]:
+                 split_backward: bool = True, _twins_read: bool = False) -> list[StageProgram]:
     """The stage programs of `gm`, one per stage. With `split_backward` each stage whose
     backward has weight-gradient work is also split into I and W (`split_stage_backward`);
     the program pass leaves that to its own pass, run only for schedules with I/W actions."""
@@ -192,6 +192,7 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
             forward.add(n)
     fwd_seq = [n for n in nodes if n in forward]
     bwd_seq = [n for n in nodes if n.op == "call_function" and n not in forward and n not in free]
+    twins = _recomputed_twins(fwd_seq, bwd_seq)
 
     # --- forward placement ----------------------------------------------------------------------
     # Nodes computed from weights alone (insert_casts' one cast per parameter, hoisted to the
@@ -301,6 +302,15 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
         return max(st) if st else None
 
     place_backward()
+    # A forward value backward recomputes (recompute_pointwise: cheap on one device) whose
+    # readers landed on a later stage than the forward value would read the earlier stage's
+    # inputs and weights there (a root-module `x * self.gate` before a cut: the gate lives on
+    # stage 0). The forward value crosses the boundary anyway; read it instead of recomputing.
+    later = [n for n in bwd_seq if n in twins and stage[n] > stage[twins[n]]]
+    if later and not _twins_read:
+        return split_stages(_read_twins(gm, {n: twins[n] for n in later}, set(twins)), sig, n_stages,
+                            split_points=split_points, model_name=model_name,
+                            split_backward=split_backward, _twins_read=True)
     if tied_grads:
         # A tied weight's per-name gradient is computed on the stage of the forward use it
         # differentiates: the nearest backward ancestors that read forward values say which.
@@ -514,6 +524,46 @@ def _split_backward(body: list[fx.Node], input_grads: list[fx.Node], param_grads
     w_set = set(w_nodes)
     carry = [n for n in i_nodes if any(u in w_set for u in n.users) or n in param_grads]
     return i_nodes, w_nodes, carry
+
+
+def _recomputed_twins(fwd_seq: list[fx.Node], bwd_seq: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """backward node -> the forward node computing the same value: the same op (not a random
+    one) on the same inputs, where an input recomputed itself counts as its forward twin."""
+    canon: dict[fx.Node, fx.Node] = {}
+
+    def key(n: fx.Node) -> tuple | None:
+        if _is_random(n):
+            return None
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: canon.get(a, a))
+        try:
+            k = (n.target, repr(args))  # (reprs name nodes; lists and dtypes compare by value)
+            hash(k)
+        except Exception:  # noqa: BLE001 - an argument without a stable repr: no twin
+            return None
+        return k
+
+    forward = {k: n for n in fwd_seq if (k := key(n)) is not None}
+    for n in bwd_seq:
+        k = key(n)
+        if k is not None and k in forward:
+            canon[n] = forward[k]
+    return canon
+
+
+def _read_twins(gm: fx.GraphModule, twins: dict[fx.Node, fx.Node], recomputed: set[fx.Node]) -> fx.GraphModule:
+    """A copy of `gm` whose readers of each backward node in `twins` read its forward twin;
+    recomputations (`recomputed`) left without readers are dropped."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    g.output(g.graph_copy(gm.graph, env))
+    for n, twin in twins.items():
+        env[n].replace_all_uses_with(env[twin])
+    for n in reversed(list(gm.graph.nodes)):
+        if n in recomputed and not env[n].users:
+            g.erase_node(env[n])
+    new = fx.GraphModule(gm, g)
+    new.meta.update(gm.meta)
+    return new
 
 
 def _build(root: fx.GraphModule, state: list[fx.Node], batch: list[fx.Node], received: list[fx.Node],
