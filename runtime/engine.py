@@ -329,10 +329,7 @@ class Engine:
             tensors = self._flat.optimizer_tensors()
             self._counted_buckets = list(range(len(sig.buckets)))
             if self._flat.released:
-                where = ("sharded across the data-parallel ranks (ZeRO-3)" if not self._flat.master else
-                         f"as {sig.working_dtype} working copies and fp32 master shards across the data-parallel "
-                         f"ranks (ZeRO-{self.config.zero} under {self.config.precision})")
-                self._guard_released_module(list(canonical.values()), where,
+                self._guard_released_module(list(canonical.values()), self._flat_where(),
                                             " or wrap the call in `with engine.gathered():` (on every rank)")
         else:
             tensors = [p for p in self._unique if p.requires_grad]
@@ -425,6 +422,7 @@ class Engine:
                                "fxspeed.compile); the engine's programs and optimizer were built for the old ones. "
                                "Convert the model before compiling (for mixed precision use Config.precision), or "
                                "compile a new engine")
+        self._check_flat_layout_untouched()
         for what, bound, current, how, fix in (
                 ("Parameter(s)", self._params, self.model.named_parameters(remove_duplicate=False),
                  "module.weight = nn.Parameter(...), load_state_dict(assign=True)",
@@ -440,6 +438,35 @@ class Engine:
                 raise FxspeedError(f"{type(self.model).__name__}'s {what} {replaced[:5] or '(set changed)'} were "
                                    f"replaced or added after compile ({how}); the engine's programs read the ones it "
                                    f"compiled, so the new ones would be ignored. {fix}, or compile a new engine")
+
+    def _check_flat_layout_untouched(self) -> None:
+        """Writes to the module's Parameters that the flat layout (ZeRO, master weights) would not
+        see: a `p.data = t` into a ZeRO-1/2 bucket view is taken into the bucket (as an in-place
+        write would be); a write to a released (0-size) Parameter changed nothing, and is said
+        (it was silently lost: training went on from the old weights)."""
+        if self._flat is None:
+            return
+        lost, repointed = self._flat.edited_outside()
+        if repointed:
+            self._flat.adopt(repointed)
+        if lost:
+            self._flat.forget_edits()  # said once: the next step goes on from the engine's weights
+            raise FxspeedError(
+                f"{type(self.model).__name__}'s parameter(s) {lost[:5]} were written after compile, outside "
+                "`engine.gathered()` (in place, nn.init, or through .data); between steps this rank's module "
+                f"holds 0-size placeholders for them (the engine keeps them {self._flat_where()}), so the write "
+                "changed nothing and the engine's weights are as they were. Write inside `with engine.gathered():` (on every rank; the "
+                "writes are taken into the engine at its exit), or use engine.load_state_dict(state)")
+
+    def _flat_where(self) -> str:
+        """Where the flat layout keeps the weights a released module does not hold."""
+        flat = self._flat
+        if not flat.master:
+            return "sharded across the data-parallel ranks (ZeRO-3)"
+        ranks = "across the data-parallel ranks" if self.dp_size > 1 else "on this rank"
+        offloaded = "; the masters in the optimizer's offload file" if flat.masters_elsewhere else ""
+        return (f"as {str(flat.work_dtype).removeprefix('torch.')} working copies and fp32 master shards {ranks}, "
+                f"ZeRO-{self.config.zero} under {self.config.precision}{offloaded}")
 
     def _check_parameters_unchanged(self) -> None:
         """requires_grad and Parameter hooks as at compile: the optimizer and gradient buffers are

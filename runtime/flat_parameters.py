@@ -98,10 +98,12 @@ class FlatParameters:
         self.full: list[torch.Tensor | None] = []
         self.shards: list[torch.Tensor] = []
         self.master = work_dtype is not None and zero >= 1
+        self.work_dtype = work_dtype
         # The module's Parameters hold nothing between steps (zero 3, master weights).
         self.released = zero >= 3 or self.master
         self.work_shards: list[torch.Tensor] = self.shards if not self.master else []
         self._working: dict[str, torch.Tensor] = {}  # canonical name -> view into a working bucket
+        self._versions: dict[str, tuple[int, int]] = {}  # released Parameter -> (version, storage) then
         self.store: MasterStore | None = None
         self.masters_elsewhere = masters_elsewhere and self.master
         if self.masters_elsewhere:
@@ -209,6 +211,50 @@ class FlatParameters:
         for name in b.names:
             p = self.params[name]
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            # (.data = keeps the counter, in-place writes bump it; .data = of another 0-size tensor,
+            # torch's vector_to_parameters given these Parameters, points at another storage)
+            self._versions[name] = (p._version, p.untyped_storage().data_ptr())
+
+    def edited_outside(self) -> tuple[list[str], list[str]]:
+        """(lost, repointed): Parameters the user changed since the engine laid them out, in ways
+        the layout does not see. `lost`: released ones (0-size between steps) written in place
+        (`p.mul_(0)`, `nn.init.zeros_(p)`: the write touched no element) or given values by
+        `p.data = t` (the programs read the shards). `repointed`: ZeRO-1/2 Parameters, views into
+        their full buckets, re-pointed by `p.data = t` (torch's vector_to_parameters): the
+        optimizer would go on stepping the bucket while the Parameter held the new tensor."""
+        lost: list[str] = []
+        repointed: list[str] = []
+        for k, b in enumerate(self.buckets):
+            full = None if self.released else self.full[k].untyped_storage().data_ptr()
+            for name in b.names:
+                p = self.params[name]
+                if full is None and (p.numel() != 0 or (p._version, p.untyped_storage().data_ptr())
+                                     != self._versions.get(name)):
+                    lost.append(name)
+                elif full is not None and p.untyped_storage().data_ptr() != full:
+                    repointed.append(name)
+        return lost, repointed
+
+    def forget_edits(self) -> None:
+        """Released Parameters: take their state as they are now (0-size) as the engine's again."""
+        for b in self.buckets:
+            self._release(b)
+
+    @torch.no_grad()
+    def adopt(self, names: list[str]) -> None:
+        """Re-pointed Parameters (`edited_outside`): their values go into their bucket, and they
+        point into it again, as an in-place write would have left them."""
+        self.wait_gathers()
+        for k, b in enumerate(self.buckets):
+            for name, shape, off in zip(b.names, b.shapes, b.offsets):
+                if name in names:
+                    p, view = self.params[name], self.full[k][off:off + _numel(shape)].view(shape)
+                    if p.shape != view.shape:
+                        raise FxspeedError(f"parameter {name} was given a tensor of shape {tuple(p.shape)} through "
+                                           f"`.data` after compile; it is {tuple(view.shape)}. Compile a new engine "
+                                           "to change a parameter's shape")
+                    view.copy_(p.detach())
+                    p.data = view
 
     # --- what the optimizer steps -----------------------------------------------------------
     def optimizer_tensors(self) -> list[torch.Tensor]:

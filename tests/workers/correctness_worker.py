@@ -3,7 +3,11 @@
     zero3_module  under ZeRO-3 (and ZeRO-1 bf16: master weights) the user's module holds 0-size
                   Parameters: calling it, its state_dict() or load_state_dict() raises an
                   FxspeedError naming the engine's way out; inside `engine.gathered()` it gives
-                  the eager output of the current weights
+                  the eager output of the current weights; a write to its 0-size Parameters
+                  outside gathered() (in place, nn.init, vector_to_parameters) is refused once,
+                  then the steps go on from the engine's weights
+    repointed_zero12 ZeRO-1/2 fp32: Parameters re-pointed by `p.data = t` (vector_to_parameters)
+                  train from the new values as eager does (the buckets kept the old ones)
     nan_one_rank  Config(nan_check="skip"): a NaN in rank 1's local batch only skips the step on
                   both ranks (parameters unchanged everywhere, both count one skipped step)
     eval_global   eval_step on 2 ranks returns the global batch's mean loss on both (as
@@ -69,7 +73,49 @@ def zero3_module() -> str:
                 return "state_dict inside gathered() is 0-size"
         if not torch.allclose(got, ref(a, b), atol=1e-2 if config.precision == "bf16" else 1e-6):
             return f"gathered module gives {float(got)} != eager {float(ref(a, b))}"
+        # a write to the 0-size Parameters outside gathered() changed nothing: said, not lost in silence
+        before = engine.train_step(*local_batch((a, b)))
+        for edit in (lambda: model.l.weight.mul_(0), lambda: torch.nn.init.zeros_(model.l.weight),
+                     lambda: torch.nn.utils.vector_to_parameters(torch.zeros(20), model.parameters())):
+            with torch.no_grad():
+                edit()
+            try:
+                engine.train_step(*local_batch((a, b)))
+                return f"zero={config.zero} {config.precision}: a write to the released module was ignored silently"
+            except FxspeedError as e:
+                if "outside `engine.gathered()`" not in str(e):
+                    return f"unhelpful error: {e}"
+            if engine.train_step(*local_batch((a, b))) != before:  # said once; the weights are the engine's
+                return "the step after the refused write changed"
     return "ok"
+
+
+def repointed_zero12() -> str:
+    """ZeRO-1/2 fp32: the module's Parameters are views into the flat buckets; torch's
+    vector_to_parameters re-points them (`p.data = t`): the optimizer went on stepping the
+    buckets and the Parameters kept the new values for good."""
+    out = []
+    for zero in (1, 2):
+        torch.manual_seed(0)
+        model = Tiny()
+        ref = copy.deepcopy(model)
+        a, b = torch.randn(4, 4), torch.randn(4, 4)
+        engine = fxspeed.compile(model, 2, fxspeed.Config(zero=zero, optimizer="sgd", lr=0.1),
+                                 example_inputs=local_batch((a, b)))
+        opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(4):
+            if step == 1:
+                for m in (model, ref):
+                    torch.nn.utils.vector_to_parameters(torch.linspace(-0.5, 0.5, 20), m.parameters())
+            got = engine.train_step(*local_batch((a, b)))
+            opt.zero_grad()
+            want = ref(a, b)
+            want.backward()
+            opt.step()
+            if abs(got - want.item()) > 1e-6:
+                out.append(f"zero={zero} step {step}: {got} != eager {want.item()}")
+        out += state_errors(engine, ref, f"zero={zero} ")
+    return "; ".join(out) or "ok"
 
 
 def nan_one_rank() -> str:
@@ -288,7 +334,7 @@ def token_mean() -> str:
     return "; ".join(out) or "ok"
 
 
-CASES = {"zero3_module": zero3_module, "token_mean": token_mean, "nan_one_rank": nan_one_rank, "eval_global": eval_global, "layout_dp": layout_dp,
+CASES = {"zero3_module": zero3_module, "repointed_zero12": repointed_zero12, "token_mean": token_mean, "nan_one_rank": nan_one_rank, "eval_global": eval_global, "layout_dp": layout_dp,
          "no_decay_zero": no_decay_zero, "accum_once": accum_once, "tie_second_name": tie_second_name}
 
 
