@@ -53,6 +53,8 @@ from fxspeed.runtime.host_memory import release_freed_host_memory
 from fxspeed.runtime.host_tier import DeviceLink, host_tier_on_cpu
 from fxspeed.runtime.kernels.collectives import exchange_scatter
 from fxspeed.runtime.loss_scale import DynamicLossScaler
+from fxspeed.runtime.module_state_dict import (extra_states, is_loadable, loads_through_module, persistent_buffers,
+                                               pointing_at, run_load_post_hooks, set_extra_states)
 from fxspeed.runtime.offloaded_optimizer import OffloadedAdam
 from fxspeed.runtime.offloaded_activations import ActivationOffload
 from fxspeed.runtime.offloaded_activations import register as register_activations
@@ -1682,13 +1684,10 @@ class Engine:
             dist.all_gather_object(parts, {n: t.cpu() for n, t in local.items()}, group=self.mesh.group("pp"))
             device = next((t.device for t in local.values()), torch.device("cpu"))
             local = {n: t.to(device) for part in parts for n, t in part.items()}
-        by_id = {}
-        for name, p in self._params.items():
-            c = self._canonical[id(p)]
-            if c in local:
-                by_id[id(p)] = local[c]
-        state = self.model.state_dict(keep_vars=True)
-        out = {n: by_id.get(id(v), local.get(n, v.detach())) for n, v in state.items()}
+        # The module's own state_dict over the full weights: its hooks (renamed, added or
+        # transformed keys, values derived from a weight) and extra state come out as eager's.
+        with pointing_at(self._full_targets(local)):
+            out = self.model.state_dict()
         released = (self._flat is not None and self._flat.released) or bool(self._freed_shapes)
         empty = [n for n in self._params if released and n in out and out[n].numel() == 0]
         if empty:  # never hand back (or save, or export) a weight as a 0-size placeholder
@@ -1696,6 +1695,14 @@ class Engine:
                                "the engine lost track of where this rank keeps them (a bug in fxspeed; please report "
                                "it with the model). Train with zero<=2 to save this model meanwhile")
         return out
+
+    def _full_targets(self, full: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(Parameter or buffer, its full tensor in `full`, by canonical or buffer name), each once."""
+        out = [(p, full[self._canonical[id(p)]]) for p in self._unique if self._canonical[id(p)] in full]
+        return out + [(b, full[n]) for n, b in self.model.named_buffers() if n in full]
+
+    def _own_hooks(self) -> set[int]:
+        return {h.id for h in self._release_hook or ()}
 
     def _expect_all_ranks(self, name: str, fix: str | None = None, patient: bool = False) -> None:
         """Fail fast when a collective method is called on some ranks only (`if rank == 0:
@@ -1718,12 +1725,18 @@ class Engine:
     def optimizer_state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> Any:
         """Load a full model state (original names); each rank keeps what it holds. Over several
         ranks it is collective: every rank loads (the same state), or the replicas would silently
         train on different weights. `strict` as in nn.Module.load_state_dict: a parameter or
         persistent buffer the state lacks, or a key the model does not have, is an error (nothing
-        is loaded); with strict=False those keep their values and extra keys are ignored."""
+        is loaded); with strict=False those keep their values and extra keys are ignored. Returns
+        nn.Module.load_state_dict's (missing_keys, unexpected_keys).
+
+        A model with load hooks, extra state (`set_extra_state`) or a module class with its own
+        `_load_from_state_dict` (BatchNorm's old checkpoints) loads through its own
+        load_state_dict, run over full-size copies of the weights (memory: one more copy of the
+        model while it runs), so those run as in eager."""
         # Checked on every distributed run, not only where a collective follows (ZeRO-3, offload):
         # under ZeRO-0 a load on one rank left the replicas apart with no error at all.
         self._expect_all_ranks("engine.load_state_dict()", fix="Call engine.load_state_dict(state) on every rank, "
@@ -1736,31 +1749,77 @@ class Engine:
                                   "the same file on every rank, or use engine.save / engine.load",
                                   parts=lambda: {k: fingerprint(batch_digest((state[k],), {})) for k in keys})
         self.synchronize()  # an in-flight gather would overwrite what is loaded
-        self._load_model_state(state, strict)
+        if loads_through_module(self.model, self._own_hooks()):
+            return self._load_through_module(state, strict)
+        return self._load_model_state(state, strict)
 
-    def _load_model_state(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+    def _load_through_module(self, state: dict[str, Any], strict: bool) -> Any:
+        """The model's own load_state_dict into full-size copies of its weights and buffers
+        (this rank's values, so strict=False keeps the rest); then those copies are loaded as a
+        plain state. Nothing is written to the engine's state if it fails."""
+        local = self._local_state()
+        shapes = self._full_shapes()
+        copies = {c: t.clone() for c, t in local.items()}
+        for p in self._unique:  # (a pipeline's other stages: their values are not loaded here)
+            c = self._canonical[id(p)]
+            copies.setdefault(c, torch.empty(shapes[c], dtype=p.dtype, device=p.device))
+        buffers = dict(self.model.named_buffers())
+        with pointing_at(self._full_targets(copies)), torch.no_grad():
+            try:
+                result = self.model.load_state_dict(state, strict=strict)
+            except RuntimeError as e:
+                raise ConfigError(f"load_state_dict: the state does not fit {type(self.model).__name__} (nothing was "
+                                  f"loaded into the engine): {str(e).strip()}. Pass the full state of the same model "
+                                  "(or strict=False to load only the keys both have)") from e
+            finally:  # a load post-hook that rebinds a buffer (`self.buf = ...`): its value, the engine's object
+                for name, b in self.model.named_buffers():
+                    if name in buffers and b is not buffers[name]:
+                        copies[name] = b.detach().to(buffers[name].dtype)
+                        owner, _, leaf = name.rpartition(".")
+                        self.model.get_submodule(owner)._buffers[leaf] = buffers[name]
+        keep = persistent_buffers(self.model)
+        self._load_model_state({n: t for n, t in copies.items() if n not in buffers or n in keep})
+        with torch.no_grad():  # buffers a state_dict does not hold, as a load post-hook left them
+            for name, b in buffers.items():
+                if name not in keep:
+                    b.copy_(copies[name])
+        return result
+
+    def _load_model_state(self, state: dict[str, Any], strict: bool = True, every_buffer: bool = False) -> Any:
+        """`every_buffer`: buffers a state_dict leaves out (persistent=False) load too, as from
+        engine.save's checkpoints, which hold them (eager's strict load refuses them)."""
         shapes = self._full_shapes()
         # Everything is checked before anything is written: a half-loaded model is a silent mix.
+        # Keys are the model's own names (no state_dict hook's): what engine.save writes.
         pairs, problems = [], []
+        persistent = persistent_buffers(self.model)
+        known = set(self._params) | persistent | ({n for n, _ in self.model.named_buffers()} if every_buffer else set())
+        missing = [n for n, p in self._params.items() if n not in state and self._canonical[id(p)] not in state]
+        missing += sorted(persistent - set(state))
+        unexpected = sorted(set(state) - known)
         if strict:
-            persistent = {n for n in self.model.state_dict(keep_vars=True) if n not in self._params}
-            known = set(self._params) | {n for n, _ in self.model.named_buffers(remove_duplicate=False)}
-            problems += [f"buffer {n} is missing" for n in sorted(persistent - set(state))]
-            problems += [f"{n} is not in the model" for n in sorted(set(state) - known)]
+            problems += [f"buffer {n} is missing" for n in missing if n not in self._params]
+            problems += [f"{n} is not in the model" for n in unexpected]
         for name, p in self._params.items():
             if id(p) in self._freed_shapes:
                 continue
             src = state.get(name, state.get(self._canonical[id(p)]))
             want = shapes.get(self._canonical[id(p)], tuple(p.shape))
+            why = is_loadable(src) if src is not None else None
             if src is None:
                 if strict:
                     problems.append(f"{name} is missing")
+            elif why:
+                problems.append(f"{name} {why}")
             elif tuple(src.shape) != want:
                 problems.append(f"{name} has shape {tuple(src.shape)} in the state but {want} in the model")
             else:
                 pairs.append((name, src))
         for name, b in self.model.named_buffers():
-            if name in state and tuple(state[name].shape) != tuple(b.shape):
+            why = is_loadable(state[name]) if name in state else None
+            if why:
+                problems.append(f"buffer {name} {why}")
+            elif name in state and tuple(state[name].shape) != tuple(b.shape):
                 problems.append(f"buffer {name} has shape {tuple(state[name].shape)} in the state but {tuple(b.shape)}")
         if problems:
             raise ConfigError(f"load_state_dict: the state does not fit {type(self.model).__name__} ({len(problems)} "
@@ -1773,10 +1832,11 @@ class Engine:
                 p = self._params[name]
                 p.copy_(self._tp.local(p, src) if self._tp else src)
             for name, b in self.model.named_buffers():
-                if name in state:
+                if name in state and name in known:
                     b.copy_(state[name])
             if self._flat is not None:
                 self._flat.capture_from_parameters()
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write a checkpoint any mesh can load (torch.distributed.checkpoint, full tensors under
@@ -1799,7 +1859,8 @@ class Engine:
                                extra={"lr_scheduler": self.lr_scheduler.state_dict(),
                                       "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
                                       "stats": dict(self.stats), "rng": rng,
-                                      "mesh": self.mesh.shape, "zero": self.config.zero})
+                                      "mesh": self.mesh.shape, "zero": self.config.zero,
+                                      "module_extra_state": extra_states(self.model)})
         save_checkpoint(directory, state, group=self.dist.group if self.dist.active else None, rank=self.rank)
 
     def load(self, directory: str | os.PathLike) -> None:
@@ -1823,7 +1884,12 @@ class Engine:
             raise FxspeedError(f"engine.load({str(directory)!r}): the checkpoint has no {', '.join(missing)}; it was not "
                                "written by engine.save (nothing was loaded)")
         self._check_optimizer_states(ck.optimizer, ck.extra["stats"].get("steps", 0), directory)
-        self._load_model_state(ck.model)
+        self._load_model_state(ck.model, every_buffer=True)
+        set_extra_states(self.model, ck.extra.get("module_extra_state", {}))
+        if any(k not in self._own_hooks() for m in self.model.modules() for k in m._load_state_dict_post_hooks):
+            # (a hook deriving a buffer from the loaded weights: over the full weights, as eager's load)
+            with pointing_at(self._full_targets(self._local_state())), torch.no_grad():
+                run_load_post_hooks(self.model, self._own_hooks())
         self._load_canonical_optimizer_state(ck.optimizer)
         self._load_lr_schedule(ck.extra["lr_scheduler"])
         self._half_stepped = ""  # weights and optimizer states are one consistent step again
