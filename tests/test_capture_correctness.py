@@ -677,3 +677,40 @@ def test_the_step_key_keeps_no_object_the_model_stopped_holding() -> None:
         net.options = {"step": step % 3}
         keys.add(state.key(True))
     assert len(state._tags) <= 2 and len(keys) == 50  # a new object is a new key, never an old number
+
+
+class _OneBlockThreeTimes(nn.Module):
+    """ALBERT's layout: one block under three names, and an alias attribute of another module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        block = nn.Linear(4, 4)
+        self.layers = nn.ModuleList([block, block, block])
+        self.out = nn.Linear(4, 2)
+        self.head = self.out  # the same module under a second name, called through the first
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.mse_loss(self.out(x), y)
+
+
+def test_a_module_registered_under_several_names_trains_as_eager() -> None:
+    """Was "CaptureError: 'Linear' object has no attribute 'weight'": the trace bound a tensor per
+    name on the one module object, and hiding the names that got no gradient deleted its weight."""
+    torch.manual_seed(0)
+    model = _OneBlockThreeTimes()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(5, 4), torch.randn(5, 2)
+    engine = fxspeed.compile(model, 1, fxspeed.Config(optimizer="sgd", lr=0.1), example_inputs=(x, y))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        want = ref(x, y)
+        want.backward()
+        opt.step()
+        opt.zero_grad()
+        assert engine.train_step(x, y) == pytest.approx(want.item(), rel=1e-6), step
+    state = engine.state_dict()
+    assert list(state) == list(ref.state_dict())
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(state[k], v, rtol=0, atol=1e-6)

@@ -122,6 +122,15 @@ def extract_loss(output: Any, loss_fn: LossFn | None, args: tuple, kwargs: dict,
     return loss.reshape(())
 
 
+def _members_of_unique_modules(root: nn.Module, prefix: str, kind: str) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) of `kind` ("_parameters" / "_buffers") of every module reached once (the
+    first path to it), each tensor under every such module's name."""
+    for path, m in root.named_modules(prefix=prefix):  # (deduplicated by module object)
+        for k, v in getattr(m, kind).items():
+            if v is not None:
+                yield (f"{path}.{k}" if path else k), v
+
+
 class _StepModule(nn.Module):
     """Wraps the user's model so the traced function takes only tensors and returns the loss."""
 
@@ -136,6 +145,25 @@ class _StepModule(nn.Module):
         self.out_spec: pytree.TreeSpec | None = None
         self.out_type: type | None = None
         self.scalars: list[tuple[dict, str, Any]] | None = None  # _scalars_before: reset at every run
+
+    # AOT export lifts a tensor per name, `named_parameters(remove_duplicate=False)`, and binds
+    # each name on its module. One module registered under two names (`self.b = self.a`, ALBERT's
+    # ModuleList([block] * 3)) would take two tensors on one module object: the later binding wins
+    # and the other name gets no gradient. Module aliases are listed once; a Parameter tied across
+    # two modules keeps a name per module.
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        if remove_duplicate or not recurse:
+            yield from super().named_parameters(prefix, recurse, remove_duplicate)
+            return
+        yield from _members_of_unique_modules(self, prefix, "_parameters")
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        if remove_duplicate or not recurse:
+            yield from super().named_buffers(prefix, recurse, remove_duplicate)
+            return
+        yield from _members_of_unique_modules(self, prefix, "_buffers")
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.scalars is not None:
