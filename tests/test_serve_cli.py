@@ -32,6 +32,21 @@ def test_fxspeed_serve_prints_hugging_faces_greedy_tokens_and_reports_a_bad_requ
     assert lines[2].startswith("request 2: error:") and "empty" in lines[2]
 
 
+def test_a_refused_request_under_tensor_2_exits_1_without_the_launchers_crash_report(tmp_path):
+    """Rank 0 alone exited 1: the launcher printed torchelastic's failure block and "rank 0 failed
+    first ... stopped the other processes", as for a crash."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64).save_pretrained(tmp_path)
+    cmd = [sys.executable, "-m", "fxspeed", "serve", "--model", str(tmp_path), "--prompt", "1 2 3",
+           "--prompt", "1 999999", "--max-new-tokens", "2", "--tensor", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "request 1: error:" in proc.stdout and "request 0: error" not in proc.stdout
+    assert "failed first" not in proc.stderr and "Root Cause" not in proc.stderr
+
+
 @pytest.mark.parametrize("name,hint", [("lama", "did you mean llama"), ("nosuchmodel", "e.g. gpt2, llama")])
 def test_an_unknown_model_name_is_refused_with_the_closest_model_types_not_all_of_them(name, hint):
     from fxspeed.tools.serve_cli import build_model

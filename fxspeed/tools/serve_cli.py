@@ -77,10 +77,27 @@ def build_model(name: str, layers: int | None):  # noqa: ANN201 - a transformers
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
+_STATUS = "FXSPEED_SERVE_STATUS"  # where launched ranks leave the number of refused requests
+
+
 def run(args: argparse.Namespace) -> int:
     if args.tensor > 1 and not ("LOCAL_RANK" in os.environ and os.environ.get("WORLD_SIZE") == str(args.tensor)):
         argv = list(getattr(args, "argv", None) or sys.argv[1:])
-        return launch(args.tensor, "fxspeed", argv if "serve" in argv else ["serve", *argv], module=True)
+        # The ranks exit 0 when they served (a request refused is a result, not a crash: a rank
+        # exiting 1 makes the launcher report a failure); rank 0 writes how many were refused.
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            status = os.path.join(tmp, "refused")
+            os.environ[_STATUS] = status
+            try:
+                code = launch(args.tensor, "fxspeed", argv if "serve" in argv else ["serve", *argv], module=True)
+            finally:
+                del os.environ[_STATUS]
+            if code == 0 and os.path.exists(status):
+                with open(status) as f:
+                    code = 1 if int(f.read() or 0) else 0
+            return code
     import fxspeed
 
     try:
@@ -100,11 +117,10 @@ def run(args: argparse.Namespace) -> int:
             print(engine.plan.summary(), flush=True)
     outs = engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_error="return")
-    failed = 0
+    failed = sum(isinstance(out, fxspeed.RequestError) for out in outs)
     if rank0:
         for i, out in enumerate(outs):
             if isinstance(out, fxspeed.RequestError):
-                failed += 1
                 print(f"request {i}: error: {out}", flush=True)
             else:
                 print(f"request {i}: {' '.join(map(str, out))}", flush=True)
@@ -113,4 +129,9 @@ def run(args: argparse.Namespace) -> int:
     if dist.is_initialized():
         dist.barrier()  # every rank is done with its collectives before the group goes away
         dist.destroy_process_group()
+    if os.environ.get(_STATUS):  # launched by run() above: it gives the exit code
+        if rank0:
+            with open(os.environ[_STATUS], "w") as f:
+                f.write(str(failed))
+        return 0
     return 1 if failed else 0
