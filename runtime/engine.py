@@ -1177,6 +1177,7 @@ class Engine:
         with self._gathered() if not per_stage else self._stage_weights_released():
             loss, grads = self._runtime.run(actions, micro, on_reduce=self._reduce_stage if self._flat else None,
                                             on_weights=self._stage_weights if per_stage else None)
+        self._broadcast_buffers(self._runtime.updated_buffers())  # (over this stage's replicas)
         self._record_timing(time.perf_counter() - t0)
         with torch.no_grad():
             self._finish_pipeline_grads(grads)  # reads no weights: runs with every stage's released
@@ -1665,8 +1666,13 @@ class Engine:
             for p in self._unique:
                 if id(p) not in self._freed_shapes:
                     out.setdefault(self._canonical[id(p)], p.detach())
+        # A pipeline: a buffer a stage writes (BatchNorm's statistics) only from the ranks holding
+        # that stage; the other ranks' copies never moved and would win the merge in state_dict.
+        written_elsewhere = {n for s, p in enumerate(self.programs) if s not in self.stages
+                             for n in p.buffer_updates} if self.pipelined else set()
         for n, b in self.model.named_buffers():
-            out[n] = b.detach()
+            if n not in written_elsewhere:
+                out[n] = b.detach()
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:

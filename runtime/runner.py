@@ -144,6 +144,7 @@ class PipelineRuntime:
         self.group = group
         self.peers = peers  # global rank of each pipeline position (schedules name positions)
         self._state = {s: [bind(spec) for spec in p.state] for s, p in programs.items()}
+        self._updated = {s: [bind(IOSpec("buffer", name)) for name in p.buffer_updates] for s, p in programs.items()}
         # F, B and W as programs that take one list of inputs and empty it: each input (a received
         # activation, a saved one) is then freed at its last use inside the program, as autograd
         # frees saved tensors during backward, instead of when the program returns. I keeps the
@@ -158,6 +159,10 @@ class PipelineRuntime:
         for p in programs.values():
             if len(p.send_f) > 256 or len(p.send_b) > 256:
                 raise ValueError(f"stage {p.stage} sends more than 256 tensors per message; not supported")
+
+    def updated_buffers(self) -> list[torch.Tensor]:
+        """The buffers this rank's stages write in their forwards."""
+        return [t for ts in self._updated.values() for t in ts]
 
     def activation_sizes(self) -> dict[int, int]:
         """Bytes of every activation OFFLOAD may move, by the key the store files it under."""
@@ -276,6 +281,9 @@ class PipelineRuntime:
                 if p.has_loss:
                     lm = outs[k + p.n_saved].detach()
                     loss = lm.clone() if loss is None else loss + lm
+                if p.buffer_updates:  # (F returns them last)
+                    with torch.no_grad():
+                        torch._foreach_copy_(self._updated[s], outs[len(outs) - len(p.buffer_updates):])
                 del outs, ins
             elif a.kind in (B, I):
                 p = self.programs[s]

@@ -298,7 +298,7 @@ def verify_program(program: DistributedProgram) -> None:
         lead = len(p.state) + p.n_batch
         into = 1 + len(p.grads_into) if p.grads_into else 0
         _check_stage_graph(p.forward, f"stage {s} forward", lead, p.recv_f, 0, p.send_f,
-                           len(p.send_f) + p.n_saved + int(p.has_loss))
+                           len(p.send_f) + p.n_saved + int(p.has_loss) + len(p.buffer_updates))
         _check_stage_graph(p.backward, f"stage {s} backward", lead + p.n_saved, p.recv_b, into, p.send_b,
                            len(p.send_b) + len(p.grads))
         if p.backward_input is not None:

@@ -85,6 +85,9 @@ class StageProgram:
     # Saved activations (indices into F's saved outputs) that OFFLOAD moves off the device and
     # RELOAD brings back (passes/program/offload_stage_activations.py)
     offload_saved: list[int] = field(default_factory=list)
+    # Buffers the forward writes (BatchNorm's running statistics): F returns their new values
+    # last, after the loss; the runtime writes them after each micro-batch's F
+    buffer_updates: list[str] = field(default_factory=list)
 
     def saved_meta(self) -> list[Any]:
         """The fake values of F's saved outputs (shapes, strides, dtypes), in order."""

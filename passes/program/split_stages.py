@@ -167,10 +167,11 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
     other = [s for s in sig.inputs if s.kind not in ("param", "param_tp", "buffer", "input", "loss_scale")]
     if other:
         raise PipelineSplitError(f"graph inputs {other} are not supported by pipeline parallelism yet")
-    if any(s.kind == "buffer_update" for s in sig.outputs):
-        names = [s.target for s in sig.outputs if s.kind == "buffer_update"]
-        raise PipelineSplitError(f"{model_name} updates buffers in its step ({names[:4]}, e.g. BatchNorm running "
-                                 "statistics); pipeline parallelism does not support buffer updates yet")
+    # Buffers the step writes (BatchNorm's running statistics): each stage's F returns the new
+    # values of the buffers it holds, and the runtime writes them after every micro-batch's F,
+    # so micro-batch m+1 reads what m wrote, as eager's forwards over the slices would.
+    updates = [(o, s.target) for o, s in zip(outs, sig.outputs) if s.kind == "buffer_update"]
+    updated = {s.target for s in sig.outputs if s.kind == "buffer_update"}
     loss_node = next(o for o, s in zip(outs, sig.outputs) if s.kind == "loss")
     grad_out = [(o, s.target) for o, s in zip(outs, sig.outputs) if s.kind == "grad" and isinstance(o, fx.Node)]
 
@@ -251,7 +252,7 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
     # on several stages, as a causal mask or rotary table on the root module read by every
     # block: each of them holds a copy, and there is no gradient to sum.
     has_grad = {name for _, name in grad_out}
-    read_only = {ph for ph, spec in state_ph.items() if spec.kind == "buffer"
+    read_only = {ph for ph, spec in state_ph.items() if (spec.kind == "buffer" and spec.target not in updated)
                  or (spec.kind in ("param", "param_tp") and spec.target not in has_grad)}
     for ph, spec in state_ph.items():
         if group_of[ph] in tied_groups or (ph in read_only and len(readers[ph]) > 1):
@@ -354,6 +355,21 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
                 raise PipelineSplitError(f"backward node {n.name} on stage {stage[n]} reads parameter "
                                          f"{state_ph[a].target!r} of stage {pstage[a]}; not supported")
 
+    update_stage: dict[str, int] = {}
+    for o, name in updates:
+        ph = name_to_ph.get(name)
+        on = stage.get(o) if isinstance(o, fx.Node) else None
+        if ph is None or on is None or pstage.get(ph, on) != on:
+            raise PipelineSplitError(f"{model_name} updates buffer {name!r} on another stage than the one reading it "
+                                     "(or outside the forward); not supported under a pipeline: choose other split "
+                                     "points")
+        late = [n.name for n in ph.users if n in bwd_set]
+        if late:  # F of the next micro-batch would have written it before this one's backward read it
+            raise PipelineSplitError(f"{model_name}'s backward reads buffer {name!r}, which its forward updates "
+                                     f"({late[0]}); under a pipeline the next micro-batch's forward writes it first. "
+                                     "Not supported: compute with a copy taken before the update")
+        update_stage[name] = on
+
     # Sanity (networkx): forward edges never go to an earlier stage, gradient edges never to a
     # later one, and the stage-level graph of F_s / B_s programs is acyclic.
     g = nx.DiGraph()
@@ -409,7 +425,8 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
                  and any(u in stage and stage[u] == s for u in ph.users)]
         fwd_local = [n for n in fwd_seq if stage[n] == s]
         bwd_local = [n for n in bwd_seq if stage[n] == s]
-        f_outs = fmsg[s + 1] + saved[s] + ([loss_node] if s == P - 1 else [])
+        f_updates = [(o, name) for o, name in updates if update_stage[name] == s]
+        f_outs = fmsg[s + 1] + saved[s] + ([loss_node] if s == P - 1 else []) + [o for o, _ in f_updates]
         fgm = _build(gm, state, batch_ph, fmsg[s], fwd_local, f_outs, free)
         b_grads = [(o, name) for o, name in grad_out if grad_stage[o] == s]
         b_outs = (bmsg[s - 1] if s > 0 else []) + [o for o, _ in b_grads]
@@ -437,7 +454,7 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
                   if state_ph[ph].target in sig.tied} | {n: sig.tied[n] for _, n in b_grads if n in sig.tied},
             nodes={"forward_nodes": len(fwd_local), "backward_nodes": len(bwd_local)},
             predicted=predicted, modules=_modules([n for _, n in b_grads] + frozen),
-            starts_at=cut_names[cuts[s - 1]] if s > 0 else "")
+            starts_at=cut_names[cuts[s - 1]] if s > 0 else "", buffer_updates=[name for _, name in f_updates])
         programs.append(split_stage_backward(program) if split_backward else program)
     return programs
 
