@@ -145,8 +145,12 @@ def test_user_split_points() -> None:
     cap = _joint(model, (x[:4], y[:4]))
     progs = split_stages(cap.gm, cap.signature, 2, split_points=["ln_f"])
     assert "blocks.1.mlp.fc.weight" in progs[0].names() and "ln_f.weight" in progs[1].names()
-    with pytest.raises(ConfigError, match="split point 'nope'"):
+    with pytest.raises(ConfigError, match="split point 'nope' is not a module the forward runs"):
         split_stages(cap.gm, cap.signature, 2, split_points=["nope"])
+    model = _GateBetweenBlocks()
+    cap = _joint(model, (torch.randn(4, 8), torch.randn(4)))
+    with pytest.raises(ConfigError, match="split point 'blocks.0' is the first module the forward runs, where stage 0"):
+        split_stages(cap.gm, cap.signature, 2, split_points=["blocks.0"])  # said "is not a module the forward runs first"
 
 
 class _SharedTables(torch.nn.Module):

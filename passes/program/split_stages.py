@@ -91,9 +91,10 @@ def candidate_cuts(fwd: list[fx.Node], split_points: Sequence[str] | None = None
             pos = next((i for i, m in enumerate(mods) if m == name or m.startswith(name + ".")), None)
             if pos is None or pos == 0:
                 seen = sorted({_unit(m) or m.split(".")[0] for m in mods if m})
-                raise ConfigError(f"pipeline split point {name!r} is not a module the forward runs "
-                                  f"{'first' if pos == 0 else 'at all'}; split points must name modules that start "
-                                  f"a stage, e.g. one of {seen[:12]}")
+                what = ("is the first module the forward runs, where stage 0 starts anyway" if pos == 0 else
+                        "is not a module the forward runs")
+                raise ConfigError(f"pipeline split point {name!r} {what}; split points name the modules stages "
+                                  f"1, 2, ... start at, e.g. one of {seen[:12]}")
             cuts.append((pos, name))
         return sorted(set(cuts))
     cuts: list[tuple[int, str]] = []
