@@ -1770,19 +1770,26 @@ class Engine:
             c = self._canonical[id(p)]
             copies.setdefault(c, torch.empty(shapes[c], dtype=p.dtype, device=p.device))
         buffers = dict(self.model.named_buffers())
-        with pointing_at(self._full_targets(copies)), torch.no_grad():
-            try:
-                result = self.model.load_state_dict(state, strict=strict)
-            except RuntimeError as e:
-                raise ConfigError(f"load_state_dict: the state does not fit {type(self.model).__name__} (nothing was "
-                                  f"loaded into the engine): {str(e).strip()}. Pass the full state of the same model "
-                                  "(or strict=False to load only the keys both have)") from e
-            finally:  # a load post-hook that rebinds a buffer (`self.buf = ...`): its value, the engine's object
-                for name, b in self.model.named_buffers():
-                    if name in buffers and b is not buffers[name]:
-                        copies[name] = b.detach().to(buffers[name].dtype)
-                        owner, _, leaf = name.rpartition(".")
-                        self.model.get_submodule(owner)._buffers[leaf] = buffers[name]
+        for name, b in buffers.items():  # (a pipeline: those other stages write are not in local)
+            copies.setdefault(name, b.detach().clone())
+        try:
+            with pointing_at(self._full_targets(copies)), torch.no_grad():
+                try:
+                    result = self.model.load_state_dict(state, strict=strict)
+                except RuntimeError as e:
+                    raise ConfigError(f"load_state_dict: the state does not fit {type(self.model).__name__} (nothing "
+                                      f"was loaded into the engine): {str(e).strip().rstrip('.')}. Pass the full state of the same "
+                                      "model" + ("" if not strict else " (or strict=False to load only the keys both "
+                                                 "have)")) from e
+                finally:  # a load post-hook that rebinds a buffer (`self.buf = ...`): its value, the engine's object
+                    for name, b in self.model.named_buffers():
+                        if name in buffers and b is not buffers[name]:
+                            copies[name] = b.detach().to(buffers[name].dtype)
+                            owner, _, leaf = name.rpartition(".")
+                            self.model.get_submodule(owner)._buffers[leaf] = buffers[name]
+        finally:  # the load wrote the copies through the Parameters: not the user's writes to released ones
+            if self._flat is not None:
+                self._flat.remember_versions()
         keep = persistent_buffers(self.model)
         self._load_model_state({n: t for n, t in copies.items() if n not in buffers or n in keep})
         with torch.no_grad():  # buffers a state_dict does not hold, as a load post-hook left them
@@ -1798,8 +1805,9 @@ class Engine:
         # Everything is checked before anything is written: a half-loaded model is a silent mix.
         # Keys are the model's own names (no state_dict hook's): what engine.save writes.
         pairs, problems = [], []
-        persistent = persistent_buffers(self.model)
-        known = set(self._params) | persistent | ({n for n, _ in self.model.named_buffers()} if every_buffer else set())
+        persistent = persistent_buffers(self.model)  # (one name per module: missing when none of its names is there)
+        known = (set(self._params) | persistent_buffers(self.model, every_name=True)
+                 | ({n for n, _ in self.model.named_buffers(remove_duplicate=False)} if every_buffer else set()))
         missing = [n for n, p in self._params.items() if n not in state and self._canonical[id(p)] not in state]
         missing += sorted(persistent - set(state))
         unexpected = sorted(set(state) - known)
@@ -1955,6 +1963,12 @@ class Engine:
                               "safetensors file and the path is a directory; give a file path, e.g. "
                               f"{os.path.join(os.fspath(path), 'model.safetensors')!r}")
         state = self.state_dict()
+        objects = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
+        if objects:  # (get_extra_state's Python objects: safetensors holds tensors only)
+            if self.rank == 0:
+                log.warning("fxspeed: engine.export(%r) leaves out %s (extra state that is not a tensor: safetensors "
+                            "holds tensors only); engine.save keeps it", os.fspath(path), objects[:5])
+            state = {k: v for k, v in state.items() if k not in objects}
         if hf:
             export_hf(path, self.model, state)
         else:

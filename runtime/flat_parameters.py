@@ -235,6 +235,15 @@ class FlatParameters:
                     repointed.append(name)
         return lost, repointed
 
+    def remember_versions(self) -> None:
+        """Released Parameters: the engine wrote them itself (a load through the module's own
+        load_state_dict, into full-size copies): not writes `edited_outside` should report."""
+        if self.released:
+            for b in self.buckets:
+                for name in b.names:
+                    p = self.params[name]
+                    self._versions[name] = (p._version, p.untyped_storage().data_ptr())
+
     def forget_edits(self) -> None:
         """Released Parameters: take their state as they are now (0-size) as the engine's again."""
         for b in self.buckets:

@@ -74,9 +74,11 @@ def run_load_post_hooks(model: nn.Module, own_hooks: set[int]) -> None:
                 hook(m, keys)
 
 
-def persistent_buffers(model: nn.Module) -> set[str]:
-    """Names of the buffers a state_dict holds (not those registered persistent=False)."""
-    return {f"{prefix}{'.' if prefix else ''}{n}" for prefix, m in model.named_modules()
+def persistent_buffers(model: nn.Module, every_name: bool = False) -> set[str]:
+    """Names of the buffers a state_dict holds (not those registered persistent=False): under
+    the first name of each module, or with `every_name` under each name of a module registered
+    under several (ALBERT's one block in three slots: a state_dict lists all three)."""
+    return {f"{prefix}{'.' if prefix else ''}{n}" for prefix, m in model.named_modules(remove_duplicate=not every_name)
             for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set}
 
 

@@ -249,13 +249,18 @@ class ModuleState:
         return entry[1]
 
     def _forget_tags(self, held: set[int]) -> None:
-        """Drop the numbers of objects that died, and of objects held by reference (no weak
-        reference allowed) that the model no longer holds: a module whose attribute takes a new
-        such object every step would otherwise keep every one alive. One that comes back gets a
-        new number (one more trace), never another object's."""
+        """Drop the numbers of objects that died, and of the oldest objects held by reference
+        (no weak reference allowed: dicts, builtins) beyond the last _STRONG_KEPT the model no
+        longer holds: a module whose attribute takes a new such object every step would
+        otherwise keep every one alive, while one switching between a few (`opts = A if train
+        else B`) keeps their numbers and so its compiled programs. One that comes back after
+        being dropped gets a new number (one more trace), never another object's."""
         for i, (ref, _, strong) in list(self._tags.items()):
-            if ref() is None or (strong and i not in held):
+            if ref() is None:
                 del self._tags[i]
+        strong = [(n, i) for i, (_, n, s) in self._tags.items() if s and i not in held]
+        for _, i in sorted(strong)[:max(0, len(strong) - _STRONG_KEPT)]:  # (numbers grow: the oldest first)
+            del self._tags[i]
 
     @staticmethod
     def _unchanged(modules: list[nn.Module], modes: list[bool], sizes: list[int], slots: list[tuple[Mapping, str]],
@@ -264,6 +269,9 @@ class ModuleState:
                 and [len(d) for d in _hook_dicts(modules)] == hooks  # (a hook added: a new entry)
                 and all(d.get(k) is v for d, k, v in held)
                 and [_frozen(d.get(k)) for d, k in slots] == values)
+
+
+_STRONG_KEPT = 16  # objects held by reference the step key remembers after the model let them go
 
 
 def _hook_dicts(modules: list[nn.Module]) -> list[dict]:

@@ -665,10 +665,11 @@ def test_the_step_key_holds_nothing_rank_specific_and_numbers_each_object_once()
     assert len(set(numbers)) == 4
 
 
-def test_the_step_key_keeps_no_object_the_model_stopped_holding() -> None:
+def test_the_step_key_keeps_a_bounded_number_of_objects_the_model_stopped_holding() -> None:
     """A dict (no weak reference allowed) held by value: replaced every step, each old one was
-    kept alive by the key's numbering."""
-    from fxspeed.runtime.python_state import ModuleState
+    kept alive by the key's numbering; one switching between two keeps both keys (a reviewer
+    saw every step retrace when only the objects held now were remembered)."""
+    from fxspeed.runtime.python_state import _STRONG_KEPT, ModuleState
 
     net = nn.Linear(1, 1)
     state = ModuleState(net)
@@ -676,7 +677,13 @@ def test_the_step_key_keeps_no_object_the_model_stopped_holding() -> None:
     for step in range(50):
         net.options = {"step": step % 3}
         keys.add(state.key(True))
-    assert len(state._tags) <= 2 and len(keys) == 50  # a new object is a new key, never an old number
+    assert len(state._tags) <= _STRONG_KEPT + 1 and len(keys) == 50  # a new object: a new key, never an old number
+    a, b = {"mode": "a"}, {"mode": "b"}
+    keys = set()
+    for step in range(8):
+        net.options = a if step % 2 else b
+        keys.add(state.key(True))
+    assert len(keys) == 2
 
 
 class _OneBlockThreeTimes(nn.Module):
@@ -714,3 +721,33 @@ def test_a_module_registered_under_several_names_trains_as_eager() -> None:
     assert list(state) == list(ref.state_dict())
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(state[k], v, rtol=0, atol=1e-6)
+
+
+class _OneHotLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.binary_cross_entropy_with_logits(self.lin(x), F.one_hot(y, 10).float())
+
+
+def test_a_loss_on_one_hot_labels_trains_as_eager_and_keeps_one_hots_range_check() -> None:
+    """F.one_hot traces a value check (aten._assert_async) that returns nothing: it was a
+    PassError ("node '_assert_async' has no meta['val']")."""
+    torch.manual_seed(0)
+    model = _OneHotLoss()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(4, 8), torch.randint(0, 10, (4,))
+    engine = fxspeed.compile(model, 1, fxspeed.Config(optimizer="sgd", lr=0.1), example_inputs=(x, y))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        want = ref(x, y)
+        want.backward()
+        opt.step()
+        opt.zero_grad()
+        assert engine.train_step(x, y) == pytest.approx(want.item(), rel=1e-6), step
+    with pytest.raises(Exception, match="must be smaller than num_classes|one_hot"):
+        ref(x, torch.full((4,), 12))
+    with pytest.raises(Exception, match="must be smaller than num_classes|one_hot"):
+        engine.train_step(x, torch.full((4,), 12))

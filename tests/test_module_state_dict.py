@@ -157,3 +157,62 @@ def test_values_that_cannot_be_loaded_are_refused_before_anything_is_written() -
         with pytest.raises(fxspeed.FxspeedError, match=why):  # a raw NotImplementedError after writing 0.weight
             engine.load_state_dict(state)
         assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_refused_load_under_a_released_layout_leaves_the_next_step_alone(tmp_path: Path) -> None:
+    """The module's load_state_dict writes the full-size copies through the Parameters before it
+    finds a bad shape: the next step took that for the user's write to a 0-size Parameter."""
+    x, y = _batch()
+    torch.manual_seed(0)
+    model = Hooked()
+    engine = fxspeed.compile(model, 1, _configs(tmp_path)[1], example_inputs=(x, y))
+    engine.train_step(x, y)
+    bad = Hooked().state_dict()
+    bad["out.weight"] = torch.zeros(5, 8)
+    with pytest.raises(fxspeed.FxspeedError, match="nothing was loaded"):
+        engine.load_state_dict(bad)
+    engine.train_step(x, y)  # was "parameter(s) [...] were written after compile, outside engine.gathered()"
+
+
+class _SharedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("shift", torch.linspace(-1, 1, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x) + self.shift)
+
+
+class _Albert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        block = _SharedBlock()
+        self.layers = nn.ModuleList([block, block, block])
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return F.mse_loss(self.out(x), y)
+
+
+def test_one_block_under_three_names_round_trips_its_state_and_checkpoint(tmp_path: Path) -> None:
+    """A state_dict lists the block's buffer under all three names; loading it back was refused
+    ("layers.1.shift is not in the model")."""
+    x, y = _batch()
+    engine = fxspeed.compile(_Albert(), 1, fxspeed.Config(lr=1e-2), example_inputs=(x, y))
+    engine.train_step(x, y)
+    state = engine.state_dict()
+    assert {"layers.1.shift", "layers.2.lin.weight"} <= set(state)
+    assert tuple(engine.load_state_dict(state)) == ([], [])
+    engine.save(tmp_path / "ck")
+    engine.load(tmp_path / "ck")
+
+
+def test_export_leaves_out_extra_state_that_is_not_a_tensor_and_says_so(tmp_path: Path, caplog) -> None:
+    x, y = _batch()
+    engine = fxspeed.compile(Hooked(), 1, fxspeed.Config(lr=1e-2), example_inputs=(x, y))
+    with caplog.at_level("WARNING", logger="fxspeed"):
+        engine.export(tmp_path / "m.safetensors")  # was "model_state['_extra_state'] is a dict ... CanonicalState"
+    assert "leaves out ['_extra_state']" in caplog.text

@@ -1051,6 +1051,14 @@ def _drop_metadata_asserts(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(n)
     if asserts:
         gm.recompile()
+    # Checks of values (F.one_hot's "class values must be smaller than num_classes") stay: they
+    # run every step, as eager's do. They return nothing; typed as such for the passes.
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in _VALUE_ASSERTS and "val" not in n.meta:
+            n.meta["val"] = None
+
+
+_VALUE_ASSERTS = (torch.ops.aten._assert_async.msg, torch.ops.aten._assert_async.default)
 
 
 @contextlib.contextmanager
@@ -1077,7 +1085,7 @@ def _buffer_rebinds_as_writes() -> Iterator[None]:
                     f"shape {tuple(value.shape)}, {value.dtype} on {value.device}; the buffer is "
                     f"{tuple(old.shape)}, {old.dtype} on {old.device}. A compiled step writes "
                     "buffers in place, so the new value must keep the buffer's shape, dtype and "
-                    "device: cast it (`.to(self.{0}.dtype)`) or keep the tensor as a plain "
+                    "device: convert it (`.to(self.{0})`) or keep the tensor as a plain "
                     "attribute or output instead of a buffer.".replace("{0}", name))
             with torch.no_grad():
                 old.copy_(value.detach())

@@ -5,7 +5,8 @@
 
 Unlike fx's own DCE, a node that draws random numbers (dropout's bernoulli) is kept even
 when unused: removing it would shift torch's RNG stream and change every later random op
-compared to eager. Mutating ops are kept too.
+compared to eager. Mutating ops are kept too, and checks of values (F.one_hot's range check,
+`aten._assert_async`): they return nothing, but eager raises on a bad batch.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
 def has_side_effects(n: fx.Node) -> bool:
     t = n.target
     if isinstance(t, torch._ops.OpOverload):
-        return t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags
+        return (t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags
+                or t._overloadpacket is torch.ops.aten._assert_async)
     return n.op != "call_function" or n.is_impure()
 
 
