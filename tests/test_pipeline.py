@@ -145,6 +145,9 @@ def test_user_split_points() -> None:
     cap = _joint(model, (x[:4], y[:4]))
     progs = split_stages(cap.gm, cap.signature, 2, split_points=["ln_f"])
     assert "blocks.1.mlp.fc.weight" in progs[0].names() and "ln_f.weight" in progs[1].names()
+    # the tied head: the embedding lookup reads the weight too, and was taken for the head's first op
+    progs = split_stages(cap.gm, cap.signature, 2, split_points=["head"])
+    assert "ln_f.weight" in progs[0].names() and progs[1].describe()["params"] == ["head.weight"]
     with pytest.raises(ConfigError, match="split point 'nope' is not a module the forward runs"):
         split_stages(cap.gm, cap.signature, 2, split_points=["nope"])
     model = _GateBetweenBlocks()

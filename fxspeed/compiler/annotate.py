@@ -48,6 +48,8 @@ def annotate(gm: fx.GraphModule, signature: StepSignature, module_of: dict[str, 
         spec = signature.inputs[i]
         ph.meta[META_KEY] = _base_info(ph, role=IO, category=_INPUT_CATEGORY[spec.kind],
                                        module=param_module.get(ph, ""))
+    tied_readers = _tied_readers(nodes, forward, {ph: signature.inputs[i].target for i, ph in enumerate(placeholders)
+                                                  if ph in param_module}, signature)
     for n in nodes:
         if n.op != "call_function":
             continue
@@ -59,7 +61,7 @@ def annotate(gm: fx.GraphModule, signature: StepSignature, module_of: dict[str, 
             role = STEP
         module = module_of.get(n.name) if role == FORWARD else None
         if module is None:
-            module = _module_from_inputs(n, param_module, untied)
+            module = tied_readers.get(n) or _module_from_inputs(n, param_module, untied)
         inf = _base_info(n, role=role, category=TEMPORARIES, module=module)
         inf.is_view = _is_view(n)
         inf.bytes_read = sum(tensor_bytes(a.meta.get("val")) for a in n.all_input_nodes) if not inf.is_view else 0
@@ -102,6 +104,41 @@ def _forward_nodes(outs: list[Any], signature: StepSignature) -> set[fx.Node]:
         seen.add(n)
         stack.extend(n.all_input_nodes)
     return seen
+
+
+def _tied_readers(nodes: list[fx.Node], forward: set[fx.Node], weight_names: dict[fx.Node, str],
+                  signature: StepSignature) -> dict[fx.Node, str]:
+    """The module of each forward op reading a tied weight (directly or through views and casts).
+
+    The graph names a tied weight once (or, as the pipeline captures it, reads it under one of
+    its names), so its placeholder tells no reader apart: GPT's embedding lookup came out as
+    `head`'s, and `split_points=["head"]` named the model's first op. The weight's names are
+    taken in registration order and matched to its readers in graph order: the first reader
+    gets the first name, the last the last, those between the names between (the embedding is
+    registered and run before the head; ALBERT's one block, k times, gets its k slots)."""
+    groups: dict[str, list[str]] = {}
+    for alias, canonical in signature.tied.items():
+        groups.setdefault(canonical, [canonical]).append(alias)
+    group_of = {name: canonical for canonical, g in groups.items() for name in g}
+    chains: dict[fx.Node, str] = {ph: group_of[name] for ph, name in weight_names.items() if name in group_of}
+    readers: dict[str, list[fx.Node]] = {}
+    for n in nodes:
+        if n.op != "call_function" or n not in forward:
+            continue
+        via = next((chains[a] for a in n.all_input_nodes if a in chains), None)
+        if via is None:
+            continue
+        if _is_view(n) or n.target in _CASTS:
+            chains[n] = via  # (t(weight), its bf16 copy: the reader is the op that uses them)
+        else:
+            readers.setdefault(via, []).append(n)
+    out: dict[fx.Node, str] = {}
+    for canonical, ns in readers.items():
+        names, k = groups[canonical], len(ns)
+        for i, n in enumerate(ns):
+            j = len(names) - 1 if i == k - 1 and k > 1 else min(i, len(names) - 1)
+            out[n] = names[j].rpartition(".")[0]
+    return out
 
 
 def _module_from_inputs(n: fx.Node, param_module: dict[fx.Node, str], untied: set[fx.Node]) -> str:
