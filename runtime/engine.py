@@ -457,8 +457,9 @@ class Engine:
                 f"{type(self.model).__name__}'s parameter(s) {lost[:5]} were written after compile, outside "
                 "`engine.gathered()` (in place, nn.init, or through .data); between steps this rank's module "
                 f"holds 0-size placeholders for them (the engine keeps them {self._flat_where()}), so the write "
-                "changed nothing and the engine's weights are as they were. Write inside `with engine.gathered():` (on every rank; the "
-                "writes are taken into the engine at its exit), or use engine.load_state_dict(state)")
+                "changed nothing and the engine's weights are as they were. Write inside `with "
+                "engine.gathered():` (on every rank; the writes are taken into the engine at its exit), or use "
+                "engine.load_state_dict(state)")
 
     def _flat_where(self) -> str:
         """Where the flat layout keeps the weights a released module does not hold."""
@@ -1777,10 +1778,11 @@ class Engine:
                 try:
                     result = self.model.load_state_dict(state, strict=strict)
                 except RuntimeError as e:
+                    said = str(e).strip().rstrip(".")
                     raise ConfigError(f"load_state_dict: the state does not fit {type(self.model).__name__} (nothing "
-                                      f"was loaded into the engine): {str(e).strip().rstrip('.')}. Pass the full state of the same "
-                                      "model" + ("" if not strict else " (or strict=False to load only the keys both "
-                                                 "have)")) from e
+                                      f"was loaded into the engine): {said}. Pass the full state of the same model"
+                                      + ("" if not strict else " (or strict=False to load only the keys both have)")
+                                      ) from e
                 finally:  # a load post-hook that rebinds a buffer (`self.buf = ...`): its value, the engine's object
                     for name, b in self.model.named_buffers():
                         if name in buffers and b is not buffers[name]:
