@@ -155,7 +155,8 @@ def test_two_rank_correctness_cases(tmp_path: Path) -> None:
     or ZeRO-1 bf16 names the engine and the way out, and `engine.gathered()` makes it usable; a
     write to its 0-size Parameters outside gathered() is said; repointed_zero12: `p.data = t`
     under ZeRO-1/2 trains from the new values; pipeline_batchnorm: BatchNorm's statistics under a
-    pipeline equal eager's over the micro-batches; nan_one_rank: a NaN on one rank's batch skips the step on
+    pipeline equal eager's over the micro-batches; pipeline_shared_block: ALBERT's one block in
+    four slots trains under a pipeline as eager; nan_one_rank: a NaN on one rank's batch skips the step on
     both; eval_global: eval_step returns the global mean on every rank; layout_dp: channels_last/transposed gradients under DP x ZeRO-1/2 equal one process;
     token_mean: the README's recipe for the exact global token mean with -100 labels spread
     unevenly (one rank's all -100) gives one process's steps on the global batch; no_decay_zero:
@@ -166,7 +167,7 @@ def test_two_rank_correctness_cases(tmp_path: Path) -> None:
     trains as eager, comes back whole from state_dict and resumes from a checkpoint exactly."""
     proc = _worker("all", tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    for case in ("zero3_module", "repointed_zero12", "pipeline_batchnorm", "nan_one_rank", "eval_global", "layout_dp", "token_mean", "no_decay_zero", "accum_once",
+    for case in ("zero3_module", "repointed_zero12", "pipeline_batchnorm", "pipeline_shared_block", "nan_one_rank", "eval_global", "layout_dp", "token_mean", "no_decay_zero", "accum_once",
                  "tie_second_name"):
         for r in range(2):
             got = (tmp_path / f"{case}_rank{r}.txt").read_text()

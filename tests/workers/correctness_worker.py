@@ -8,6 +8,8 @@
                   then the steps go on from the engine's weights
     pipeline_batchnorm BatchNorm under pipeline=2 x 2 micro-batches: losses, weights and running
                   statistics equal eager's forwards over the two slices in turn
+    pipeline_shared_block one block in four slots (ALBERT) under pipeline=2: its weights on both
+                  stages, losses and state equal eager's
     repointed_zero12 ZeRO-1/2 fp32: Parameters re-pointed by `p.data = t` (vector_to_parameters)
                   train from the new values as eager does (the buckets kept the old ones)
     nan_one_rank  Config(nan_check="skip"): a NaN in rank 1's local batch only skips the step on
@@ -385,7 +387,46 @@ def pipeline_batchnorm() -> str:
     return "; ".join(out) or "ok"
 
 
-CASES = {"zero3_module": zero3_module, "pipeline_batchnorm": pipeline_batchnorm, "repointed_zero12": repointed_zero12, "token_mean": token_mean, "nan_one_rank": nan_one_rank, "eval_global": eval_global, "layout_dp": layout_dp,
+class _OneBlockFourSlots(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        block = torch.nn.Linear(8, 8)
+        self.inp = torch.nn.Linear(8, 8)
+        self.layers = torch.nn.ModuleList([block] * 4)  # ALBERT: one block's weights in every slot
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return torch.nn.functional.mse_loss(self.head(x), y)
+
+
+def pipeline_shared_block() -> str:
+    """One block in four slots under pipeline=2: its weights are read on both stages (held by
+    each, their gradients summed). Losses and state equal eager's."""
+    torch.manual_seed(0)
+    model = _OneBlockFourSlots()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 2, generator=g)
+    engine = fxspeed.compile(model, 2, fxspeed.Config(pipeline=2, microbatches=2, optimizer="sgd", lr=0.1),
+                             example_inputs=(x, y))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    out = []
+    for step in range(3):
+        got = engine.train_step(x, y)
+        want = ref(x, y)
+        want.backward()
+        opt.step()
+        opt.zero_grad()
+        if abs(got - want.item()) > 1e-5 * abs(want.item()):
+            out.append(f"step {step}: {got} != eager {want.item()}")
+    return "; ".join(out + state_errors(engine, ref)) or "ok"
+
+
+CASES = {"zero3_module": zero3_module, "pipeline_batchnorm": pipeline_batchnorm,
+         "pipeline_shared_block": pipeline_shared_block, "repointed_zero12": repointed_zero12, "token_mean": token_mean, "nan_one_rank": nan_one_rank, "eval_global": eval_global, "layout_dp": layout_dp,
          "no_decay_zero": no_decay_zero, "accum_once": accum_once, "tie_second_name": tie_second_name}
 
 
