@@ -351,19 +351,24 @@ class _NormedBlocks(torch.nn.Module):
         return ((self.head(x).squeeze(-1) - y) ** 2).mean()
 
 
+def _two_stages(model_class: type, y_shape: tuple[int, ...]) -> tuple:
+    """(engine: pipeline=2 x 2 micro-batches with SGD, its eager copy, the copy's SGD, a batch)."""
+    torch.manual_seed(0)
+    model = model_class()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    batch = (torch.randn(8, 8, generator=g), torch.randn(*y_shape, generator=g))
+    engine = fxspeed.compile(model, 2, fxspeed.Config(pipeline=2, microbatches=2, optimizer="sgd", lr=0.1),
+                             example_inputs=batch)
+    return engine, ref, torch.optim.SGD(ref.parameters(), lr=0.1), batch
+
+
 def pipeline_batchnorm() -> str:
     """BatchNorm under pipeline=2 x 2 micro-batches (was refused: "pipeline parallelism does not
     support buffer updates yet"): each stage writes its running statistics after every micro-
     batch's forward, as eager's forwards over the two slices in turn; losses, weights and
     statistics equal eager's (state_dict takes each statistic from the stage that wrote it)."""
-    torch.manual_seed(0)
-    model = _NormedBlocks()
-    ref = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(3)
-    x, y = torch.randn(8, 8, generator=g), torch.randn(8, generator=g)
-    engine = fxspeed.compile(model, 2, fxspeed.Config(pipeline=2, microbatches=2, optimizer="sgd", lr=0.1),
-                             example_inputs=(x, y))
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine, ref, opt, (x, y) = _two_stages(_NormedBlocks, (8,))
     out = []
     for step in range(3):
         got = engine.train_step(x, y)
@@ -405,14 +410,7 @@ class _OneBlockFourSlots(torch.nn.Module):
 def pipeline_shared_block() -> str:
     """One block in four slots under pipeline=2: its weights are read on both stages (held by
     each, their gradients summed). Losses and state equal eager's."""
-    torch.manual_seed(0)
-    model = _OneBlockFourSlots()
-    ref = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(4)
-    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 2, generator=g)
-    engine = fxspeed.compile(model, 2, fxspeed.Config(pipeline=2, microbatches=2, optimizer="sgd", lr=0.1),
-                             example_inputs=(x, y))
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine, ref, opt, (x, y) = _two_stages(_OneBlockFourSlots, (8, 2))
     out = []
     for step in range(3):
         got = engine.train_step(x, y)
