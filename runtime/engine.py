@@ -154,6 +154,7 @@ class Engine:
         self._executors: dict[tuple, StepExecutor] = {}
         self._in_backward: InBackwardSteps | None = None
         self._half_stepped = ""  # why training may not go on (a program failed mid-step); "" = it may
+        self._grad_norm: torch.Tensor | None = None  # the last clipped step's global norm (before clipping)
         self._out_of_step = ""  # why no step may run: this rank failed while its peers were in collectives
         self._first_fetch = -1  # parameter offload: the bucket the train program reads first
         # Pipeline: the program, this rank's runner, what it owns.
@@ -1411,7 +1412,7 @@ class Engine:
                 sq /= self.dp_size
             else:
                 sq = self._tp.squared_norm([(t, t.grad) for t in stepped])
-            norm = sq.sqrt().to(torch.float32)
+            norm = self._grad_norm = sq.sqrt().to(torch.float32)
             if factors is not None:  # masters in the offload file: the optimizer applies it in fp32
                 factors.append(torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0))
             elif stepped:
@@ -1434,12 +1435,20 @@ class Engine:
             sq = (_total_norm(counted) if factors is None else _norm_after(counted, factors)).double() ** 2
         if group is not None:
             dist.all_reduce(sq, group=group)
-        norm = sq.sqrt().to(torch.float32)
+        norm = self._grad_norm = sq.sqrt().to(torch.float32)
         if factors is not None:
             # torch.nn.utils.clip_grads_with_norm_'s coefficient, for the optimizer to apply
             factors.append(torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0))
         elif stepped:
             torch.nn.utils.clip_grads_with_norm_(stepped, self.config.grad_clip, norm, foreach=True)
+
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last step that clipped, before clipping: what
+        torch.nn.utils.clip_grad_norm_ returns, each weight counted once whatever the layout
+        (shards, stages, slices), the same on every rank. None without Config.grad_clip, which
+        is when the norm is computed (a step's gradients live in the engine's buffers, not in
+        p.grad)."""
+        return None if self._grad_norm is None else float(self._grad_norm)
 
     def _tp_shard_squares(self, factors: Sequence[Any] = ()) -> torch.Tensor:
         """Tensor x ZeRO-1/2/3: this rank's share of the squared gradient norm. A flat shard mixes

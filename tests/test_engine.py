@@ -297,3 +297,21 @@ def test_an_optimizer_over_no_weights_builds_and_steps_for_a_pipeline_stage_whos
         opt.step()
         schedule.step()
         assert opt.param_groups[0]["params"] == []
+
+
+def test_grad_norm_is_the_global_norm_before_clipping_as_clip_grad_norm_returns_it() -> None:
+    """p.grad stays None (the gradients live in the engine's buffers): a user logging the norm
+    reads engine.grad_norm(), computed where clipping computes it."""
+    from tests.workers.common import build_model, global_batches
+
+    x, y = global_batches("gpt", 1)[0]
+    ref = build_model("gpt")
+    ref(x, y).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
+    engine = fxspeed.compile(build_model("gpt"), 1, fxspeed.Config(grad_clip=0.5), example_inputs=(x, y))
+    assert engine.grad_norm() is None  # no step yet
+    engine.train_step(x, y)
+    assert engine.grad_norm() == pytest.approx(want, rel=1e-6)
+    unclipped = fxspeed.compile(build_model("gpt"), 1, fxspeed.Config(), example_inputs=(x, y))
+    unclipped.train_step(x, y)
+    assert unclipped.grad_norm() is None  # not computed without Config.grad_clip
