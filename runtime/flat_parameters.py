@@ -211,9 +211,7 @@ class FlatParameters:
         for name in b.names:
             p = self.params[name]
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            # (.data = keeps the counter, in-place writes bump it; .data = of another 0-size tensor,
-            # torch's vector_to_parameters given these Parameters, points at another storage)
-            self._versions[name] = (p._version, p.untyped_storage().data_ptr())
+            self._versions[name] = _stamp(p)
 
     def edited_outside(self) -> tuple[list[str], list[str]]:
         """(lost, repointed): Parameters the user changed since the engine laid them out, in ways
@@ -228,8 +226,7 @@ class FlatParameters:
             full = None if self.released else self.full[k].untyped_storage().data_ptr()
             for name in b.names:
                 p = self.params[name]
-                if full is None and (p.numel() != 0 or (p._version, p.untyped_storage().data_ptr())
-                                     != self._versions.get(name)):
+                if full is None and (p.numel() != 0 or _stamp(p) != self._versions.get(name)):
                     lost.append(name)
                 elif full is not None and p.untyped_storage().data_ptr() != full:
                     repointed.append(name)
@@ -241,8 +238,7 @@ class FlatParameters:
         if self.released:
             for b in self.buckets:
                 for name in b.names:
-                    p = self.params[name]
-                    self._versions[name] = (p._version, p.untyped_storage().data_ptr())
+                    self._versions[name] = _stamp(self.params[name])
 
     def forget_edits(self) -> None:
         """Released Parameters: take their state as they are now (0-size) as the engine's again."""
@@ -467,6 +463,13 @@ def _wait_all(tensors: list[torch.Tensor | None]) -> None:
     for t in tensors:
         if t is not None:
             _c10d.wait_tensor(t)
+
+
+def _stamp(p: torch.Tensor) -> tuple[int, int]:
+    """What tells a write to a released Parameter: `.data =` keeps the version counter and
+    in-place writes bump it; `.data =` of another 0-size tensor (torch's vector_to_parameters
+    given these Parameters) points it at another storage."""
+    return p._version, p.untyped_storage().data_ptr()
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -172,7 +172,7 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
     # values of the buffers it holds, and the runtime writes them after every micro-batch's F,
     # so micro-batch m+1 reads what m wrote, as eager's forwards over the slices would.
     updates = [(o, s.target) for o, s in zip(outs, sig.outputs) if s.kind == "buffer_update"]
-    updated = {s.target for s in sig.outputs if s.kind == "buffer_update"}
+    updated = {name for _, name in updates}
     loss_node = next(o for o, s in zip(outs, sig.outputs) if s.kind == "loss")
     grad_out = [(o, s.target) for o, s in zip(outs, sig.outputs) if s.kind == "grad" and isinstance(o, fx.Node)]
 
@@ -249,7 +249,7 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
     tied_groups = {g for g in group_of.values() if g in sig.tied.values()}
     readers: dict[fx.Node, set[int]] = {ph: {stage[u] for u in ph.users if u in forward} for ph in state_ph}
     pstage: dict[fx.Node, int] = {}  # the stage of an untied parameter
-    # State nothing writes (a buffer: updates are refused above; a frozen weight) may be read
+    # State nothing writes (a buffer the step does not update; a frozen weight) may be read
     # on several stages, as a causal mask or rotary table on the root module read by every
     # block: each of them holds a copy, and there is no gradient to sum.
     has_grad = {name for _, name in grad_out}
