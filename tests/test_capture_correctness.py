@@ -723,3 +723,24 @@ def test_a_loss_on_one_hot_labels_trains_as_eager_and_keeps_one_hots_range_check
         ref(x, torch.full((4,), 12))
     with pytest.raises(Exception, match="must be smaller than num_classes|one_hot"):
         engine.train_step(x, torch.full((4,), 12))
+
+
+def test_a_training_trace_owns_each_forward_node_by_the_module_whose_call_made_it() -> None:
+    """AOT export retraces the graph the module hooks saw by calling it as a GraphModule; that
+    call used to reset the record, so a training step had no owners at all and every node's module
+    was guessed from its inputs (the attention op went to whichever Linear fed it)."""
+    from fxspeed.compiler.capture import capture_step
+
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16))
+    x = torch.randint(0, 64, (2, 8))
+    step = capture_step(model, (x, x), {}, train=True)
+    nodes = {n.name: n for n in step.gm.graph.nodes}
+    attention = [n for n, node in nodes.items() if "scaled_dot_product" in str(node.target)
+                 and "backward" not in str(node.target)]
+    assert [step.module_of[n] for n in attention] == ["blocks.0.attn", "blocks.1.attn"]
+    lookups = [n for n, node in nodes.items() if node.target is torch.ops.aten.embedding.default]
+    assert [step.module_of[n] for n in lookups] == ["wte", "wpe"]
+    # a name is kept only where the final node is the traced one: same op, same inputs
+    evals = capture_step(model, (x, x), {}, train=False)
+    shared = set(step.module_of) & set(evals.module_of)
+    assert len(shared) > 80 and all(step.module_of[n] == evals.module_of[n] for n in shared)

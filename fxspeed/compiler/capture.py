@@ -412,7 +412,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs:
     gm.meta["fxspeed_frozen"] = [n for n, p in model.named_parameters() if any(p is f for f in frozen)]
     return CapturedStep(gm=gm, signature=signature, in_spec=spec,
                         tensor_leaf=[isinstance(x, torch.Tensor) for x in leaves],
-                        module_of=owners.owner, out_spec=wrapper.out_spec, out_type=wrapper.out_type, train=train)
+                        module_of=owners.of(gm.graph), out_spec=wrapper.out_spec, out_type=wrapper.out_type, train=train)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1226,6 +1226,21 @@ class _ModuleOwners:
         self._stack: list[tuple[fx.Graph | None, fx.Node | None]] = []
         self._handles: list[Any] = []
 
+    def of(self, final: fx.Graph) -> dict[str, str]:
+        """The owners of `final`'s nodes. A training step's joint graph is a retrace of the graph
+        the hooks saw: its forward nodes keep their names there, but a name is taken only where
+        its node computes the same op from the same inputs (AOT export adds and reorders some
+        nodes, e.g. the `detach`es autograd saves, so `detach_2` may be another value's)."""
+        if self._graph is None or final is self._graph:
+            return dict(self.owner)
+        seen = {n.name: n for n in self._graph.nodes}
+        out: dict[str, str] = {}
+        for n in final.nodes:
+            was = seen.get(n.name)
+            if n.name in self.owner and was is not None and _same_op(was, n):
+                out[n.name] = self.owner[n.name]
+        return out
+
     def __enter__(self) -> "_ModuleOwners":
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
@@ -1244,6 +1259,12 @@ class _ModuleOwners:
         return None if mode is None else mode.tracer.graph
 
     def _pre(self, module: nn.Module, args: Any) -> None:
+        if id(module) not in self.names:
+            # Not the user's: AOT export retraces its first graph by calling that GraphModule, and
+            # a new graph seen there would drop every owner recorded (the joint graph of a
+            # training step keeps the first graph's node names for its forward).
+            self._stack.append((None, None))
+            return
         g = self._current_graph()
         if g is not None and g is not self._graph:
             self._graph, self.owner = g, {}
@@ -1264,6 +1285,14 @@ class _ModuleOwners:
             # Llama's `model.layers.2` to `layers.2`, and a pipeline's eval split missed its points)
             self.owner.setdefault(node.name, name)
             node = node.next
+
+
+def _same_op(a: fx.Node, b: fx.Node) -> bool:
+    """Two nodes of two traces of one step compute the same thing: same op, and the same inputs by
+    name (placeholders, which the traces name differently, count as alike)."""
+    if a.target != b.target or len(a.all_input_nodes) != len(b.all_input_nodes):
+        return False
+    return all(x.op == y.op == "placeholder" or x.name == y.name for x, y in zip(a.all_input_nodes, b.all_input_nodes))
 
 
 # --------------------------------------------------------------------------------------------
