@@ -16,6 +16,7 @@ from fxspeed.mesh import Mesh
 from fxspeed.runtime.engine import Engine, check_pipeline_config
 from fxspeed.runtime.serving import check_pack_linear
 from fxspeed.errors import ConfigError
+from fxspeed.global_state import refuse_autocast
 from fxspeed.planner.plan import Plan
 from fxspeed.planner import plan_model
 
@@ -55,6 +56,7 @@ def compile(model: nn.Module, devices: Devices = 1, config: Config | dict | str 
     torch.export takes them).
     """
     _check_model(model, "compile")
+    refuse_autocast("fxspeed.compile")
     cfg = Config.coerce(config)
     cfg.check_supported()
     devs = normalize_devices(devices)
@@ -159,6 +161,7 @@ def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | 
     only); "always" / "never" force it.
     """
     _check_model(model, "serve")
+    refuse_autocast("fxspeed.serve")
     cfg = Config.coerce(config)
     cfg.check_supported()
     devs = normalize_devices(devices)
@@ -193,6 +196,7 @@ def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | 
         analyses.append(make_placement_analysis(devs))  # solved on the largest bucket, kept for the others
     mesh = Mesh.join(len(devs), cfg.dist_timeout_s, tp=cfg.tensor)
     engine = Engine(model, devs, cfg, None, compiler=Compiler(cfg, mesh, None, analyses=analyses), mesh=mesh)
-    engine.setup_serving(token_budget=token_budget, max_batch=max_batch, block_size=block_size,
-                         cache_tokens=cache_tokens, cuda_graphs=cuda_graphs, pack_linear=pack_linear)
+    with torch.inference_mode(False):  # a cache made under inference_mode could not be written outside it
+        engine.setup_serving(token_budget=token_budget, max_batch=max_batch, block_size=block_size,
+                             cache_tokens=cache_tokens, cuda_graphs=cuda_graphs, pack_linear=pack_linear)
     return engine

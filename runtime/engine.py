@@ -37,6 +37,7 @@ import torch.utils._pytree as pytree
 from fxspeed.config import Config
 from fxspeed.devices import DeviceSpec
 from fxspeed.errors import ConfigError, FxspeedError, short_repr
+from fxspeed.global_state import refuse_autocast
 from fxspeed.ir import Bucket, IOSpec, Program, StepSignature
 from fxspeed.ir.program import graphs_draw_random
 from fxspeed.ir.batch import batch_digest, describe_input_key, input_key, split_batch, split_inputs, tensor_leaves
@@ -919,6 +920,7 @@ class Engine:
         from fxspeed.runtime.serving import check_generate_options
 
         check_generate_options("generate", kwargs)
+        refuse_autocast("engine.generate")
         loop = self._serving_loop()
         self._same_requests_on_every_rank("generate", prompts, max_new_tokens, kwargs)
         return loop.generate(prompts, max_new_tokens, **kwargs)
@@ -929,6 +931,7 @@ class Engine:
         from fxspeed.runtime.serving import check_generate_options
 
         check_generate_options("stream", kwargs)
+        refuse_autocast("engine.stream")
         loop = self._serving_loop()
         self._same_requests_on_every_rank("stream", prompts, max_new_tokens, kwargs)
         return loop.stream(prompts, max_new_tokens, **kwargs)
@@ -975,6 +978,7 @@ class Engine:
             raise ConfigError("train_step: this engine was compiled for inference by fxspeed.serve (no optimizer); "
                               "use fxspeed.compile(model, ...) to train")
         self._begin_step("train_step")  # first: out of step, only restarting every rank mends it
+        refuse_autocast("engine.train_step")
         if self._half_stepped:
             raise FxspeedError(self._half_stepped + "; load a checkpoint with engine.load (weights and optimizer states) "
                                "to train on")
@@ -1501,6 +1505,7 @@ class Engine:
         only). A collective under ZeRO-3, master weights (ZeRO-1/2 under bf16/fp16: the fp32 masters
         are gathered) and pipelines: call it on every rank."""
         self._begin_step("eval_step")
+        refuse_autocast("engine.eval_step")
         self._check_replica_batch("eval_step", args, kwargs)
         self._check_parameters_not_replaced()
         try:

@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 
 from fxspeed.errors import ConfigError, FxspeedError
+from fxspeed.global_state import no_autocast
 from fxspeed.ir import IOSpec
 from fxspeed.ir.program import InferenceProgram
 from fxspeed.runtime.kernels.packed_linear import PACKED_KINDS, PackedWeights, packing_pays
@@ -235,7 +236,7 @@ class _Bound:
         args = list(self.args)
         for k, i in self.slots.items():
             args[i] = step[k]
-        with torch.no_grad():
+        with torch.no_grad(), no_autocast():  # a stream's steps run under whatever its consumer is in
             return self.run(*args)[0]
 
 
@@ -556,7 +557,8 @@ class ServingLoop:
         """Yield (req_id, token) as tokens are produced, (req_id, RequestError) for a refused request.
         `eos_token_id` (an id or a list of ids) stops every request; `eos_token_ids` gives one per request."""
         reqs = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, eos_token_ids)
-        stale = self.packed.refresh()  # weights written since they were packed (an optimizer step, a load)
+        with torch.inference_mode(False):
+            stale = self.packed.refresh()  # weights written since they were packed (an optimizer step, a load)
         if stale:
             log.info("fxspeed: serve packed %d weights again (changed since packing: %s)", len(stale),
                      ", ".join(stale[:3]) + (" ..." if len(stale) > 3 else ""))
@@ -598,7 +600,11 @@ class ServingLoop:
             if not active:
                 continue
             chunks = self._schedule(active)
-            sampled = self._step(chunks)
+            # Normal tensors whatever mode the caller is in: caches, packed copies and programs made
+            # under torch.inference_mode could not be written in place outside it later. (Not around
+            # the yields: a mode entered there would hold in the caller's loop.)
+            with torch.inference_mode(False):
+                sampled = self._step(chunks)
             for r, tok in sampled:
                 r.out.append(tok)
                 yield r.id, tok

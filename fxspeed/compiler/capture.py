@@ -215,7 +215,10 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn
 
     # torch.utils.checkpoint regions: traced directly, their nodes tagged meta["recompute"]
     try:
-        with fake_model_state(model, args, kwargs) as (fargs, fkwargs), checkpoint_regions() as regions:
+        # A step is traced with gradients on whatever mode the caller is in: a compile (or a new
+        # batch shape) under no_grad / inference_mode said the loss reached no parameter.
+        with torch.inference_mode(False), torch.enable_grad(), fake_model_state(model, args, kwargs) as (fargs, fkwargs), \
+                checkpoint_regions() as regions:
             cap = _capture(model, args, kwargs, fargs, fkwargs, loss_fn=loss_fn, train=train)
     except CaptureError as e:
         empty = [f"{i}: {tuple(t.shape)}" for i, t in enumerate(split_inputs(args, kwargs)[0])

@@ -100,9 +100,11 @@ def _step_index(block_table: torch.Tensor, query_pos: torch.Tensor, query_index:
     gather)."""
     global _last_step
     on_cpu = block_table.device.type == "cpu"
-    stamp = (block_table._version, query_pos._version, query_index._version, bs, dtype)
+    # (tensors made under torch.inference_mode have no version counter: no memo for them)
+    memoized = on_cpu and not any(t.is_inference() for t in (block_table, query_pos, query_index))
+    stamp = (block_table._version, query_pos._version, query_index._version, bs, dtype) if memoized else None
     memo = _last_step
-    if on_cpu and memo is not None and memo[0] is block_table and memo[1] is query_pos and memo[2] is query_index \
+    if memoized and memo is not None and memo[0] is block_table and memo[1] is query_pos and memo[2] is query_index \
             and memo[3] == stamp:
         return memo[4]
     S, NB = block_table.shape
@@ -113,7 +115,7 @@ def _step_index(block_table: torch.Tensor, query_pos: torch.Tensor, query_index:
     decode = on_cpu and query_index.shape[1] == 1 and bool(
         torch.equal(query_index[:, 0], torch.arange(S, device=query_index.device)))
     found = (slots, mask, decode)
-    if on_cpu:
+    if memoized:
         _last_step = (block_table, query_pos, query_index, stamp, found)
     return found
 
