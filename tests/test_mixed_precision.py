@@ -399,3 +399,31 @@ def test_fp32_modules_keeps_a_bias_free_linear_heads_matmul_in_fp32() -> None:
     head_mm = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default
                and n.args[0].meta["val"].shape == (4, 16) and n.meta["val"].shape == (4, 8)]
     assert head_mm and all(a.meta["val"].dtype == torch.float32 for a in head_mm[0].all_input_nodes)
+
+
+def test_a_model_already_in_fp16_trains_under_fp16_loss_scaling_as_eager_scaled_backward_does() -> None:
+    """Its loss is fp16, and the seed times the fp32 scale promoted to fp32, which the first
+    backward op refused ("expected scalar type Half but found Float") at the first step."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, vocab_size=64, block_size=16)).half()
+    ref = copy.deepcopy(model)
+    x = torch.randint(0, 64, (2, 8))
+    engine = fxspeed.compile(model, config=fxspeed.Config(precision="fp16", optimizer="sgd", lr=0.1),
+                             example_inputs=(x, x))
+    opt, scale = torch.optim.SGD(ref.parameters(), lr=0.1), 2.0 ** 16
+    for _ in range(3):
+        loss = engine.train_step(x, x)
+        opt.zero_grad()
+        ref_loss = ref(x, x)
+        (ref_loss * torch.tensor(scale)).backward()  # GradScaler refuses fp16 gradients: its steps by hand
+        grads = [p.grad for p in ref.parameters()]
+        if all(torch.isfinite(g).all() for g in grads):
+            for g in grads:
+                g.div_(scale)
+            opt.step()
+        else:
+            scale /= 2
+        assert loss == float(ref_loss)
+    assert float(engine.scaler.scale) == scale == 2.0 ** 15  # the first step's fp16 seed 65536 overflowed
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)

@@ -72,8 +72,14 @@ def scale_backward_seed(gm: fx.GraphModule, signature: Any, factor: float | fx.N
         return False
     seed = seeds[0]
     with gm.graph.inserting_after(seed if not isinstance(factor, fx.Node) else _later(seed, factor)):
-        scaled = call(gm.graph, torch.ops.aten.mul.Tensor, (seed, factor))
-    seed.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+        product = scaled = call(gm.graph, torch.ops.aten.mul.Tensor, (seed, factor))
+    dtype = seed.meta["val"].dtype
+    if product.meta["val"].dtype != dtype:
+        # an fp16 loss (a half model) times the fp32 scale promotes to fp32, where backward's
+        # first op wants the loss's dtype; rounded back, as eager's GradScaler seed is
+        with gm.graph.inserting_after(product):
+            scaled = call(gm.graph, torch.ops.prims.convert_element_type.default, (product, dtype))
+    seed.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not product)
     return True
 
 
