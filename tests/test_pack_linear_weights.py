@@ -176,6 +176,25 @@ def test_weights_changed_after_serve_are_packed_again_before_the_next_generate(c
     assert packed.generate(PROMPTS, max_new_tokens=NEW) != before  # the new weights, not the old copies
 
 
+@pytest.mark.parametrize("write", ["copy", "lora_merge", "one_token_row"])
+def test_weights_written_through_data_after_serve_are_packed_again_too(write: str) -> None:
+    """`p.data` has its own version counter: a write through it (a copy from another model, a
+    LoRA merge, a new token's row of a tied head) changed neither version nor storage, and the
+    packed copies went on computing with the old weights (every request's tokens wrong)."""
+    model = _hf("gpt2")
+    packed = fxspeed.serve(model, **SMALL)
+    packed.generate(PROMPTS, max_new_tokens=NEW)
+    torch.manual_seed(1)
+    for p in model.parameters():
+        if write == "copy":
+            p.data.copy_(0.2 * torch.randn_like(p))
+        elif write == "lora_merge" and p.dim() == 2:
+            p.data += torch.randn(p.shape[0], 2) @ torch.randn(2, p.shape[1])
+    if write == "one_token_row":
+        model.transformer.wte.weight.data[PROMPTS[0][0]] *= 40.0  # tied: the head's row for that token
+    _same_generation(packed, fxspeed.serve(model, config=UNPACKED, **SMALL))
+
+
 class _TinyLM(nn.Module):
     """A causal LM of drawn shapes: nn.Linear or Conv1D-style ([in, out] through addmm) layers,
     with or without biases, the head tied to the embedding or not."""

@@ -21,7 +21,12 @@ faster for each small bucket before it compiles it (`packing_pays`).
 
 `PackedWeights` holds the packed copies of one serving loop: one per weight (shared by every
 bucket), made on first use, and made again when the source weight changed in place since
-(`refresh`, called at every generate), so a packed copy never goes stale silently.
+(`refresh`, called at every generate), so a packed copy never goes stale silently. A write
+through `p.data` (`p.data.copy_(...)`, a LoRA merge `w.data += delta`) bumps no version counter
+the Parameter shows, so the stamp also holds a sample of the weight's bits: its first column and
+first row (a row or column written for a new token) and 4096 elements strided over the whole
+(any write to all of it). A `.data` write missing all three (a few elements inside) is not seen:
+write weights with `torch.no_grad(): p.copy_(...)`, which bumps the version.
 """
 
 from __future__ import annotations
@@ -90,8 +95,15 @@ class PackedWeights:
         return sum(p.numel() * p.element_size() for p, _, _ in self._packed.values())
 
 
-def _stamp(t: torch.Tensor) -> tuple[int, int]:
-    return t._version, t.data_ptr()
+def _stamp(t: torch.Tensor) -> tuple[int, int, bytes]:
+    """What says a weight was written: its version, its storage, and a sample of its bits (above).
+    A few thousand elements: microseconds per weight against a generate's milliseconds."""
+    flat = t.detach().reshape(-1)
+    parts = [flat[::max(1, flat.numel() // 4096)]]
+    if t.dim() == 2:
+        parts += [t.detach()[:, 0], t.detach()[0, :]]
+    sample = torch.cat([x.reshape(-1) for x in parts]).contiguous()
+    return t._version, t.data_ptr(), sample.view(torch.uint8).numpy().tobytes()
 
 
 def packing_pays(specs: Sequence[IOSpec], rows: int, bind: Callable[[IOSpec], torch.Tensor], layout_rows: int,
