@@ -448,9 +448,11 @@ class ServingLoop:
         over tp) for the eager reference."""
         prompts = [[(7 * i + 3) % self.vocab_size for i in range(5)], [(11 * i + 1) % self.vocab_size for i in range(3)]]
         new = 3
-        if self.max_context < 8 or self.cache.usable_blocks < 2 * -(-8 // self.block_size):
+        if self.cache.usable_blocks < 2 * -(-8 // self.block_size):
+            prompts = prompts[:1]  # a cache too small for both: the check is the last guard, run it on one
+        if self.max_context < 8 or self.cache.usable_blocks < -(-8 // self.block_size):
             log.warning("fxspeed: serve skipped its packed check against the eager model: the context (%d) or the "
-                        "cache (%d blocks of %d) is smaller than two 8-token requests", self.max_context,
+                        "cache (%d blocks of %d) is smaller than one 8-token request", self.max_context,
                         self.cache.usable_blocks, self.block_size)
             return
         self._only_bucket, recorded, self.record_logits = self.buckets[-1], self.record_logits, {}
@@ -472,7 +474,8 @@ class ServingLoop:
                         f"serve: {type(model).__name__}'s compiled serving program disagrees with its eager forward "
                         f"(max logit error {err:.3g} > {tol:.3g} on a packed check of two requests), so it would "
                         "generate wrong tokens; the model probably computes positions or masks in a way the "
-                        "kv_cache pass cannot follow (e.g. from an attention_mask cumsum). Please report it")
+                        "kv_cache pass cannot follow (e.g. from an attention_mask cumsum), or carries state from "
+                        "token to token outside its attention. Please report it")
 
     # --- requests ---------------------------------------------------------------------------
     def _requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], temperature: float,

@@ -265,6 +265,47 @@ def test_serve_refuses_a_model_whose_positions_the_passes_cannot_follow():
         fxspeed.serve(model, token_budget=8, max_batch=2, block_size=4, cache_tokens=64)
 
 
+def test_the_packed_check_still_runs_when_the_cache_holds_one_short_request_only():
+    """It was skipped with a warning below two 8-token requests, serving this model wrongly."""
+    torch.manual_seed(0)
+    model = _CumsumPositions(GPTConfig(vocab_size=64, block_size=48, n_layer=1, n_head=2, n_embd=16)).eval()
+    with torch.no_grad():
+        model.wpe.weight.mul_(50.0)
+    with pytest.raises(fxspeed.ConfigError, match="disagrees with its eager forward"):
+        fxspeed.serve(model, token_budget=8, max_batch=2, block_size=16, cache_tokens=16)
+
+
+class _TokenMixing(GPT):
+    """A layer with state from token to token outside attention: a causal depthwise conv1d over
+    the sequence (Mamba's, LFM2's ShortConv) or a running sum over it (a scan)."""
+
+    def __init__(self, config: GPTConfig, kind: str) -> None:
+        super().__init__(config)
+        self.kind = kind
+        self.conv = nn.Conv1d(config.n_embd, config.n_embd, 4, groups=config.n_embd, padding=3)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        if self.kind == "conv":
+            x = x + self.conv(x.transpose(1, 2))[..., :idx.shape[1]].transpose(1, 2)
+        else:
+            x = x + x.cumsum(1) / 10
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+@pytest.mark.parametrize("kind", ["conv", "scan"])
+def test_a_model_that_mixes_tokens_outside_attention_is_refused_not_served_without_its_state(kind: str):
+    """Served, the conv / scan saw only each step's own tokens, mixed across packed requests;
+    FalconH1 at default init stayed under the packed check's tolerance and gave a wrong token."""
+    torch.manual_seed(0)
+    model = _TokenMixing(GPTConfig(vocab_size=64, block_size=48, n_layer=1, n_head=2, n_embd=16), kind).eval()
+    with pytest.raises(PassError, match="mixes tokens outside its attention"):
+        compile_inference(model, 8, config=Config())
+
+
 def test_the_torch_path_makes_a_step_s_slots_and_mask_once_and_again_when_the_metadata_is_refilled_in_place():
     """Every layer of a step reads the same metadata tensors: the slots and mask are made once.
     A static bucket refills the same tensors for the next step: they must be made again."""

@@ -186,6 +186,7 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 g.erase_node(u)
         g.erase_node(n)
     _dead_code(g)
+    _refuse_token_mixing(g, ctx, T)
     _thread_positions(gm, ctx, T, device)
     gm.meta["kv_cache_layout"] = layout
     gm.recompile()
@@ -250,6 +251,43 @@ def _dead_code(g: fx.Graph) -> None:
         if n.op == "call_function" and not n.users and not (
                 isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable):
             g.erase_node(n)
+
+
+# Ops that combine values along one of their dims: over the packed row's token dim they mix
+# tokens of different requests and see none of a request's earlier tokens (no state is carried
+# between steps). Convolutions: over every spatial dim; the others: over their `dim` argument(s).
+_ALONG_DIM = {aten.cumsum.default: 1, aten.cumprod.default: 1, aten.logcumsumexp.default: 1, aten.cummax.default: 1,
+              aten.cummin.default: 1, aten.flip.default: 1, aten.roll.default: 2}
+
+
+def _token_mixing(n: fx.Node, T: int) -> bool:
+    """Whether `n` combines floating values along a dim of size T (the packed row's tokens)."""
+    if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    x = n.args[0].meta.get("val")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return False
+    if n.target == aten.convolution.default:
+        return T in x.shape[2:]
+    at = _ALONG_DIM.get(n.target)
+    if at is None:
+        return False
+    dims = n.args[at] if len(n.args) > at else n.kwargs.get("dims", n.kwargs.get("dim"))
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    return any(x.shape[d] == T for d in dims if -x.dim() <= d < x.dim())
+
+
+def _refuse_token_mixing(g: fx.Graph, ctx: PassContext, T: int) -> None:
+    """A layer that mixes tokens outside attention (a causal conv1d: Mamba, LFM2's ShortConv,
+    FalconH1; a scan over time) has state the paged cache does not carry; served, it computed
+    each step from that step's tokens alone. A helper saw FalconH1's logits 3e-4..2e-3 off at
+    default init (under the packed check's tolerance) and a wrong 15th token."""
+    for n in g.nodes:
+        if _token_mixing(n, T):
+            raise PassError(f"kv_cache: {ctx.model_name}'s forward mixes tokens outside its attention ({n.name} = "
+                            f"{n.target} along the {T} tokens of the packed row: a convolution or scan over the "
+                            "sequence, as in Mamba / state-space or short-convolution layers); serving caches "
+                            "attention keys and values only, so this model cannot be served yet")
 
 
 def _aranges(g: fx.Graph, T: int) -> list[fx.Node]:
