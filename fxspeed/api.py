@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import torch
@@ -19,6 +20,8 @@ from fxspeed.errors import ConfigError
 from fxspeed.global_state import refuse_autocast
 from fxspeed.planner.plan import Plan
 from fxspeed.planner import plan_model
+
+log = logging.getLogger("fxspeed")
 
 Devices = int | str | DeviceSpec | Sequence[DeviceSpec]
 ExampleInputs = tuple | dict
@@ -63,6 +66,7 @@ def compile(model: nn.Module, devices: Devices = 1, config: Config | dict | str 
     if any(p.is_meta for p in model.parameters()):
         raise ConfigError("compile: the model has parameters on the meta device; materialize it (model.to_empty(...) "
                           "and initialize) or use fxspeed.plan() which needs no real memory")
+    _say_parameters_outside_precision(model, cfg)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     args, kwargs = _split_example(example_inputs, "compile")
@@ -79,6 +83,20 @@ def compile(model: nn.Module, devices: Devices = 1, config: Config | dict | str 
                                                                  device=devs[mesh.rank % len(devs)]), mesh=mesh)
     engine.compile(args, kwargs)
     return engine
+
+
+def _say_parameters_outside_precision(model: nn.Module, cfg: Config) -> None:
+    """Config.precision casts fp32 values: trainable parameters in another floating dtype train in
+    their own, which a user of precision='bf16' may not expect (no fp32 master copies)."""
+    if cfg.precision == "fp32":
+        return
+    other = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                    if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32})
+    if other:
+        log.warning("fxspeed: %s has %s trainable parameters; Config(precision=%r) computes in that precision from "
+                    "fp32 parameters (with fp32 master weights) and leaves parameters of other dtypes as they are: "
+                    "these train in their own dtype, their updates rounded to it. Build the model in fp32 for "
+                    "mixed precision", type(model).__name__, " and ".join(other), cfg.precision)
 
 
 def plan(model: nn.Module, devices: Devices = 1, config: Config | dict | str | None = None, *,

@@ -813,6 +813,10 @@ def model_limits(model: nn.Module) -> tuple[int, int, str]:
         raise ConfigError(f"serve: {type(model).__name__} adds ALiBi position biases to its attention scores; "
                           "fxspeed.serve threads the KV cache through plain causal attention, so this model "
                           "cannot be served yet")
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise ConfigError(f"serve: {type(model).__name__} is an encoder-decoder model; fxspeed.serve serves decoder-only "
+                          "causal language models (a KV cache over one causal attention stack), so this model cannot "
+                          "be served yet")
     if vocab is None or ctx is None:
         raise ConfigError(f"serve: cannot read the vocabulary size and context length of {type(model).__name__} "
                           "(model.config.vocab_size and max_position_embeddings / n_positions / block_size)")

@@ -427,3 +427,16 @@ def test_a_model_already_in_fp16_trains_under_fp16_loss_scaling_as_eager_scaled_
     assert float(engine.scaler.scale) == scale == 2.0 ** 15  # the first step's fp16 seed 65536 overflowed
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_parameters_that_are_not_fp32_under_mixed_precision_are_said_to_train_in_their_own_dtype(
+        dtype: torch.dtype, caplog: pytest.LogCaptureFixture) -> None:
+    """precision='bf16' casts fp32 values only: a float64 model trained entirely in float64, a
+    bf16 one in pure bf16 without masters, and nothing said so."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, vocab_size=64, block_size=16)).to(dtype)
+    x = torch.randint(0, 64, (2, 8))
+    with caplog.at_level("WARNING", logger="fxspeed"):
+        fxspeed.compile(model, config=fxspeed.Config(precision="bf16"), example_inputs=(x, x))
+    assert f"has {str(dtype).removeprefix('torch.')} trainable parameters" in caplog.text
