@@ -88,11 +88,18 @@ for _name, (_pos, _query, _mask) in _ATTENTION.items():
 
 
 def _is_view(n: fx.Node) -> bool:
+    """A view of its first input in that input's dtype: what a cast can be moved in front of. A
+    view that reinterprets the dtype (`view_as_real`, `view_as_complex`, `view.dtype`: a complex
+    rotary's) is not one: cast in front of it, the complex value would be cast to bf16."""
     if n.op != "call_function":
         return False
     if n.target is operator.getitem:  # an element of split/unbind (a view), not of a multi-output op
         return isinstance(n.args[0], fx.Node) and _is_view(n.args[0])
-    return bool(getattr(n.target, "is_view", False))
+    if not getattr(n.target, "is_view", False):
+        return False
+    src = n.args[0].meta.get("val") if n.args and isinstance(n.args[0], fx.Node) else None
+    out = n.meta.get("val")
+    return not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.dtype != out.dtype)
 
 
 @graph_pass("insert_casts", requires=("annotate",), invalidates=("annotate",))
