@@ -1502,7 +1502,9 @@ class Engine:
     def eval_step(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only, model in eval mode, no gradients. Returns the loss of the global batch as
         a float when the output has one (or loss_fn is set), else the model's outputs (one stage
-        only). A collective under ZeRO-3, master weights (ZeRO-1/2 under bf16/fp16: the fp32 masters
+        only). As for train_step, that is the mean of the ranks' (and under a pipeline, of the
+        micro-batches') losses: the global batch's loss for a mean over equally weighted rows, not
+        for a loss over the batch as a whole (CLIP's contrastive loss, as under DDP). A collective under ZeRO-3, master weights (ZeRO-1/2 under bf16/fp16: the fp32 masters
         are gathered) and pipelines: call it on every rank."""
         self._begin_step("eval_step")
         refuse_autocast("engine.eval_step")

@@ -305,3 +305,24 @@ def test_an_in_place_write_of_a_tensor_backward_needs_says_so_instead_of_autogra
         fxspeed.compile(Doubles(), 1, fxspeed.Config(), example_inputs=(torch.randn(3, 4),))
     msg = str(info.value)
     assert "in-place operation in forward" in msg and "out-of-place" in msg and "Good luck" not in msg
+
+
+def test_an_eval_step_whose_forward_writes_a_parameter_in_place_is_refused_naming_it() -> None:
+    """Hugging Face RWKV rescales its weights in place in eval mode: eval_step failed with a bare
+    KeyError from the step signature (the trace's parameter writes taken for gradients)."""
+    class RescalesInEval(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            if not self.training:
+                with torch.no_grad():
+                    self.a.weight.div_(2.0)
+            return nn.functional.mse_loss(self.a(x).squeeze(-1), y)
+
+    x, y = torch.randn(4, 8), torch.randn(4)
+    engine = fxspeed.compile(RescalesInEval(), example_inputs=(x, y))
+    engine.train_step(x, y)
+    with pytest.raises(fxspeed.CaptureError, match=r"eval step of RescalesInEval: forward modifies the parameter `a.weight`"):
+        engine.eval_step(x, y)

@@ -387,6 +387,8 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs:
                 gm, sig = aot_export_module(wrapper, tensors, trace_joint=True, output_loss_index=0)
             if getattr(sig, "user_inputs_to_mutate", None):
                 raise _input_mutation_error(model, wrapper, tensors, leaves, spec, sig, train)
+            if getattr(sig, "parameters_to_mutate", None):  # (a training trace fails before: the
+                raise _parameter_mutation_error(model, wrapper, tensors, train)  # parameter needs grad)
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes one clear error
@@ -1367,6 +1369,24 @@ def _known_capture_error(model: nn.Module, wrapper: "_StepModule", tensors: list
                 op=op, source=f"{frame.filename}:{frame.lineno}" if frame else None,
             )
     return None
+
+
+def _parameter_mutation_error(model: nn.Module, wrapper: "_StepModule", tensors: list[torch.Tensor],
+                              train: bool) -> CaptureError:
+    """Forward writes a parameter in place where the trace allowed it (an eval step: Hugging Face
+    RWKV rescales its weights in eval mode). The program would hand the new values back as
+    outputs nobody reads: eval_step failed with a bare KeyError. Said with the op and line."""
+    named = [(_strip(n), p) for n, p in wrapper.named_parameters()]
+    found = _find_write(wrapper, named, tensors)
+    pname, op, frame = found if found is not None else ("?", "an in-place op", None)
+    where = f" at {frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`" if frame else ""
+    return CaptureError(
+        f"cannot capture the {'training' if train else 'eval'} step of {type(model).__name__}: forward modifies the "
+        f"parameter `{pname}` in place ({op}){where}, which a compiled step does not do. How to fix: change "
+        "parameters outside the step under torch.no_grad(), or compute a new tensor (w = self.weight * s) and "
+        "use it (Hugging Face RWKV: config.rescale_every=0).",
+        op=op, source=f"{frame.filename}:{frame.lineno}" if frame else None,
+    )
 
 
 def _find_parameter_mutation(wrapper: "_StepModule", tensors: list[torch.Tensor]
