@@ -3,7 +3,7 @@
 Graph passes (`GraphPass`) rewrite the step graph. `default_pipeline()` is the order
 compile_step runs them in:
 
-    normalize_graph          drop detach/alias no-ops
+    normalize_graph          drop detach/alias no-ops; SiLU's gradient back to silu_backward
     dedupe_tied_parameters   one input and one summed gradient per tied (shared) Parameter
     insert_casts             mixed precision: matmul/conv/attention in bf16/fp16, the rest fp32
     keep_weights_low         ZeRO-1/2/3 under bf16/fp16: low-precision working weights and gradients

@@ -259,17 +259,18 @@ def test_training_through_fxspeed_compile_with_fused_activations_matches_eager(a
         assert activations._make_kernels.cache_info().currsize == 1, "the steps ran the Triton kernels"
 
 
-def test_the_planner_sees_a_lower_peak_with_fused_activations(activation_fusion, monkeypatch) -> None:
-    """The fused backward makes two values where the unfused one made nine (sigmoid, 1 - sigmoid,
-    ...), and backward keeps g and u either way (recompute_pointwise recomputes silu(g) u from
-    them): the planned peak of HF Llama goes down against its fused norms alone."""
+def test_the_planner_sees_no_higher_peak_with_fused_activations(activation_fusion, monkeypatch) -> None:
+    """The fused backward makes two values, and backward keeps g and u either way
+    (recompute_pointwise recomputes silu(g) u from them). The unfused one made nine (sigmoid,
+    1 - sigmoid, ...) until normalize_graph gave SiLU's gradient its one op back; now the two
+    plan the same peak, and fusion must not plan a higher one."""
     model, batch = tiny_hf("llama", layers=1), hf_batches(1)[0]
 
     def planned(disable: tuple[str, ...] = ()) -> fxspeed.Plan:
         return fxspeed.plan(model, 1, fxspeed.Config(disable_passes=disable), example_inputs=batch)
 
     fused, unfused = planned(), planned(("fuse_activations",))
-    assert fused.peak_memory(0) < unfused.peak_memory(0)
+    assert fused.peak_memory(0) <= unfused.peak_memory(0)
 
 
 # --- the matcher on small nets: exact forms only -----------------------------------------------

@@ -119,6 +119,29 @@ def test_normalize_removes_detach_and_alias_and_keeps_the_results():
     assert all(torch.equal(a, b) for a, b in zip(before, gm(x)))
 
 
+def test_normalize_gives_silus_gradient_its_aten_op_and_a_silu_mlp_steps_as_eager_bit_for_bit():
+    """The joint trace runs backward with grad mode on, where autograd writes SiLU's gradient as
+    its twice-differentiable formula (eight kernels); eager runs `silu_backward`, 1 ulp apart."""
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 1)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return nn.functional.mse_loss(self.b(nn.functional.silu(self.a(x))).squeeze(-1), y)
+
+    torch.manual_seed(0)
+    model, x, y = MLP(), torch.randn(32, 16), torch.randn(32)
+    ref = copy.deepcopy(model)
+    engine = fxspeed.compile(model, config=fxspeed.Config(optimizer="sgd", lr=1.0), example_inputs=(x, y))
+    assert aten.silu_backward.default in targets(engine.graph())
+    assert aten.sigmoid.default not in targets(engine.graph())
+    engine.train_step(x, y)
+    ref(x, y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.detach(), q.detach() - q.grad)
+
+
 def test_normalize_keeps_an_alias_that_is_a_graph_output_as_its_input():
     def f(x: torch.Tensor) -> tuple[torch.Tensor]:
         return (aten.detach.default(aten.relu.default(x)),)

@@ -184,7 +184,7 @@ def _earliest(nodes: list[fx.Node], order: _Order) -> fx.Node:
 
 # --- SwiGLU ----------------------------------------------------------------------------------------
 
-def _silu_grad(gg: fx.Node, dsu: fx.Node, g: fx.Node, shape: tuple) -> Optional[list[fx.Node]]:
+def silu_grad_nodes(gg: fx.Node, dsu: fx.Node, g: fx.Node, shape: tuple) -> Optional[list[fx.Node]]:
     """The nodes of gg = dsu * silu'(g), ATen's composite silu_backward (or the op itself)."""
     if is_call(gg, aten.silu_backward.default, 2) and gg.args == (dsu, g):
         return [gg]
@@ -233,7 +233,7 @@ def _swiglu_backward(g: fx.Node, s: fx.Node, y: Optional[fx.Node], gu: fx.Node, 
     found = []
     for dsu in dsus:  # dsu = dy * u, read only by silu's gradient
         u, gg = mul_operand(dsu, dy), _sole_user(dsu)
-        grad = _silu_grad(gg, dsu, g, shape) if gg is not None and u not in (g, dy) and _shaped(u, shape) else None
+        grad = silu_grad_nodes(gg, dsu, g, shape) if gg is not None and u not in (g, dy) and _shaped(u, shape) else None
         if grad is not None and _shaped(dsu, shape):
             found.append(ActivationMatch(kind="swiglu", forward_args=(g, u), out=y, backward_args=(dy, g, u),
                                          grads=[gg, gu], first=_earliest([gu, dsu], order),
