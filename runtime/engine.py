@@ -1883,14 +1883,18 @@ class Engine:
         self._expect_all_ranks("engine.save()", fix="Call engine.save(path) on every rank (each rank writes or reads its "
                                "part; do not guard it with `if rank == 0`)")
         self._check_same_directory("engine.save()", directory)
-        rng: list[Any] = [torch.get_rng_state()]
+        # Dropout on a CUDA device draws from that device's generator: kept beside the CPU one's
+        mine = (torch.get_rng_state(), torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None)
+        states: list[Any] = [mine]
         if self.dist.active:  # the checkpoint keeps rank 0's `extra`: carry every rank's RNG in it
-            rng = [None] * self.world_size
-            dist.all_gather_object(rng, torch.get_rng_state(), group=self.dist.group)
+            states = [None] * self.world_size
+            dist.all_gather_object(states, mine, group=self.dist.group)
+        rng, cuda_rng = [s[0] for s in states], [s[1] for s in states]
         state = CanonicalState(model=self._local_state(), optimizer=self._canonical_optimizer_state(),
-                               extra={"lr_scheduler": self.lr_scheduler.state_dict(),
+                               extra={"lr_scheduler": {**self.lr_scheduler.state_dict(),
+                                                       "param_groups": _group_settings(self.optimizer)},
                                       "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                                      "stats": dict(self.stats), "rng": rng,
+                                      "stats": dict(self.stats), "rng": rng, "cuda_rng": cuda_rng,
                                       "mesh": self.mesh.shape, "zero": self.config.zero,
                                       "module_extra_state": extra_states(self.model)})
         save_checkpoint(directory, state, group=self.dist.group if self.dist.active else None, rank=self.rank)
@@ -1929,9 +1933,12 @@ class Engine:
             self.scaler.load_state_dict(ck.extra["loss_scaler"])
             self._scale.copy_(self.scaler.scale)
         self.stats.update(ck.extra["stats"])
-        rng = ck.extra["rng"]
         # The same rank's stream when the world size matches (an exact resume); else rank 0's.
-        torch.set_rng_state(rng[self.rank] if len(rng) == self.world_size else rng[0])
+        rng, cuda_rng = ck.extra["rng"], ck.extra.get("cuda_rng")
+        i = self.rank if len(rng) == self.world_size else 0
+        torch.set_rng_state(rng[i])
+        if self._device.type == "cuda" and cuda_rng is not None and cuda_rng[i] is not None:
+            torch.cuda.set_rng_state(cuda_rng[i], self._device)
 
     def _check_same_directory(self, name: str, directory: str | os.PathLike) -> None:
         """One checkpoint is written (read) by all ranks together: ranks given different
@@ -1951,8 +1958,12 @@ class Engine:
         self.lr_scheduler.load_state_dict(saved)
         groups = self.optimizer.param_groups
         if self.config.lr_schedule == "manual":
-            for g, lr in zip(groups, saved.get("_last_lr", [])):
-                g["lr"] = lr
+            # The user's scheduler wrote the groups; the engine's schedule never stepped, so its
+            # `_last_lr` is still Config.lr (a resumed ExponentialLR went on from 8x its lr).
+            # As torch's optimizer.load_state_dict does: every saved setting of each group.
+            settings = saved.get("param_groups") or [{"lr": lr} for lr in saved.get("_last_lr", [])]
+            for g, kept in zip(groups, settings):
+                g.update({k: v for k, v in kept.items() if k not in _IMPLEMENTATION_FLAGS})
         else:
             was = saved.get("base_lrs", [])
             if any(lr != self.config.lr for lr in was):
@@ -2129,6 +2140,16 @@ def _norm_after(grads: list[torch.Tensor], factors: list) -> torch.Tensor:
             t.mul_(f)
         norms.append(torch._foreach_norm([t], 2.0)[0])
     return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
+# param_group keys that choose torch's implementation, not a training setting: never restored
+_IMPLEMENTATION_FLAGS = frozenset({"params", "fused", "foreach", "capturable", "differentiable"})
+
+
+def _group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param_group's settings (lr, betas, momentum, a scheduler's initial_lr ...) for a
+    checkpoint: what a user's scheduler under lr_schedule="manual" changes."""
+    return [{k: v for k, v in g.items() if k not in _IMPLEMENTATION_FLAGS} for g in optimizer.param_groups]
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:

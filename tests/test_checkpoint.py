@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -202,3 +203,36 @@ def test_export_of_a_plain_model_loads_strictly_into_the_model(tmp_path: Path) -
     for where in (tmp_path, f"{tmp_path}/new_dir/"):
         with pytest.raises(fxspeed.ConfigError, match="exported as one safetensors file and the path is a directory"):
             engine.export(where)
+
+
+def test_a_resumed_manual_schedule_goes_on_from_the_lr_the_users_scheduler_had_set(tmp_path) -> None:
+    """Under lr_schedule="manual" the engine's own schedule never steps, and load restored its
+    stale lr (Config.lr): a resumed ExponentialLR went on from 8x its lr, silently."""
+    from fxspeed.models import GPT, GPTConfig
+
+    data = [torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+    def engine() -> tuple[fxspeed.Engine, torch.optim.lr_scheduler.LRScheduler]:
+        torch.manual_seed(0)
+        e = fxspeed.compile(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)),
+                            config=fxspeed.Config(lr_schedule="manual", lr=1e-2),
+                            example_inputs=(data[0][:, :-1], data[0][:, 1:]))
+        return e, torch.optim.lr_scheduler.ExponentialLR(e.optimizer, gamma=0.5)
+
+    def steps(e: fxspeed.Engine, sched: Any, batches: list) -> list[tuple[float, float]]:
+        out = []
+        for d in batches:
+            out.append((e.optimizer.param_groups[0]["lr"], e.train_step(d[:, :-1], d[:, 1:])))
+            sched.step()
+        return out
+
+    whole = steps(*engine(), data)
+    e, sched = engine()
+    resumed = steps(e, sched, data[:3])
+    e.save(tmp_path / "ck")
+    saved = sched.state_dict()
+    e, sched = engine()
+    e.load(tmp_path / "ck")
+    sched.load_state_dict(saved)
+    resumed += steps(e, sched, data[3:])
+    assert resumed == whole
