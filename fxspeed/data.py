@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from fxspeed.errors import ConfigError
+
+log = logging.getLogger("fxspeed")
 
 
 def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
@@ -52,15 +55,44 @@ def local_batch(batch: Any, rank: int | None = None, world: int | None = None) -
 
 
 def shard_loader(loader: DataLoader, rank: int | None = None, world: int | None = None, *,
-                 shuffle: bool = True, seed: int = 0) -> DataLoader:
-    """The same DataLoader, reading only this rank's share of the dataset (DistributedSampler)."""
+                 shuffle: bool | None = None, seed: int = 0) -> DataLoader:
+    """`loader` reading only this rank's share of its dataset (a DistributedSampler), as under DDP:
+    its batch_size is each rank's batch (the global batch is world x batch_size; `iterate_local`
+    instead splits global batches). Its shuffling (or `shuffle=`), drop_last, collate_fn and worker
+    settings are kept; call `.sampler.set_epoch(epoch)` each epoch for a new order. With
+    drop_last=False the sampler repeats a few rows so every rank gets as many (the ranks' last
+    batches then have one shape, which every rank's step needs). A custom sampler or batch_sampler,
+    or an IterableDataset, cannot be split this way: refused."""
     rank, world = _rank_world(rank, world)
+    if isinstance(loader.dataset, IterableDataset):
+        raise ConfigError("shard_loader: the DataLoader reads an IterableDataset, which has no indices to split over "
+                          "ranks; have each rank's dataset yield its own share (e.g. by rank and world size), or split "
+                          "global batches with fxspeed.data.iterate_local")
+    if loader.batch_size is None:
+        raise ConfigError("shard_loader: the DataLoader batches with a batch_sampler, which cannot be split over "
+                          "ranks; give it batch_size= (each rank's batch), or shard the batch_sampler's indices "
+                          "yourself")
+    if shuffle is None:
+        if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+            raise ConfigError(f"shard_loader: the DataLoader samples with a {type(loader.sampler).__name__}, which "
+                              "would be replaced by an even split over ranks; give each rank its own sampler over its "
+                              "share instead (or pass shuffle=True/False to split the dataset in that order anyway)")
+        shuffle = isinstance(loader.sampler, RandomSampler)
     sampler = DistributedSampler(loader.dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
-                                 drop_last=True)
-    return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
-                      collate_fn=loader.collate_fn, drop_last=True)
+                                 drop_last=loader.drop_last)
+    if loader.drop_last and len(sampler) < loader.batch_size:
+        log.warning("fxspeed: shard_loader: each rank gets %d rows a pass, fewer than batch_size=%d, and the loader "
+                    "drops its last incomplete batch: an epoch gives no batch at all", len(sampler), loader.batch_size)
+    workers = dict(num_workers=loader.num_workers, pin_memory=loader.pin_memory, timeout=loader.timeout,
+                   worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context)
+    if loader.num_workers > 0:
+        workers.update(persistent_workers=loader.persistent_workers, prefetch_factor=loader.prefetch_factor)
+    return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, collate_fn=loader.collate_fn,
+                      drop_last=loader.drop_last, **workers)
 
 
 def iterate_local(batches: Iterable[Any], rank: int | None = None, world: int | None = None) -> Iterable[Any]:
+    """This rank's slice of each global batch (`local_batch`): a global batch of B rows gives each
+    of the world's ranks B / world rows."""
     for b in batches:
         yield local_batch(b, rank, world)

@@ -63,21 +63,43 @@ def test_iterate_local_slices_each_batch_of_a_stream() -> None:
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_shard_loader_gives_each_rank_a_disjoint_equal_share_of_the_dataset(shuffle: bool) -> None:
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_shard_loader_gives_each_rank_an_equal_share_of_the_dataset_and_keeps_the_loaders_last_batch(
+        shuffle: bool, drop_last: bool) -> None:
+    """drop_last was forced on: 22 rows in batches of 4 on 2 ranks trained on 16, and a rank with
+    fewer rows than a batch got no batch at all. Now, as DDP's DistributedSampler does, the
+    loader's drop_last=False repeats a few rows so every rank gets as many."""
     data = TensorDataset(torch.arange(20))
-    loader = DataLoader(data, batch_size=3)
+    loader = DataLoader(data, batch_size=3, shuffle=shuffle, drop_last=drop_last)
     world = 3
-    shards = []
-    for r in range(world):
-        rows = [int(v) for (b,) in shard_loader(loader, r, world, shuffle=shuffle, seed=7) for v in b]
-        shards.append(rows)
+    shards = [[int(v) for (b,) in shard_loader(loader, r, world, seed=7) for v in b] for r in range(world)]
     assert len({len(s) for s in shards}) == 1  # equal share: every rank runs the same number of steps
     seen = [v for s in shards for v in s]
-    assert len(seen) == len(set(seen)), "shards overlap"
-    assert set(seen) <= set(range(20)) and len(seen) >= 20 - world + 1
+    if drop_last:  # 6 rows a rank (two batches of 3), disjoint
+        assert len(seen) == len(set(seen)) == 18
+    else:  # 7 rows a rank: every row, one repeated
+        assert set(seen) == set(range(20)) and len(seen) == 21
     # every rank sees batches of the same shapes (so their compiled programs agree)
-    sizes = [[len(b) for (b,) in shard_loader(loader, r, world, shuffle=shuffle, seed=7)] for r in range(world)]
-    assert all(s == sizes[0] for s in sizes)
+    sizes = [[len(b) for (b,) in shard_loader(loader, r, world, seed=7)] for r in range(world)]
+    assert all(s == sizes[0] for s in sizes) and sizes[0] == ([3, 3] if drop_last else [3, 3, 1])
+
+
+def test_shard_loader_follows_the_loaders_order_and_refuses_what_it_cannot_split() -> None:
+    data = TensorDataset(torch.arange(8))
+    in_order = [b.tolist() for (b,) in shard_loader(DataLoader(data, batch_size=2), 0, 2)]
+    assert in_order == [[0, 2], [4, 6]]  # shuffle=False kept (it was always shuffled)
+    weighted = DataLoader(data, batch_size=2, sampler=torch.utils.data.WeightedRandomSampler([1.0] * 8, 8))
+    with pytest.raises(ConfigError, match="WeightedRandomSampler"):
+        shard_loader(weighted, 0, 2)
+    with pytest.raises(ConfigError, match="batch_sampler"):
+        shard_loader(DataLoader(data, batch_sampler=[[0, 1], [2, 3]]), 0, 2)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(4))
+
+    with pytest.raises(ConfigError, match="IterableDataset"):
+        shard_loader(DataLoader(Stream(), batch_size=2), 0, 2)
 
 
 def test_shard_loader_is_deterministic_for_a_seed_and_keeps_the_collate_function() -> None:
