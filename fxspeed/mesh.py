@@ -63,6 +63,7 @@ def join(n_devices: int, timeout_s: float) -> DistContext:
         # undestroyed, and its communicators were torn down in no order)
         atexit.register(_destroy_at_exit)
         sys.excepthook = _note_failure(sys.excepthook)
+        sys.exit = _noting_exit(sys.exit)
     world = dist.get_world_size()
     if world != n_devices:
         raise ConfigError(f"devices={n_devices} but the process group has {world} ranks; pass devices={world} "
@@ -72,6 +73,17 @@ def join(n_devices: int, timeout_s: float) -> DistContext:
 
 
 _failed: list[BaseException] = []  # an uncaught exception ends this process (sys.excepthook)
+
+
+def _noting_exit(exit_fn: Any) -> Any:
+    """sys.exit with a failure code is a failure too (sys.excepthook never sees SystemExit): a
+    rank leaving a step that way waited at the exit barrier, then in destroy_process_group, until
+    its peers' collective timed out (dist_timeout_s, 300 s by default), instead of ending them."""
+    def noted(code: Any = None) -> None:
+        if code not in (None, 0):
+            _failed.append(SystemExit(code))
+        exit_fn(code)
+    return noted
 
 
 def _note_failure(hook: Any) -> Any:

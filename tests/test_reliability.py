@@ -27,7 +27,7 @@ def fxspeed_run(n: int, case: str, out: Path) -> tuple[subprocess.CompletedProce
     return proc, time.monotonic() - t0
 
 
-@pytest.mark.parametrize("case,code", [("raise", 1), ("exit", 13)])
+@pytest.mark.parametrize("case,code", [("raise", 1), ("exit", 13), ("sys_exit", 7)])
 def test_a_rank_that_fails_after_compile_stops_every_rank_with_an_error_naming_it(
         case: str, code: int, tmp_path: Path) -> None:
     proc, wall = fxspeed_run(2, case, tmp_path)

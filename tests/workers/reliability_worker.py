@@ -3,6 +3,7 @@
     raise      rank 1 raises after compile and one step; rank 0 keeps training (its next
                collective can never complete): the launcher must stop it and name rank 1
     exit       as raise, but rank 1 dies abruptly with os._exit(13)
+    sys_exit   as raise, but rank 1 calls sys.exit(7) (no exception for sys.excepthook to see)
     model      rank 1 builds a different model      -> ConfigError at compile on every rank
     config     rank 1 passes a different Config      -> ConfigError at compile on every rank
     indivisible  a global batch of 5 rows on 2 ranks -> ConfigError from local_batch
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -41,10 +43,10 @@ def main() -> None:
     os.environ.setdefault("FXSPEED_BACKEND", "gloo")
     torch.set_num_threads(1)
     cases = a.case.split(",")
-    if not (cases in (["raise"], ["exit"], ["midstep"]) or set(cases) <= {"model", "config", "indivisible", "shapes",
+    if not (cases in (["raise"], ["exit"], ["sys_exit"], ["midstep"]) or set(cases) <= {"model", "config", "indivisible", "shapes",
                                                                                        "buffer", "frozen", "attribute",
                                                                                        "branch"}):
-        ap.error(f"--case {a.case}: raise, exit, midstep, or some of model, config, indivisible, shapes, buffer, "
+        ap.error(f"--case {a.case}: raise, exit, sys_exit, midstep, or some of model, config, indivisible, shapes, buffer, "
                  "frozen, attribute, branch")
     for case in cases:
         run(case, a.out)
@@ -74,12 +76,14 @@ def run(case: str, out: str | None) -> None:
     cfg = fxspeed.Config(zero=3, lr=1e-2, bucket_mb=0.05)
     example = local_batch(batches[0])
 
-    if case in ("raise", "exit"):
+    if case in ("raise", "exit", "sys_exit"):
         engine = fxspeed.compile(model, world, cfg, example_inputs=example)
         engine.train_step(*example)
         if rank == 1:
             if case == "exit":
                 os._exit(13)
+            if case == "sys_exit":
+                sys.exit(7)
             raise RuntimeError("rank 1 fails on purpose after compile")
         t0 = time.time()
         for b in batches[1:]:  # blocks in the step's first collective: rank 1 is gone
