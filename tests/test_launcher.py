@@ -31,12 +31,15 @@ def probes(stdout: str) -> dict[int, str]:
 
 
 def test_run_starts_n_ranked_processes_and_passes_the_script_arguments_through() -> None:
-    r = fxspeed("run", "-n", "3", PROBE, "--lr", "0.1", "-n", "7", env={"OMP_NUM_THREADS": "2"})
+    # (--nproc / --master abbreviate torchrun's own options: they were refused as ambiguous)
+    r = fxspeed("run", "-n", "3", PROBE, "--lr", "0.1", "-n", "7", "--nproc", "2", "--master", "x",
+                env={"OMP_NUM_THREADS": "2"})
     assert r.returncode == 0, r.stdout + r.stderr
     lines = probes(r.stdout)
     assert sorted(lines) == [0, 1, 2]
     for rank, line in lines.items():
-        assert f"world=3 local={rank} omp=2 args=['--lr', '0.1', '-n', '7']" in line  # OMP_NUM_THREADS kept
+        assert (f"world=3 local={rank} omp=2 args=['--lr', '0.1', '-n', '7', '--nproc', '2', '--master', 'x']"
+                in line)  # OMP_NUM_THREADS kept
 
 
 def test_run_sets_omp_threads_to_the_cores_shared_out_when_unset() -> None:

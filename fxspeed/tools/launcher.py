@@ -26,16 +26,24 @@ def launch(nproc: int, script: str, script_args: Sequence[str] = (), *, module: 
     When a process fails, torch's elastic agent stops the others and this prints which rank
     failed (and its error) instead of hanging or raising a launcher traceback.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
+    from torch.distributed.run import get_args_parser, run
 
     os.environ.setdefault("OMP_NUM_THREADS", str(default_threads(nproc)))
     targs = ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"]
     if module:
         targs.append("--module")
     targs += [script, *script_args]
+    # torchrun's own parser, without abbreviations: a script argument such as `--nproc 3` was
+    # taken for an abbreviation of torchrun's --nproc-per-node ("ambiguous option", exit 2)
+    parser = get_args_parser()
+    parser.allow_abbrev = False
     try:
-        torchrun_main(targs)
+        run(parser.parse_args(targs))
+    except SignalException as e:  # Ctrl-C or SIGTERM to the launcher: the agent has ended every process
+        print(f"fxspeed run: stopped by {e.sigval.name}; every process was ended", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         print(e.format_msg(), file=sys.stderr)
