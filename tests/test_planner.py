@@ -507,3 +507,18 @@ def test_a_cpu_add_of_two_dtypes_counts_the_copy_torch_makes_of_the_narrower_ope
         torch.randn(64, 8).bfloat16(), torch.randn(64, 8), torch.randn(64, 8))
     adds = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor]
     assert [op_workspace(n) for n in adds] == [64 * 8 * 4, 0]
+
+
+def test_max_size_refuses_a_dim_not_marked_dynamic_and_a_fit_that_missed_its_check_point():
+    """An unmarked symbol ran the search to 2**40 - 1. A fit across the chunked cross-entropy's
+    switch (64 MiB of logits, on at batch 32, off at 16) had memory falling with the batch, and
+    max_size answered 93550 rows for 400 MB where a plan at that size needs 419 GB."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=4000, block_size=256, n_layer=1, n_head=2, n_embd=32))
+    ids = torch.zeros(32, 256, dtype=torch.long, device="meta")
+    plan = fxspeed.plan(model, 1, example_inputs=(ids, ids), dynamic={0: {0: "batch"}, 1: {0: "batch"}})
+    with pytest.raises(fxspeed.ConfigError, match=r"\['seq'\] is not a dynamic dim"):
+        plan.max_size("seq", 400e6)
+    assert plan.symbolic_error > 0.01 and any("misses the check point" in n for n in plan.notes)
+    with pytest.raises(fxspeed.ConfigError, match="missed its check point"):
+        plan.max_size("batch", 400e6)

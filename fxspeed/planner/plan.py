@@ -16,7 +16,11 @@ from typing import Any
 
 import sympy
 
+from fxspeed.errors import ConfigError
 from fxspeed.ir import CATEGORIES
+
+
+_FIT_TOLERANCE = 0.01  # symbolic fit error above which max_size refuses (planner/symbolic.py warns)
 
 
 @dataclass
@@ -35,6 +39,7 @@ class Plan:
     timeline: dict[str, list[Any]] = field(default_factory=dict)  # rank 0 live bytes per node
     symbolic: dict[str, str] = field(default_factory=dict)  # quantity -> sympy expression (str)
     dynamic: dict[str, list[int]] = field(default_factory=dict)  # symbol -> values traced
+    symbolic_error: float = 0.0  # the fit's relative error at its check point (peak memory)
     notes: list[str] = field(default_factory=list)
     zero_formula: list[int] = field(default_factory=list)  # ZeRO paper model-state bytes per rank
     # rank 0's model states as this layout holds them: parameters, gradients (as backward leaves
@@ -82,7 +87,20 @@ class Plan:
 
     def max_size(self, symbol: str, memory_bytes: float, **fixed: int) -> int:
         """Largest integer value of `symbol` whose predicted peak fits in `memory_bytes`, other
-        dynamic dims held at `fixed` (default: the traced example's values). 0 if none fits."""
+        dynamic dims held at `fixed` (default: the traced example's values). 0 if none fits.
+        Refused where the fit missed its own check point (a program that changes between the traced
+        sizes, e.g. the chunked cross-entropy switching on at 64 MiB of logits: the fitted memory
+        fell as the batch grew, and the answer was ~4000x too large). Beyond the traced sizes it
+        extrapolates: a program change up there is not seen."""
+        unknown = sorted({symbol, *fixed} - set(self.dynamic))
+        if unknown:
+            raise ConfigError(f"max_size: {unknown} {'is' if len(unknown) == 1 else 'are'} not a dynamic dim of "
+                              f"this plan (its symbols: {sorted(self.dynamic)}); mark it in plan(..., dynamic=...)")
+        if self.symbolic_error > _FIT_TOLERANCE:
+            raise ConfigError(f"max_size: the symbolic fit missed its check point by {self.symbolic_error:.0%} (see "
+                              "plan.notes): the program changes between the traced sizes, so the fitted formula is "
+                              "not the memory. Plan concrete sizes instead (fxspeed.plan with example_inputs of "
+                              "that size), or trace from an example on one side of the change")
         e = self.expr("peak_memory")
         subs = {sympy.Symbol(k): v for k, v in fixed.items()}
         for name, vals in self.dynamic.items():

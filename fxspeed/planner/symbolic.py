@@ -258,6 +258,7 @@ def fit_symbolic(plan: Plan, model: nn.Module, args: tuple, kwargs: dict, dynami
                       f"each phase's peak); checked at {where}: "
                       + ", ".join(f"{q} error {v:.2%}" for q, v in errors.items()))
     worst = max(errors.values(), default=0.0)
+    plan.symbolic_error = errors.get("peak_memory", 0.0)
     if worst > 0.01:
         plan.notes.append(f"warning: the symbolic fit misses the check point by up to {worst:.1%}; the quantity is "
                           "not a polynomial of that degree over this range (e.g. the liveness peak moves)")
