@@ -522,3 +522,19 @@ def test_max_size_refuses_a_dim_not_marked_dynamic_and_a_fit_that_missed_its_che
     assert plan.symbolic_error > 0.01 and any("misses the check point" in n for n in plan.notes)
     with pytest.raises(fxspeed.ConfigError, match="missed its check point"):
         plan.max_size("batch", 400e6)
+
+
+def test_a_fit_point_the_model_refuses_is_said_to_be_the_fits_size_not_the_examples():
+    """Marking the inputs' batch dim but not the (flattened) labels' failed with the model's own
+    "check the example inputs' shapes", at a size the fit chose."""
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(16, 16)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(self.emb(x).flatten(0, 1), y)
+
+    x, y = torch.zeros(8, 4, dtype=torch.long), torch.zeros(32, dtype=torch.long)
+    with pytest.raises(fxspeed.ConfigError, match=r"at batch=4 \(example: batch=8\) the model refused them"):
+        fxspeed.plan(Flat(), 1, example_inputs=(x, y), dynamic={0: {0: "batch"}})

@@ -27,8 +27,8 @@ import torch
 import torch.nn as nn
 
 from fxspeed.config import Config
+from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.devices import DeviceSpec
-from fxspeed.errors import ConfigError
 from fxspeed.ir import CATEGORIES
 from fxspeed.planner.plan import Plan
 
@@ -213,7 +213,16 @@ def fit_symbolic(plan: Plan, model: nn.Module, args: tuple, kwargs: dict, dynami
 
     def sample(point: tuple[int, ...]) -> tuple[dict[str, Any], list[str], list[float] | None]:
         a, kw = resized_inputs(args, kwargs, dynamic, dict(zip(names, point)))
-        costs, passes, notes = trace_costs(model, a, kw, config=config, devices=devices, loss_fn=loss_fn)
+        try:
+            costs, passes, notes = trace_costs(model, a, kw, config=config, devices=devices, loss_fn=loss_fn)
+        except FxspeedError as e:
+            # The sizes are the fit's, not the user's example: the error's own advice (check the
+            # example's shapes, rewrite the line) would point the wrong way
+            at = ", ".join(f"{n}={v}" for n, v in zip(names, point))
+            raise ConfigError(f"plan(dynamic=...): the symbolic fit traces the model at sizes it chooses, and at {at} "
+                          f"(example: {', '.join(f'{n}={example[n]}' for n in names)}) the model refused them. Mark "
+                          "every input that shares a dynamic dim (a batch dim of the labels too), and do not mark a "
+                          f"dim the model fixes (an image size, a maximum length). The trace said: {e}") from e
         p = finish_plan(costs, model_name=plan.model, config=config, devices=devices, passes=passes)
         dp = max(1, len(devices) // (config.pipeline * config.tensor))
         per_node = step_phase_series(costs, config, dp) if not notes else None  # not when extrapolated
