@@ -40,8 +40,10 @@ def _split_example(example_inputs: ExampleInputs, where: str) -> tuple[tuple, di
         return example_inputs, {}
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
+    hint = (" (a DataLoader's default collate gives a list: pass tuple(batch))"
+            if isinstance(example_inputs, list) else "")
     raise ConfigError(f"{where}: example_inputs must be a tuple of positional arguments or a dict of keyword "
-                      f"arguments of the model's forward, got {type(example_inputs).__name__}")
+                      f"arguments of the model's forward, got {type(example_inputs).__name__}{hint}")
 
 
 def _check_model(model: Any, where: str) -> None:
