@@ -81,9 +81,10 @@ def compile(model: nn.Module, devices: Devices = 1, config: Config | dict | str 
         check_tensor_config(cfg, len(devs))
         analyses.append(make_placement_analysis(devs))  # the parameter layout, chosen once per engine
     mesh = Mesh.join(len(devs), cfg.dist_timeout_s, pp=cfg.pipeline, tp=cfg.tensor)
-    engine = Engine(model, devs, cfg, loss_fn, compiler=Compiler(cfg, mesh, loss_fn, analyses=analyses,
-                                                                 device=devs[mesh.rank % len(devs)]), mesh=mesh)
-    engine.compile(args, kwargs)
+    with torch.inference_mode(False):  # the engine's state made under inference_mode could not be stepped outside it
+        engine = Engine(model, devs, cfg, loss_fn, compiler=Compiler(cfg, mesh, loss_fn, analyses=analyses,
+                                                                     device=devs[mesh.rank % len(devs)]), mesh=mesh)
+        engine.compile(args, kwargs)
     return engine
 
 
@@ -117,6 +118,7 @@ def plan(model: nn.Module, devices: Devices = 1, config: Config | dict | str | N
     and the rank layout over the dp x pp x tp mesh (plan.mesh).
     """
     _check_model(model, "plan")
+    refuse_autocast("fxspeed.plan")
     cfg = Config.coerce(config)
     devs = normalize_devices(devices)
     args, kwargs = _split_example(example_inputs, "plan")

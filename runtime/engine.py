@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import numbers
 import os
 import time
 from typing import Any, Callable, Iterator, Protocol, Sequence
@@ -85,6 +86,17 @@ class CompilerLike(Protocol):
                 analyze: Any = None) -> Any: ...
 
     def inference(self, model: nn.Module, tokens: int, pack: bool = True) -> Any: ...  # an InferenceProgram (fxspeed.serve)
+
+
+def _normal_tensors(fn: Callable) -> Callable:
+    """Run `fn` outside torch.inference_mode whatever the caller is in: optimizer states, buffers
+    and loss scales made under it are inference tensors that no later step outside it could
+    update in place (a step under it, then one outside, failed half-stepped)."""
+    @functools.wraps(fn)
+    def outside(*args: Any, **kwargs: Any) -> Any:
+        with torch.inference_mode(False):
+            return fn(*args, **kwargs)
+    return outside
 
 
 def check_pipeline_config(config: Config, n_devices: int) -> None:
@@ -959,6 +971,7 @@ class Engine:
                               "max_new_tokens and sampling options")
 
     # --- steps -------------------------------------------------------------------------------
+    @_normal_tensors
     def train_step(self, *args: Any, **kwargs: Any) -> float:
         """Forward, backward and optimizer step on one batch; returns the loss of the global batch
         (the mean over ranks) as a float, on every rank.
@@ -1498,6 +1511,7 @@ class Engine:
     def _gathered(self) -> Any:
         return self._flat.gathered() if self._flat is not None else contextlib.nullcontext()
 
+    @_normal_tensors
     @torch.no_grad()
     def eval_step(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only, model in eval mode, no gradients. Returns the loss of the global batch as
@@ -1963,7 +1977,7 @@ class Engine:
             # As torch's optimizer.load_state_dict does: every saved setting of each group.
             settings = saved.get("param_groups") or [{"lr": lr} for lr in saved.get("_last_lr", [])]
             for g, kept in zip(groups, settings):
-                g.update({k: v for k, v in kept.items() if k not in _IMPLEMENTATION_FLAGS})
+                g.update({k: v for k, v in kept.items() if k not in _IMPLEMENTATION_FLAGS | _CONFIG_OWNED})
         else:
             was = saved.get("base_lrs", [])
             if any(lr != self.config.lr for lr in was):
@@ -2146,10 +2160,26 @@ def _norm_after(grads: list[torch.Tensor], factors: list) -> torch.Tensor:
 _IMPLEMENTATION_FLAGS = frozenset({"params", "fused", "foreach", "capturable", "differentiable"})
 
 
+# ... and the ones Config owns (weight decay: the engine may apply it itself, under no_weight_decay)
+_CONFIG_OWNED = frozenset({"weight_decay", "eps"})
+
+
 def _group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Each param_group's settings (lr, betas, momentum, a scheduler's initial_lr ...) for a
-    checkpoint: what a user's scheduler under lr_schedule="manual" changes."""
-    return [{k: v for k, v in g.items() if k not in _IMPLEMENTATION_FLAGS} for g in optimizer.param_groups]
+    checkpoint: what a user's scheduler under lr_schedule="manual" changes. As plain numbers: a
+    numpy float (np.cos in a hand-written schedule) is refused by the checkpoint's safe load."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, (tuple, list)):
+            return type(v)(plain(x) for x in v)
+        if isinstance(v, numbers.Real) and not isinstance(v, (bool, int, torch.Tensor)):
+            return float(v)
+        if isinstance(v, numbers.Integral) and not isinstance(v, (bool, torch.Tensor)):
+            return int(v)
+        return v
+    keep = (bool, int, float, str, type(None), tuple, list, torch.Tensor)
+    return [{k: plain(v) for k, v in g.items()
+             if k not in _IMPLEMENTATION_FLAGS and k not in _CONFIG_OWNED and isinstance(plain(v), keep)}
+            for g in optimizer.param_groups]
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -168,6 +168,7 @@ def _fused_steps_right(cls: type[torch.optim.Optimizer], dtype: torch.dtype, dev
     torch 2.13's fused CPU SGD leaves every bf16/fp16 element in whole 16-element vectors unchanged
     (pytorch/pytorch#191763), so a bf16 model trained with SGD never moved. An unsupported
     combination says True here and is refused by the constructor instead. Once per combination."""
+    kw = {**kw, "lr": kw.get("lr") or 1e-3}  # (lr 0 moves nothing either way: the probe would pass any kernel)
     key = (cls, dtype, torch.device(device).type, repr(sorted(kw.items())))
     if key not in _FUSED_CHECKED:
         grad = torch.randn(67, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)

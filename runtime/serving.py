@@ -472,7 +472,7 @@ class ServingLoop:
                 if not err <= tol:
                     raise ConfigError(
                         f"serve: {type(model).__name__}'s compiled serving program disagrees with its eager forward "
-                        f"(max logit error {err:.3g} > {tol:.3g} on a packed check of two requests), so it would "
+                        f"(max logit error {err:.3g} > {tol:.3g} on a packed check of {len(prompts)} request(s)), so it would "
                         "generate wrong tokens; the model probably computes positions or masks in a way the "
                         "kv_cache pass cannot follow (e.g. from an attention_mask cumsum), or carries state from "
                         "token to token outside its attention. Please report it")

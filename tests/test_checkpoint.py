@@ -10,6 +10,7 @@ final parameters must be identical.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -236,3 +237,20 @@ def test_a_resumed_manual_schedule_goes_on_from_the_lr_the_users_scheduler_had_s
     sched.load_state_dict(saved)
     resumed += steps(e, sched, data[3:])
     assert resumed == whole
+
+
+def test_a_manual_lr_set_from_numpy_is_saved(tmp_path) -> None:
+    """The param_groups' settings go into the checkpoint: a numpy float (np.cos in a hand-written
+    schedule) was refused by its safe load, and save failed."""
+    import numpy as np
+
+    from fxspeed.models import GPT, GPTConfig
+
+    x = torch.randint(0, 64, (2, 8))
+    e = fxspeed.compile(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)),
+                        config=fxspeed.Config(lr_schedule="manual"), example_inputs=(x, x))
+    e.optimizer.param_groups[0]["lr"] = 1e-3 * 0.5 * (1 + np.cos(np.pi * 0.25))
+    e.train_step(x, x)
+    e.save(tmp_path / "ck")
+    e.load(tmp_path / "ck")
+    assert e.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 0.25)))

@@ -4,6 +4,7 @@ precision is Config.precision), grad and inference modes do not change what a st
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -41,12 +42,21 @@ def test_a_step_traced_under_no_grad_or_inference_mode_trains_as_eager(mode: str
     with ctx():
         engine = fxspeed.compile(model, config=fxspeed.Config(lr=1e-3), example_inputs=(x, x))
         losses = [engine.train_step(b, b) for b in (x, y)]  # y: a new shape, traced here
-    for b, loss in zip((x, y), losses):
+    losses.append(engine.train_step(x, x))  # outside the mode now: states made under it still step
+    for b, loss in zip((x, y, x), losses):
         opt.zero_grad()
         ref_loss = ref(b, b)
         ref_loss.backward()
         opt.step()
         assert loss == pytest.approx(float(ref_loss), rel=1e-5)  # conftest's RTOL: fp32 summation orders
+
+
+def test_an_fp16_engine_compiled_under_inference_mode_trains_outside_it() -> None:
+    """Its loss scale was an inference tensor, which the first step outside could not write."""
+    model, x = _gpt(), torch.randint(0, 64, (2, 8))
+    with torch.inference_mode():
+        engine = fxspeed.compile(model, config=fxspeed.Config(precision="fp16"), example_inputs=(x, x))
+    assert math.isfinite(engine.train_step(x, x))
 
 
 def test_serving_under_inference_mode_or_a_stream_read_under_autocast_gives_the_same_tokens() -> None:

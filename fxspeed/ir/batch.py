@@ -122,7 +122,8 @@ def split_batch(args: tuple, kwargs: dict, k: int, key: str = "microbatches") ->
                               "every batch tensor the same number of rows")
         if n % k:
             raise ConfigError(f"Config.{key}={k} must divide the batch dimension; got {where} with {n} rows. "
-                              f"Use a batch size divisible by {k} or change {key} (a divisor of {n})")
+                              f"Use a batch size divisible by {k} or change {key} (a divisor of {n}); a DataLoader's last, "
+                              "smaller batch: build it with drop_last=True")
     chunks = [x.chunk(k) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * k for x in leaves]
     return [pytree.tree_unflatten([c[i] for c in chunks], spec) for i in range(k)]
 
