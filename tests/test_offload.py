@@ -194,11 +194,13 @@ def test_fp16_with_the_optimizer_offloaded_and_nan_check_trains_and_skips_only_b
         e = fxspeed.compile(copy.deepcopy(model), 1, cfg, example_inputs=(x, y))
         losses[check] = [e.train_step(x, y) for _ in range(4)]
         skipped[check] = e.stats["skipped_steps"]
-    # the first step's overflow at the initial loss scale (2**16) is fp16's own skip, in both
-    assert skipped == {"off": 1, "skip": 1}, skipped
+    # the first step may overflow at the initial loss scale (2**16): fp16's own skip, in both (on a
+    # CPU with native fp16 arithmetic, AVX512-FP16, it does not; computed in fp32 from fp16 it does)
+    assert skipped["off"] == skipped["skip"] <= 1, skipped
     assert losses["off"] == losses["skip"] and losses["skip"][0] != losses["skip"][-1]
+    before = e.stats["skipped_steps"]
     e.train_step(x, torch.full_like(y, -100))  # no target: the mean of nothing is NaN
-    assert e.stats["skipped_steps"] == 2
+    assert e.stats["skipped_steps"] == before + 1
 
 
 def test_a_checkpoint_written_with_offload_loads_without_it_and_back(tmp_path: Path) -> None:
