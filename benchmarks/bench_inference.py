@@ -125,7 +125,10 @@ def main() -> None:
     t = time.perf_counter()
     max_batch = max(*args.batches, 16 if args.workload else 1)
     context = max(args.prompt + args.new, sum(args.prompt_range[1:]) + args.new_range[1] if args.workload else 0)
-    options = dict(devices=args.tensor, config=fxspeed.Config(tensor=args.tensor), token_budget=args.token_budget,
+    # one CPU process: the plan's roofline at this machine's measured rates (the preset's are an
+    # order of magnitude); tp ranks keep the preset, as they must agree on it
+    devices = fxspeed.measured_cpu() if device.type == "cpu" and args.tensor == 1 else args.tensor
+    options = dict(devices=devices, config=fxspeed.Config(tensor=args.tensor), token_budget=args.token_budget,
                    max_batch=max_batch, block_size=16, cache_tokens=max_batch * context)
     engine = fxspeed.serve(model, **options)
     launched = fxspeed.serve(model, **options, cuda_graphs=False) if device.type == "cuda" else None

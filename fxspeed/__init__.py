@@ -11,7 +11,7 @@
 from .api import compile, plan, serve  # noqa: A004
 from .compiler.capture import extract_loss
 from .config import Config
-from .devices import PRESETS, DeviceSpec, devices
+from .devices import PRESETS, DeviceSpec, devices, measured_cpu
 from .runtime.engine import Engine
 from .errors import CaptureError, ConfigError, FxspeedError, PassError
 from .planner.plan import Plan
@@ -19,4 +19,4 @@ from .runtime.serving import GenerationError, RequestError
 
 __version__ = "0.1.0"
 __all__ = ["CaptureError", "Config", "ConfigError", "DeviceSpec", "Engine", "FxspeedError", "GenerationError",
-           "PRESETS", "PassError", "Plan", "RequestError", "compile", "devices", "extract_loss", "plan", "serve"]
+           "PRESETS", "PassError", "Plan", "RequestError", "compile", "devices", "extract_loss", "measured_cpu", "plan", "serve"]

@@ -91,6 +91,71 @@ def _local_device() -> DeviceSpec:
     return dataclasses.replace(PRESETS["cpu"], memory=float(psutil.virtual_memory().total))
 
 
+@functools.cache
+def measured_cpu() -> DeviceSpec:
+    """This machine's CPU with its memory bandwidth and matmul FLOP/s measured at the torch thread
+    count in effect (half a second to a few seconds, once per process):
+
+        engine = fxspeed.serve(model, devices=fxspeed.measured_cpu())   # the plan's roofline at these rates
+
+    The "cpu" preset's 10 GB/s and 100 GFLOP/s are an order of magnitude; a box with 28 GB/s
+    decoded GPT-2 at batch 1 at twice the tokens/s the preset's roofline promised. It is not the
+    default: plans that choose (stage splits, placements, recompute) must be the same on every
+    rank and on every run, and a shared machine's rates move with its load. For a multi-rank
+    compile, measure on one rank and give every rank the same DeviceSpec.
+
+    Bandwidth: the best of three `sum`s over a buffer of twice the last-level cache (at least
+    512 MiB, at most an eighth of free memory), so it is read from DRAM, not cache. FLOP/s: the
+    best of three 1024^3 matmuls per dtype; a low-precision dtype this CPU has no fast kernels for
+    (`cpu_computes_natively`) keeps the preset's ratio to fp32."""
+    import psutil
+
+    base = _local_device() if not torch.cuda.is_available() else dataclasses.replace(
+        PRESETS["cpu"], memory=float(psutil.virtual_memory().total))
+    size = min(max(512 * 2**20, 2 * _last_level_cache_bytes()), int(psutil.virtual_memory().available) // 8)
+    buf = torch.ones(max(size // 4, 1 << 20), dtype=torch.float32)
+    bandwidth = buf.numel() * 4 / _best_seconds(lambda: buf.sum())
+    del buf
+    flops = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if dtype != torch.float32 and not cpu_computes_natively(dtype):
+            flops[name] = flops["fp32"] * base.flops[name] / base.flops["fp32"]
+            continue
+        a = torch.ones(1024, 1024, dtype=dtype)
+        flops[name] = 2 * 1024**3 / _best_seconds(lambda: torch.mm(a, a))  # noqa: B023 - called right away
+    return dataclasses.replace(base, name=f"cpu (measured: {bandwidth / GB:.1f} GB/s, {flops['fp32'] / 1e9:.0f} "
+                               "GFLOP/s fp32)", mem_bandwidth=bandwidth, flops=flops)
+
+
+def _best_seconds(fn: Any, repeats: int = 3) -> float:
+    import time
+
+    fn()  # warm-up (first touch, kernel choice)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return max(best, 1e-9)
+
+
+def _last_level_cache_bytes() -> int:
+    """The largest CPU cache's size from sysfs (Linux); 64 MiB when it cannot be read."""
+    import glob
+
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(path).read().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=64 * 2**20)
+
+
 def normalize_devices(value: int | str | DeviceSpec | Sequence[DeviceSpec]) -> list[DeviceSpec]:
     """Turn the `devices` argument of compile()/plan() into a list of DeviceSpec."""
     if isinstance(value, bool):

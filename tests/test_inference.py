@@ -250,6 +250,20 @@ def test_the_inference_plan_counts_cache_bytes_per_token_and_a_serving_engine_re
         engine.train_step(torch.zeros(1, 4, dtype=torch.long))
 
 
+def test_a_measured_cpu_gives_the_inference_plan_this_machines_rates():
+    from fxspeed.planner.inference import decode_tokens_per_s
+
+    spec = fxspeed.measured_cpu()
+    assert spec.kind == "cpu" and "measured" in spec.name
+    assert 1e8 < spec.mem_bandwidth < 1e13 and all(1e8 < f < 1e14 for f in spec.flops.values())
+    assert fxspeed.measured_cpu() is spec  # once per process
+    model = _hf("gpt2")
+    plan = fxspeed.serve(model, devices=spec, token_budget=8, max_batch=4, block_size=4, cache_tokens=40).plan
+    assert plan.device == spec.name and spec.name in plan.summary()
+    want = decode_tokens_per_s(plan.parameters, plan.weight_bytes, plan.kv_bytes_per_token, 1, 64, spec)
+    assert plan.predicted_tokens_per_s["batch=1,context=64"] == pytest.approx(want)
+
+
 @pytest.mark.slow
 def test_two_tensor_parallel_ranks_serve_the_tokens_and_logits_of_one_device(tmp_path):
     """tests/workers/serving_worker.py, one launch of 2 ranks: GPT-2, Llama (GQA), fxspeed's GPT and
