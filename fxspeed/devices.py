@@ -113,9 +113,7 @@ def measured_cpu() -> DeviceSpec:
     base = _local_device() if not torch.cuda.is_available() else dataclasses.replace(
         PRESETS["cpu"], memory=float(psutil.virtual_memory().total))
     size = min(max(512 * 2**20, 2 * _last_level_cache_bytes()), int(psutil.virtual_memory().available) // 8)
-    buf = torch.ones(max(size // 4, 1 << 20), dtype=torch.float32)
-    bandwidth = buf.numel() * 4 / _best_seconds(lambda: buf.sum())
-    del buf
+    bandwidth = _read_bandwidth(max(size // 4, 1 << 20))
     flops = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
         if dtype != torch.float32 and not cpu_computes_natively(dtype):
@@ -125,6 +123,11 @@ def measured_cpu() -> DeviceSpec:
         flops[name] = 2 * 1024**3 / _best_seconds(lambda: torch.mm(a, a))  # noqa: B023 - called right away
     return dataclasses.replace(base, name=f"cpu (measured: {bandwidth / GB:.1f} GB/s, {flops['fp32'] / 1e9:.0f} "
                                "GFLOP/s fp32)", mem_bandwidth=bandwidth, flops=flops)
+
+
+def _read_bandwidth(numel: int) -> float:
+    buf = torch.ones(numel, dtype=torch.float32)  # freed on return: it is larger than the caches
+    return numel * 4 / _best_seconds(buf.sum)
 
 
 def _best_seconds(fn: Any, repeats: int = 3) -> float:
