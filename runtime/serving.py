@@ -341,6 +341,7 @@ class ServingLoop:
         # bucket -> (packed, GEMM) seconds of one probe pass (pack_linear="auto", runtime/kernels/packed_linear.py)
         self.pack_probe: dict[int, tuple[float, float]] = {}
         self._agree = agree
+        self._agree_min = agree_min
         self._bind = bind
         self.vocab_size = vocab_size
         self.max_context = max_context
@@ -574,6 +575,14 @@ class ServingLoop:
         active: list[_Request] = []
         try:
             yield from self._loop(waiting, active)
+        except GeneratorExit:
+            # The caller stopped iterating between steps. Under tensor parallelism the other ranks
+            # wait at the next step's check (`_loop`): tell them this stream stops here, so one that
+            # goes on gets an error instead of a collective no rank joins (a hang to dist_timeout_s).
+            # Every rank holds the same requests at every yield, so they agree on "a next step".
+            if self._agree_min is not None and (waiting or any(not r.done() for r in active)):
+                self._agree_min(0)
+            raise
         finally:
             # the caller stopped iterating (or a step failed): give the blocks back
             for r in active:
@@ -582,6 +591,7 @@ class ServingLoop:
 
     def _loop(self, waiting: list[_Request], active: list[_Request]) -> Iterator[tuple[int, int | RequestError]]:
         bs = self.block_size
+        steps = 0
         while waiting or active:
             while waiting and len(active) < self.max_batch:
                 r = waiting[0]
@@ -606,10 +616,18 @@ class ServingLoop:
             # Normal tensors whatever mode the caller is in: caches, packed copies and programs made
             # under torch.inference_mode could not be written in place outside it later. (Not around
             # the yields: a mode entered there would hold in the caller's loop.)
+            if self._agree_min is not None and self._agree_min(1) == 0:
+                raise FxspeedError(
+                    f"stream: another tensor-parallel rank stopped iterating this stream (closed it, broke out of its "
+                    f"loop, or raised) after step {steps}, while this rank asked for the next tokens; every rank "
+                    "must consume a tensor-parallel stream to the same token (break at the same place on every rank, "
+                    "or use generate)")
             with torch.inference_mode(False):
                 sampled = self._step(chunks)
-            for r, tok in sampled:
+            steps += 1
+            for r, tok in sampled:  # all first: a caller that stops at any of these yields sees the step done
                 r.out.append(tok)
+            for r, tok in sampled:
                 yield r.id, tok
             for r in [r for r in active if r.done()]:
                 self.cache.release(r.blocks)

@@ -269,10 +269,11 @@ def test_two_tensor_parallel_ranks_serve_the_tokens_and_logits_of_one_device(tmp
     """tests/workers/serving_worker.py, one launch of 2 ranks: GPT-2, Llama (GQA), fxspeed's GPT and
     OPT cut by heads (the cache holds kv_heads / 2 per rank) give HF's greedy tokens and logits
     within 1e-4 of a full forward, Llama also with the fusion passes on (each rank fuses its own
-    heads); sampling without a seed agrees over the ranks; bad requests fail alone."""
+    heads); sampling without a seed agrees over the ranks; bad requests fail alone; a stream stopped
+    at different tokens on the ranks is an error on the rank that goes on, not a hang."""
     from tests.multiprocess import launch_worker
 
-    cases = ("gpt2", "llama", "gpt", "opt", "llama_fused", "sampling", "bad_request")
+    cases = ("gpt2", "llama", "gpt", "opt", "llama_fused", "sampling", "bad_request", "stream_stops")
     launch_worker("tests.workers.serving_worker", 2, tmp_path, "--case", ",".join(cases), timeout=600)
     for case in cases:
         for rank in range(2):

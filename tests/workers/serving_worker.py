@@ -19,6 +19,8 @@ in this process (one device, whole weights):
     bad_request             an empty prompt and an out-of-vocabulary id fail alone; the other
                             requests' tokens are those of one device; ranks passing different
                             prompts are refused (ConfigError on every rank) and the engine goes on
+    stream_stops            a stream stopped at different tokens on the ranks is an error on the rank
+                            that goes on, at its next step; at the same token, none; the engine goes on
 
 Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt (tests/workers/common.py
 run_cases).
@@ -188,6 +190,45 @@ def case_bad_request() -> str:
     return "ok"
 
 
+def case_stream_stops() -> str:
+    """A stream stopped at different tokens on the ranks: the rank that goes on gets an error at
+    its next step, in seconds (it waited in a collective no rank joined until dist_timeout_s);
+    stopped at the same token, or one rank at the last token, nothing is said; the engine serves
+    on after each."""
+    import time
+
+    engine, eager = served("gpt2")
+    rank = dist.get_rank()
+    total = sum(NEW)
+
+    def take(n: int | None) -> int:
+        got = 0
+        for _ in engine.stream(PROMPTS, max_new_tokens=NEW):
+            got += 1
+            if got == n:
+                break
+        return got
+
+    t = time.perf_counter()
+    try:
+        take(2 if rank == 0 else None)
+        if rank != 0:
+            return "the rank that went on was not told the other stopped"
+    except fxspeed.FxspeedError as e:
+        if rank == 0 or "another tensor-parallel rank stopped iterating" not in str(e):
+            return f"unexpected error on rank {rank}: {e}"
+    if time.perf_counter() - t > 60:
+        return f"took {time.perf_counter() - t:.0f} s"
+    ok = lambda: engine.generate(PROMPTS[:2], max_new_tokens=4) == [greedy(eager, "gpt2", p, 4) for p in PROMPTS[:2]]  # noqa: E731
+    if not ok():
+        return "the engine did not serve after a stream stopped on one rank"
+    if take(3) != 3 or not ok():  # the same token on every rank
+        return "a stream stopped at the same token on every rank broke the engine"
+    if take(total if rank == 0 else None) != total or not ok():  # one rank breaks at the last token
+        return "a stream broken at its last token on one rank broke the engine"
+    return "ok"
+
+
 CASES = {
     "gpt2": lambda: case_model("gpt2"),
     "llama": lambda: case_model("llama"),
@@ -196,6 +237,7 @@ CASES = {
     "llama_fused": lambda: case_fused("llama_fused"),
     "sampling": case_sampling,
     "bad_request": case_bad_request,
+    "stream_stops": case_stream_stops,
 }
 
 if __name__ == "__main__":
