@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from fxspeed.errors import FxspeedError
+from fxspeed.units import size
 
 log = logging.getLogger("fxspeed")
 ALIGN = 4096  # the largest logical block size O_DIRECT asks alignment to on common disks
@@ -107,12 +108,12 @@ class SwapFile:
             if e.errno == errno.ENOSPC:
                 free = shutil.disk_usage(root_path).free
                 ours = _own_swap_bytes(root_path)  # (this file is closed and gone: the others')
-                held = (f" (this process's other swap files there hold {_size(ours)}: "
-                        f"{_size(ours + self.nbytes)} in all)") if ours else ""
-                raise FxspeedError(f"Config.nvme_path={str(root)!r}: the offloaded states need {_size(self.nbytes)} "
-                                   f"more and that filesystem has {_size(free)} free{held}; free space there or choose "
+                held = (f" (this process's other swap files there hold {size(ours)}: "
+                        f"{size(ours + self.nbytes)} in all)") if ours else ""
+                raise FxspeedError(f"Config.nvme_path={str(root)!r}: the offloaded states need {size(self.nbytes)} "
+                                   f"more and that filesystem has {size(free)} free{held}; free space there or choose "
                                    "a path on a larger disk (nothing was written)") from e
-            raise FxspeedError(f"cannot reserve {_size(self.nbytes)} for the swap file {self.path!r}: {e}") from e
+            raise FxspeedError(f"cannot reserve {size(self.nbytes)} for the swap file {self.path!r}: {e}") from e
 
     # The pool's tasks hold the file's descriptor and name, never the SwapFile: the last reference
     # to it must not be dropped on an I/O thread, whose finalizer would then try to join that
@@ -218,10 +219,3 @@ def _own_swap_bytes(root: Path) -> int:
     return total
 
 
-def _size(nbytes: int) -> str:
-    """Bytes for an error message, in a unit that keeps small figures readable ("0.00 GB" said
-    nothing for a small test disk)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes} bytes"

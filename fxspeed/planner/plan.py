@@ -18,6 +18,7 @@ import sympy
 
 from fxspeed.errors import ConfigError
 from fxspeed.ir import CATEGORIES
+from fxspeed.units import size
 
 
 _FIT_TOLERANCE = 0.01  # symbolic fit error above which max_size refuses (planner/symbolic.py warns)
@@ -119,7 +120,7 @@ class Plan:
 
     # --- presentation ----------------------------------------------------------------------
     def summary(self) -> str:
-        gb = lambda b: f"{b / 1e9:8.3f} GB"  # noqa: E731
+        gb = lambda b: size(b, 11)  # noqa: E731 - the unit that shows the figure: a small model's read "0.000 GB"
         s = self.strategy
         lines = [
             f"fxspeed plan · {self.model} · {self.n_params / 1e6:,.1f}M params ({self.n_trainable / 1e6:,.1f}M trainable)",
@@ -150,13 +151,13 @@ class Plan:
         if self.dtypes:
             lines.append("  dtypes: " + "; ".join(f"{c} {d}" for c, d in self.dtypes.items()))
         if self.communication:
-            lines.append("  communication per step: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in self.communication.items()))
+            lines.append("  communication per step: " + ", ".join(f"{k} {size(v)}" for k, v in self.communication.items()))
         t = self.time
         bubble = f" + bubble {t['bubble'] * 1e3:,.2f}" if "bubble" in t else ""
         disk = f" + disk {t['disk'] * 1e3:,.2f}" if t.get("disk") else ""
         lines += ["", f"time per step (predicted): {t['total'] * 1e3:,.2f} ms = forward {t['forward'] * 1e3:,.2f} + "
                   f"backward {t['backward'] * 1e3:,.2f}{bubble} + optimizer {t['optimizer'] * 1e3:,.2f} + comm {t['communication'] * 1e3:,.2f}{disk}",
-                  f"FLOPs per step: {self.flops['total'] / 1e12:,.3f} TFLOP (forward {self.flops['forward'] / 1e12:,.3f})"]
+                  f"FLOPs per step: {_flop(self.flops['total'])} (forward {_flop(self.flops['forward'])})"]
         if self.pipeline:
             pp = self.pipeline
             ranks = pp.get("ranks", [])
@@ -164,21 +165,21 @@ class Plan:
                       f"micro-batches, {pp['replicas']} replica(s); simulated bubble {pp['bubble']:.3f}, "
                       f"step {pp['step_s'] * 1e3:,.2f} ms (costs of one micro-batch)",
                       f"  {'stage':<6}{'rank':>5}{'params':>16}{'fwd ms':>9}{'bwd ms':>9}{'weights+grads+opt':>19}"
-                      f"{'act peak':>10}  modules"]
+                      f"{'act peak':>11}  modules"]
             for st in pp["stages"]:
                 m = st["memory_bytes"]
                 w = m["parameters"] + m["gradients"] + m["optimizer_states"]
                 mods = st["modules"]
                 shown = ", ".join(mods if len(mods) <= 4 else [mods[0], mods[1], "...", mods[-1]])
                 lines.append(f"  {st['stage']:<6}{st['rank']:>5}{st['params']:>16,}{st['forward_s'] * 1e3:9.2f}"
-                             f"{st['backward_s'] * 1e3:9.2f}{gb(w):>19}{m['activations'] / 1e6:8.1f}MB  {shown}")
+                             f"{st['backward_s'] * 1e3:9.2f}{gb(w):>19}{size(m['activations'], 11)}  {shown}")
             for rk in ranks:
                 phase = rk.get("peak_phase", "step")
                 mem = rk["phase_memory"][phase]
                 where = rk["peak_at"] if phase == "step" else "optimizer step"
                 lines.append(f"  position {rk['position']} (stages {', '.join(map(str, rk['stages']))}): peak "
                              f"{gb(sum(mem.values())).strip()} at {where} (" + ", ".join(
-                                 f"{c} {v / 1e6:,.1f}MB" for c, v in mem.items() if v) + ")")
+                                 f"{c} {size(v)}" for c, v in mem.items() if v) + ")")
         if self.mesh:
             layout = self.mesh.splitlines()
             if len(layout) > 18:  # the header and the first and last ranks
@@ -243,3 +244,8 @@ def layout_text(dp: int, pp: int = 1, tp: int = 1) -> str:
         d, p = divmod(rest, pp)
         lines.append(f"  rank {g}: dp {d}, pp {p}, tp {t}")
     return "\n".join(lines)
+
+
+def _flop(n: float) -> str:
+    """TFLOP, or GFLOP where TFLOP would read 0.000 (a small model's step)."""
+    return f"{n / 1e12:,.3f} TFLOP" if n >= 1e11 else f"{n / 1e9:,.3f} GFLOP"
