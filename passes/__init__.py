@@ -43,16 +43,17 @@ other programs are unchanged), and are disabled by name like the rest:
                              recorded) -> FlashAttention, forward and backward
     fuse_kernels             norms and their backward -> Triton kernels, on CUDA programs
     fuse_rotary              rotary embeddings (q, k) and their backward -> Triton kernels, where
-                             fuse_kernels runs (not under tensor parallelism)
+                             fuse_kernels runs (under tensor parallelism too, after shard_tensors,
+                             on this rank's heads)
     fuse_activations         SwiGLU / GELU (+ a bias add) and their backward -> Triton kernels, same
 
-then one runs on every training program without tensor parallelism (compile_step adds it;
-serving programs have no backward):
+then one runs on every training program, under tensor parallelism after shard_tensors
+(compile_step adds it; serving programs have no backward):
 
     recompute_pointwise      elementwise values backward reads (GELU/SiLU outputs, gate products,
                              casts) recomputed there from values it keeps anyway
 
-and last, where fuse_kernels runs (not under tensor parallelism):
+and last, where fuse_kernels runs (tensor parallelism included):
 
     fuse_residual_norms      a residual add + the norm reading it, and the norm's backward + the add
                              accumulating the stream's gradient -> Triton kernels

@@ -24,7 +24,7 @@ class GPTConfig:
 
     @classmethod
     def preset(cls, name: str) -> "GPTConfig":
-        """'tiny' (~0.8M), 'small' (~20M), '100m' (~106M: GPT-2 small width, 14 layers, 8192 vocab),
+        """'tiny' (~0.4M), 'small' (~20M), '100m' (~106M: GPT-2 small width, 14 layers, 8192 vocab),
         '124m' (GPT-2 small shape, 124M with a 50257 vocab)."""
         return {
             "tiny": cls(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128),

@@ -3,16 +3,18 @@ produces them, with asynchronous collectives; each wait sits just before the nex
 
     before:  ... g_w2 = mm(...) ... g_w1 = mm(...) ...      return (loss, g_w2, g_w1)
     after:   ... g_w2 = mm(...)
-                 b0 = all_reduce(pad(cat(g_w2 / N, ...)))      # issued here, runs in the
+                 b0 = all_reduce(pad(cat(g_w2, ...)))          # issued here, runs in the
              ... g_w1 = mm(...)                                # background while backward
                  w0 = wait(b0)                                 # goes on; one bucket in flight
-                 b1 = all_reduce(pad(cat(g_w1 / N, ...)))
+                 b1 = all_reduce(pad(cat(g_w1, ...)))          # (the 1/N is in backward's seed)
              w1 = wait(b1)                                     return (loss, w0, w1)
 
 ZeRO-0/1 all-reduce (each rank gets the whole averaged bucket); ZeRO-2/3 reduce-scatter (each
 rank gets only its shard and the full gradients die right after the collective is issued).
-With `scatter_via_all_reduce` (the engine sets it on gloo) ZeRO-2/3 instead all-reduce the
-fresh flat buffer in place and keep a copy of this rank's slice right after the wait:
+With `scatter_via_all_reduce` (an option the engine no longer sets: `scatter_via_exchange`
+below replaced it on gloo; benchmarks/count_collective_bytes.py still measures it) ZeRO-2/3
+instead all-reduce the fresh flat buffer in place and keep a copy of this rank's slice right
+after the wait:
 
     before:  b0 = reduce_scatter(flat0) ...               w0 = wait(b0)
     after:   b0 = all_reduce_(flat0)    ...               w0 = clone(slice(wait(b0), rank*s, (rank+1)*s))
