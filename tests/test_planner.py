@@ -386,6 +386,16 @@ def test_the_offload_files_add_the_disk_time_that_does_not_fit_behind_compute_an
     assert "+ disk" in off.summary()
 
 
+def test_a_small_models_plan_summary_shows_its_bytes_and_flops_in_a_unit_that_is_not_zero() -> None:
+    from fxspeed.units import size
+
+    assert (size(3.2e9), size(271_000), size(12), size(5e6, 10)) == ("3.20 GB", "271.00 kB", "12 bytes", "   5.00 MB")
+    model = GPT(GPTConfig.preset("tiny"))
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    text = fxspeed.plan(model, 1, fxspeed.Config(), example_inputs=(ids, ids)).summary()
+    assert " 0.000 " not in text and "kB" in text and "GFLOP" in text
+
+
 def test_a_plan_for_cuda_devices_of_a_model_on_the_cpu_says_it_traced_the_cpu_program() -> None:
     """Without a GPU the CUDA program cannot be traced (a CPU-only torch aborts functionalizing
     fake CUDA tensors), so the plan says which kernels it leaves out; a CPU plan says nothing."""
