@@ -557,9 +557,12 @@ class ServingLoop:
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16, *,
                temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-               eos_token_ids: Sequence[Any] | None = None) -> Iterator[tuple[int, int | RequestError]]:
+               eos_token_ids: Sequence[Any] | None = None,
+               _to_the_end: bool = False) -> Iterator[tuple[int, int | RequestError]]:
         """Yield (req_id, token) as tokens are produced, (req_id, RequestError) for a refused request.
-        `eos_token_id` (an id or a list of ids) stops every request; `eos_token_ids` gives one per request."""
+        `eos_token_id` (an id or a list of ids) stops every request; `eos_token_ids` gives one per request.
+        `_to_the_end`: the caller (generate) consumes every token, so tensor-parallel ranks need not
+        check before each step that the others still iterate (a one-int all-reduce per step)."""
         reqs = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, eos_token_ids)
         with torch.inference_mode(False):
             stale = self.packed.refresh()  # weights written since they were packed (an optimizer step, a load)
@@ -574,13 +577,13 @@ class ServingLoop:
                 waiting.append(r)
         active: list[_Request] = []
         try:
-            yield from self._loop(waiting, active)
+            yield from self._loop(waiting, active, check_peers=not _to_the_end)
         except GeneratorExit:
             # The caller stopped iterating between steps. Under tensor parallelism the other ranks
             # wait at the next step's check (`_loop`): tell them this stream stops here, so one that
             # goes on gets an error instead of a collective no rank joins (a hang to dist_timeout_s).
             # Every rank holds the same requests at every yield, so they agree on "a next step".
-            if self._agree_min is not None and (waiting or any(not r.done() for r in active)):
+            if not _to_the_end and self._agree_min is not None and (waiting or any(not r.done() for r in active)):
                 self._agree_min(0)
             raise
         finally:
@@ -589,7 +592,8 @@ class ServingLoop:
                 self.cache.release(r.blocks)
                 r.blocks = []
 
-    def _loop(self, waiting: list[_Request], active: list[_Request]) -> Iterator[tuple[int, int | RequestError]]:
+    def _loop(self, waiting: list[_Request], active: list[_Request],
+              check_peers: bool) -> Iterator[tuple[int, int | RequestError]]:
         bs = self.block_size
         steps = 0
         while waiting or active:
@@ -616,7 +620,7 @@ class ServingLoop:
             # Normal tensors whatever mode the caller is in: caches, packed copies and programs made
             # under torch.inference_mode could not be written in place outside it later. (Not around
             # the yields: a mode entered there would hold in the caller's loop.)
-            if self._agree_min is not None and self._agree_min(1) == 0:
+            if check_peers and self._agree_min is not None and self._agree_min(1) == 0:
                 raise FxspeedError(
                     f"stream: another tensor-parallel rank stopped iterating this stream (closed it, broke out of its "
                     f"loop, or raised) after step {steps}, while this rank asked for the next tokens; every rank "
@@ -710,7 +714,7 @@ class ServingLoop:
         if on_error not in ("raise", "return"):
             raise ConfigError(f"generate: on_error must be 'raise' or 'return', got {on_error!r}")
         results: list[Any] = [[] for _ in prompts]
-        for rid, tok in self.stream(prompts, max_new_tokens, **kw):
+        for rid, tok in self.stream(prompts, max_new_tokens, **kw, _to_the_end=True):
             if isinstance(tok, RequestError):
                 results[rid] = tok
             else:
