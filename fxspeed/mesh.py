@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -212,17 +212,24 @@ def broadcast_into(tensors: list[torch.Tensor], src: int, group: Any, receive: b
                     t.copy_(part.view_as(t))
 
 
-def check_same_model(ctx: DistContext, model: Any, config: Any) -> None:
+def check_same_model(ctx: DistContext, model: Any, config: Any, devices: Sequence[Any] = ()) -> None:
     """Every rank must build the same model (parameter and buffer names, shapes, dtypes, which
-    parameters train) and Config. Buffers too: start_alike broadcasts parameters and buffers
-    as flat chunks, and a buffer one rank lacks shifted the others' values with no error (gloo
-    takes a shorter message); requires_grad too: a weight frozen on one rank only aborted gloo at
-    the first step."""
+    parameters train), Config and devices. Buffers too: start_alike broadcasts parameters and
+    buffers as flat chunks, and a buffer one rank lacks shifted the others' values with no error
+    (gloo takes a shorter message); requires_grad too: a weight frozen on one rank only aborted
+    gloo at the first step. Devices (DeviceSpecs) too: the planner's choices (tensor-parallel
+    placements, stage splits) follow their rates, and ranks choosing differently would run
+    mismatched programs; a rate measured on each rank (`fxspeed.measured_cpu()`) differs."""
     shapes = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
     buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
-    check_agreement(ctx, "the model and config", fingerprint(type(model).__name__, shapes, buffers, config.to_dict()),
+    specs = [d.to_dict() if hasattr(d, "to_dict") else repr(d) for d in devices]
+    pieces = {"the model": fingerprint(type(model).__name__, shapes, buffers), "the Config": fingerprint(config.to_dict()),
+              "the devices": fingerprint(specs)}
+    check_agreement(ctx, "the model, config and devices", fingerprint(*pieces.values()),
                     "every rank must build the same model (same parameter and buffer names, shapes, dtypes and "
-                    "requires_grad) and Config")
+                    "requires_grad), Config and devices (a DeviceSpec measured on each rank, such as "
+                    "fxspeed.measured_cpu()'s, differs: measure on one rank and give every rank that one)",
+                    parts=lambda: {k: f"fingerprint {v[:8]}" for k, v in pieces.items()})
 
 
 # Per process: how many times each (group, name) check ran, so every call has its own store key.

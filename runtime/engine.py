@@ -193,7 +193,7 @@ class Engine:
         self._p2p_latency = 0.0
         self._serving: Any = None  # fxspeed.serve: the ServingLoop generate/stream delegate to
         if self.dist.active:
-            check_same_model(self.dist, model, config)
+            check_same_model(self.dist, model, config, devices)
             if start_alike(self.dist, model) and self.rank == 0:
                 log.warning("fxspeed: the ranks built %s with different weights (no common torch.manual_seed before "
                             "building it?); every rank now starts from rank 0's, as DDP and DeepSpeed do",

@@ -41,7 +41,7 @@ def test_a_rank_that_fails_after_compile_stops_every_rank_with_an_error_naming_i
         assert "rank 1 fails on purpose after compile" in out  # the failed rank's own traceback
 
 
-CONFIG_ERROR_CASES = ("model", "config", "shapes", "indivisible", "buffer", "frozen", "attribute", "branch")
+CONFIG_ERROR_CASES = ("model", "config", "devices", "shapes", "indivisible", "buffer", "frozen", "attribute", "branch")
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +53,19 @@ def config_errors(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.
 
 
 @pytest.mark.parametrize("case,what", [
-    ("model", "ranks disagree on the model and config: rank(s) [1] differ from rank 0"),
-    ("config", "ranks disagree on the model and config: rank(s) [1] differ from rank 0"),
+    ("model", "ranks disagree on the model, config and devices: rank(s) [1] differ from rank 0"),
+    ("config", "ranks disagree on the model, config and devices: rank(s) [1] differ from rank 0"),
+    ("devices", "rank(s) [1] differ from rank 0 (the devices is fingerprint"),
     ("shapes", "rank(s) [1] differ from rank 0 (batch value 0 is a tensor of shape (4, 8), int64 on cpu "
                "(contiguous) on rank 1 and a tensor of shape (4, 16), int64 on cpu (contiguous) on rank 0"),
     ("indivisible", "a global batch of 5 rows cannot be split evenly across 2 ranks"),
-    ("buffer", "ranks disagree on the model and config: rank(s) [1] differ from rank 0"),
-    ("frozen", "ranks disagree on the model and config: rank(s) [1] differ from rank 0"),
+    ("buffer", "ranks disagree on the model, config and devices: rank(s) [1] differ from rank 0"),
+    ("frozen", "ranks disagree on the model, config and devices: rank(s) [1] differ from rank 0"),
     ("attribute", "rank(s) [1] differ from rank 0 (GPT.loss_scale_hint is 2.0 on rank 1 and 1.0 on rank 0)"),
     # (an FxspeedError: both ranks agree; forward left b without a gradient, which crashed as an internal error)
     ("branch", "forward now leaves other parameters without a gradient than at its first step (no gradient now: "
                "b.bias, b.weight)"),
-], ids=["model", "config", "shapes", "indivisible", "buffer", "frozen", "attribute", "branch"])
+], ids=["model", "config", "devices", "shapes", "indivisible", "buffer", "frozen", "attribute", "branch"])
 def test_ranks_that_disagree_or_a_batch_that_cannot_be_split_raise_a_config_error_on_every_rank(
         case: str, what: str, config_errors: tuple[subprocess.CompletedProcess, float, Path]) -> None:
     proc, wall, tmp_path = config_errors

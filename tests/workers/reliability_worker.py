@@ -6,6 +6,7 @@
     sys_exit   as raise, but rank 1 calls sys.exit(7) (no exception for sys.excepthook to see)
     model      rank 1 builds a different model      -> ConfigError at compile on every rank
     config     rank 1 passes a different Config      -> ConfigError at compile on every rank
+    devices    the ranks pass DeviceSpecs of different bandwidth (a rate measured per rank) -> ConfigError
     indivisible  a global batch of 5 rows on 2 ranks -> ConfigError from local_batch
     shapes     rank 1's local batch has another shape -> ConfigError at compile on every rank
     attribute  a plain Python attribute of the model differs on rank 1 -> ConfigError naming it
@@ -20,6 +21,7 @@ they run in turn in one launch, each error agreed on every rank before the next 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -43,10 +45,10 @@ def main() -> None:
     os.environ.setdefault("FXSPEED_BACKEND", "gloo")
     torch.set_num_threads(1)
     cases = a.case.split(",")
-    if not (cases in (["raise"], ["exit"], ["sys_exit"], ["midstep"]) or set(cases) <= {"model", "config", "indivisible", "shapes",
+    if not (cases in (["raise"], ["exit"], ["sys_exit"], ["midstep"]) or set(cases) <= {"model", "config", "devices", "indivisible", "shapes",
                                                                                        "buffer", "frozen", "attribute",
                                                                                        "branch"}):
-        ap.error(f"--case {a.case}: raise, exit, sys_exit, midstep, or some of model, config, indivisible, shapes, buffer, "
+        ap.error(f"--case {a.case}: raise, exit, sys_exit, midstep, or some of model, config, devices, indivisible, shapes, buffer, "
                  "frozen, attribute, branch")
     for case in cases:
         run(case, a.out)
@@ -134,6 +136,8 @@ def run(case: str, out: str | None) -> None:
             next(model.parameters()).requires_grad_(False)
         if case == "config" and rank == 1:
             cfg = fxspeed.Config(zero=3, lr=3e-2, bucket_mb=0.05)
+        if case == "devices":  # a rate measured on each rank: the planner's choices would differ
+            world = [dataclasses.replace(fxspeed.devices("cpu")[0], mem_bandwidth=(1 + rank) * 1e10)] * world
         if case == "indivisible":
             x = torch.randint(0, 64, (5, 16))
             example = local_batch((x, x))
