@@ -81,6 +81,8 @@ def _noting_exit(exit_fn: Any) -> Any:
     its peers' collective timed out (dist_timeout_s, 300 s by default), instead of ending them."""
     def noted(code: Any = None) -> None:
         if code not in (None, 0):
+            if not _failed:
+                note_failure_for_peers(f"its script called sys.exit({code!r})")
             _failed.append(SystemExit(code))
         exit_fn(code)
     return noted
@@ -88,9 +90,34 @@ def _noting_exit(exit_fn: Any) -> Any:
 
 def _note_failure(hook: Any) -> Any:
     def noted(kind: type, value: BaseException, tb: Any) -> None:
+        if not _failed:  # a step's failure already said what failed, where the peers read it
+            note_failure_for_peers(f"its script raised {kind.__name__}: {str(value).strip()[:300]}")
         _failed.append(value)
         hook(kind, value, tb)
     return noted
+
+
+EXITED_KEY = "fxspeed/exited/"  # + rank: this rank's script ended without an error (read by peers' errors)
+FAILED_KEY = "fxspeed/failed/"  # + rank: what failed mid-step there (read by peers' errors)
+
+
+def note_failure_for_peers(what: str) -> None:
+    """A step failed on this rank while its peers were in (or will run) the step's collectives:
+    the ranks are out of step for good. Say what failed where the peers' errors can read it, and
+    skip the exit meeting, so that this process ends as soon as its script does and a peer
+    waiting in a collective fails then (its connection closes), naming this failure, instead of
+    at dist_timeout_s. (Not sooner: gloo's abort, shutdown and destroy all leave the connections
+    open while the process lives, measured with torch 2.13, so a script that catches the error
+    and goes on keeps its peers waiting until it ends.)"""
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d
+
+    try:
+        distributed_c10d._get_default_store().set(f"{FAILED_KEY}{dist.get_rank()}", what[:400].encode())
+    except Exception:  # noqa: BLE001 - a diagnostic for the peers' messages
+        pass
+    _failed.append(RuntimeError(what))  # no exit meeting: the peers are not coming
 
 
 def _destroy_at_exit() -> None:
@@ -98,13 +125,20 @@ def _destroy_at_exit() -> None:
         return
     try:
         if dist.get_backend() == "gloo" and not _failed:
+            from torch.distributed import distributed_c10d
+
+            distributed_c10d._get_default_store().set(f"{EXITED_KEY}{dist.get_rank()}", b"1")
             # Ranks that tore gloo down while a peer was still running aborted one launch in
             # about six ("terminate called without an active exception", after the results were
-            # out: 4 of 24 two-rank launches, 0 of 24 twice with this barrier): meet first, and give up
-            # after a while where a peer has gone (its own error is the one to read). A rank
-            # leaving on an exception does not wait: its peers' collectives fail when it is gone.
-            dist.barrier(async_op=True).wait(timeout=timedelta(seconds=10))
-    except Exception:  # at exit, after a failure: nothing left to save
+            # out: 4 of 24 two-rank launches, 0 of 24 twice with a barrier here): meet first, and
+            # give up after a while where a peer has gone or is still in a step (its own error is
+            # the one to read). The meeting is in the store, not a collective: a gloo barrier
+            # paired with a peer's step collective (a rank whose loader ran one batch longer, or
+            # sys.exit(0) on one rank), and both waited to dist_timeout_s. Gone from here, this
+            # rank's sockets close and the peer's collective fails at once. A rank leaving on an
+            # exception does not wait: its peers' collectives fail when it is gone.
+            expect_all_ranks("the exit of every rank", timeout_s=10.0)
+    except Exception:  # at exit, after a failure or a peer that is not coming: nothing left to save
         pass
     try:
         dist.destroy_process_group()
@@ -294,6 +328,26 @@ def expect_all_ranks(name: str, timeout_s: float = 10.0, group: Any = None, fix:
             except Exception:  # noqa: BLE001 - a store without delete_key: the key stays (small)
                 pass
 
+
+
+def peers_gone() -> str:
+    """What the other ranks said as they left (a step failed there: FAILED_KEY; the script
+    ended without an error: EXITED_KEY), read without waiting, for the error of a collective
+    that failed because they are gone; "" when none said anything."""
+    if not dist.is_available() or not dist.is_initialized():
+        return ""
+    from torch.distributed import distributed_c10d
+
+    try:
+        store = distributed_c10d._get_default_store()
+        others = [r for r in range(dist.get_world_size()) if r != dist.get_rank()]
+        failed = [(r, store.get(f"{FAILED_KEY}{r}").decode()) for r in others if store.check([f"{FAILED_KEY}{r}"])]
+        if failed:
+            return "; ".join(f"rank {r} failed: {what}" for r, what in failed)
+        exited = [r for r in others if store.check([f"{EXITED_KEY}{r}"])]
+    except Exception:  # noqa: BLE001 - a diagnostic for an error message; the store may be gone too
+        return ""
+    return f"rank(s) {exited} had ended their script without an error (finished, or sys.exit(0))" if exited else ""
 
 DIMS = ("dp", "pp", "tp")
 

@@ -45,7 +45,7 @@ from fxspeed.ir.batch import batch_digest, describe_input_key, input_key, split_
 from fxspeed.ir.schedule import GATHER, B, F, I, RECV_B, RECV_F, SEND_F, STEP, W, Action, Schedule
 from fxspeed.mesh import (Mesh, check_agreement, check_same_everywhere, check_same_in_replica, check_same_model,
                           broadcast_into, share_generators, start_alike,
-                          comm_device, expect_all_ranks, fingerprint)
+                          comm_device, expect_all_ranks, fingerprint, note_failure_for_peers, peers_gone)
 from fxspeed.planner import costs_reader, finish_plan
 from fxspeed.planner.estimate import offload_chunk_bytes
 from fxspeed.planner.plan import Plan
@@ -1056,7 +1056,21 @@ class Engine:
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         collective = isinstance(e, dist.DistError) or any(k in str(e) for k in (
             "gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out waiting"))
-        if collective:
+        gone = peers_gone() if collective else ""
+        if gone.startswith("rank("):  # ended their scripts
+            self._out_of_step = (f"a collective of {name} failed on rank {self.rank}: {gone} while this rank ran "
+                                 f"{name} {self.stats['steps'] + 1}: the ranks ran different numbers of steps (a data "
+                                 "loader with more batches on some ranks? give every rank as many: "
+                                 "fxspeed.data.shard_loader, or drop_last=True)")
+        elif gone:
+            self._out_of_step = f"a collective of {name} failed on rank {self.rank} because {gone}"
+        elif "closed by peer" in str(e) or "reset by peer" in str(e):
+            self._out_of_step = (f"a collective of {name} failed on rank {self.rank}: another rank's process left "
+                                 f"without a failure said (its script ended or called destroy_process_group, or it was "
+                                 f"killed) while this rank ran {name} {self.stats['steps'] + 1}; if its script ended, "
+                                 "the ranks ran different numbers of steps (a data loader with more batches on some "
+                                 "ranks? give every rank as many: fxspeed.data.shard_loader, or drop_last=True)")
+        elif collective:
             self._out_of_step = (f"a collective of {name} failed on rank {self.rank} ({type(e).__name__}: {first}): "
                                  "another rank left the step (it raised, see its error; exited; called another step "
                                  "or method; or did not call this one: a step called on some ranks only pairs with "
@@ -1064,6 +1078,7 @@ class Engine:
         else:
             self._out_of_step = (f"{name} failed on rank {self.rank} ({type(e).__name__}: {first}) while the other "
                                  "ranks ran, or will run, the step's collectives, so the ranks are out of step")
+        note_failure_for_peers(f"{name} {self.stats['steps'] + 1} raised {type(e).__name__}: {first}")
         return FxspeedError(f"{self._out_of_step}. End every rank and restart from the last checkpoint (engine.load)")
 
     def _check_replica_batch(self, name: str, args: tuple, kwargs: dict) -> None:
@@ -1175,6 +1190,9 @@ class Engine:
                                   "is partly stepped")
             if self.dist.active:  # and the other ranks are in (or will run) this step's collectives
                 self._out_of_step = self._half_stepped + " while the other ranks ran the step's collectives"
+                note_failure_for_peers(self._out_of_step)
+            if not isinstance(e, Exception):
+                raise  # Ctrl-C, sys.exit: the user's `except KeyboardInterrupt: save` must see its own
             raise FxspeedError(self._half_stepped + "; load a checkpoint (engine.load) before training on") from e
 
     def _in_backward_units(self) -> str:
@@ -1348,6 +1366,9 @@ class Engine:
                                           "the model may be partly stepped")
                     if self.dist.active:  # the other ranks stepped (or will) and go on to the next step
                         self._out_of_step = self._half_stepped + " on this rank only"
+                        note_failure_for_peers(self._out_of_step)
+                    if not isinstance(e, Exception):
+                        raise  # Ctrl-C, sys.exit: the user's `except KeyboardInterrupt: save` must see its own
                     raise FxspeedError(self._half_stepped + "; load a checkpoint (engine.load) before training on") from e
             if self.config.lr_schedule != "manual":
                 self.lr_scheduler.step()

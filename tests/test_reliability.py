@@ -77,6 +77,20 @@ def test_ranks_that_disagree_or_a_batch_that_cannot_be_split_raise_a_config_erro
         assert msg.startswith("FxspeedError: " if case == "branch" else "ConfigError: ") and what in msg, (r, msg)
 
 
+
+def test_a_rank_whose_loader_ran_one_batch_longer_is_told_the_other_finished_in_seconds(tmp_path: Path) -> None:
+    """Rank 1 ends its script after 2 steps, rank 0 starts a third: rank 0 waited in the step's
+    collective to dist_timeout_s (300 s; the exit barrier, a gloo collective, could pair with
+    it), and its error said only that another rank left."""
+    proc, wall = fxspeed_run(2, "longer", tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert wall < DEADLINE_S, f"took {wall:.0f} s"
+    r0 = (tmp_path / "longer_rank0.txt").read_text()
+    assert "rank(s) [1] had ended their script without an error" in r0, r0
+    assert "while this rank ran train_step 3: the ranks ran different numbers of steps" in r0, r0
+
+
 def test_a_step_that_fails_on_one_rank_is_said_on_every_rank_and_the_failed_rank_refuses_further_steps(
         tmp_path: Path) -> None:
     """Rank 1's forward raises (a token id outside the vocabulary) while rank 0 is in the step's
@@ -95,5 +109,6 @@ def test_a_step_that_fails_on_one_rank_is_said_on_every_rank_and_the_failed_rank
     assert "the ranks are out of step" in r1[0] and "restart from the last checkpoint" in r1[0], r1
     assert r1[1].startswith("FxspeedError: train_step: train_step failed on rank 1"), r1
     assert r0[0].startswith("FxspeedError: a collective of train_step failed on rank 0"), r0
-    assert "another rank left the step" in r0[0], r0
+    # what rank 1 left in the store as it failed, not only "another rank left the step"
+    assert "because rank 1 failed: train_step 2 raised IndexError" in r0[0], r0
     assert r0[1].startswith("FxspeedError: train_step: a collective of train_step failed on rank 0"), r0

@@ -4,6 +4,9 @@
                collective can never complete): the launcher must stop it and name rank 1
     exit       as raise, but rank 1 dies abruptly with os._exit(13)
     sys_exit   as raise, but rank 1 calls sys.exit(7) (no exception for sys.excepthook to see)
+    midstep    rank 1's forward raises mid-step and it catches it: both ranks get an FxspeedError, rank 0's
+               naming rank 1's failure (from the store)
+    longer     rank 0 runs one step more than rank 1, whose script ends: rank 0's FxspeedError says so
     model      rank 1 builds a different model      -> ConfigError at compile on every rank
     config     rank 1 passes a different Config      -> ConfigError at compile on every rank
     devices    the ranks pass DeviceSpecs of different bandwidth (a rate measured per rank) -> ConfigError
@@ -45,10 +48,10 @@ def main() -> None:
     os.environ.setdefault("FXSPEED_BACKEND", "gloo")
     torch.set_num_threads(1)
     cases = a.case.split(",")
-    if not (cases in (["raise"], ["exit"], ["sys_exit"], ["midstep"]) or set(cases) <= {"model", "config", "devices", "indivisible", "shapes",
+    if not (cases in (["raise"], ["exit"], ["sys_exit"], ["midstep"], ["longer"]) or set(cases) <= {"model", "config", "devices", "indivisible", "shapes",
                                                                                        "buffer", "frozen", "attribute",
                                                                                        "branch"}):
-        ap.error(f"--case {a.case}: raise, exit, sys_exit, midstep, or some of model, config, devices, indivisible, shapes, buffer, "
+        ap.error(f"--case {a.case}: raise, exit, sys_exit, midstep, longer, or some of model, config, devices, indivisible, shapes, buffer, "
                  "frozen, attribute, branch")
     for case in cases:
         run(case, a.out)
@@ -92,6 +95,20 @@ def run(case: str, out: str | None) -> None:
             engine.train_step(*local_batch(b))
         print(f"rank {rank}: trained {len(batches) - 1} steps without rank 1 in {time.time() - t0:.1f} s", flush=True)
         raise SystemExit(0)
+
+    if case == "longer":  # rank 0's loader holds one batch more: it starts a step rank 1 never joins
+        engine = fxspeed.compile(model, world, cfg, example_inputs=example)
+        try:
+            for b in batches[:3 if rank == 0 else 2]:
+                engine.train_step(*local_batch(b))
+            msg = "no error"
+        except FxspeedError as e:
+            msg = f"FxspeedError: {e}"
+        with open(os.path.join(out, f"{case}_rank{rank}.txt"), "w") as f:
+            f.write(msg)
+        if rank == 1:
+            sys.exit(0)  # as a script ends (main's destroy_process_group would close the group first)
+        return
 
     if case == "midstep":
         # rank 1's batch holds a token id outside the vocabulary: its forward raises while rank 0
