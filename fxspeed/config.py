@@ -408,18 +408,38 @@ class Config:
         raise ConfigError(f"config={config!r}: pass a fxspeed.Config, a dict, a JSON file path or None")
 
 
+# What DeepSpeed, Megatron, FSDP, Lightning and HF Trainer users write for a Config key: the
+# spelling closest by letters misleads there (`tensor_parallel` is nearest `sequence_parallel`).
+_OTHER_NAMES = {
+    "tensor": ("tensor_parallel", "tensor_parallel_size", "tensor_model_parallel_size", "tp", "tp_size", "tp_degree"),
+    "pipeline": ("pipeline_parallel", "pipeline_parallel_size", "pipeline_model_parallel_size", "pp", "pp_size",
+                 "num_stages", "stages"),
+    "grad_clip": ("clip_grad_norm", "gradient_clipping", "max_grad_norm", "grad_norm_clip", "clip_grad"),
+    "grad_accum": ("gradient_accumulation_steps", "accumulate_grad_batches", "grad_accumulation", "accumulation_steps"),
+    "microbatches": ("micro_batches", "num_microbatches", "n_microbatches", "chunks"),
+    "zero": ("zero_stage", "stage", "zero_optimization"),
+    "lr": ("learning_rate",),
+    "precision": ("mixed_precision", "dtype", "bf16", "fp16", "amp"),
+    "offload": ("offload_optimizer", "offload_param", "cpu_offload"),
+    "warmup_steps": ("warmup", "num_warmup_steps", "lr_warmup_steps"),
+    "seed": ("random_seed",),
+}
+_KEY_FOR = {alias: key for key, aliases in _OTHER_NAMES.items() for alias in aliases}
+
+
 def _refuse_unknown_keys(d: dict[str, Any]) -> None:
-    """Unknown settings (a typo: `zer0=3`) name the closest valid key, from Config(...) as from a
-    dict or JSON file; the dataclass's own TypeError said neither."""
+    """Unknown settings (a typo: `zer0=3`, another library's name: `tensor_parallel=2`) name the
+    valid key meant, from Config(...) as from a dict or JSON file; the dataclass's own TypeError
+    said neither."""
     names = {f.name for f in dataclasses.fields(Config)}
     unknown = sorted(set(d) - names - {"extra"})
     if unknown:
         hints = []
         for key in unknown:
-            close = difflib.get_close_matches(key, sorted(names), n=1)
+            close = _KEY_FOR.get(key.lower()) or next(iter(difflib.get_close_matches(key, sorted(names), n=1)), None)
             if close:
-                hints.append(f"{key!r} -> {close[0]!r}?")
-        hint = f" (did you mean {', '.join(hints)})" if hints else ""
+                hints.append(f"{close!r} for {key!r}")
+        hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
         raise ConfigError(f"unknown Config key(s) {unknown}{hint}; valid keys are {sorted(names)}")
 
 

@@ -593,7 +593,7 @@ def test_settings_formerly_in_config_extra_are_fields_and_extra_is_accepted_with
     assert dataclasses.replace(Config(pipeline_chunks=3), pipeline_chunks=2).pipeline_chunks == 2
     with pytest.raises(ConfigError, match=r"only accepts.*pipeline_chunks"):
         Config(extra={"chunks": 2})
-    with pytest.raises(ConfigError, match=r"'pipline_chunks' -> 'pipeline_chunks'"):
+    with pytest.raises(ConfigError, match=r"'pipeline_chunks' for 'pipline_chunks'"):
         Config.from_dict({"pipline_chunks": 2})
     with pytest.raises(ConfigError, match=r"split_points.*gives 3 stages, but the pipeline has 2"):
         Config(pipeline=2, split_points=("blocks.0", "ln_f"))
