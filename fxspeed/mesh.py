@@ -263,7 +263,20 @@ def check_same_model(ctx: DistContext, model: Any, config: Any, devices: Sequenc
                     "every rank must build the same model (same parameter and buffer names, shapes, dtypes and "
                     "requires_grad), Config and devices (a DeviceSpec measured on each rank, such as "
                     "fxspeed.measured_cpu()'s, differs: measure on one rank and give every rank that one)",
-                    parts=lambda: {k: f"fingerprint {v[:8]}" for k, v in pieces.items()})
+                    parts=lambda: _model_parts(model, shapes, buffers, config, specs))
+
+
+def _model_parts(model: Any, shapes: list, buffers: list, config: Any, specs: list) -> dict[str, str]:
+    """What check_same_model compared, named piece by piece for its error: each Config key, each
+    parameter and buffer (shape, dtype, trained or frozen), the model's class, each device."""
+    parts = {"the model's class": type(model).__name__, "the number of parameters": str(len(shapes)),
+             "the number of buffers": str(len(buffers))}
+    parts.update({f"Config.{k}": repr(v) for k, v in config.to_dict().items()})
+    parts.update({f"parameter {n}": f"{list(s)} {d}{'' if rg else ' frozen'}" for n, s, d, rg in shapes})
+    parts.update({f"buffer {n}": f"{list(s)} {d}" for n, s, d in buffers})
+    for i, s in enumerate(specs):
+        parts.update({f"device {i} {k}": repr(v) for k, v in s.items()} if isinstance(s, dict) else {f"device {i}": s})
+    return parts
 
 
 # Per process: how many times each (group, name) check ran, so every call has its own store key.

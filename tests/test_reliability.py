@@ -54,13 +54,15 @@ def config_errors(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.
 
 @pytest.mark.parametrize("case,what", [
     ("model", "ranks disagree on the model, config and devices: rank(s) [1] differ from rank 0"),
-    ("config", "ranks disagree on the model, config and devices: rank(s) [1] differ from rank 0"),
-    ("devices", "rank(s) [1] differ from rank 0 (the devices is fingerprint"),
+    ("config", "ranks disagree on the model, config and devices: rank(s) [1] differ from rank 0 (Config.lr is 0.03 "
+               "on rank 1 and 0.01 on rank 0)"),
+    ("devices", "rank(s) [1] differ from rank 0 (device 0 mem_bandwidth is 20000000000.0 on rank 1 and "
+                "10000000000.0 on rank 0"),
     ("shapes", "rank(s) [1] differ from rank 0 (batch value 0 is a tensor of shape (4, 8), int64 on cpu "
                "(contiguous) on rank 1 and a tensor of shape (4, 16), int64 on cpu (contiguous) on rank 0"),
     ("indivisible", "a global batch of 5 rows cannot be split evenly across 2 ranks"),
     ("buffer", "ranks disagree on the model, config and devices: rank(s) [1] differ from rank 0"),
-    ("frozen", "ranks disagree on the model, config and devices: rank(s) [1] differ from rank 0"),
+    ("frozen", "ranks disagree on the model, config and devices: rank(s) [1] differ from rank 0 (parameter "),
     ("attribute", "rank(s) [1] differ from rank 0 (GPT.loss_scale_hint is 2.0 on rank 1 and 1.0 on rank 0)"),
     # (an FxspeedError: both ranks agree; forward left b without a gradient, which crashed as an internal error)
     ("branch", "forward now leaves other parameters without a gradient than at its first step (no gradient now: "
