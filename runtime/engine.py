@@ -640,7 +640,8 @@ class Engine:
             if key != self._key:
                 raise ConfigError("the pipeline engine was compiled for another batch signature (shapes, dtypes, or "
                                   "the values of non-tensor arguments such as a Python float); pass batches of the "
-                                  "shapes given as example_inputs (a new shape would re-split the model across ranks)")
+                                  "shapes given as example_inputs (a new shape would re-split the model across ranks; "
+                                  "a DataLoader's smaller last batch: drop_last=True)")
             if self._python_state(True) != self._traced_state:
                 raise ConfigError(f"a module's train/eval mode or a Python attribute of {type(self.model).__name__} "
                                   "(or a number loss_fn reads) changed after the pipeline was compiled; its stages "
@@ -799,7 +800,9 @@ class Engine:
                 log.warning("fxspeed: tensor=%d: the planner sharded none of %s's parameters (at these sizes keeping "
                             "every weight whole on each tp rank was cheaper than the collectives sharding needs), so "
                             "the %d tp ranks compute the same thing. Use them for data parallelism (tensor=1) with "
-                            "this model, or a wider one for tensor parallelism", self.mesh.tp,
+                            "this model, or a wider one for tensor parallelism (to test the sharded layout on a small "
+                            "model, pass devices= a DeviceSpec with low flops and mem_bandwidth: the planner "
+                            "then finds sharding cheaper)", self.mesh.tp,
                             type(self.model).__name__, self.mesh.tp)
         have = {id(p): (d, b) for p, d, b, _ in self._tp.layout.values()}
         for spec in sig.inputs:
