@@ -18,6 +18,7 @@ CUDA, gloo on CPU), or uses the default group when the script already initialize
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import os
 import sys
@@ -64,6 +65,7 @@ def join(n_devices: int, timeout_s: float) -> DistContext:
         atexit.register(_destroy_at_exit)
         sys.excepthook = _note_failure(sys.excepthook)
         sys.exit = _noting_exit(sys.exit)
+        dist.destroy_process_group = _noting_destroy(dist.destroy_process_group)
     world = dist.get_world_size()
     if world != n_devices:
         raise ConfigError(f"devices={n_devices} but the process group has {world} ranks; pass devices={world} "
@@ -120,24 +122,61 @@ def note_failure_for_peers(what: str) -> None:
     _failed.append(RuntimeError(what))  # no exit meeting: the peers are not coming
 
 
+def _announce_exit() -> None:
+    """This rank is done with the process group (its script ended, or it destroys the group):
+    EXITED_KEY in the store, for the exit meeting and for peers' errors. Not after a failure
+    (FAILED_KEY says that)."""
+    if _failed or not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d
+
+    try:
+        distributed_c10d._get_default_store().set(f"{EXITED_KEY}{dist.get_rank()}", b"1")
+    except Exception:  # noqa: BLE001 - the store's host (rank 0) may be gone already
+        pass
+
+
+def _noting_destroy(destroy_fn: Any) -> Any:
+    """dist.destroy_process_group called by the script (before its end) announces this rank's
+    exit too, so the peers' exit meetings do not wait for it."""
+    @functools.wraps(destroy_fn)
+    def noted(group: Any = None) -> None:
+        if group is None or group is dist.group.WORLD:
+            _announce_exit()
+        destroy_fn(group)
+    return noted
+
+
+def _meet_at_exit(timeout_s: float = 10.0) -> None:
+    """Wait until every other rank has announced its exit or its failure, at most `timeout_s`.
+
+    Ranks that tore gloo down while a peer was still running aborted one launch in about six
+    ("terminate called without an active exception", after the results were out: 4 of 24
+    two-rank launches, 0 of 24 twice with a barrier here), so ranks meet first, and give up
+    after a while where a peer has gone or is still in a step (its own error is the one to
+    read). The meeting is in the store, not a collective: a gloo barrier paired with a peer's
+    step collective (a rank whose loader ran one batch longer, or sys.exit(0) on one rank), and
+    both waited to dist_timeout_s. Gone from here, this rank's sockets close and the peer's
+    collective fails at once, naming this rank's exit."""
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    pending = set(range(dist.get_world_size())) - {dist.get_rank()}
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        pending = {r for r in pending if not (store.check([f"{EXITED_KEY}{r}"]) or store.check([f"{FAILED_KEY}{r}"]))}
+        if pending:
+            time.sleep(0.02)
+
+
 def _destroy_at_exit() -> None:
     if not dist.is_initialized():
         return
     try:
         if dist.get_backend() == "gloo" and not _failed:
-            from torch.distributed import distributed_c10d
-
-            distributed_c10d._get_default_store().set(f"{EXITED_KEY}{dist.get_rank()}", b"1")
-            # Ranks that tore gloo down while a peer was still running aborted one launch in
-            # about six ("terminate called without an active exception", after the results were
-            # out: 4 of 24 two-rank launches, 0 of 24 twice with a barrier here): meet first, and
-            # give up after a while where a peer has gone or is still in a step (its own error is
-            # the one to read). The meeting is in the store, not a collective: a gloo barrier
-            # paired with a peer's step collective (a rank whose loader ran one batch longer, or
-            # sys.exit(0) on one rank), and both waited to dist_timeout_s. Gone from here, this
-            # rank's sockets close and the peer's collective fails at once. A rank leaving on an
-            # exception does not wait: its peers' collectives fail when it is gone.
-            expect_all_ranks("the exit of every rank", timeout_s=10.0)
+            _announce_exit()
+            _meet_at_exit()
+        # A rank leaving on a failure does not wait: its peers' collectives fail when it is gone.
     except Exception:  # at exit, after a failure or a peer that is not coming: nothing left to save
         pass
     try:

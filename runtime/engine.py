@@ -1047,6 +1047,13 @@ class Engine:
                 out[f"{where}.{attr}"] = short_repr(value)
         return out
 
+    def _refuse_half_stepped(self, name: str) -> None:
+        """A checkpoint of a partly stepped model (a step interrupted after some buckets moved:
+        an exception, Ctrl-C) mixes two steps' weights and would load and train on silently."""
+        if self._half_stepped:
+            raise FxspeedError(f"{name}: {self._half_stepped}; a checkpoint of it would mix two steps' weights. "
+                               "Load the last checkpoint (engine.load) and go on from there")
+
     def _begin_step(self, name: str) -> None:
         if self._out_of_step:
             raise FxspeedError(f"{name}: {self._out_of_step}. End every rank and restart from the last checkpoint "
@@ -1189,8 +1196,8 @@ class Engine:
             if not moved:
                 raise
             self._half_stepped = (f"train_step {self.stats['steps']} failed ({type(e).__name__}: {e}) after the program "
-                                  f"had updated {moved} of {self._in_backward_units()} inside backward, so the model "
-                                  "is partly stepped")
+                                  f"had handed {moved} of {self._in_backward_units()} to the optimizer inside backward "
+                                  "(the last of them where it failed, perhaps partly), so the model is partly stepped")
             if self.dist.active:  # and the other ranks are in (or will run) this step's collectives
                 self._out_of_step = self._half_stepped + " while the other ranks ran the step's collectives"
                 note_failure_for_peers(self._out_of_step)
@@ -1918,6 +1925,7 @@ class Engine:
             raise FxspeedError("engine.save: nothing to save before the engine is compiled; pass example_inputs to "
                                "fxspeed.compile or run a train_step first")
         self._begin_step("engine.save()")
+        self._refuse_half_stepped("engine.save()")
         self._expect_all_ranks("engine.save()", fix="Call engine.save(path) on every rank (each rank writes or reads its "
                                "part; do not guard it with `if rank == 0`)")
         self._check_same_directory("engine.save()", directory)
@@ -2021,6 +2029,7 @@ class Engine:
         `from_pretrained` loads. Collective; rank 0 writes."""
         from fxspeed.runtime.checkpoint import export_hf, export_safetensors
 
+        self._refuse_half_stepped("engine.export()")
         self._expect_all_ranks("engine.export()", fix="Call engine.export(path) on every rank (each rank writes or reads its "
                                "part; do not guard it with `if rank == 0`)")
         hf = hasattr(self.model, "config") and hasattr(self.model.config, "save_pretrained")

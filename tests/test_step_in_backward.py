@@ -224,6 +224,31 @@ def test_a_program_failing_after_some_parameters_moved_stops_training_until_a_ch
     engine.train_step(*batch)
 
 
+def test_a_ctrl_c_between_buckets_reaches_the_user_and_the_half_stepped_model_cannot_be_saved(tmp_path):
+    """A KeyboardInterrupt stays one (the user's `except KeyboardInterrupt: save` runs), and that
+    save is refused: it would hold some parameters of the new step and the rest of the old one,
+    and load and train on silently."""
+    model, batch = gpt()
+    engine, _ = train(model, [batch], steps=1, bucket_mb=0.01)
+    steps = engine._in_backward
+    real, calls = steps.step, []
+
+    def interrupted_on_the_second_bucket(names, grads):  # noqa: ANN001
+        calls.append(names)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(names, grads)
+
+    steps.step = interrupted_on_the_second_bucket
+    with pytest.raises(KeyboardInterrupt):
+        engine.train_step(*batch)
+    steps.step = real
+    for save in (lambda: engine.save(tmp_path / "ck"), lambda: engine.export(tmp_path / "m.safetensors")):
+        with pytest.raises(FxspeedError, match="would mix two steps' weights"):
+            save()
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "m.safetensors").exists()
+
+
 def test_under_tensor_parallelism_the_steps_come_after_the_collectives_that_finish_the_gradients():
     """A program compiled without a plan (a later batch shape) too: shard_tensors runs before
     step_in_backward, so no call steps a partial (not yet all-reduced) gradient."""
