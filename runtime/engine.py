@@ -937,6 +937,7 @@ class Engine:
         check_generate_options("generate", kwargs)
         refuse_autocast("engine.generate")
         loop = self._serving_loop()
+        loop.close_open_streams()  # tp: a stream left unfinished tells the other ranks it stopped
         self._same_requests_on_every_rank("generate", prompts, max_new_tokens, kwargs)
         return loop.generate(prompts, max_new_tokens, **kwargs)
 
@@ -948,6 +949,7 @@ class Engine:
         check_generate_options("stream", kwargs)
         refuse_autocast("engine.stream")
         loop = self._serving_loop()
+        loop.close_open_streams()
         self._same_requests_on_every_rank("stream", prompts, max_new_tokens, kwargs)
         return loop.stream(prompts, max_new_tokens, **kwargs)
 

@@ -38,6 +38,7 @@ import math
 import numbers
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
@@ -342,6 +343,7 @@ class ServingLoop:
         self.pack_probe: dict[int, tuple[float, float]] = {}
         self._agree = agree
         self._agree_min = agree_min
+        self._open_streams: weakref.WeakSet = weakref.WeakSet()  # tp: streams a caller may have left unfinished
         self._bind = bind
         self.vocab_size = vocab_size
         self.max_context = max_context
@@ -554,29 +556,44 @@ class ServingLoop:
         return out
 
     # --- the loop ---------------------------------------------------------------------------
-    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16, *,
-               temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-               seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-               eos_token_ids: Sequence[Any] | None = None,
-               _to_the_end: bool = False) -> Iterator[tuple[int, int | RequestError]]:
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16,
+               *, _to_the_end: bool = False, **options: Any) -> Iterator[tuple[int, int | RequestError]]:
         """Yield (req_id, token) as tokens are produced, (req_id, RequestError) for a refused request.
-        `eos_token_id` (an id or a list of ids) stops every request; `eos_token_ids` gives one per request.
+        options: temperature (0.0: greedy), top_k, top_p, seed, eos_token_id (an id or a list of ids:
+        stops every request), eos_token_ids (one per request).
         `_to_the_end`: the caller (generate) consumes every token, so tensor-parallel ranks need not
         check before each step that the others still iterate (a one-int all-reduce per step)."""
+        g = self._stream(prompts, max_new_tokens, _to_the_end=_to_the_end, **options)
+        if self._agree_min is not None and not _to_the_end:
+            self._open_streams.add(g)
+        return g
+
+    def close_open_streams(self) -> None:
+        """Tensor parallelism: close this rank's streams that were left unfinished but are still
+        referenced (`g = engine.stream(...)`; `for t in g: break`). Until closed, such a stream has
+        not told the other ranks it stopped (`_stream`'s GeneratorExit), and a rank that goes on
+        with it waits for this one. The engine calls it before each generate or stream."""
+        for g in list(self._open_streams):
+            g.close()
+        self._open_streams.clear()
+
+    def _stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16, *,
+                temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
+                eos_token_ids: Sequence[Any] | None = None,
+                _to_the_end: bool = False) -> Iterator[tuple[int, int | RequestError]]:
         reqs = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, eos_token_ids)
         with torch.inference_mode(False):
             stale = self.packed.refresh()  # weights written since they were packed (an optimizer step, a load)
         if stale:
             log.info("fxspeed: serve packed %d weights again (changed since packing: %s)", len(stale),
                      ", ".join(stale[:3]) + (" ..." if len(stale) > 3 else ""))
-        waiting: list[_Request] = []
-        for r in reqs:
-            if isinstance(r, RequestError):
-                yield r.req_id, r
-            else:
-                waiting.append(r)
+        waiting = [r for r in reqs if not isinstance(r, RequestError)]
         active: list[_Request] = []
         try:
+            for r in reqs:  # inside the try: a caller stopping at a refused request stops the stream too
+                if isinstance(r, RequestError):
+                    yield r.req_id, r
             yield from self._loop(waiting, active, check_peers=not _to_the_end)
         except GeneratorExit:
             # The caller stopped iterating between steps. Under tensor parallelism the other ranks
@@ -739,9 +756,10 @@ def generate_options(name: str) -> tuple[str, ...]:
     """The keyword options engine.stream / engine.generate take: read from ServingLoop's own
     signatures, so a new option is never refused by a stale list."""
     def keywords(f: Callable) -> list[str]:
-        return [p.name for p in inspect.signature(f).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        return [p.name for p in inspect.signature(f).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and not p.name.startswith("_")]
 
-    return tuple(keywords(ServingLoop.stream) + (keywords(ServingLoop.generate) if name == "generate" else []))
+    return tuple(keywords(ServingLoop._stream) + (keywords(ServingLoop.generate) if name == "generate" else []))
 
 
 def check_generate_options(name: str, kwargs: dict) -> None:

@@ -226,6 +226,32 @@ def case_stream_stops() -> str:
         return "a stream stopped at the same token on every rank broke the engine"
     if take(total if rank == 0 else None) != total or not ok():  # one rank breaks at the last token
         return "a stream broken at its last token on one rank broke the engine"
+    # rank 0 stops at a refused request (yielded before any step), rank 1 goes on
+    t = time.perf_counter()
+    try:
+        for _ in engine.stream([[], *PROMPTS[:2]], max_new_tokens=4):
+            if rank == 0:
+                break
+        if rank != 0:
+            return "stopping at a refused request on rank 0 was not told to rank 1"
+    except fxspeed.FxspeedError as e:
+        if rank == 0 or "another tensor-parallel rank stopped iterating" not in str(e):
+            return f"unexpected error on rank {rank} (refused request): {e}"
+    # rank 0 keeps the stream it broke out of (not closed until the next call closes it)
+    held = engine.stream(PROMPTS, max_new_tokens=NEW)
+    try:
+        for i, _ in enumerate(held):
+            if rank == 0 and i == 1:
+                break
+        if rank != 0:
+            return "a stream held open on rank 0 was not told to rank 1"
+    except fxspeed.FxspeedError as e:
+        if rank == 0 or "another tensor-parallel rank stopped iterating" not in str(e):
+            return f"unexpected error on rank {rank} (held stream): {e}"
+    if not ok():  # rank 0's generate closes `held` first, which tells rank 1
+        return "the engine did not serve after a held stream"
+    if time.perf_counter() - t > 60:
+        return f"the refused-request and held-stream stops took {time.perf_counter() - t:.0f} s"
     return "ok"
 
 
