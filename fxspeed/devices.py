@@ -112,7 +112,14 @@ def measured_cpu() -> DeviceSpec:
 
     base = _local_device() if not torch.cuda.is_available() else dataclasses.replace(
         PRESETS["cpu"], memory=float(psutil.virtual_memory().total))
-    size = min(max(512 * 2**20, 2 * _last_level_cache_bytes()), int(psutil.virtual_memory().available) // 8)
+    cache = _last_level_cache_bytes()
+    size = min(max(512 * 2**20, 2 * cache), int(psutil.virtual_memory().available) // 8)
+    if size < 2 * cache:
+        import logging
+
+        logging.getLogger("fxspeed").warning(
+            "fxspeed.measured_cpu: only %d MiB free for the bandwidth probe, under twice the %d MiB last-level "
+            "cache, so part of it is read from cache and the bandwidth reads high", size >> 20, cache >> 20)
     bandwidth = _read_bandwidth(max(size // 4, 1 << 20))
     flops = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):

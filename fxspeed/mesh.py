@@ -295,7 +295,10 @@ def check_same_model(ctx: DistContext, model: Any, config: Any, devices: Sequenc
     mismatched programs; a rate measured on each rank (`fxspeed.measured_cpu()`) differs."""
     shapes = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
     buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
-    specs = [d.to_dict() if hasattr(d, "to_dict") else repr(d) for d in devices]
+    # Rates only: the memory of "auto" devices is each host's own (a 40 GB and an 80 GB GPU, hosts
+    # with other RAM), which ranks have always been allowed to differ in.
+    specs = [{k: v for k, v in d.to_dict().items() if k != "memory"} if hasattr(d, "to_dict") else repr(d)
+             for d in devices]
     pieces = {"the model": fingerprint(type(model).__name__, shapes, buffers), "the Config": fingerprint(config.to_dict()),
               "the devices": fingerprint(specs)}
     check_agreement(ctx, "the model, config and devices", fingerprint(*pieces.values()),

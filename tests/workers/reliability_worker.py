@@ -154,7 +154,9 @@ def run(case: str, out: str | None) -> None:
         if case == "config" and rank == 1:
             cfg = fxspeed.Config(zero=3, lr=3e-2, bucket_mb=0.05)
         if case == "devices":  # a rate measured on each rank: the planner's choices would differ
-            world = [dataclasses.replace(fxspeed.devices("cpu")[0], mem_bandwidth=(1 + rank) * 1e10)] * world
+            # (hosts with other RAM are fine: the memory of "auto" devices is each host's own)
+            world = [dataclasses.replace(fxspeed.devices("cpu")[0], mem_bandwidth=(1 + rank) * 1e10,
+                                         memory=(1 + rank) * 1e10)] * world
         if case == "indivisible":
             x = torch.randint(0, 64, (5, 16))
             example = local_batch((x, x))
