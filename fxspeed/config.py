@@ -189,8 +189,9 @@ class Config:
         _choice("offload", self.offload, OFFLOADS)
         _choice("offload_device", self.offload_device, OFFLOAD_DEVICES)
         if self.offloads_optimizer and self.optimizer == "sgd":
-            raise ConfigError(f"Config.offload={self.offload!r} offloads Adam's moments; optimizer='sgd' has none to "
-                              "move (use optimizer='adamw' or 'adam', or offload='none' / 'parameters')")
+            raise ConfigError(f"Config.offload={self.offload!r} offloads Adam's moments and steps them with the CPU "
+                              "Adam; optimizer='sgd' (its momentum buffer) has no offloaded form yet (use optimizer='adamw' or "
+                              "'adam', or offload='none' / 'parameters' / 'activations')")
         if self.memory_budget_gb is not None:
             _positive("memory_budget_gb", self.memory_budget_gb)
         if self.nvme_path is not None and not self.nvme_path:

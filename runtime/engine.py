@@ -313,8 +313,8 @@ class Engine:
                                                                            gained)) if names)
         return FxspeedError(
             f"{type(self.model).__name__}'s forward now leaves other parameters without a gradient than at its first "
-            f"step ({said}): it took another branch (a Python attribute or the batch's shape). Under data parallelism "
-            "the gradient buckets are laid out once, for the parameters the first step trained. Keep every parameter "
+            f"step ({said}): it took another branch (a Python attribute or the batch's shape). The gradient buckets "
+            "(data parallelism, master weights, offload) are laid out once, for the parameters the first step trained. Keep every parameter "
             "in the graph on every step (e.g. add 0 * the skipped module's output sum to the loss: its gradient is "
             "then 0, and weight decay or momentum still move it), freeze the ones that sit out "
             "(requires_grad=False before fxspeed.compile), or compile an engine per branch")
