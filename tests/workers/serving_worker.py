@@ -29,6 +29,7 @@ run_cases).
 from __future__ import annotations
 
 import copy
+from typing import Callable
 import os
 
 import torch
@@ -209,47 +210,46 @@ def case_stream_stops() -> str:
                 break
         return got
 
+    def told(stop_on_rank0: Callable[[], object], case: str) -> str:
+        """Run a stream that rank 0 stops early: "" if rank 1 was told so by the stop error."""
+        try:
+            stop_on_rank0()
+        except fxspeed.FxspeedError as e:
+            if rank == 0 or "another tensor-parallel rank stopped iterating" not in str(e):
+                return f"unexpected error on rank {rank} ({case}): {e}"
+            return ""
+        return f"rank 1 was not told that rank 0 stopped ({case})" if rank != 0 else ""
+
+    def stop_at_refused_request() -> None:  # yielded before any step
+        for _ in engine.stream([[], *PROMPTS[:2]], max_new_tokens=4):
+            if rank == 0:
+                break
+
+    def hold_after_break() -> None:  # rank 0 keeps the stream; the next call closes it
+        held = engine.stream(PROMPTS, max_new_tokens=NEW)
+        for i, _ in enumerate(held):
+            if rank == 0 and i == 1:
+                break
+        hold_after_break.held = held  # type: ignore[attr-defined]
+
+    ok = lambda: engine.generate(PROMPTS[:2], max_new_tokens=4) == [greedy(eager, "gpt2", p, 4) for p in PROMPTS[:2]]  # noqa: E731
     t = time.perf_counter()
-    try:
-        take(2 if rank == 0 else None)
-        if rank != 0:
-            return "the rank that went on was not told the other stopped"
-    except fxspeed.FxspeedError as e:
-        if rank == 0 or "another tensor-parallel rank stopped iterating" not in str(e):
-            return f"unexpected error on rank {rank}: {e}"
+    if msg := told(lambda: take(2 if rank == 0 else None), "stopped after 2 tokens"):
+        return msg
     if time.perf_counter() - t > 60:
         return f"took {time.perf_counter() - t:.0f} s"
-    ok = lambda: engine.generate(PROMPTS[:2], max_new_tokens=4) == [greedy(eager, "gpt2", p, 4) for p in PROMPTS[:2]]  # noqa: E731
     if not ok():
         return "the engine did not serve after a stream stopped on one rank"
     if take(3) != 3 or not ok():  # the same token on every rank
         return "a stream stopped at the same token on every rank broke the engine"
     if take(total if rank == 0 else None) != total or not ok():  # one rank breaks at the last token
         return "a stream broken at its last token on one rank broke the engine"
-    # rank 0 stops at a refused request (yielded before any step), rank 1 goes on
     t = time.perf_counter()
-    try:
-        for _ in engine.stream([[], *PROMPTS[:2]], max_new_tokens=4):
-            if rank == 0:
-                break
-        if rank != 0:
-            return "stopping at a refused request on rank 0 was not told to rank 1"
-    except fxspeed.FxspeedError as e:
-        if rank == 0 or "another tensor-parallel rank stopped iterating" not in str(e):
-            return f"unexpected error on rank {rank} (refused request): {e}"
-    # rank 0 keeps the stream it broke out of (not closed until the next call closes it)
-    held = engine.stream(PROMPTS, max_new_tokens=NEW)
-    try:
-        for i, _ in enumerate(held):
-            if rank == 0 and i == 1:
-                break
-        if rank != 0:
-            return "a stream held open on rank 0 was not told to rank 1"
-    except fxspeed.FxspeedError as e:
-        if rank == 0 or "another tensor-parallel rank stopped iterating" not in str(e):
-            return f"unexpected error on rank {rank} (held stream): {e}"
-    if not ok():  # rank 0's generate closes `held` first, which tells rank 1
-        return "the engine did not serve after a held stream"
+    for stop, case in ((stop_at_refused_request, "a refused request"), (hold_after_break, "a held stream")):
+        if msg := told(stop, case):
+            return msg
+        if not ok():  # for the held stream: rank 0's generate closes it first, which tells rank 1
+            return f"the engine did not serve after {case}"
     if time.perf_counter() - t > 60:
         return f"the refused-request and held-stream stops took {time.perf_counter() - t:.0f} s"
     return "ok"
