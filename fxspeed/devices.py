@@ -110,8 +110,7 @@ def measured_cpu() -> DeviceSpec:
     (`cpu_computes_natively`) keeps the preset's ratio to fp32."""
     import psutil
 
-    base = _local_device() if not torch.cuda.is_available() else dataclasses.replace(
-        PRESETS["cpu"], memory=float(psutil.virtual_memory().total))
+    base = dataclasses.replace(PRESETS["cpu"], memory=float(psutil.virtual_memory().total))
     cache = _last_level_cache_bytes()
     size = min(max(512 * 2**20, 2 * cache), int(psutil.virtual_memory().available) // 8)
     if size < 2 * cache:

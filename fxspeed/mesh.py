@@ -113,13 +113,18 @@ def note_failure_for_peers(what: str) -> None:
     and goes on keeps its peers waiting until it ends.)"""
     if not dist.is_available() or not dist.is_initialized():
         return
+    _tell_peers(FAILED_KEY, what[:400])
+    _failed.append(RuntimeError(what))  # no exit meeting: the peers are not coming
+
+
+def _tell_peers(key: str, value: str) -> None:
+    """`key` + this rank = `value` in the default store, for the peers' exit meeting and errors."""
     from torch.distributed import distributed_c10d
 
     try:
-        distributed_c10d._get_default_store().set(f"{FAILED_KEY}{dist.get_rank()}", what[:400].encode())
-    except Exception:  # noqa: BLE001 - a diagnostic for the peers' messages
+        distributed_c10d._get_default_store().set(f"{key}{dist.get_rank()}", value.encode())
+    except Exception:  # noqa: BLE001 - the store's host (rank 0) may be gone already
         pass
-    _failed.append(RuntimeError(what))  # no exit meeting: the peers are not coming
 
 
 def _announce_exit() -> None:
@@ -128,12 +133,7 @@ def _announce_exit() -> None:
     (FAILED_KEY says that)."""
     if _failed or not dist.is_initialized():
         return
-    from torch.distributed import distributed_c10d
-
-    try:
-        distributed_c10d._get_default_store().set(f"{EXITED_KEY}{dist.get_rank()}", b"1")
-    except Exception:  # noqa: BLE001 - the store's host (rank 0) may be gone already
-        pass
+    _tell_peers(EXITED_KEY, "1")
 
 
 def _noting_destroy(destroy_fn: Any) -> Any:
@@ -384,25 +384,23 @@ def expect_all_ranks(name: str, timeout_s: float = 10.0, group: Any = None, fix:
                 pass
 
 
-
-def peers_gone() -> str:
-    """What the other ranks said as they left (a step failed there: FAILED_KEY; the script
-    ended without an error: EXITED_KEY), read without waiting, for the error of a collective
-    that failed because they are gone; "" when none said anything."""
+def peers_gone() -> tuple[list[tuple[int, str]], list[int]]:
+    """What the other ranks said as they left, read without waiting, for the error of a
+    collective that failed because they are gone: (rank, what failed there) from FAILED_KEY,
+    and the ranks whose script ended without an error (EXITED_KEY). Empty where the store
+    cannot be read."""
     if not dist.is_available() or not dist.is_initialized():
-        return ""
+        return [], []
     from torch.distributed import distributed_c10d
 
     try:
         store = distributed_c10d._get_default_store()
         others = [r for r in range(dist.get_world_size()) if r != dist.get_rank()]
         failed = [(r, store.get(f"{FAILED_KEY}{r}").decode()) for r in others if store.check([f"{FAILED_KEY}{r}"])]
-        if failed:
-            return "; ".join(f"rank {r} failed: {what}" for r, what in failed)
-        exited = [r for r in others if store.check([f"{EXITED_KEY}{r}"])]
+        return failed, [r for r in others if store.check([f"{EXITED_KEY}{r}"])]
     except Exception:  # noqa: BLE001 - a diagnostic for an error message; the store may be gone too
-        return ""
-    return f"rank(s) {exited} had ended their script without an error (finished, or sys.exit(0))" if exited else ""
+        return [], []
+
 
 DIMS = ("dp", "pp", "tp")
 

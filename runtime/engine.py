@@ -1068,20 +1068,20 @@ class Engine:
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         collective = isinstance(e, dist.DistError) or any(k in str(e) for k in (
             "gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out waiting"))
-        gone = peers_gone() if collective else ""
-        if gone.startswith("rank("):  # ended their scripts
-            self._out_of_step = (f"a collective of {name} failed on rank {self.rank}: {gone} while this rank ran "
-                                 f"{name} {self.stats['steps'] + 1}: the ranks ran different numbers of steps (a data "
-                                 "loader with more batches on some ranks? give every rank as many: "
-                                 "fxspeed.data.shard_loader, or drop_last=True)")
-        elif gone:
-            self._out_of_step = f"a collective of {name} failed on rank {self.rank} because {gone}"
+        failed, exited = peers_gone() if collective else ([], [])
+        uneven = ("the ranks ran different numbers of steps (a data loader with more batches on some ranks? give "
+                  "every rank as many: fxspeed.data.shard_loader, or drop_last=True)")
+        here = f"while this rank ran {name} {self.stats['steps'] + 1}"
+        if failed:
+            self._out_of_step = (f"a collective of {name} failed on rank {self.rank} because "
+                                 + "; ".join(f"rank {r} failed: {what}" for r, what in failed))
+        elif exited:
+            self._out_of_step = (f"a collective of {name} failed on rank {self.rank}: rank(s) {exited} had ended their "
+                                 f"script without an error (finished, or sys.exit(0)) {here}: {uneven}")
         elif "closed by peer" in str(e) or "reset by peer" in str(e):
             self._out_of_step = (f"a collective of {name} failed on rank {self.rank}: another rank's process left "
                                  f"without a failure said (its script ended or called destroy_process_group, or it was "
-                                 f"killed) while this rank ran {name} {self.stats['steps'] + 1}; if its script ended, "
-                                 "the ranks ran different numbers of steps (a data loader with more batches on some "
-                                 "ranks? give every rank as many: fxspeed.data.shard_loader, or drop_last=True)")
+                                 f"killed) {here}; if its script ended, {uneven}")
         elif collective:
             self._out_of_step = (f"a collective of {name} failed on rank {self.rank} ({type(e).__name__}: {first}): "
                                  "another rank left the step (it raised, see its error; exited; called another step "
@@ -1197,15 +1197,24 @@ class Engine:
             moved = len(self._in_backward.stepped) if self._in_backward is not None else 0
             if not moved:
                 raise
-            self._half_stepped = (f"train_step {self.stats['steps']} failed ({type(e).__name__}: {e}) after the program "
-                                  f"had handed {moved} of {self._in_backward_units()} to the optimizer inside backward "
-                                  "(the last of them where it failed, perhaps partly), so the model is partly stepped")
-            if self.dist.active:  # and the other ranks are in (or will run) this step's collectives
-                self._out_of_step = self._half_stepped + " while the other ranks ran the step's collectives"
-                note_failure_for_peers(self._out_of_step)
-            if not isinstance(e, Exception):
-                raise  # Ctrl-C, sys.exit: the user's `except KeyboardInterrupt: save` must see its own
-            raise FxspeedError(self._half_stepped + "; load a checkpoint (engine.load) before training on") from e
+            # the other ranks are in (or will run) this step's collectives
+            self._raise_half_stepped(e, f"train_step {self.stats['steps']} failed ({type(e).__name__}: {e}) after the "
+                                        f"program had handed {moved} of {self._in_backward_units()} to the optimizer "
+                                        "inside backward (the last of them where it failed, perhaps partly), so the "
+                                        "model is partly stepped", " while the other ranks ran the step's collectives")
+
+    def _raise_half_stepped(self, e: BaseException, why: str, elsewhere: str) -> None:
+        """Mark the model partly stepped (`why`; refused for training and checkpoints until a
+        load) and, under a process group, out of step (`why` + `elsewhere`: what the other ranks
+        do), told to the peers; then raise: a KeyboardInterrupt or SystemExit as itself (the
+        user's `except KeyboardInterrupt: ...` must see its own), anything else as FxspeedError."""
+        self._half_stepped = why
+        if self.dist.active:
+            self._out_of_step = why + elsewhere
+            note_failure_for_peers(self._out_of_step)
+        if not isinstance(e, Exception):
+            raise e
+        raise FxspeedError(why + "; load a checkpoint (engine.load) before training on") from e
 
     def _in_backward_units(self) -> str:
         """What the program steps inside backward: parameters, or the flat layout's buckets."""
@@ -1373,15 +1382,10 @@ class Engine:
                 except BaseException as e:
                     # An optimizer that steps chunk by chunk (the offloaded one: a disk read that
                     # fails) leaves the chunks before it stepped: never trained on silently
-                    self._half_stepped = (f"train_step {self.stats['steps']} failed in the optimizer step "
-                                          f"({type(e).__name__}: {e}), which may have updated some parameters, so "
-                                          "the model may be partly stepped")
-                    if self.dist.active:  # the other ranks stepped (or will) and go on to the next step
-                        self._out_of_step = self._half_stepped + " on this rank only"
-                        note_failure_for_peers(self._out_of_step)
-                    if not isinstance(e, Exception):
-                        raise  # Ctrl-C, sys.exit: the user's `except KeyboardInterrupt: save` must see its own
-                    raise FxspeedError(self._half_stepped + "; load a checkpoint (engine.load) before training on") from e
+                    # the other ranks stepped (or will) and go on to the next step
+                    self._raise_half_stepped(e, f"train_step {self.stats['steps']} failed in the optimizer step "
+                                                f"({type(e).__name__}: {e}), which may have updated some parameters, "
+                                                "so the model may be partly stepped", " on this rank only")
             if self.config.lr_schedule != "manual":
                 self.lr_scheduler.step()
                 self._lr_set = [g["lr"] for g in self.optimizer.param_groups]
