@@ -270,10 +270,11 @@ def test_two_tensor_parallel_ranks_serve_the_tokens_and_logits_of_one_device(tmp
     OPT cut by heads (the cache holds kv_heads / 2 per rank) give HF's greedy tokens and logits
     within 1e-4 of a full forward, Llama also with the fusion passes on (each rank fuses its own
     heads); sampling without a seed agrees over the ranks; bad requests fail alone; a stream stopped
-    at different tokens on the ranks is an error on the rank that goes on, not a hang."""
+    at different tokens on the ranks is an error on the rank that goes on, not a hang; a Llama whose
+    6 query / 3 key/value heads do not split over 2 ranks is served, with one device's tokens."""
     from tests.multiprocess import launch_worker
 
-    cases = ("gpt2", "llama", "gpt", "opt", "llama_fused", "sampling", "bad_request", "stream_stops")
+    cases = ("gpt2", "llama", "gpt", "opt", "llama_fused", "sampling", "bad_request", "stream_stops", "uneven_heads")
     launch_worker("tests.workers.serving_worker", 2, tmp_path, "--case", ",".join(cases), timeout=600)
     for case in cases:
         for rank in range(2):

@@ -50,10 +50,12 @@ def test_two_tensor_parallel_ranks_match_one_process_for_gpt_gpt2_llama_bert_and
     with sequence parallelism (parity, and Megatron's all-gathers and reduce-scatters counted);
     dropout (GPT, and GPT-2 with Hugging Face's default dropouts; GPT with sequence parallelism):
     eager's masks under the same seed, though one tp rank's generator was moved apart first;
-    a model too small to shard is warned about (tiny_unsharded).
+    a model too small to shard is warned about (tiny_unsharded); heads that do not split over 2
+    ranks (GPT-2 with 3, Llama with 6 query / 3 key/value) train like one process, with a warning
+    (uneven_heads).
     (The offload tiers run in the 4-rank launch, at TP=2 x DP=2: a superset of TP=2 on one replica.)"""
     run_cases_on(2, ("gpt", "gpt2", "llama", "bert", "t5", "gpt_bf16", "gpt_sp", "llama_sp", "gpt_dropout",
-                     "gpt2_dropout", "gpt_dropout_sp", "tiny_unsharded"), tmp_path, timeout=900)
+                     "gpt2_dropout", "gpt_dropout_sp", "tiny_unsharded", "uneven_heads"), tmp_path, timeout=900)
     # The TP=2 checkpoint loads on one device, optimizer states included: the next step agrees.
     assert_checkpoint_resumes_on_one_device(tmp_path, "gpt")
     assert_bf16_trains_like_one_bf16_process(tmp_path)
@@ -223,16 +225,28 @@ def test_the_solver_s_memo_of_each_node_s_choice_changes_no_layout_cost_or_colle
         _compile(build(name), (), batches(name)[0], 4, device=SLOW_COMPUTE)
 
 
-def test_heads_not_divisible_by_tensor_name_the_tensor_sizes_that_work() -> None:
+def test_heads_not_divisible_by_tensor_are_computed_whole_with_a_warning_naming_the_sizes_that_split_them() -> None:
+    """6 query heads and 2 key/value heads at T=4: no layout splits them, so the solver keeps the
+    attention's weights from being cut on their heads (its reshape to heads does not take a
+    shard of 1.5 heads), still splits the MLP, and the engine says so (it refused the model
+    before). Parity of such a layout with one process: the uneven_heads case of the 2-rank launch."""
     import transformers
+
+    from fxspeed.config import ConfigWarning
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         num_hidden_layers=1, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, intermediate_size=64,
         vocab_size=32, max_position_embeddings=8, use_cache=False))
     ids = torch.randint(0, 32, (1, 8))
-    with pytest.raises(FxspeedError, match=r"6 query heads and 2 key/value heads.*tensor=1, 2 or 6 works"):
-        _compile(model, (), {"input_ids": ids, "labels": ids}, T=4)
+    with pytest.warns(ConfigWarning, match=r"6 query heads and 2 key/value heads.*not split by heads.*tensor=2 or 6 "
+                                           r"would split the heads"):
+        _, analysis = _compile(model, (), {"input_ids": ids, "labels": ids}, T=4, device=SLOW_COMPUTE)
+    placed = {n: str(p) for n, p in analysis.params.items()}
+    assert placed["model.layers.0.mlp.up_proj.weight"].startswith("S"), placed
+    for proj in ("q_proj", "k_proj", "v_proj"):  # [heads * hd, D]: dim 0 holds the heads
+        assert not placed.get(f"model.layers.0.self_attn.{proj}.weight", "R").startswith("S(0"), placed
+    assert not placed.get("model.layers.0.self_attn.o_proj.weight", "R").startswith("S(1"), placed
 
 
 def test_a_plan_without_an_engine_lists_every_placement_and_extrapolates_the_tp_collectives_over_blocks() -> None:

@@ -1213,23 +1213,37 @@ def _multiplied_activation(weight: fx.Node) -> fx.Node | None:
     return None
 
 
-def check_heads(gm: fx.GraphModule, T: int) -> None:
-    """Query heads must split evenly over T ranks, and key/value heads either split evenly too or
-    be fewer than T with T a multiple of them (GQA: each key/value head then serves T / kv ranks;
-    the solver lays those out as it finds cheapest): say which T work."""
+def warn_heads(gm: fx.GraphModule, T: int) -> None:
+    """Attention whose heads do not split over T ranks is not refused: the solver never places a
+    head-dim shard that does not survive the reshape to heads (`reshape_placement`), so that
+    attention runs whole on every tp rank (its weights replicated, or split on their input dim
+    where the planner finds that cheaper) while the MLP and the vocabulary are still split.
+    Heads split when the query heads divide by T and the key/value heads either divide by T too
+    or are fewer than T with T a multiple of them (GQA: each serves T / kv ranks). Say so, and
+    which T would split them (DeepSpeed's AutoTP splits such heads unevenly; fxspeed's programs
+    are the same shape on every tp rank, so it keeps them whole)."""
+    import warnings
+
+    from fxspeed.config import ConfigWarning
+
+    seen: set[tuple[int, int]] = set()
     for n in gm.graph.nodes:
         if n.target in _ATTENTION:
             q, k = _shape(n.args[0]), _shape(n.args[1])
             if q is None or k is None or len(q) != 4:
                 continue
             h, kv = q[1], _kv_heads(n.args[1], k[1])
-            if not _heads_split(h, kv, T):
-                ok = [str(t) for t in range(1, h + 1) if _heads_split(h, kv, t)]
-                works = ", ".join(ok[:-1]) + f" or {ok[-1]}" if len(ok) > 1 else ok[0]
-                raise ConfigError(f"Config.tensor={T}: the model's attention has {h} query heads and {kv} key/value "
-                                  f"heads, which do not split evenly over {T} tensor-parallel ranks; tensor={works} "
-                                  "works (a divisor of the query heads that divides the key/value heads or is a "
-                                  "multiple of them)")
+            if _heads_split(h, kv, T) or (h, kv) in seen:
+                continue
+            seen.add((h, kv))
+            ok = [str(t) for t in range(2, h + 1) if _heads_split(h, kv, t)]
+            works = (", ".join(ok[:-1]) + f" or {ok[-1]}" if len(ok) > 1 else ok[0]) if ok else ""
+            warnings.warn(f"Config.tensor={T}: the model's attention has {h} query heads and {kv} key/value heads, "
+                          f"which do not split evenly over {T} tensor-parallel ranks, so it is not split by heads: "
+                          "every tp rank computes whole what does not divide (those weights replicated, or split "
+                          "on their input dim where that is cheaper); the MLPs and the vocabulary can still be split"
+                          + (f". tensor={works} would split the heads" if works else ""),
+                          ConfigWarning, stacklevel=2)
 
 
 def _heads_split(h: int, kv: int, T: int) -> bool:
@@ -1305,8 +1319,8 @@ class PlacementAnalysis:
 
         T = ctx.options.tp_size
         if T > 1:
-            check_heads(gm, T)
             if self.params is None:
+                warn_heads(gm, T)
                 warn_vocabulary(gm, ctx.signature, T)
             # Slices shared by groups of ranks (1 < rep < T) only where the engine counts them right:
             # its clip norm under ZeRO-1/2/3 and pipelines counts a slice once per tp rank.
@@ -1371,7 +1385,7 @@ def make_placement_analysis(devices: Sequence[DeviceSpec]) -> Any:
 
 
 __all__ = ["P", "PS", "PARAMS_KEY", "group_sizes", "TP_PLAN_NOTE", "Placement", "PlacementAnalysis", "NodePlacement", "R", "S", "TP_KEY", "WHOLE",
-           "check_heads", "DRAW_WHOLE", "check_tensor_config", "collapse_blocks", "warn_vocabulary", "describe_placements", "make_placement_analysis",
+           "warn_heads", "DRAW_WHOLE", "check_tensor_config", "collapse_blocks", "warn_vocabulary", "describe_placements", "make_placement_analysis",
            "propagate", "reshape_placement", "solve"]
 
 

@@ -19,6 +19,8 @@ in this process (one device, whole weights):
     bad_request             an empty prompt and an out-of-vocabulary id fail alone; the other
                             requests' tokens are those of one device; ranks passing different
                             prompts are refused (ConfigError on every rank) and the engine goes on
+    uneven_heads            Llama with 6 query / 3 key/value heads at T=2 (they do not split): served,
+                            one device's tokens and logits
     stream_stops            a stream stopped at different tokens on the ranks is an error on the rank
                             that goes on, at its next step; at the same token, none; the engine goes on
 
@@ -70,6 +72,10 @@ def build(name: str) -> torch.nn.Module:
         cfg = transformers.OPTConfig(num_hidden_layers=2, hidden_size=D, ffn_dim=2 * D, num_attention_heads=4,
                                      word_embed_proj_dim=D, init_std=0.2, **common)
         return transformers.OPTForCausalLM(cfg).eval()
+    if name == "llama_6_3heads":  # 6 query heads split over 2 ranks, 3 key/value heads do not
+        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=192, intermediate_size=384,
+                                       num_attention_heads=6, num_key_value_heads=3, initializer_range=0.2, **common)
+        return transformers.LlamaForCausalLM(cfg).eval()
     raise ValueError(name)
 
 
@@ -137,6 +143,11 @@ def case_model(name: str) -> str:
         return "the embedding/head is not split by vocabulary rows (vocabulary-parallel) on this rank"
     if engine.plan.tensor != T or engine.plan.tp_collectives_per_step < 2:
         return f"plan: tensor={engine.plan.tensor}, {engine.plan.tp_collectives_per_step} tp collectives per step"
+    return generates_like_one_device(engine, eager, family)
+
+
+def generates_like_one_device(engine: fxspeed.Engine, eager: torch.nn.Module, family: str) -> str:
+    """Greedy tokens equal one device's, every sampled row's logits within 1e-4 of a full forward."""
     engine._serving.record_logits = {}
     outs = engine.generate(PROMPTS, max_new_tokens=NEW)
     recorded, engine._serving.record_logits = engine._serving.record_logits, None
@@ -151,6 +162,15 @@ def case_model(name: str) -> str:
         if err > 1e-4 * scale:
             return f"request {i}: logits differ from the eager model's by {err:.3g} (> 1e-4 x {scale:.3g})"
     return "ok"
+
+
+def case_uneven_heads() -> str:
+    """Heads that do not split over the ranks (6 query / 3 key/value heads at T=2) are served, not
+    refused: what does not divide runs whole on every rank, the rest split; one device's tokens."""
+    engine, eager = served("llama_6_3heads")
+    if engine.plan.tensor != 2 or engine.plan.tp_collectives_per_step < 2:
+        return f"plan: tensor={engine.plan.tensor}, {engine.plan.tp_collectives_per_step} tp collectives per step"
+    return generates_like_one_device(engine, eager, "llama_6_3heads")
 
 
 def case_sampling() -> str:
@@ -264,6 +284,7 @@ CASES = {
     "sampling": case_sampling,
     "bad_request": case_bad_request,
     "stream_stops": case_stream_stops,
+    "uneven_heads": case_uneven_heads,
 }
 
 if __name__ == "__main__":

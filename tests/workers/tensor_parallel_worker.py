@@ -44,6 +44,7 @@ every case in one launch; tests/workers/common.py run_cases, shared with correct
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from typing import Any
 
@@ -97,6 +98,14 @@ def build(name: str) -> torch.nn.Module:
     if name == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(
             num_hidden_layers=2, hidden_size=D, num_attention_heads=4, num_key_value_heads=2, intermediate_size=2 * D,
+            vocab_size=V, max_position_embeddings=16, use_cache=False))
+    if name == "gpt2_3heads":  # heads that do not split over 2 ranks
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=192, n_head=3, vocab_size=V, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, use_cache=False))
+    if name == "llama_6_3heads":  # 6 query heads split over 2 ranks, 3 key/value heads do not
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=192, num_attention_heads=6, num_key_value_heads=3, intermediate_size=384,
             vocab_size=V, max_position_embeddings=16, use_cache=False))
     if name == "t5":  # encoder-decoder: relative position bias, tied shared embedding, cross-attention
         return transformers.T5ForConditionalGeneration(transformers.T5Config(
@@ -157,7 +166,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def parity(name: str, config: fxspeed.Config | None = None, check: Any = None) -> str:
+def parity(name: str, config: fxspeed.Config | None = None, check: Any = None, devices: Any = None) -> str:
     world = int(os.environ["WORLD_SIZE"])
     T = config.tensor if config is not None else world
     # lr 1e-4: Adam turns float noise on near-zero gradients into +-lr steps (with SGD the largest
@@ -178,7 +187,7 @@ def parity(name: str, config: fxspeed.Config | None = None, check: Any = None) -
     rng = torch.get_rng_state()
     if "dropout" in name and int(os.environ["RANK"]) % T:
         torch.rand(int(os.environ["RANK"]) * 7)
-    engine = fxspeed.compile(model, world, config, example_inputs=mine[0])
+    engine = fxspeed.compile(model, devices or world, config, example_inputs=mine[0])
     got = [engine.train_step(**b) if isinstance(b, dict) else engine.train_step(*b) for b in mine]
     torch.set_rng_state(rng)
     want = _eager(ref, bs, config)
@@ -344,6 +353,43 @@ def llama() -> str:
         return _evaluates_like_eager(engine, model, ref, bs)
 
     return parity("llama", fxspeed.Config(tensor=T, **CLIPPED), check=evaluate)
+
+
+def uneven_heads() -> str:
+    """Heads that do not split over the tp ranks (GPT-2 with 3 heads; Llama with 6 query heads and
+    3 key/value heads) are not refused: the engine warns, every tp rank computes whole what does
+    not divide (all of GPT-2's attention; Llama's key/value heads), and the rest is still split (on a device whose slow compute makes every split pay):
+    parity with one process, the MLP split, no attention weight split by heads."""
+    import warnings
+
+    T = int(os.environ["WORLD_SIZE"])
+    slow = [dataclasses.replace(fxspeed.devices("cpu")[0], flops={"fp32": 1e8}, mem_bandwidth=1e7)] * T
+
+    def split_mlp(weight: str, by_heads: str, mlp: str) -> Any:
+        def check(engine: Any, *_: Any) -> str:
+            placed = engine.plan.tp_placements
+            if not str(placed.get(mlp, "")).startswith("S"):
+                return f"{mlp} placed {placed.get(mlp)}: the MLP should still be split ({placed})"
+            if str(placed.get(weight, "")).startswith(by_heads):  # its output dim: the heads
+                return f"{weight} placed {placed.get(weight)}: split by heads that do not divide by {T}"
+            return "ok"
+        return check
+
+    for name, heads, weight, by_heads, mlp in (
+            ("gpt2_3heads", "3 query heads and 3 key/value heads", "transformer.h.1.attn.c_attn.weight", "S(1",
+             "transformer.h.1.mlp.c_fc.weight"),
+            ("llama_6_3heads", "6 query heads and 3 key/value heads", "model.layers.1.self_attn.k_proj.weight",
+             "S(0", "model.layers.1.mlp.up_proj.weight")):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = parity(name, fxspeed.Config(tensor=T, lr=1e-4, eps=EPS), check=split_mlp(weight, by_heads, mlp),
+                         devices=slow)
+        if got != "ok":
+            return got
+        said = [str(w.message) for w in seen if heads in str(w.message)]
+        if len(said) != 1 or "it is not split by heads" not in said[0]:
+            return f"{name}: expected one warning naming {heads}, got {[str(w.message) for w in seen]}"
+    return "ok"
 
 
 def _evaluates_like_eager(engine: Any, model: torch.nn.Module, ref: torch.nn.Module, bs: list) -> str:
@@ -604,7 +650,8 @@ def tiny_unsharded() -> str:
 CASES = {"gpt": gpt, "gpt_dropout": gpt_dropout, "gpt2_dropout": gpt2_dropout, "gpt_bf16": gpt_bf16, "gpt_dp_bf16_offload": gpt_dp_bf16_offload,
          "gpt_offload_tiers": gpt_offload_tiers, "gpt_dp_bf16": gpt_dp_bf16, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
          "gpt_dp_zero3": gpt_dp_zero3, "gpt_pp": gpt_pp, "t5": t5, "gpt_sp": gpt_sp, "gpt_dropout_sp": gpt_dropout_sp, "llama_sp": llama_sp,
-         "gpt_pp_zero1": gpt_pp_zero1, "gpt_pp_sp_zero1": gpt_pp_sp_zero1, "tiny_unsharded": tiny_unsharded}
+         "gpt_pp_zero1": gpt_pp_zero1, "gpt_pp_sp_zero1": gpt_pp_sp_zero1, "tiny_unsharded": tiny_unsharded,
+         "uneven_heads": uneven_heads}
 
 
 if __name__ == "__main__":
