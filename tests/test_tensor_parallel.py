@@ -34,7 +34,7 @@ from fxspeed.compiler.options import PassOptions
 from fxspeed.compiler.pipelines import compile_step
 from fxspeed.config import Config
 from fxspeed.devices import DeviceSpec, devices
-from fxspeed.errors import ConfigError, FxspeedError
+from fxspeed.errors import ConfigError
 from fxspeed.ir.program import draws_random
 from fxspeed.planner.placement import (WHOLE, PlacementAnalysis, R, S, check_tensor_config, reshape_placement)
 from fxspeed.runtime.engine import check_pipeline_config
