@@ -1797,6 +1797,11 @@ class Engine:
         return out
 
     def optimizer_state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer and lr schedule states, as torch's `state_dict()`s of
+        `engine.optimizer` and `engine.lr_scheduler`: under ZeRO, tensor parallelism, master
+        weights or offload they are laid out as this rank holds them (flat bucket shards, tp
+        slices), not per original parameter, so they load only into the same layout. For a
+        checkpoint that loads into any layout (or one process) use `engine.save` / `engine.load`."""
         return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> Any:
