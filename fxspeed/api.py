@@ -122,8 +122,8 @@ def plan(model: nn.Module, devices: Devices = 1, config: Config | dict | str | N
     cfg = Config.coerce(config)
     devs = normalize_devices(devices)
     args, kwargs = _split_example(example_inputs, "plan")
-    # The degrees against the devices first: a tracing error (heads that do not split) would
-    # otherwise hide that the mesh cannot be built at all (plan_pipeline checks its own).
+    # The degrees against the devices first: a tracing error would otherwise hide that the mesh
+    # cannot be built at all (plan_pipeline checks its own).
     if cfg.tensor > 1 and cfg.pipeline == 1:
         from fxspeed.planner.placement import check_tensor_config
 

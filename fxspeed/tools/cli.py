@@ -5,6 +5,8 @@
                                            compile a byte-level GPT and train it
     fxspeed serve --model gpt2|DIR --prompt "IDS" [--tensor N]
                                            serve a Hugging Face causal LM, print its tokens
+    fxspeed plan --model llama|DIR --devices H100-80GB:64 [--zero 0,1,2,3] [--tensor T] ...
+                                           plan it for a cluster from its config (meta device)
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fxspeed.tools.serve_cli import add_parser as add_serve
 
     add_serve(sub)
+    from fxspeed.tools.plan_cli import add_parser as add_plan
+
+    add_plan(sub)
     r = sub.add_parser("run", help="launch N local processes of a training script (torch.distributed.run)",
                        description="Run `script.py` (or `-m module`) in N local processes joined by "
                                    "torch.distributed, through torch.distributed.run --standalone. Each process "
@@ -80,6 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         args.argv = list(argv) if argv is not None else sys.argv[1:]
         return serve(args)
+    if args.command == "plan":
+        from fxspeed.tools.plan_cli import run as plan
+
+        return plan(args)
     if args.command == "run":
         script_args = list(args.script_args)
         if script_args[:1] == ["--"]:

@@ -13,9 +13,11 @@ processes (`fxspeed run -n N -m fxspeed serve ...`); every rank serves, rank 0 p
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
+from typing import Any
 
 from fxspeed.tools.arg_types import non_negative_float, positive_int, probability
 from fxspeed.tools.launcher import launch
@@ -39,36 +41,54 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--plan", action="store_true", help="print the inference plan first")
 
 
-def build_model(name: str, layers: int | None):  # noqa: ANN201 - a transformers model
+def hf_config(name: str, layers: int | None, command: str = "serve",
+              overrides: dict[str, Any] | None = None):  # noqa: ANN201 - (PretrainedConfig, bool)
+    """The Hugging Face config of `--model` (a folder with a config.json, or a model type: that
+    architecture's defaults, nothing downloaded) with `layers` and `overrides` given to its
+    constructor, so that the fields it derives follow them (Llama's head_dim from hidden_size,
+    Qwen2's layer_types from the layer count: setting them afterwards left those stale); and
+    whether the folder holds weights that fit it. A bad name exits naming the closest types."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     if os.path.isdir(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
-            raise SystemExit(f"fxspeed serve: --model {name!r} is a folder without a config.json; give a Hugging Face "
-                             "model folder (config.json, and weights if it has them) or a model type such as gpt2")
-        cfg = transformers.AutoConfig.from_pretrained(name)
+            raise SystemExit(f"fxspeed {command}: --model {name!r} is a folder without a config.json; give a Hugging "
+                             "Face model folder (config.json, and weights if it has them) or a model type such as gpt2")
+        make = functools.partial(transformers.AutoConfig.from_pretrained, name)
         has_weights = any(f.endswith((".safetensors", ".bin")) for f in os.listdir(name))
     else:
-        try:
-            cfg = transformers.AutoConfig.for_model(name)
-        except ValueError:
-            import difflib
-
-            # HF's own message lists every model type it knows (about 10 KB): name the closest few
-            known = list(transformers.CONFIG_MAPPING.keys())
-            close = difflib.get_close_matches(name, known, n=3, cutoff=0.7)
-            hint = (f"; did you mean {', '.join(close)}?" if close else
-                    f" ({len(known)} types, e.g. gpt2, llama, mistral, qwen2, opt, gpt_neox, phi)")
-            raise SystemExit(f"fxspeed serve: --model {name!r} is neither a folder nor a Hugging Face model type"
-                             + hint) from None
+        make = functools.partial(transformers.AutoConfig.for_model, name)
         has_weights = False
+    try:
+        cfg = make()
+    except ValueError:
+        import difflib
+
+        # HF's own message lists every model type it knows (about 10 KB): name the closest few
+        known = list(transformers.CONFIG_MAPPING.keys())
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.7)
+        hint = (f"; did you mean {', '.join(close)}?" if close else
+                f" ({len(known)} types, e.g. gpt2, llama, mistral, qwen2, opt, gpt_neox, phi)")
+        raise SystemExit(f"fxspeed {command}: --model {name!r} is neither a folder nor a Hugging Face model type"
+                         + hint) from None
+    kw = dict(overrides or {})
+    for key in kw:
+        if not hasattr(cfg, key):  # the constructors take any keyword silently
+            raise SystemExit(f"fxspeed {command}: --set {key}=...: {type(cfg).__name__} has no field {key!r}")
     if layers is not None:
-        for key in ("num_hidden_layers", "n_layer"):
-            if hasattr(cfg, key):
-                setattr(cfg, key, layers)
-                has_weights = False  # a truncated model cannot take the full checkpoint
+        kw.update({key: layers for key in ("num_hidden_layers", "n_layer") if hasattr(cfg, key)})
+    if kw:
+        cfg = make(**kw)
+        has_weights = False  # another shape than the checkpoint's
     cfg._attn_implementation = "sdpa"
+    return cfg, has_weights
+
+
+def build_model(name: str, layers: int | None):  # noqa: ANN201 - a transformers model
+    import transformers
+
+    cfg, has_weights = hf_config(name, layers)
     if has_weights:
         return transformers.AutoModelForCausalLM.from_pretrained(name, config=cfg).eval()
     import torch
