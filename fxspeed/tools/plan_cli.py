@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from fxspeed.tools.arg_types import positive_int
+from fxspeed.tools.arg_types import key_value, positive_int
 
 
 def _list_of(convert: Callable[[str], Any], expected: str) -> Callable[[str], list[Any]]:
@@ -51,22 +51,11 @@ def _precision(text: str) -> str:
     return text.strip()
 
 
-def _key_value(text: str) -> tuple[str, Any]:
-    """KEY=VALUE, the value read as JSON where it parses (numbers, true/false, null, lists), else a string."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        return key.strip(), json.loads(value)
-    except json.JSONDecodeError:
-        return key.strip(), value
-
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("plan", help="plan a Hugging Face causal LM for a cluster from its config, without running it",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--model", required=True, help="a folder with config.json, or a model type such as gpt2 or llama")
-    s.add_argument("--set", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
+    s.add_argument("--set", action="append", type=key_value, default=[], metavar="KEY=VALUE",
                    help="override a field of the Hugging Face config (repeatable), e.g. --set hidden_size=4096")
     s.add_argument("--layers", type=positive_int, default=None, help="override the config's layer count")
     s.add_argument("--devices", default="1",
@@ -85,7 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="pipeline stage count(s) (default: 1)")
     s.add_argument("--microbatches", type=positive_int, default=None,
                    help="micro-batches per step under --pipeline > 1 (default: Config's)")
-    s.add_argument("--config", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
+    s.add_argument("--config", action="append", type=key_value, default=[], metavar="KEY=VALUE",
                    help="any other fxspeed.Config key (repeatable), e.g. --config recompute=true")
     s.add_argument("--json", metavar="FILE", help="write the plan (or, for several, a list of them) as JSON")
     s.add_argument("--plot", metavar="FILE", help="one combination only: save its memory breakdown and timeline "

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from fxspeed.tools.arg_types import non_negative_float, positive_int, probability
+from fxspeed.tools.arg_types import key_value, non_negative_float, positive_int, probability
 from fxspeed.tools.launcher import launch
 
 
@@ -28,6 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--model", required=True, help="a folder with config.json, or a model type such as gpt2 or llama")
     s.add_argument("--layers", type=positive_int, default=None, help="override the config's layer count (quick trials)")
+    s.add_argument("--set", action="append", type=key_value, default=[], metavar="KEY=VALUE",
+                   help="override a field of the Hugging Face config (repeatable), e.g. --set hidden_size=256")
     s.add_argument("--prompt", action="append", required=True, metavar="IDS",
                    help="space-separated token ids of one request; repeat for more requests")
     s.add_argument("--max-new-tokens", type=positive_int, default=16)
@@ -85,10 +87,12 @@ def hf_config(name: str, layers: int | None, command: str = "serve",
     return cfg, has_weights
 
 
-def build_model(name: str, layers: int | None):  # noqa: ANN201 - a transformers model
+def build_model(name: str, layers: int | None, overrides: dict[str, Any] | None = None):  # noqa: ANN201
+    """The causal LM of `--model` (see hf_config): from the folder's weights when it has them and
+    nothing overrides its shape, else randomly initialized (seed 0)."""
     import transformers
 
-    cfg, has_weights = hf_config(name, layers)
+    cfg, has_weights = hf_config(name, layers, overrides=overrides)
     if has_weights:
         return transformers.AutoModelForCausalLM.from_pretrained(name, config=cfg).eval()
     import torch
@@ -125,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         print("fxspeed serve: --prompt takes space-separated token ids, e.g. --prompt \"464 2068\"", file=sys.stderr)
         return 2
-    model = build_model(args.model, args.layers)
+    model = build_model(args.model, args.layers, dict(args.set))
     t0 = time.perf_counter()
     engine = fxspeed.serve(model, devices=args.tensor,
                            config=fxspeed.Config(tensor=args.tensor, precision=args.precision),
