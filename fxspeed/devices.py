@@ -73,9 +73,11 @@ def devices(spec: str | DeviceSpec = "auto", n: int = 1) -> list[DeviceSpec]:
         return [spec] * n
     if spec == "auto":
         return [_local_device()] * n
-    if spec not in PRESETS:
+    # any case, and H100 for H100-80GB: the name as people write it
+    named = {k.lower(): v for k, v in PRESETS.items()} | {k.split("-")[0].lower(): v for k, v in PRESETS.items()}
+    if not isinstance(spec, str) or spec.lower() not in named:
         raise ConfigError(f"devices: unknown device preset {spec!r}; accepted: 'auto', {', '.join(map(repr, PRESETS))}")
-    return [PRESETS[spec]] * n
+    return [named[spec.lower()]] * n
 
 
 def _local_device() -> DeviceSpec:

@@ -61,3 +61,11 @@ def test_a_misspelt_config_key_is_refused_before_the_model_is_built(capsys) -> N
     assert "did you mean 'zero'" in err
     with pytest.raises(SystemExit, match="has no field 'hidden_sise'"):
         main(["plan", "--model", "llama", "--set", "hidden_sise=64"])
+
+
+def test_device_presets_are_named_in_any_case_and_without_their_memory_suffix(capsys) -> None:
+    assert fxspeed.devices("h100", 2) == fxspeed.devices("H100-80GB", 2)
+    assert fxspeed.devices("a100-80gb")[0].name == "A100-80GB" and fxspeed.devices("CPU")[0].kind == "cpu"
+    with pytest.raises(SystemExit, match=r"--devices 'X100:8': devices: unknown device preset 'X100'; accepted: "
+                                         r"'auto', 'cpu'"):
+        main(["plan", "--model", "gpt2", "--devices", "X100:8"])

@@ -83,15 +83,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _devices(text: str) -> list[Any]:
     import fxspeed
+    from fxspeed.errors import ConfigError
 
     name, _, count = text.partition(":")
     if name.isdigit() and not count:
-        return fxspeed.devices("auto", int(name))
+        name, count = "auto", name
     try:
         n = int(count) if count else 1
+        return fxspeed.devices(name, n)
+    except ConfigError as e:  # a ValueError too: first
+        raise SystemExit(f"fxspeed plan: --devices {text!r}: {e}") from None
     except ValueError:
         raise SystemExit(f"fxspeed plan: --devices {text!r}: expected PRESET:N, PRESET or N") from None
-    return fxspeed.devices(name, n)
 
 
 def _model(args: argparse.Namespace) -> Any:
