@@ -127,6 +127,30 @@ def _seeded() -> None:
 # started with it; in the parent those tests skip.
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # set by the caller, before triton was imported
+
+
+def _interpreter_scalars_as_ints() -> None:
+    """Triton 3.6's interpreter turns a scalar tensor into an int (`range(0, V, BLOCK)` with a runtime
+    V) with int() of its 1-element 1-D array, which NumPy >= 2.4 refuses ("only 0-dimensional arrays
+    can be converted to Python scalars"); later Tritons squeeze first. Do the same here."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "_fxspeed_squeezes", False):
+        return
+
+    def _patch_lang_tensor(tensor: Any, scope: Any) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    _patch_lang_tensor._fxspeed_squeezes = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = _patch_lang_tensor
+
+
+if INTERPRETING:
+    _interpreter_scalars_as_ints()
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_ranks(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, **kwargs) for a launch of ranks; a launch that needs no fresh process
     (see `_forkable`) has its ranks forked by this process's tests.rank_forker instead."""
-    run = _forked if _forkable(cmd, kwargs) else subprocess.run
+    run = _forked if _forkable(cmd, kwargs) and _forker() is not None else subprocess.run
     proc = run(cmd, **kwargs)
     if proc.returncode != 0 and GLOO_ABORT in f"{proc.stdout}{proc.stderr}":
         print(f"retrying once after a gloo abort in a rank ({GLOO_ABORT!r}):\n{str(proc.stderr)[-2000:]}")
@@ -61,19 +61,27 @@ def rank_env(**extra: str) -> dict[str, str]:
 
 
 _server: subprocess.Popen | None = None
+# False once the server said its forked ranks cannot run backward (tests.rank_forker._warm_up)
+_server_forks = True
 # CPU seconds of the ranks forked so far (their server is not this process's child to wait for,
 # so RUSAGE_CHILDREN does not see them; FXSPEED_CPU_REPORT in conftest adds this)
 forked_cpu_s = [0.0]
 
 
-def _forker() -> subprocess.Popen:
-    global _server
+def _forker() -> subprocess.Popen | None:
+    """The fork server, started on first use; None where its forked ranks could not run backward."""
+    global _server, _server_forks
+    if not _server_forks:
+        return None
     if _server is None or _server.poll() is not None:
         _server = subprocess.Popen([sys.executable, "-m", "tests.rank_forker"], cwd=ROOT, env=rank_env(), text=True,
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         ready = _server.stdout.readline()
         if not ready or not json.loads(ready).get("ready"):
             raise RuntimeError("tests.rank_forker did not start (its stderr is above)")
+        if not json.loads(ready).get("forkable", True):
+            _server.wait()
+            _server, _server_forks = None, False
     return _server
 
 

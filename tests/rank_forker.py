@@ -46,6 +46,15 @@ def _warm_up() -> None:
     import torch
 
     torch.set_num_threads(1)
+    # Start autograd's engine with a real backward before anything runs one under FakeTensorMode
+    # (the compile below traces the training step with fake tensors): in a CUDA build of torch
+    # the engine started inside FakeTensorMode counts fake CUDA devices (8), starts a thread for
+    # each and marks every later fork as unable to run backward ("Unable to handle autograd's
+    # threading in combination with fork-based multiprocessing"). Started here, it counts the
+    # real devices: none on a CPU-only host, so no threads; a host with a GPU still has some
+    # (see _ranks_can_run_backward).
+    w = torch.zeros(1, requires_grad=True)
+    (w * 2).sum().backward()
     import torch.distributed  # noqa: F401
 
     import fxspeed
@@ -58,6 +67,24 @@ def _warm_up() -> None:
     import gc
 
     gc.collect()
+
+
+def _ranks_can_run_backward() -> bool:
+    """Whether a child forked now can run a backward (see _warm_up); where it cannot, the client
+    execs every launch instead."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            import torch
+
+            w = torch.zeros(1, requires_grad=True)
+            (w * 2).sum().backward()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
 
 
 def _rank_main(req: dict[str, Any], rank: int, port: int, out_dir: str) -> None:
@@ -176,11 +203,16 @@ def _launch(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def serve() -> None:
-    """Warm up, say "ready", then answer one launch per line of stdin."""
+    """Warm up, say "ready" (and whether forked ranks can run backward; if not, exit), then
+    answer one launch per line of stdin."""
     reply = sys.stdout
     sys.stdout = sys.stderr  # anything the warm-up prints must not corrupt the replies
     _warm_up()
-    reply.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
+    forkable = _ranks_can_run_backward()
+    reply.write(json.dumps({"ready": True, "pid": os.getpid(), "forkable": forkable}) + "\n")
+    reply.flush()
+    if not forkable:
+        return
     reply.flush()
     for line in sys.stdin:
         req = json.loads(line)
