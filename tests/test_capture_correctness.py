@@ -544,13 +544,15 @@ class _Ema(nn.Module):
         super().__init__()
         self.lin = nn.Linear(4, 4)
         self.register_buffer("ema", torch.zeros(()))
-        self.gen = torch.Generator().manual_seed(7)
+        # torch 2.11's export takes no Generator argument inside forward (a clear CaptureError);
+        # 2.13's does: the noise is then drawn from it
+        self.gen = torch.Generator().manual_seed(7) if torch.__version__ >= "2.13" else None
         self.calls = [0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.ema = self.ema * 0.5 + 1.0  # rebinds the buffer
         self.calls[0] += 1
-        noise = torch.rand(4, generator=self.gen)
+        noise = torch.rand(4, generator=self.gen) if self.gen is not None else 0.0
         return (self.lin(x) + noise).square().mean() * self.calls[0] + self.ema
 
 

@@ -154,6 +154,8 @@ def test_a_model_whose_width_does_not_split_into_its_heads_is_told_to_check_its_
     assert "check the example inputs' shapes and the model's config" in msg and "unsupported construct" not in msg
 
 
+@pytest.mark.skipif(torch.__version__ < "2.13", reason="torch 2.11's fake embedding takes float ids: the first "
+                    "step then fails with torch's own dtype error instead")
 def test_float_token_ids_are_told_to_be_int64_not_to_rewrite_the_line_and_torch_logs_no_traceback(
         capfd: pytest.CaptureFixture) -> None:
     """Float ids into an embedding (and float class labels into cross_entropy's gather) fail

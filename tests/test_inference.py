@@ -473,7 +473,9 @@ def test_models_the_serving_programs_cannot_follow_are_refused_with_what_is_wron
     with pytest.raises(ConfigError, match="'longrope' rotary scaling"):
         fxspeed.serve(longrope)
     longrope.set_attn_implementation("sdpa")
-    with pytest.raises(CaptureError, match=r"writes its buffer\(s\) model.rotary_emb.inv_freq"):
+    # (torch 2.11 refuses it one step earlier, at longrope's `long_inv_freq.to(device)`)
+    with pytest.raises(CaptureError, match=r"writes its buffer\(s\) model.rotary_emb.inv_freq"
+                       + ("" if torch.__version__ >= "2.13" else "|tensor_tracker")):
         compile_inference(longrope, 8, config=fxspeed.Config())
     dynamic = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **small, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})).eval()
