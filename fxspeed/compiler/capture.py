@@ -1533,6 +1533,14 @@ def _capture_error(model: nn.Module, e: BaseException, train: bool = True) -> Ca
         # on these inputs too (a view that does not divide, a width that is not heads x head_dim).
         hint = ("the model raises this for the example's shapes, eagerly too: check the example inputs' shapes "
                 "and the model's config (sizes that must divide or match) at that line")
+    elif any("in tensor_tracker" in str(c) and "FakeTensor" in str(c) for c in chain):
+        # torch 2.11 fails here on a tensor forward made from the traced values on an earlier
+        # (fake) call and kept on the module; 2.13 traces it as a constant, which
+        # check_no_fake_constants refuses with the same advice
+        reason = ("forward reads a tensor it made from the traced values on an earlier call and kept on the module "
+                  "for a later call (as Hugging Face's longrope keeps long_inv_freq); the compiled program cannot "
+                  "hold it")
+        hint = "make it in __init__ (a buffer) or recompute it in every forward"
     elif any("modified by an inplace operation" in str(c) for c in chain):
         # autograd's own message ends "... Good luck!" and names no line: the write is in forward,
         # the failure in backward, where no user frame is
