@@ -1238,7 +1238,8 @@ def warn_heads(gm: fx.GraphModule, T: int) -> None:
             seen.add((h, kv))
             ok = [str(t) for t in range(2, h + 1) if _heads_split(h, kv, t)]
             works = (", ".join(ok[:-1]) + f" or {ok[-1]}" if len(ok) > 1 else ok[0]) if ok else ""
-            warnings.warn(f"Config.tensor={T}: the model's attention has {h} query heads and {kv} key/value heads, "
+            warnings.warn(f"Config.tensor={T}: the model's attention has {h} query heads and {kv} key/value "
+                          f"head{'s' if kv != 1 else ''}, "
                           f"which do not split evenly over {T} tensor-parallel ranks, so it is not split by heads: "
                           "every tp rank computes whole what does not divide (those weights replicated, or split "
                           "on their input dim where that is cheaper); the MLPs and the vocabulary can still be split"

@@ -81,14 +81,20 @@ def _unrepeat(k: fx.Node, g: fx.Graph, before: fx.Node) -> fx.Node:
         n = n.args[0]
     if n.target != aten.expand.default:
         return k
-    n = n.args[0]
-    if n.target != aten.unsqueeze.default or n.args[1] != 2:
+    e = n.args[0]
+    es, ks = tuple(e.meta["val"].shape), tuple(k.meta["val"].shape)
+    # [B, kv, 1, S, hd] broadcast over dim 2 to [B, kv, rep, S, hd] and viewed as [B, kv*rep, S, hd]
+    if not (len(es) == 5 and es[2] == 1 and len(ks) == 4 and es[0] == ks[0] and es[3:] == ks[2:]
+            and ks[1] % es[1] == 0):
         return k
-    x = n.args[0]
-    xs, ks = x.meta["val"].shape, k.meta["val"].shape
-    if len(xs) == 4 and xs[0] == ks[0] and xs[2:] == ks[2:] and ks[1] % xs[1] == 0:
-        return x
-    return k
+    if e.target == aten.unsqueeze.default and e.args[1] == 2:
+        return e.args[0]
+    # Whatever made the unrepeated 5-d value: under tensor parallelism an all-reduce of partial
+    # sums (and the permute/clone/permute restoring its layout) can sit between the unsqueeze and
+    # the expand; its dim 2 is dropped by a view instead, so the cache still holds kv heads, not
+    # the repeated ones (h31: 2x the cache for the values of a Llama 6/3 layer at tensor=2).
+    with g.inserting_before(before):
+        return call(g, aten.squeeze.dim, (e, 2))
 
 
 def _placeholder(gm: fx.GraphModule, ctx: PassContext, spec: IOSpec, val: torch.Tensor) -> fx.Node:

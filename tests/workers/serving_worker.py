@@ -166,10 +166,23 @@ def generates_like_one_device(engine: fxspeed.Engine, eager: torch.nn.Module, fa
 
 def case_uneven_heads() -> str:
     """Heads that do not split over the ranks (6 query / 3 key/value heads at T=2) are served, not
-    refused: what does not divide runs whole on every rank, the rest split; one device's tokens."""
-    engine, eager = served("llama_6_3heads")
+    refused: what does not divide runs whole on every rank, the rest split; one device's tokens.
+    On a device whose slow compute makes every split pay, one layer's values are all-reduced
+    between repeat_kv's unsqueeze and expand: the cache still holds the 3 key/value heads of every
+    layer, not the 6 repeated ones (it held 6 in that layer)."""
+    import dataclasses
+
+    T = int(os.environ["WORLD_SIZE"])
+    model = build("llama_6_3heads")
+    eager = copy.deepcopy(model)
+    slow = [dataclasses.replace(fxspeed.devices("cpu")[0], flops={"fp32": 1e8}, mem_bandwidth=1e7)] * T
+    engine = fxspeed.serve(model, devices=slow, config=fxspeed.Config(tensor=T), token_budget=8, max_batch=3,
+                           block_size=4, cache_tokens=96)
     if engine.plan.tensor != 2 or engine.plan.tp_collectives_per_step < 2:
         return f"plan: tensor={engine.plan.tensor}, {engine.plan.tp_collectives_per_step} tp collectives per step"
+    heads = [h for h, _, _ in engine._serving.cache.layout]
+    if heads != [3, 3]:
+        return f"the cache holds {heads} heads per layer, not the 3 key/value heads"
     return generates_like_one_device(engine, eager, "llama_6_3heads")
 
 
