@@ -71,7 +71,7 @@ def devices(spec: str | DeviceSpec = "auto", n: int = 1) -> list[DeviceSpec]:
         raise ConfigError(f"devices: n={n!r} is invalid; it must be an integer >= 1")
     if isinstance(spec, DeviceSpec):
         return [spec] * n
-    if spec == "auto":
+    if isinstance(spec, str) and spec.lower() == "auto":
         return [_local_device()] * n
     # any case, and H100 for H100-80GB: the name as people write it
     named = {k.lower(): v for k, v in PRESETS.items()} | {k.split("-")[0].lower(): v for k, v in PRESETS.items()}

@@ -213,7 +213,6 @@ def serve() -> None:
     reply.flush()
     if not forkable:
         return
-    reply.flush()
     for line in sys.stdin:
         req = json.loads(line)
         try:

@@ -69,3 +69,24 @@ def test_device_presets_are_named_in_any_case_and_without_their_memory_suffix(ca
     with pytest.raises(SystemExit, match=r"--devices 'X100:8': devices: unknown device preset 'X100'; accepted: "
                                          r"'auto', 'cpu'"):
         main(["plan", "--model", "gpt2", "--devices", "X100:8"])
+
+
+def test_set_on_a_model_folder_derives_the_fields_that_follow_it_and_flags_keys_are_refused_in_config(
+        tmp_path: Path, capsys) -> None:
+    """A folder's config.json stores the fields a config derives (Llama's head_dim, Qwen2's
+    layer_types): --set hidden_size / --layers derive them again instead of keeping the stored
+    ones, which described another shape (head_dim stayed 16 with hidden_size 128 over 4 heads)."""
+    from fxspeed.tools.serve_cli import hf_config
+
+    transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                             num_hidden_layers=4).save_pretrained(tmp_path / "llama")
+    cfg, _ = hf_config(str(tmp_path / "llama"), None, "plan", {"hidden_size": 128})
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.intermediate_size) == (128, 4, 32, 128)
+    transformers.Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                             num_hidden_layers=4).save_pretrained(tmp_path / "qwen2")
+    cfg, _ = hf_config(str(tmp_path / "qwen2"), 2, "plan")
+    assert cfg.num_hidden_layers == 2 and len(cfg.layer_types) == 2
+    with pytest.raises(SystemExit, match=r"(?s)a config it refuses: .*not a multiple"):
+        hf_config("llama", None, "plan", {"num_attention_heads": 5, "hidden_size": 64})
+    assert main(["plan", "--model", "llama", "--config", "zero=3"]) == 2
+    assert "--config zero=...: use --zero" in capsys.readouterr().err

@@ -260,6 +260,10 @@ _WALK_BACK = {*_VIEWS, aten.clone.default, aten._to_copy.default}
 _LINEAR = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.mul.Scalar, aten.div.Scalar, *_SAME}
 _ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default}
 _ATTENTION_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+# every fused SDPA forward a capture records (q and k are args 0 and 1 of each), for reading heads
+_SDPA_FORWARD = {aten.scaled_dot_product_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
+                 aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+                 aten._scaled_dot_product_cudnn_attention.default}
 
 
 # Dropout of a sharded activation: every rank draws the whole mask, as one device would, and
@@ -1228,7 +1232,7 @@ def warn_heads(gm: fx.GraphModule, T: int) -> None:
 
     seen: set[tuple[int, int]] = set()
     for n in gm.graph.nodes:
-        if n.target in _ATTENTION:
+        if n.target in _SDPA_FORWARD:  # (SDPA's math form, under attention dropout, has no one op: unseen)
             q, k = _shape(n.args[0]), _shape(n.args[1])
             if q is None or k is None or len(q) != 4:
                 continue

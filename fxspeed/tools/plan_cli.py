@@ -73,7 +73,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--pipeline", type=_list_of(positive_int, "positive integers, comma-separated"), default=[1],
                    help="pipeline stage count(s) (default: 1)")
     s.add_argument("--microbatches", type=positive_int, default=None,
-                   help="micro-batches per step under --pipeline > 1 (default: Config's)")
+                   help="micro-batches per step under --pipeline > 1 (default: Config's, 1: a pipeline of one "
+                        "micro-batch idles (P-1)/P of its time; --batch must divide by it)")
     s.add_argument("--config", action="append", type=key_value, default=[], metavar="KEY=VALUE",
                    help="any other fxspeed.Config key (repeatable), e.g. --config recompute=true")
     s.add_argument("--json", metavar="FILE", help="write the plan (or, for several, a list of them) as JSON")
@@ -108,20 +109,23 @@ def _model(args: argparse.Namespace) -> Any:
         return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-def _row(cfg: dict[str, Any], plan: Any) -> str:
+def _row(cfg: dict[str, Any], plan: Any, tokens: int) -> str:
     from fxspeed.units import size
 
     ranks = range(len(plan.rank_memory))
     peak = max(plan.peak_memory(r) for r in ranks)
     states = sum(plan.model_states.values())
     comm = sum(plan.communication.values()) + sum(plan.tp_communication.values())
+    # --batch is per replica, so rows with other tp/pp degrees step other global batches: tokens/s
+    # over the whole cluster is the figure that compares them
+    rate = tokens * plan.strategy["dp"] / max(plan.time["total"], 1e-12)
     return (f"{cfg['zero']:>4} {cfg['precision']:>9} {cfg['tensor']:>3} {cfg['pipeline']:>3} "
             f"{plan.strategy['dp']:>4} {size(states, 10)} {size(peak, 10)} {'yes' if plan.fits() else 'NO':>4} "
-            f"{plan.time['total']:>9.3f} {size(comm, 10)}")
+            f"{plan.time['total']:>9.3f} {rate:>10,.0f} {size(comm, 10)}")
 
 
 HEADER = (f"{'zero':>4} {'precision':>9} {'tp':>3} {'pp':>3} {'dp':>4} {'states/rk':>10} {'peak/rank':>10} "
-          f"{'fits':>4} {'step (s)':>9} {'comm/rank':>10}")
+          f"{'fits':>4} {'step (s)':>9} {'tokens/s':>10} {'comm/rank':>10}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
     from fxspeed.errors import FxspeedError
 
     extra = dict(args.config)
+    flagged = sorted(set(extra) & {"zero", "precision", "tensor", "pipeline", "microbatches"})
+    if flagged:
+        print(f"fxspeed plan: --config {flagged[0]}=...: use --{flagged[0]} (it takes a list)", file=sys.stderr)
+        return 2
     if args.microbatches is not None:
         extra["microbatches"] = args.microbatches
     try:  # a misspelt key or a bad value once, before any model is built or traced
@@ -157,14 +165,14 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         try:
             plan = fxspeed.plan(model, devs, fxspeed.Config(**c), example_inputs={"input_ids": ids, "labels": ids})
-        except (FxspeedError, ValueError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - one row's failure (a ConfigError, torch's own) ends only that row
             failed += 1
             label = " ".join(f"{k}={v}" for k, v in c.items())
             print(f"{label}: {type(e).__name__}: {e}", flush=True)
             continue
         plans.append((c, plan))
         if len(combos) > 1:
-            print(f"{_row(c, plan)}   ({time.perf_counter() - t0:.1f}s to plan)", flush=True)
+            print(f"{_row(c, plan, args.batch * seq)}   ({time.perf_counter() - t0:.1f}s to plan)", flush=True)
         else:
             print(plan.summary(), flush=True)
     if args.json and plans:

@@ -48,8 +48,9 @@ def hf_config(name: str, layers: int | None, command: str = "serve",
     """The Hugging Face config of `--model` (a folder with a config.json, or a model type: that
     architecture's defaults, nothing downloaded) with `layers` and `overrides` given to its
     constructor, so that the fields it derives follow them (Llama's head_dim from hidden_size,
-    Qwen2's layer_types from the layer count: setting them afterwards left those stale); and
-    whether the folder holds weights that fit it. A bad name exits naming the closest types."""
+    Qwen2's layer_types from the layer count: setting them afterwards left those stale; a folder's
+    stored values of such fields are derived again too); and whether the folder holds weights
+    that fit it. A bad name exits naming the closest types."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -64,7 +65,9 @@ def hf_config(name: str, layers: int | None, command: str = "serve",
         has_weights = False
     try:
         cfg = make()
-    except ValueError:
+    except ValueError as e:
+        if os.path.isdir(name):  # an unknown model_type, a malformed field
+            raise SystemExit(f"fxspeed {command}: --model {name!r}: its config.json does not load: {e}") from None
         import difflib
 
         # HF's own message lists every model type it knows (about 10 KB): name the closest few
@@ -75,13 +78,29 @@ def hf_config(name: str, layers: int | None, command: str = "serve",
         raise SystemExit(f"fxspeed {command}: --model {name!r} is neither a folder nor a Hugging Face model type"
                          + hint) from None
     kw = dict(overrides or {})
+    fields = cfg.to_dict()
     for key in kw:
-        if not hasattr(cfg, key):  # the constructors take any keyword silently
-            raise SystemExit(f"fxspeed {command}: --set {key}=...: {type(cfg).__name__} has no field {key!r}")
+        if key not in fields:  # the constructors take any keyword silently
+            import difflib
+
+            close = difflib.get_close_matches(key, list(fields), n=3, cutoff=0.7)
+            raise SystemExit(f"fxspeed {command}: --set {key}=...: {type(cfg).__name__} has no field {key!r}"
+                             + (f"; did you mean {', '.join(close)}?" if close else ""))
     if layers is not None:
-        kw.update({key: layers for key in ("num_hidden_layers", "n_layer") if hasattr(cfg, key)})
+        kw.update({key: layers for key in ("num_hidden_layers", "n_layer") if key in fields})
     if kw:
-        cfg = make(**kw)
+        cls = type(cfg)
+        try:
+            # The fields a fresh config derives from the overridden ones (Llama's head_dim from
+            # hidden_size, Qwen2's layer_types from the layer count) are dropped from the loaded
+            # ones and derived again: a folder's config.json stores them, and kept they described
+            # another shape than the overrides ask for
+            fresh, moved = cls().to_dict(), cls(**kw).to_dict()
+            derived = {k for k in fresh if k not in kw and fresh[k] != moved.get(k)}
+            cfg = cls(**{**{k: v for k, v in fields.items() if k not in derived}, **kw})
+        except Exception as e:  # noqa: BLE001 - HF's validation (sizes that must divide) says what is wrong
+            raise SystemExit(f"fxspeed {command}: --set / --layers give {type(cfg).__name__} a config it refuses: "
+                             f"{e}") from None
         has_weights = False  # another shape than the checkpoint's
     cfg._attn_implementation = "sdpa"
     return cfg, has_weights
