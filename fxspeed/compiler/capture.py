@@ -349,7 +349,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs:
     grad_calls: list[traceback.FrameSummary] = []
     try:
         with _tracing_flags(), owners, _rng_untouched(model, tensors), _without_torch_compile(model), \
-                _buffer_rebinds_as_writes(), _rng_control_said(model), _one_hot_range_checked(), \
+                _buffer_rebinds_as_writes(), _rng_control_said(model), _OneHotRangeChecked(), \
                 (_rnns_unrolled(model) if unroll_rnns else contextlib.nullcontext()), \
                 _autograd_grad_calls(grad_calls):
             # AOT export lifts a parameter once per *name* and refuses a name that gets no
@@ -1066,7 +1066,14 @@ def _drop_metadata_asserts(gm: fx.GraphModule) -> None:
 _VALUE_ASSERTS = (torch.ops.aten._assert_async.msg, torch.ops.aten._assert_async.default)
 
 
-class _OneHotChecks(torch.overrides.TorchFunctionMode):
+class _OneHotRangeChecked(torch.overrides.TorchFunctionMode):
+    """F.one_hot checks its labels' range from their values, which a trace on fake tensors does
+    not have: torch 2.13's export records that check as `aten._assert_async`, torch 2.11's drops
+    it, and an out-of-range label then trained silently as an all-zero row (eager raises "Class
+    values must be smaller than num_classes"). While tracing, the checks are put in the program
+    here, on every torch (on 2.13 a second pair: two reductions over the labels).
+    `num_classes=-1` (inferred from the largest label) needs no upper check."""
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is torch.nn.functional.one_hot and args and isinstance(args[0], torch.Tensor):
@@ -1077,18 +1084,6 @@ class _OneHotChecks(torch.overrides.TorchFunctionMode):
                 if isinstance(classes, int) and classes > 0:
                     torch._assert_async(labels.max() < classes, "Class values must be smaller than num_classes.")
         return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _one_hot_range_checked() -> Iterator[None]:
-    """F.one_hot checks its labels' range from their values, which a trace on fake tensors does
-    not have: torch 2.13's export records that check as `aten._assert_async`, torch 2.11's drops
-    it, and an out-of-range label then trained silently as an all-zero row (eager raises "Class
-    values must be smaller than num_classes"). The checks are put in the program here, on every
-    torch (on 2.13 a second pair: two reductions over the labels). `num_classes=-1` (inferred
-    from the largest label) needs no upper check."""
-    with _OneHotChecks():
-        yield
 
 
 @contextlib.contextmanager

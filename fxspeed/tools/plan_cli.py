@@ -10,8 +10,8 @@ fake tensors: `fxspeed.plan` with `input_ids` and `labels` of `--batch` x `--seq
 data-parallel replica. `--zero`, `--precision`, `--tensor` and `--pipeline` take comma-separated
 lists: every combination is planned and printed as one row of a table (DeepSpeed's memory
 estimators, for every strategy at once); a single combination prints the whole plan summary.
-Other Config keys go through `--config KEY=VALUE` (e.g. `--config recompute=true`,
-`--config offload=optimizer`); a misspelt key is refused with the closest names.
+Other Config keys go through `--config KEY=VALUE` (e.g. `--config offload=optimizer`,
+`--config grad_accum=4`); a misspelt key is refused with the closest names.
 """
 
 from __future__ import annotations
@@ -39,16 +39,13 @@ def _list_of(convert: Callable[[str], Any], expected: str) -> Callable[[str], li
     return parse
 
 
-def _stage(text: str) -> int:
-    if text.strip() not in ("0", "1", "2", "3"):
-        raise ValueError(text)
-    return int(text)
+def _one_of(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text.strip() not in allowed:
+            raise ValueError(text)
+        return text.strip()
 
-
-def _precision(text: str) -> str:
-    if text.strip() not in ("fp32", "bf16", "fp16"):
-        raise ValueError(text)
-    return text.strip()
+    return parse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -64,9 +61,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--batch", type=positive_int, default=1, help="sequences per data-parallel replica (default: 1)")
     s.add_argument("--seq", type=positive_int, default=None,
                    help="tokens per sequence (default: the config's max_position_embeddings, at most 4096)")
-    s.add_argument("--zero", type=_list_of(_stage, "ZeRO stages 0-3, comma-separated"), default=[0],
+    s.add_argument("--zero", type=_list_of(lambda t: int(_one_of("0", "1", "2", "3")(t)), "ZeRO stages 0-3, comma-separated"), default=[0],
                    help="ZeRO stage(s), e.g. 3 or 0,1,2,3 (default: 0)")
-    s.add_argument("--precision", type=_list_of(_precision, "fp32, bf16 or fp16, comma-separated"), default=["fp32"],
+    s.add_argument("--precision", type=_list_of(_one_of("fp32", "bf16", "fp16"), "fp32, bf16 or fp16, comma-separated"), default=["fp32"],
                    help="precision(s), e.g. bf16 or fp32,bf16 (default: fp32)")
     s.add_argument("--tensor", type=_list_of(positive_int, "positive integers, comma-separated"), default=[1],
                    help="tensor-parallel degree(s) (default: 1)")
@@ -76,7 +73,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="micro-batches per step under --pipeline > 1 (default: Config's, 1: a pipeline of one "
                         "micro-batch idles (P-1)/P of its time; --batch must divide by it)")
     s.add_argument("--config", action="append", type=key_value, default=[], metavar="KEY=VALUE",
-                   help="any other fxspeed.Config key (repeatable), e.g. --config recompute=true")
+                   help="any other fxspeed.Config key (repeatable), e.g. --config offload=optimizer")
     s.add_argument("--json", metavar="FILE", help="write the plan (or, for several, a list of them) as JSON")
     s.add_argument("--plot", metavar="FILE", help="one combination only: save its memory breakdown and timeline "
                                                   "(needs matplotlib)")

@@ -51,6 +51,8 @@ def hf_config(name: str, layers: int | None, command: str = "serve",
     Qwen2's layer_types from the layer count: setting them afterwards left those stale; a folder's
     stored values of such fields are derived again too); and whether the folder holds weights
     that fit it. A bad name exits naming the closest types."""
+    import difflib
+
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -68,8 +70,6 @@ def hf_config(name: str, layers: int | None, command: str = "serve",
     except ValueError as e:
         if os.path.isdir(name):  # an unknown model_type, a malformed field
             raise SystemExit(f"fxspeed {command}: --model {name!r}: its config.json does not load: {e}") from None
-        import difflib
-
         # HF's own message lists every model type it knows (about 10 KB): name the closest few
         known = list(transformers.CONFIG_MAPPING.keys())
         close = difflib.get_close_matches(name, known, n=3, cutoff=0.7)
@@ -81,8 +81,6 @@ def hf_config(name: str, layers: int | None, command: str = "serve",
     fields = cfg.to_dict()
     for key in kw:
         if key not in fields:  # the constructors take any keyword silently
-            import difflib
-
             close = difflib.get_close_matches(key, list(fields), n=3, cutoff=0.7)
             raise SystemExit(f"fxspeed {command}: --set {key}=...: {type(cfg).__name__} has no field {key!r}"
                              + (f"; did you mean {', '.join(close)}?" if close else ""))
