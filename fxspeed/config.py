@@ -16,12 +16,11 @@ import math
 import numbers
 import types
 import typing
-import warnings
 from dataclasses import InitVar, dataclass
 from pathlib import Path
 from typing import Any
 
-from fxspeed.errors import ConfigError
+from fxspeed.errors import ConfigError, warn_user
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -297,7 +296,7 @@ class Config:
             ignored.append(("memory_budget_gb", "it chooses how much of the optimizer states to offload, and "
                                                 f"offload={self.offload!r} keeps them in memory (use offload='all')"))
         for key, why in ignored:
-            warnings.warn(f"Config.{key}={getattr(self, key)!r} has no effect: {why}", ConfigWarning, stacklevel=4)
+            warn_user(f"Config.{key}={getattr(self, key)!r} has no effect: {why}", ConfigWarning)
 
     @property
     def n_stages(self) -> int:
@@ -322,8 +321,8 @@ class Config:
                 raise ConfigError(f"Config.{key}={current!r} and Config.extra[{key!r}]={value!r} disagree; "
                                   f"set only Config.{key} (extra is deprecated)")
             setattr(self, key, value)
-        warnings.warn(f"Config(extra={extra!r}) is deprecated: use "
-                      + ", ".join(f"Config({k}={extra[k]!r})" for k in extra), FutureWarning, stacklevel=4)
+        warn_user(f"Config(extra={extra!r}) is deprecated: use "
+                      + ", ".join(f"Config({k}={extra[k]!r})" for k in extra), FutureWarning)
 
     def check_supported(self) -> None:
         """Refuse settings whose capability is not built yet, naming the key."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import Any
 
 
@@ -33,3 +35,29 @@ def short_repr(value: Any, limit: int = 120) -> str:
     """`repr(value)` cut to `limit` characters, for a value quoted inside an error message."""
     r = repr(value)
     return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """`warnings.warn` attributed to the first frame outside fxspeed: the user's line (their
+    `fxspeed.compile(...)` or `Config(...)` call), however deep in the compiler the warning is
+    raised. A fixed stacklevel pointed into fxspeed's own files whenever the call path changed,
+    and Python 3.11's `warnings.warn` has no `skip_file_prefixes`. Frames of torch and contextlib
+    between fxspeed's own (a TorchFunctionMode, a `with` block) are skipped with them."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and _internal(frame):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1)
+
+
+def _internal(frame: Any) -> bool:
+    name = frame.f_globals.get("__name__", "")
+    if name == "fxspeed" or name.startswith("fxspeed."):
+        return True
+    if name.split(".")[0] in ("torch", "contextlib", "functools"):
+        # only while fxspeed called it: a user frame between them ends the walk
+        outer = frame.f_back
+        while outer is not None and outer.f_globals.get("__name__", "").split(".")[0] in ("torch", "contextlib",
+                                                                                          "functools"):
+            outer = outer.f_back
+        return outer is not None and (outer.f_globals.get("__name__", "") + ".").startswith("fxspeed.")
+    return False

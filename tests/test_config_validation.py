@@ -178,8 +178,9 @@ def test_the_default_optimizer_settings_are_fine_with_every_optimizer(optimizer:
     (dict(pipeline=2, microbatches=2, schedule="gpipe", pipeline_chunks=3), "pipeline_chunks"),
 ], ids=lambda x: x if isinstance(x, str) else None)
 def test_a_setting_with_no_effect_warns_naming_the_key(kw: dict, key: str):
-    with pytest.warns(ConfigWarning, match=rf"Config\.{key}=.* has no effect"):
+    with pytest.warns(ConfigWarning, match=rf"Config\.{key}=.* has no effect") as w:
         Config(**kw)
+    assert [r.filename for r in w] == [__file__]  # points at the Config(...) line
 
 
 @pytest.mark.parametrize("kw", [

@@ -240,8 +240,9 @@ def test_heads_not_divisible_by_tensor_are_computed_whole_with_a_warning_naming_
         vocab_size=32, max_position_embeddings=8, use_cache=False))
     ids = torch.randint(0, 32, (1, 8))
     with pytest.warns(ConfigWarning, match=r"6 query heads and 2 key/value heads.*not split by heads.*tensor=2 or 6 "
-                                           r"would split the heads"):
+                                           r"would split the heads") as w:
         _, analysis = _compile(model, (), {"input_ids": ids, "labels": ids}, T=4, device=SLOW_COMPUTE)
+    assert {r.filename for r in w} == {__file__}  # the user's line, not placement.py's
     placed = {n: str(p) for n, p in analysis.params.items()}
     assert placed["model.layers.0.mlp.up_proj.weight"].startswith("S"), placed
     for proj in ("q_proj", "k_proj", "v_proj"):  # [heads * hd, D]: dim 0 holds the heads
@@ -292,8 +293,9 @@ def test_a_vocabulary_that_does_not_split_over_tensor_ranks_is_named_with_the_pa
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_embd=32))
     ids = torch.randint(0, 65, (2, 16))
-    with pytest.warns(ConfigWarning, match=r"wte.weight has 65 rows.*pad the vocabulary to a multiple of 2, e.g. 128"):
+    with pytest.warns(ConfigWarning, match=r"wte.weight has 65 rows.*pad the vocabulary to a multiple of 2, e.g. 128") as w:
         cs, analysis = _compile(model, (ids, ids), {}, T=2)
+    assert {r.filename for r in w} == {__file__}  # the user's line, not placement.py's
     assert analysis.params.get("wte.weight", R).kind != "S" or analysis.params["wte.weight"].dim == 1
 
 

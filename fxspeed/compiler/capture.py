@@ -36,7 +36,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fxspeed.errors import CaptureError
+from fxspeed.errors import CaptureError, warn_user
 from fxspeed.ir.batch import input_key, split_inputs, tensor_leaves, traced_format  # noqa: F401
 from fxspeed.ir import IOSpec, StepSignature
 
@@ -870,11 +870,10 @@ def _without_torch_compile(model: nn.Module) -> Iterator[None]:
     import warnings
 
     names = {id(m): n for n, m in model.named_modules()}
-    warnings.warn(
+    warn_user(
         "fxspeed: " + ", ".join(f"`{names.get(id(m)) or type(m._orig_mod).__name__}`" for m in wrapped)
         + " is a torch.compile'd module (OptimizedModule); fxspeed compiles the original module "
-        "(._orig_mod) instead. Pass the module without torch.compile to silence this warning.",
-        stacklevel=3,
+        "(._orig_mod) instead. Pass the module without torch.compile to silence this warning."
     )
     with _forwards_replaced({m: m._orig_mod.__call__ for m in wrapped}), warnings.catch_warnings():
         # torch's note on global module hooks concerns dynamo; the hooks are capture's own

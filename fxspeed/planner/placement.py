@@ -67,7 +67,7 @@ import torch.fx as fx
 
 from fxspeed.compiler.rewrite import VIEW_LIKE, gather_root, view_path
 from fxspeed.devices import DeviceSpec
-from fxspeed.errors import ConfigError
+from fxspeed.errors import ConfigError, warn_user
 from fxspeed.ir import META_KEY
 from fxspeed.ir.program import draws_random
 
@@ -1226,7 +1226,6 @@ def warn_heads(gm: fx.GraphModule, T: int) -> None:
     or are fewer than T with T a multiple of them (GQA: each serves T / kv ranks). Say so, and
     which T would split them (DeepSpeed's AutoTP splits such heads unevenly; fxspeed's programs
     are the same shape on every tp rank, so it keeps them whole)."""
-    import warnings
 
     from fxspeed.config import ConfigWarning
 
@@ -1242,13 +1241,13 @@ def warn_heads(gm: fx.GraphModule, T: int) -> None:
             seen.add((h, kv))
             ok = [str(t) for t in range(2, h + 1) if _heads_split(h, kv, t)]
             works = (", ".join(ok[:-1]) + f" or {ok[-1]}" if len(ok) > 1 else ok[0]) if ok else ""
-            warnings.warn(f"Config.tensor={T}: the model's attention has {h} query heads and {kv} key/value "
+            warn_user(f"Config.tensor={T}: the model's attention has {h} query heads and {kv} key/value "
                           f"head{'s' if kv != 1 else ''}, "
                           f"which do not split evenly over {T} tensor-parallel ranks, so it is not split by heads: "
                           "every tp rank computes whole what does not divide (those weights replicated, or split "
                           "on their input dim where that is cheaper); the MLPs and the vocabulary can still be split"
                           + (f". tensor={works} would split the heads" if works else ""),
-                          ConfigWarning, stacklevel=2)
+                          ConfigWarning)
 
 
 def _heads_split(h: int, kv: int, T: int) -> bool:
@@ -1344,7 +1343,6 @@ def warn_vocabulary(gm: fx.GraphModule, signature: Any, T: int) -> None:
     """An embedding table whose rows (the vocabulary) do not split over T ranks cannot be placed
     by rows (vocabulary-parallel embedding, head and cross-entropy): it stays whole or is split on
     its hidden dim, which all-gathers it for the head. Say so, and the padded size that would work."""
-    import warnings
 
     from fxspeed.config import ConfigWarning
 
@@ -1358,11 +1356,11 @@ def warn_vocabulary(gm: fx.GraphModule, signature: Any, T: int) -> None:
     table, rows = max(tables.items(), key=lambda kv: kv[1])
     if rows > 1 and rows % T:
         padded = -(-rows // (64 * T)) * 64 * T
-        warnings.warn(f"Config.tensor={T}: the embedding {names[table]} has {rows} rows (the vocabulary), which "
+        warn_user(f"Config.tensor={T}: the embedding {names[table]} has {rows} rows (the vocabulary), which "
                       f"do not split over {T} ranks, so it cannot be vocabulary-parallel and stays whole or is "
                       f"split on its hidden dim (gathered for the head each step); pad the vocabulary to a "
                       f"multiple of {T}, e.g. {padded} (Hugging Face: model.resize_token_embeddings({rows}, "
-                      f"pad_to_multiple_of={64 * T}))", ConfigWarning, stacklevel=2)
+                      f"pad_to_multiple_of={64 * T}))", ConfigWarning)
 
 
 def _kv_heads(k: fx.Node, heads: int) -> int:
