@@ -19,6 +19,7 @@ ranks' values, to check sharded == unsharded on random models (hypothesis).
 
 from __future__ import annotations
 
+import operator
 import sys
 from pathlib import Path
 
@@ -223,6 +224,118 @@ def test_the_solver_s_memo_of_each_node_s_choice_changes_no_layout_cost_or_colle
     monkeypatch.setattr(placement, "_solve", both)
     for name in ("llama", "bert"):
         _compile(build(name), (), batches(name)[0], 4, device=SLOW_COMPUTE)
+
+
+def _as_on_cuda(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a CPU training program with its attention swapped for what a CUDA capture
+    records: the memory-efficient kernel forward and backward (other arguments, in other places;
+    two more outputs, the dropout seed and offset, that backward reads)."""
+    aten = torch.ops.aten
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = g.graph_copy(gm.graph, env)
+    g.output(out)
+    old = {v: k for k, v in env.items()}
+    for n in list(g.nodes):
+        if n.target == aten._scaled_dot_product_flash_attention_for_cpu.default:
+            q, k, v, dropout, causal = (*n.args, 0.0, False)[:5]
+            mask = n.kwargs.get("attn_mask")
+            with g.inserting_before(n):
+                e = g.call_function(aten._scaled_dot_product_efficient_attention.default,
+                                    (q, k, v, mask, True, dropout, causal), {"scale": n.kwargs.get("scale")})
+            e.meta = {**old[n].meta, "val": (*old[n].meta["val"], torch.zeros((), dtype=torch.int64),
+                                             torch.zeros((), dtype=torch.int64))}
+            n.replace_all_uses_with(e)
+            g.erase_node(n)
+    for n in list(g.nodes):
+        if n.target == aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+            grad, q, k, v, o, lse, dropout, causal = n.args[:8]
+            fwd = o.args[0]
+            with g.inserting_before(n):
+                seed, offset = (g.call_function(operator.getitem, (fwd, i)) for i in (2, 3))
+                for x, i in ((seed, 2), (offset, 3)):
+                    x.meta = {"val": fwd.meta["val"][i]}
+                b = g.call_function(aten._scaled_dot_product_efficient_attention_backward.default,
+                                    (grad, q, k, v, n.kwargs.get("attn_mask"), o, lse, seed, offset, dropout,
+                                     [True, True, True, False], causal), {"scale": n.kwargs.get("scale")})
+            b.meta = {**old[n].meta, "val": (*old[n].meta["val"], torch.zeros(0))}
+            n.replace_all_uses_with(b)
+            g.erase_node(n)
+    g.lint()
+    return fx.GraphModule(gm, g)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert"])
+def test_a_cuda_programs_attention_kernels_are_split_by_heads_as_the_cpu_flash_kernel_is(name: str) -> None:
+    """On a GPU the capture records the memory-efficient or Flash kernel, whose arguments sit
+    elsewhere than the CPU kernel's; the solver knew the CPU one only, so a CUDA program's
+    attention ran whole on every tp rank (q, k and v all-gathered). The CPU program of each
+    model, its attention swapped for the CUDA kernels' (BERT: a padding mask broadcast over the
+    heads; Llama: grouped keys), gets the CPU program's layout: every weight placed alike."""
+    from fxspeed.compiler.pass_manager import graph_pass
+    from fxspeed.planner.placement import solve
+    from tests.workers.tensor_parallel_worker import batches, build
+
+    solved: dict[str, dict] = {}
+
+    def both(gm: fx.GraphModule, sig: object) -> None:
+        device = devices("cpu")[0]
+        solved["cpu"] = solve(gm, sig, device, 2)[0]
+        cuda = _as_on_cuda(gm)
+        masks = [n.args[3] for n in cuda.graph.nodes if n.target == torch.ops.aten._scaled_dot_product_efficient_attention.default]
+        assert name != "bert" or (masks and None not in masks), masks
+        assert torch.ops.aten._scaled_dot_product_efficient_attention_backward.default in {
+            n.target for n in cuda.graph.nodes}
+        solved["cuda"] = solve(cuda, sig, device, 2)[0]
+
+    b = batches(name)[0]
+    args, kwargs = (b, {}) if isinstance(b, tuple) else ((), b)
+    if name == "bert":  # padding: an additive mask [B, 1, L, L] beside the heads
+        kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"]).index_fill_(1, torch.arange(12, 16), 0)
+    compile_step(build(name), args, kwargs, config=Config(), loss_fn=None,
+                 options=PassOptions.single_device(Config()), analyze=both)
+    cpu, cuda = ({k: str(v) for k, v in solved[d].items()} for d in ("cpu", "cuda"))
+    assert cuda == cpu
+    assert any(k.endswith(("q_proj.weight", "query.weight", "qkv.weight")) and v.startswith("S(0") for k, v in cpu.items()), cpu
+
+
+@pytest.mark.parametrize("kernel", ["efficient", "efficient_bias", "flash"])
+def test_cuda_attention_is_split_by_heads_except_under_its_own_dropout(kernel: str) -> None:
+    """Forward and backward of the CUDA kernels: per-head tensors and outputs on dim 1, seeds
+    replicated. With dropout inside the kernel no split: its random stream is indexed by the
+    local head, so rank 1's heads would draw rank 0's masks (and its backward would rebuild masks
+    its forward never drew); such attention runs whole, each rank drawing what one device does."""
+    from fxspeed.compiler.pass_manager import PassContext
+    from fxspeed.ir import StepSignature
+    from fxspeed.ir.attention import SDPA_BACKWARD, SDPA_FORWARD
+    from fxspeed.passes.graph import select_attention_kernel as sak
+    from fxspeed.planner.placement import _attention_strategy, _shape, _tensor_args
+    from tests.test_select_attention_kernel import attention_graph
+
+    for dropout in (0.0, 0.1):
+        gm, _, _ = attention_graph(torch.bfloat16, bias=kernel == "efficient_bias")
+        for n in gm.graph.nodes:
+            if n.target in SDPA_FORWARD | SDPA_BACKWARD:
+                n.update_arg(5 if n.target in SDPA_FORWARD else 9, dropout)
+        if kernel == "flash":
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(sak, "_capability", lambda: (9, 0))
+                assert sak.select_attention_kernel.fn(gm, PassContext(signature=StepSignature(),
+                                                                      options=PassOptions())).modified
+        attention = [n for n in gm.graph.nodes if n.target in SDPA_FORWARD | SDPA_BACKWARD]
+        assert len(attention) == 2 and all(kernel.split("_")[0] in str(n.target) for n in attention)
+        for n in attention:
+            ins = _tensor_args(n)
+            st = _attention_strategy(n, ins, [_shape(i) for i in ins], 2)
+            if dropout:
+                assert st is None, n.target
+                continue
+            assert st is not None, n.target
+            per_head = [str(w) for w, i in zip(st.want, ins) if i.meta["val"].dim() >= 3]
+            assert per_head == ["S(1)"] * len(per_head)
+            assert n.target in SDPA_FORWARD or "R" in [str(w) for w in st.want]  # backward reads the seeds
+            outs = [o for o, v in zip(st.out, n.meta["val"]) if isinstance(v, torch.Tensor) and v.dim() >= 3]
+            assert outs and all(str(o) == "S(1)" for o in outs)
 
 
 def test_heads_not_divisible_by_tensor_are_computed_whole_with_a_warning_naming_the_sizes_that_split_them() -> None:

@@ -68,6 +68,7 @@ import torch.fx as fx
 from fxspeed.compiler.rewrite import VIEW_LIKE, gather_root, view_path
 from fxspeed.devices import DeviceSpec
 from fxspeed.errors import ConfigError, warn_user
+from fxspeed.ir.attention import MASKS, PER_HEAD, SDPA_BACKWARD, SDPA_FORWARD, sdpa_arg, sdpa_input_names
 from fxspeed.ir import META_KEY
 from fxspeed.ir.program import draws_random
 
@@ -258,12 +259,6 @@ _POINTWISE = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor
 # Linear in every tensor argument at once (P in, P out).
 _WALK_BACK = {*_VIEWS, aten.clone.default, aten._to_copy.default}
 _LINEAR = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.mul.Scalar, aten.div.Scalar, *_SAME}
-_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default}
-_ATTENTION_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
-# every fused SDPA forward a capture records (q and k are args 0 and 1 of each), for reading heads
-_SDPA_FORWARD = {aten.scaled_dot_product_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
-                 aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
-                 aten._scaled_dot_product_cudnn_attention.default}
 
 
 # Dropout of a sharded activation: every rank draws the whole mask, as one device would, and
@@ -456,16 +451,9 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int,
             inner = (row, row) if t == aten._log_softmax.default else (row,)
             sts.append(Strategy([S(dim)] * n_t, S(dim), True, rewrite=VOCAB, inner=inner))
         return sts
-    if t in _ATTENTION or t in _ATTENTION_BACKWARD:
-        n_qkv = 3 if t in _ATTENTION else 6  # backward: grad_out, q, k, v, out, logsumexp
-        want = [S(1) if i < n_qkv else (S(1) if (shapes[i] is not None and len(shapes[i]) == 4 and shapes[i][1] > 1)
-                                        else R) for i in range(len(ins))]
-        if all(_valid(w, s, T) for w, s in zip(want, shapes)):
-            outs = node.meta.get("val")
-            n_out = len(outs) if isinstance(outs, (tuple, list)) else 1
-            res = tuple(S(1) if isinstance(v, torch.Tensor) and v.dim() >= 2 else R for v in outs)
-            sts.append(Strategy(want, res if n_out > 1 else res[0], True))
-        return sts
+    if t in SDPA_FORWARD or t in SDPA_BACKWARD:
+        st = _attention_strategy(node, ins, shapes, T)
+        return [st] if st is not None else []
     if t in (aten.native_layer_norm.default, aten.native_layer_norm_backward.default) and sequence_parallel:
         return _layer_norm_strategies(node, ins, pl, shapes, out_shape, T)
     if t == aten.embedding.default:
@@ -591,6 +579,44 @@ def _group_partial_matmul(pa: Placement, pb: Placement, k: int) -> list[Strategy
         if k and pb.dim == 0:
             out.append(Strategy([S(0, pb.blocks, pb.rep), pb], pb, True))
     return out
+
+
+def _attention_strategy(node: fx.Node, ins: list[fx.Node], shapes: list[Any], T: int) -> Strategy | None:
+    """Attention split by heads, forward or backward, whichever kernel the device chose: the
+    per-head tensors (queries, keys, values, output, its gradient, log-sum-exp) and a per-head
+    mask on dim 1, a mask broadcast over heads replicated; outputs per head. None where that
+    is not exact:
+    - dropout inside the kernel: its random stream is indexed by the local head, so a rank's
+      heads would draw another head's mask (and backward would rebuild masks forward never drew);
+    - an output broadcast over heads ([B, 1, ...]: the gradient of a mask shared by heads, of
+      keys shared by every query head): a partial sum per rank, which this rule does not reduce;
+    - queries that are not [B, heads, L, E]."""
+    dropout = sdpa_arg(node, "dropout_p", 0.0)
+    if not isinstance(dropout, (int, float)) or dropout != 0:
+        return None
+    names = sdpa_input_names(node)
+    if len(names) != len(ins) or any(s is None for s in shapes):
+        return None
+    want: list[Placement] = []
+    for name, s in zip(names, shapes):
+        if name in PER_HEAD:
+            want.append(S(1) if len(s) >= 3 and s[1] > 1 else R)
+        else:  # a mask (per head, or broadcast over heads), seeds, sequence lengths
+            want.append(S(1) if name in MASKS and len(s) == 4 and s[1] > 1 else R)
+    q = shapes[names.index("query")] if "query" in names else None
+    if q is None or len(q) != 4 or not all(_valid(w, s, T) for w, s in zip(want, shapes)):
+        return None
+    outs = node.meta.get("val")
+    many = isinstance(outs, (tuple, list))
+    res = []
+    for v in (outs if many else [outs]):
+        if not isinstance(v, torch.Tensor) or v.dim() < 3:
+            res.append(R)  # philox seed and offset, sequence lengths, an unused debug mask
+        elif v.shape[1] == 1 or not _valid(S(1), tuple(v.shape), T):
+            return None
+        else:
+            res.append(S(1))
+    return Strategy(want, tuple(res) if many else res[0], True)
 
 
 def _layer_norm_strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], shapes: list[Any],
@@ -1231,7 +1257,7 @@ def warn_heads(gm: fx.GraphModule, T: int) -> None:
 
     seen: set[tuple[int, int]] = set()
     for n in gm.graph.nodes:
-        if n.target in _SDPA_FORWARD:  # (SDPA's math form, under attention dropout, has no one op: unseen)
+        if n.target in SDPA_FORWARD:  # (SDPA's math form, under attention dropout, has no one op: unseen)
             q, k = _shape(n.args[0]), _shape(n.args[1])
             if q is None or k is None or len(q) != 4:
                 continue
@@ -1266,7 +1292,7 @@ def _repeated_projections(gm: fx.GraphModule, T: int, reps: Sequence[int]) -> di
     -> T / kv."""
     out: dict[fx.Node, int] = {}
     for n in gm.graph.nodes:
-        if n.target not in _ATTENTION or len(n.args) < 3:
+        if n.target not in SDPA_FORWARD or len(n.args) < 3:
             continue
         k = _shape(n.args[1])
         if k is None or len(k) != 4:
@@ -1294,7 +1320,7 @@ def group_sizes(gm: fx.GraphModule, T: int) -> list[int]:
     query heads of r ranks: its k/v weights are split over the kv groups, S(0, rep=r))."""
     out = set()
     for n in gm.graph.nodes:
-        if n.target in _ATTENTION:
+        if n.target in SDPA_FORWARD:
             q, k = _shape(n.args[0]), _shape(n.args[1])
             if q is None or k is None or len(q) != 4:
                 continue

@@ -41,25 +41,13 @@ from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
 from fxspeed.compiler.rewrite import call
 from fxspeed.errors import PassError
 from fxspeed.ir import IOSpec
+from fxspeed.ir.attention import SDPA_FORWARD, sdpa_arg, sdpa_mask
 from fxspeed.runtime.kernels import paged_attention as _registers_the_op  # noqa: F401 - torch.ops.fxspeed.paged_attention
 
 aten = torch.ops.aten
 
-# attention op -> (position of dropout_p, of is_causal, of the mask (None: keyword only), the mask's name)
-ATTENTION_OPS = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default: (3, 4, None, "attn_mask"),
-    aten._scaled_dot_product_flash_attention.default: (3, 4, None, None),
-    aten._scaled_dot_product_efficient_attention.default: (5, 6, 3, "attn_bias"),
-    aten.scaled_dot_product_attention.default: (4, 5, 3, "attn_mask"),
-}
 METADATA = ("slot_mapping", "block_table", "query_index", "query_pos")
 NOMINAL_BLOCKS, NOMINAL_BLOCK_SIZE = 1, 16  # the cache placeholders' traced shape; the runtime binds any
-
-
-def _arg(n: fx.Node, i: int, name: str, default: object) -> object:
-    if len(n.args) > i:
-        return n.args[i]
-    return n.kwargs.get(name, default)
 
 
 def _unrepeat(k: fx.Node, g: fx.Graph, before: fx.Node) -> fx.Node:
@@ -109,7 +97,7 @@ def _placeholder(gm: fx.GraphModule, ctx: PassContext, spec: IOSpec, val: torch.
 @graph_pass("kv_cache", requires=("annotate",), produces=("kv_cache",), invalidates=("annotate",))
 def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     g = gm.graph
-    attention = [n for n in g.nodes if n.op == "call_function" and n.target in ATTENTION_OPS]
+    attention = [n for n in g.nodes if n.op == "call_function" and n.target in SDPA_FORWARD]
     if not attention:
         others = sorted({str(n.target) for n in g.nodes if "attention" in str(n.target)})
         # F.scaled_dot_product_attention given an explicit attn_mask traces (on the CPU) to its
@@ -137,12 +125,11 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     layout = []
     for layer, n in enumerate(attention):
         q, k, v = n.args[:3]
-        dropout_i, causal_i, mask_i, mask_name = ATTENTION_OPS[n.target]
-        if _arg(n, dropout_i, "dropout_p", 0.0) not in (0, 0.0):
+        if sdpa_arg(n, "dropout_p", 0.0) not in (0, 0.0):
             raise PassError(f"kv_cache: attention {n.name} of {ctx.model_name} has dropout; serve the model in eval "
                             "mode (fxspeed.serve does) or set its attention dropout to 0")
-        causal = _arg(n, causal_i, "is_causal", False)
-        masked = mask_name is not None and _arg(n, mask_i if mask_i is not None else 99, mask_name, None) is not None
+        causal = sdpa_arg(n, "is_causal", False)
+        masked = sdpa_mask(n) is not None
         # With one query (T == 1) models drop the causal mask (nothing to hide); serve compiles
         # its largest bucket first, where a bidirectional attention is caught.
         if not (causal or masked or T == 1):
@@ -151,7 +138,7 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if masked and T > 1:
             # The paged attention is causal by construction and drops the mask: it must be the
             # plain causal mask, not one that also carries a bias (Falcon's ALiBi was served without it).
-            mask = _arg(n, mask_i if mask_i is not None else 99, mask_name, None)
+            mask = sdpa_mask(n)
             problem, window = _not_causal(gm, ctx, mask, T)
             if window is not None:  # a sliding window: served only up to it (the runtime's context limit)
                 gm.meta["kv_cache_window"] = min(window, gm.meta.get("kv_cache_window", window))
