@@ -272,7 +272,6 @@ def test_a_cuda_programs_attention_kernels_are_split_by_heads_as_the_cpu_flash_k
     attention ran whole on every tp rank (q, k and v all-gathered). The CPU program of each
     model, its attention swapped for the CUDA kernels' (BERT: a padding mask broadcast over the
     heads; Llama: grouped keys), gets the CPU program's layout: every weight placed alike."""
-    from fxspeed.compiler.pass_manager import graph_pass
     from fxspeed.planner.placement import solve
     from tests.workers.tensor_parallel_worker import batches, build
 
