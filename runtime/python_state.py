@@ -289,6 +289,8 @@ def warn_python_state_changed(model: nn.Module, before: tuple, after: tuple) -> 
             log.warning("fxspeed: %s's forward changes Python attribute(s) of module %r (%s) while being traced; the "
                         "compiled step runs without forward's Python: every step computes what eager's first call "
                         "computes, the attributes keep the values that call left and a branch on them is fixed. "
-                        "Keep such state in a buffer (register_buffer) updated with tensor ops",
+                        "Keep such state in a buffer (register_buffer) updated with tensor ops; or, for a setting "
+                        "forward decides once on its first call and keeps (Hugging Face's config.problem_type), set "
+                        "it before compile: the same steps, without this warning",
                         type(model).__name__, names.get(id(m), "?") or "(root)", "; ".join(diff[:3]))
             return

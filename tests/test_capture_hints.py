@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import math
 
 import pytest
 import torch
@@ -206,6 +207,72 @@ def test_the_suggested_masked_mean_trains_exactly_as_eager_boolean_mask_indexing
     assert_models_match(model, ref)
 
 
+class MaskAssigned(nn.Module):
+    """SpecAugment's pattern (Hugging Face Wav2Vec2, HuBERT): masked rows take a learned vector."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.fill = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor, m: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h[m] = self.fill  # ASSIGN-LINE
+        return ((h - y) ** 2).mean()
+
+
+class MaskSelected(MaskAssigned):
+    """The rewrite the error suggests."""
+
+    def forward(self, x: torch.Tensor, m: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.where(m.unsqueeze(-1), self.fill, self.a(x))
+        return ((h - y) ** 2).mean()
+
+
+def test_an_assignment_through_a_boolean_mask_is_refused_naming_its_line_and_a_where_instead() -> None:
+    """torch fails in the backward it traces (index_put's gradient of the values reads the mask's
+    True entries), where no user line is: the error named neither the line nor the assignment."""
+    with pytest.raises(fxspeed.CaptureError) as info:
+        _compile(MaskAssigned(), _mask_batch())
+    msg = str(info.value)
+    assert f"test_capture_hints.py:{_line_of(MaskAssigned, 'ASSIGN-LINE')}" in msg, msg
+    assert "h[mask] = v" in msg and "torch.where(mask.unsqueeze(-1), v, h)" in msg
+
+
+def test_the_suggested_where_trains_exactly_as_eager_mask_assignment() -> None:
+    batches = [_mask_batch() for _ in range(3)]
+    model = MaskSelected()
+    ref = MaskAssigned()
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(ref.parameters(), lr=fxspeed.Config().lr, weight_decay=fxspeed.Config().weight_decay)
+    engine = _compile(model, batches[0])
+    for i, b in enumerate(batches):
+        loss = engine.train_step(*b)
+        opt.zero_grad()
+        ref_loss = ref(*b)
+        ref_loss.backward()
+        opt.step()
+        assert_close_rel(loss, ref_loss.item(), f"loss at step {i}")
+    assert_models_match(model, ref)
+
+
+def test_hugging_face_layerdrop_is_refused_with_the_config_key_that_turns_it_off() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+        num_labels=3, mask_time_prob=0.0, layerdrop=0.1)
+    torch.manual_seed(0)
+    batch = {"input_values": torch.randn(2, 400), "labels": torch.tensor([0, 2])}
+    with pytest.raises(fxspeed.CaptureError) as info:
+        _compile(transformers.Wav2Vec2ForSequenceClassification(config), batch)
+    msg = str(info.value)
+    assert "LayerDrop" in msg and "config.layerdrop" in msg and "modeling_wav2vec2.py" in msg, msg
+    config.layerdrop = 0.0
+    engine = _compile(transformers.Wav2Vec2ForSequenceClassification(config), batch)
+    assert math.isfinite(engine.train_step(**batch))
+
+
 # --------------------------------------------------------------------------------------------
 # a tensor's value read inside torch's own modules
 # --------------------------------------------------------------------------------------------
@@ -225,8 +292,15 @@ def test_batchnorm_with_momentum_none_names_the_torch_module_and_asks_for_a_fixe
         _compile(CumulativeBN(), (torch.randn(4, 8), torch.randn(4, 8)))
     msg = str(info.value)
     assert "inside torch's `bn` (BatchNorm1d)" in msg and "momentum=None" in msg and "momentum=0.1" in msg
+    assert "model.bn.momentum = 0.1" in msg
     assert "batchnorm.py" in msg
     assert f"test_capture_hints.py:{_line_of(CumulativeBN, 'BN-LINE')}" in msg
+
+
+def test_a_submodule_in_a_sequential_is_named_as_python_that_reaches_it() -> None:
+    from fxspeed.compiler.capture import _python_path
+
+    assert _python_path("f.1") == "model.f[1]" and _python_path("blocks.0.ln.2") == "model.blocks[0].ln[2]"
 
 
 class MaskedTransformer(nn.Module):

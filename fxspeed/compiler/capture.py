@@ -28,7 +28,7 @@ import sys
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 from unittest import mock
 
 import torch
@@ -1375,6 +1375,25 @@ def _known_capture_error(model: nn.Module, wrapper: "_StepModule", tensors: list
             "from the batch, or from detached / no_grad values), and check that the parameters it should "
             "train have requires_grad=True."
         )
+    chain = _exception_chain(e)
+    if any("DynamicOutputShape" in type(c).__name__ for c in chain) and not any(
+            _user_frame(c.__traceback__) for c in chain):
+        # Raised in AOT export's backward, where no user line is: index_put's backward reads the
+        # gradient at the mask's True entries (nonzero: as many as the data has)
+        found = _find_op(wrapper, tensors, _mask_assignment)
+        if found is not None:
+            _, op, frame = found
+            where = f" at {frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`" if frame else ""
+            return CaptureError(
+                f"cannot capture the training step of {name} in op {op}{where}: an assignment through a boolean "
+                "mask (h[mask] = v) has a backward whose shape depends on the mask's values (the gradient of v "
+                "is read at the mask's True entries), and one captured graph needs every shape before it sees "
+                "the data. How to fix: write it as a select of fixed shape, h = torch.where(mask.unsqueeze(-1), "
+                "v, h) for a mask over h's leading dims and v broadcast over the selected rows (or "
+                "h.masked_fill(mask.unsqueeze(-1), value) for a constant); Hugging Face speech models do this "
+                "for SpecAugment: set config.mask_time_prob=0 and mask_feature_prob=0.",
+                op=op, source=f"{frame.filename}:{frame.lineno}" if frame else None,
+            )
     if "requires gradients, and received a mutation" in msg:
         found = _find_parameter_mutation(wrapper, tensors)
         if found is not None:
@@ -1421,9 +1440,7 @@ def _find_write(wrapper: "_StepModule", named: list[tuple[str, torch.Tensor]], t
                 ) -> tuple[str, str, traceback.FrameSummary | None] | None:
     """Run forward+loss once more on the (fake) tensors, watching for an op that writes into
     the storage of one of the `named` tensors. Returns (name, op, user frame) of the first one."""
-    from torch._guards import detect_fake_mode
     from torch.multiprocessing.reductions import StorageWeakRef
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     if not named:
         return None
@@ -1431,24 +1448,40 @@ def _find_write(wrapper: "_StepModule", named: list[tuple[str, torch.Tensor]], t
         storages = {StorageWeakRef(p.untyped_storage()): n for n, p in named}
     except Exception:  # noqa: BLE001 - a diagnostic only
         return None
+
+    def writes(func: Any, args: tuple, kwargs: dict) -> str | None:
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            t = args[i] if i < len(args) else kwargs.get(a.name)
+            if isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) in storages:
+                return storages[StorageWeakRef(t.untyped_storage())]
+        return None
+
+    return _find_op(wrapper, tensors, writes, [p for _, p in named])
+
+
+def _find_op(wrapper: "_StepModule", tensors: list[torch.Tensor], match: Callable[[Any, tuple, dict], str | None],
+             more: Sequence[torch.Tensor] = ()) -> tuple[str, str, traceback.FrameSummary | None] | None:
+    """Run forward+loss once more on the (fake) tensors, watching the ATen ops it calls for the
+    first that `match(func, args, kwargs)` names (a non-None label). Returns (label, op, user
+    frame), or None. For errors that torch raises with no user line (in AOT export's backward)."""
+    from torch._guards import detect_fake_mode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     found: list[tuple[str, str, traceback.FrameSummary | None]] = []
 
     class _Watch(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
             kwargs = kwargs or {}
             if not found:
-                for i, a in enumerate(func._schema.arguments):
-                    if a.alias_info is None or not a.alias_info.is_write:
-                        continue
-                    t = args[i] if i < len(args) else kwargs.get(a.name)
-                    if isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) in storages:
-                        frames = traceback.StackSummary.extract(traceback.walk_stack(None))
-                        found.append((storages[StorageWeakRef(t.untyped_storage())], str(func),
-                                      _first_user_frame(reversed(frames))))
-                        break
+                label = match(func, args, kwargs)
+                if label is not None:
+                    frames = traceback.StackSummary.extract(traceback.walk_stack(None))
+                    found.append((label, str(func), _first_user_frame(reversed(frames))))
             return func(*args, **kwargs)
 
-    mode = detect_fake_mode(tensors) or detect_fake_mode([p for _, p in named])
+    mode = detect_fake_mode(tensors) or detect_fake_mode(list(more))
     try:
         with contextlib.ExitStack() as stack:
             if mode is not None:
@@ -1460,6 +1493,17 @@ def _find_write(wrapper: "_StepModule", named: list[tuple[str, torch.Tensor]], t
     except Exception:  # noqa: BLE001 - a diagnostic only; what it saw before failing still counts
         pass
     return found[0] if found else None
+
+
+_INDEX_PUT = ("aten::index_put", "aten::index_put_", "aten::_index_put_impl_")
+
+
+def _mask_assignment(func: Any, args: tuple, kwargs: dict) -> str | None:
+    """`h[mask] = v`: an index_put whose index is a boolean mask."""
+    if func._schema.name not in _INDEX_PUT or len(args) < 2:
+        return None
+    masks = [i for i in args[1] if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
+    return "mask assignment" if masks else None
 
 
 def _first_user_frame(frames: Any) -> traceback.FrameSummary | None:
@@ -1482,6 +1526,24 @@ _DTYPE_ERROR = re.compile(r"to have one of the following scalar types|Expected d
                           r"|must have the same dtype|to have the same dtype|expected target dtype|dtype .* but got")
 
 
+def _near(frame: traceback.FrameSummary, word: str, lines: int = 3) -> bool:
+    """Whether `word` is in the source of `frame`'s line or the `lines` before it."""
+    import linecache
+
+    return any(word in linecache.getline(frame.filename, i).lower()
+               for i in range(max(1, (frame.lineno or 1) - lines), (frame.lineno or 0) + 1))
+
+
+def _exception_chain(e: BaseException) -> list[BaseException]:
+    """`e` and the exceptions it was raised from or during, innermost last."""
+    chain: list[BaseException] = []
+    cur: BaseException | None = e
+    while cur is not None and cur not in chain:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return chain
+
+
 def _capture_error(model: nn.Module, e: BaseException, train: bool = True) -> CaptureError:
     op = getattr(e, "func", None)
     op_name = str(op) if op is not None else None
@@ -1495,11 +1557,7 @@ def _capture_error(model: nn.Module, e: BaseException, train: bool = True) -> Ca
     code = f" `{frame.line.strip()}`" if frame and frame.line else ""
     hint = "rewrite that line without the unsupported construct"
     reason = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
-    chain: list[BaseException] = []
-    cur = e
-    while cur is not None and cur not in chain:
-        chain.append(cur)
-        cur = cur.__cause__ or cur.__context__
+    chain = _exception_chain(e)
     if any("DynamicOutputShape" in type(c).__name__ for c in chain) or (
             op_name and any(k in op_name for k in ("nonzero", "masked_select", "unique"))):
         # Rule: boolean-mask indexing (h[mask]) lowers to aten.nonzero, whose output shape is the
@@ -1518,6 +1576,14 @@ def _capture_error(model: nn.Module, e: BaseException, train: bool = True) -> Ca
         inside = next((c for c in (_torch_callee(model, x) for x in chain) if c is not None), None)
         if inside is not None:
             reason, hint = _torch_module_hint(inside, reason, hint)
+        elif frame is not None and _near(frame, "layerdrop"):
+            # LayerDrop (Wav2Vec2, HuBERT, Whisper, BART, ...): a Python branch on a random draw per
+            # layer per step, in library code the user cannot rewrite
+            reason = ("LayerDrop decides in Python, from a random draw, whether each layer runs this step, and "
+                      "one captured graph cannot branch on the data")
+            hint = ("set the model's LayerDrop probability to 0 before compile (Hugging Face: config.layerdrop, "
+                    "encoder_layerdrop or decoder_layerdrop = 0.0, when building the model from its config); "
+                    "every layer then runs, as in evaluation")
     elif any(isinstance(c, (RuntimeError, ValueError, TypeError)) and _DTYPE_ERROR.search(str(c)) for c in chain):
         hint = ("the model raises this for the example's dtypes, eagerly too: token ids, class labels and indices "
                 "must be int64 (torch.long) tensors, and the tensors a matmul or cat combines of one floating "
@@ -1587,6 +1653,11 @@ def _torch_callee(model: nn.Module, e: BaseException
             [f.f_code.co_name for f, _ in deeper])
 
 
+def _python_path(path: str, root: str = "model") -> str:
+    """A submodule's dotted name as Python that reaches it: "f.1.bn" -> "model.f[1].bn"."""
+    return root + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in path.split(".") if p)
+
+
 def _torch_module_hint(inside: tuple, reason: str, hint: str) -> tuple[str, str]:
     """A tensor's value read inside torch's own module code, which the user cannot rewrite:
     name the module and, for the known cases, the setting that avoids it."""
@@ -1598,7 +1669,7 @@ def _torch_module_hint(inside: tuple, reason: str, hint: str) -> tuple[str, str]
         reason += (f". {who} has momentum=None: torch then keeps a cumulative average of the running "
                    "statistics, dividing by the step count as a Python number (float(num_batches_tracked))")
         hint = (f"give {who} a fixed momentum (e.g. momentum=0.1, the default, in its constructor, or "
-                f"model.{path}.momentum = 0.1 before compile)")
+                f"{_python_path(path)}.momentum = 0.1 before compile)")
     elif "_detect_is_causal_mask" in funcs:
         arg = "is_causal" if isinstance(mod, (nn.TransformerEncoder, nn.TransformerEncoderLayer)) else "tgt_is_causal"
         if isinstance(outer, nn.Transformer):
