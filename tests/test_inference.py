@@ -53,6 +53,12 @@ def _hf(name: str) -> torch.nn.Module:
         cfg = transformers.OPTConfig(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=4,
                                      word_embed_proj_dim=32, init_std=0.2, **common)
         return transformers.OPTForCausalLM(cfg).eval()
+    if name.startswith("qwen3_moe"):  # Hugging Face's grouped_mm experts: 8 of them top-2, or 4 top-1
+        experts, top = (4, 1) if name.endswith("top1") else (8, 2)
+        cfg = transformers.Qwen3MoeConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=8, num_experts=experts, num_experts_per_tok=top,
+                                          moe_intermediate_size=16, initializer_range=0.2, **common)
+        return transformers.Qwen3MoeForCausalLM(cfg).eval()
     raise ValueError(name)
 
 
@@ -70,8 +76,12 @@ def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return (out if isinstance(out, torch.Tensor) else out.logits)[0]
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "fxspeed_gpt", "mistral", "neox", "opt", "qwen2", "phi"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "fxspeed_gpt", "mistral", "neox", "opt", "qwen2", "phi", "qwen3_moe",
+                                  "qwen3_moe_top1"])
 def test_greedy_tokens_equal_hugging_face_generate_over_a_mixed_length_batch(name):
+    """qwen3_moe: the experts' group offsets (a cumsum over 8 experts) were refused as a scan over
+    the 8 tokens of a bucket; qwen3_moe_top1: the inverse of the sort by expert (an arange as long
+    as the row) was taken for the positions."""
     model = _gpt() if name == "fxspeed_gpt" else _hf(name)
     engine = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
     engine._serving.record_logits = {}

@@ -254,11 +254,17 @@ _ALONG_DIM = {aten.cumsum.default: 1, aten.cumprod.default: 1, aten.logcumsumexp
 
 
 def _token_mixing(n: fx.Node, T: int) -> bool:
-    """Whether `n` combines floating values along a dim of size T (the packed row's tokens)."""
+    """Whether `n` combines floating values into floating values along a dim of size T (the
+    packed row's tokens). An integer result is index arithmetic, not a layer's activations: the
+    offsets of a mixture of experts' token groups (Hugging Face's grouped_mm: cumsum(histc(expert
+    ids), dtype=int32) over the experts) were refused as a scan over the tokens wherever the
+    number of experts equalled a bucket's token count (8, 64, 128: every power of two)."""
     if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
         return False
-    x = n.args[0].meta.get("val")
+    x, out = n.args[0].meta.get("val"), n.meta.get("val")
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return False
+    if isinstance(out, torch.Tensor) and not out.is_floating_point():
         return False
     if n.target == aten.convolution.default:
         return T in x.shape[2:]
@@ -286,13 +292,29 @@ def _refuse_token_mixing(g: fx.Graph, ctx: PassContext, T: int) -> None:
 
 
 def _aranges(g: fx.Graph, T: int) -> list[fx.Node]:
+    """The aranges of length T that may be the tokens' positions. Not one that is only written
+    into a permutation's inverse (`inv[perm] = arange(n)`, Hugging Face's grouped_mm undoing its
+    sort of the tokens by expert: n = tokens x top-k, T under top-1 routing): replaced by the
+    positions, it would have scrambled the experts' outputs of every request but the first."""
     out = []
     for n in g.nodes:
         if n.op == "call_function" and n.target in (aten.arange.default, aten.arange.start, aten.arange.start_step):
             v = n.meta.get("val")
-            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == T:
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == T and not _inverts_a_permutation(n):
                 out.append(n)
     return out
+
+
+def _inverts_a_permutation(r: fx.Node) -> bool:
+    """`r` is read only as the values of index_put / index_copy / scatter (`inv[perm] = r`),
+    directly or through views (a 1-token row's arange(1) is viewed as a scalar first)."""
+    writes = {aten.index_put.default: 2, aten.index_put_.default: 2, aten._index_put_impl_.default: 2,
+              aten.index_copy.default: 3, aten.scatter.src: 3}
+    views = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+    return bool(r.users) and all(
+        _inverts_a_permutation(u) if u.target in views and u.args[0] is r
+        else u.target in writes and len(u.args) > writes[u.target] and u.args[writes[u.target]] is r
+        for u in r.users)
 
 
 def _thread_positions(gm: fx.GraphModule, ctx: PassContext, T: int, device: torch.device) -> None:
