@@ -281,10 +281,12 @@ def test_two_tensor_parallel_ranks_serve_the_tokens_and_logits_of_one_device(tmp
     within 1e-4 of a full forward, Llama also with the fusion passes on (each rank fuses its own
     heads); sampling without a seed agrees over the ranks; bad requests fail alone; a stream stopped
     at different tokens on the ranks is an error on the rank that goes on, not a hang; a Llama whose
-    6 query / 3 key/value heads do not split over 2 ranks is served, with one device's tokens."""
+    6 query / 3 key/value heads do not split over 2 ranks is served, with one device's tokens; so is
+    a Phi3 (fused qkv, grouped keys) whose largest bucket all-gathers its repeated keys' tokens."""
     from tests.multiprocess import launch_worker
 
-    cases = ("gpt2", "llama", "gpt", "opt", "llama_fused", "sampling", "bad_request", "stream_stops", "uneven_heads")
+    cases = ("gpt2", "llama", "gpt", "opt", "llama_fused", "sampling", "bad_request", "stream_stops", "uneven_heads",
+             "fused_qkv_gqa")
     launch_worker("tests.workers.serving_worker", 2, tmp_path, "--case", ",".join(cases), timeout=600)
     for case in cases:
         for rank in range(2):

@@ -45,6 +45,7 @@ from fxspeed.ir.attention import SDPA_FORWARD, sdpa_arg, sdpa_mask
 from fxspeed.runtime.kernels import paged_attention as _registers_the_op  # noqa: F401 - torch.ops.fxspeed.paged_attention
 
 aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
 
 METADATA = ("slot_mapping", "block_table", "query_index", "query_pos")
 NOMINAL_BLOCKS, NOMINAL_BLOCK_SIZE = 1, 16  # the cache placeholders' traced shape; the runtime binds any
@@ -67,22 +68,50 @@ def _unrepeat(k: fx.Node, g: fx.Graph, before: fx.Node) -> fx.Node:
     n = n.args[0]
     if n.target == aten.clone.default:
         n = n.args[0]
-    if n.target != aten.expand.default:
+    ns, ks = tuple(n.meta["val"].shape), tuple(k.meta["val"].shape)
+    # [B, kv, rep, S, hd], the repeat over dim 2, viewed as [B, kv*rep, S, hd]
+    if not (len(ns) == 5 and len(ks) == 4 and ns[0] == ks[0] and ns[3:] == ks[2:] and ns[1] * ns[2] == ks[1]):
         return k
-    e = n.args[0]
-    es, ks = tuple(e.meta["val"].shape), tuple(k.meta["val"].shape)
-    # [B, kv, 1, S, hd] broadcast over dim 2 to [B, kv, rep, S, hd] and viewed as [B, kv*rep, S, hd]
-    if not (len(es) == 5 and es[2] == 1 and len(ks) == 4 and es[0] == ks[0] and es[3:] == ks[2:]
-            and ks[1] % es[1] == 0):
-        return k
-    if e.target == aten.unsqueeze.default and e.args[1] == 2:
-        return e.args[0]
-    # Whatever made the unrepeated 5-d value: under tensor parallelism an all-reduce of partial
-    # sums (and the permute/clone/permute restoring its layout) can sit between the unsqueeze and
-    # the expand; its dim 2 is dropped by a view instead, so the cache still holds kv heads, not
-    # the repeated ones (h31: 2x the cache for the values of a Llama 6/3 layer at tensor=2).
-    with g.inserting_before(before):
-        return call(g, aten.squeeze.dim, (e, 2))
+    if n.target == aten.expand.default and tuple(n.args[0].meta["val"].shape)[2:3] == (1,):
+        e = n.args[0]
+        if e.target == aten.unsqueeze.default and e.args[1] == 2:
+            return e.args[0]
+        # Whatever made the unrepeated 5-d value: under tensor parallelism an all-reduce of partial
+        # sums (and the permute/clone/permute restoring its layout) can sit between the unsqueeze and
+        # the expand; its dim 2 is dropped by a view instead, so the cache still holds kv heads, not
+        # the repeated ones (h31: 2x the cache for the values of a Llama 6/3 layer at tensor=2).
+        with g.inserting_before(before):
+            return call(g, aten.squeeze.dim, (e, 2))
+    if ns[2] > 1 and _repeated_along(n, 2):
+        # The repeat made before an all-gather of the tokens (tensor parallelism's sequence split of
+        # a fused qkv projection: Phi3 at tensor=2 cached [2, 4] heads in one bucket and [2, 2] in
+        # another, and serve refused it): every entry along dim 2 is the same, take the first
+        with g.inserting_before(before):
+            return call(g, aten.select.int, (n, 2, 0))
+    return k
+
+
+def _repeated_along(x: fx.Node, dim: int) -> bool:
+    """Whether every entry of `x` along `dim` is the same value: an expand from size 1 there,
+    reached through ops that move whole entries without mixing that dim (copies, permutes,
+    waits, an all-gather along another dim)."""
+    for _ in range(16):
+        if not isinstance(x, fx.Node) or x.op != "call_function":
+            return False
+        t = x.target
+        if t == aten.expand.default:
+            src = x.args[0].meta["val"]
+            d = dim - (x.meta["val"].dim() - src.dim())
+            return d >= 0 and src.shape[d] == 1 or d < 0
+        if t == aten.permute.default:
+            dim = list(x.args[1])[dim] % x.meta["val"].dim()
+        elif t == c10d.all_gather_into_tensor.default:
+            if dim == 0:
+                return False
+        elif t not in (aten.clone.default, aten._to_copy.default, aten.alias.default, c10d.wait_tensor.default):
+            return False
+        x = x.args[0]
+    return False
 
 
 def _placeholder(gm: fx.GraphModule, ctx: PassContext, spec: IOSpec, val: torch.Tensor) -> fx.Node:

@@ -31,7 +31,7 @@ run_cases).
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from typing import Any, Callable
 import os
 
 import torch
@@ -76,6 +76,12 @@ def build(name: str) -> torch.nn.Module:
         cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=192, intermediate_size=384,
                                        num_attention_heads=6, num_key_value_heads=3, initializer_range=0.2, **common)
         return transformers.LlamaForCausalLM(cfg).eval()
+    if name == "phi3":  # a fused qkv projection, 4 query / 2 key/value heads
+        cfg = transformers.Phi3Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                                      initializer_range=0.2, pad_token_id=0,
+                                      **{**common, "max_position_embeddings": 128, "vocab_size": 256})
+        return transformers.Phi3ForCausalLM(cfg).eval()
     raise ValueError(name)
 
 
@@ -172,18 +178,33 @@ def case_uneven_heads() -> str:
     layer, not the 6 repeated ones (it held 6 in that layer)."""
     import dataclasses
 
+    slow = dataclasses.replace(fxspeed.devices("cpu")[0], flops={"fp32": 1e8}, mem_bandwidth=1e7)
+    return served_on("llama_6_3heads", slow, [3, 3])
+
+
+def case_fused_qkv_gqa() -> str:
+    """Phi3 (a fused qkv projection, 4 query / 2 key/value heads) on devices whose compute is slow
+    next to their links: the solver splits the tokens of one bucket's fused projection and
+    all-gathers them after repeat_kv. That bucket cached the 4 repeated heads of one layer where
+    the others cached 2, and serve refused the model ("please report this")."""
+    return served_on("phi3", fxspeed.DeviceSpec("slow-compute", 1e9, {"fp32": 1e8}, 1e9, 1e12, "cpu"), [2, 2],
+                     token_budget=256, max_batch=16, block_size=16, cache_tokens=1024)
+
+
+def served_on(name: str, device: fxspeed.DeviceSpec, heads: list[int], **serve: Any) -> str:
+    """Model `name` served at T=2 on `device`s: the cache holds `heads` per layer on each rank, and
+    the tokens and logits are one device's."""
     T = int(os.environ["WORLD_SIZE"])
-    model = build("llama_6_3heads")
+    model = build(name)
     eager = copy.deepcopy(model)
-    slow = [dataclasses.replace(fxspeed.devices("cpu")[0], flops={"fp32": 1e8}, mem_bandwidth=1e7)] * T
-    engine = fxspeed.serve(model, devices=slow, config=fxspeed.Config(tensor=T), token_budget=8, max_batch=3,
-                           block_size=4, cache_tokens=96)
+    serve = {"token_budget": 8, "max_batch": 3, "block_size": 4, "cache_tokens": 96, **serve}
+    engine = fxspeed.serve(model, devices=[device] * T, config=fxspeed.Config(tensor=T), **serve)
     if engine.plan.tensor != 2 or engine.plan.tp_collectives_per_step < 2:
         return f"plan: tensor={engine.plan.tensor}, {engine.plan.tp_collectives_per_step} tp collectives per step"
-    heads = [h for h, _, _ in engine._serving.cache.layout]
-    if heads != [3, 3]:
-        return f"the cache holds {heads} heads per layer, not the 3 key/value heads"
-    return generates_like_one_device(engine, eager, "llama_6_3heads")
+    got = [h for h, _, _ in engine._serving.cache.layout]
+    if got != heads:
+        return f"the cache holds {got} heads per layer, not {heads}"
+    return generates_like_one_device(engine, eager, name)
 
 
 def case_sampling() -> str:
@@ -298,6 +319,7 @@ CASES = {
     "bad_request": case_bad_request,
     "stream_stops": case_stream_stops,
     "uneven_heads": case_uneven_heads,
+    "fused_qkv_gqa": case_fused_qkv_gqa,
 }
 
 if __name__ == "__main__":
