@@ -104,6 +104,22 @@ def test_greedy_tokens_equal_hugging_face_generate_over_a_mixed_length_batch(nam
     assert set(engine._serving.programs) <= set(engine._serving.buckets)  # one program per bucket, reused
 
 
+def test_an_moe_asked_for_its_router_logits_is_refused_naming_the_setting_and_serves_without_them():
+    """Hugging Face collects router logits through hooks that returned more outputs from each of
+    the trace's two calls: the error was "spec mismatch: existing=TreeSpec(tuple, ..." and the
+    generic "rewrite that line"."""
+    model = _hf("qwen3_moe")
+    model.config.output_router_logits = True
+    with pytest.raises(fxspeed.CaptureError, match=r"model.config.output_router_logits = False"):
+        fxspeed.serve(model, token_budget=4, max_batch=2, block_size=4, cache_tokens=32)
+    model = _hf("qwen3_moe")
+    model.config.output_router_logits = False
+    engine = fxspeed.serve(model, token_budget=4, max_batch=2, block_size=4, cache_tokens=32)
+    p = PROMPTS[0]
+    ref = model.generate(torch.tensor([p]), max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert engine.generate([p], max_new_tokens=3) == [ref[0, len(p):].tolist()]
+
+
 @pytest.fixture(scope="module")
 def gpt2_engine():
     model = _hf("gpt2")

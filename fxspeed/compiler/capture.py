@@ -1601,6 +1601,16 @@ def _capture_error(model: nn.Module, e: BaseException, train: bool = True) -> Ca
                   "for a later call (as Hugging Face's longrope keeps long_inv_freq); the compiled program cannot "
                   "hold it")
         hint = "make it in __init__ (a buffer) or recompute it in every forward"
+    elif any("spec mismatch" in str(c) for c in chain):
+        # AOT export calls forward twice (metadata, then the trace) and both must return the same
+        # structure; Hugging Face's output-capturing hooks (router logits, attentions, hidden
+        # states asked for by the config) returned more outputs from each call
+        reason = ("forward returned a different number of outputs from each of the trace's calls (as Hugging Face "
+                  "models do with config.output_router_logits, output_attentions or output_hidden_states, which "
+                  "collect those outputs through hooks)")
+        hint = ("turn those outputs off for this step: model.config.output_router_logits = False (and "
+                "output_attentions / output_hidden_states = False); an MoE's auxiliary loss is then left out, which "
+                "serving and evaluation do not need")
     elif any("modified by an inplace operation" in str(c) for c in chain):
         # autograd's own message ends "... Good luck!" and names no line: the write is in forward,
         # the failure in backward, where no user frame is
