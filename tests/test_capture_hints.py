@@ -273,6 +273,21 @@ def test_hugging_face_layerdrop_is_refused_with_the_config_key_that_turns_it_off
     assert math.isfinite(engine.train_step(**batch))
 
 
+def test_hugging_faces_eager_experts_loop_is_refused_naming_the_experts_implementations_of_fixed_shapes() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    if not hasattr(model, "set_experts_implementation"):
+        pytest.skip("this transformers has one experts implementation")
+    model.set_experts_implementation("eager")
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(fxspeed.CaptureError, match=r"set_experts_implementation\('grouped_mm'\)"):
+        _compile(model, {"input_ids": ids, "labels": ids})
+
+
 # --------------------------------------------------------------------------------------------
 # a tensor's value read inside torch's own modules
 # --------------------------------------------------------------------------------------------

@@ -1569,6 +1569,12 @@ def _capture_error(model: nn.Module, e: BaseException, train: bool = True) -> Ca
                 "the selected entries with the mask as a weight, e.g. for ((h[m] - y[m]) ** 2).mean() with a "
                 "bool mask m over rows: w = m.unsqueeze(-1).to(h.dtype); (((h - y) ** 2) * w).sum() / "
                 "(w.sum() * h.shape[-1])")
+        if frame is not None and "transformers" in frame.filename and _near(frame, "expert"):
+            # Hugging Face's "eager" mixture of experts loops over the experts that got tokens
+            reason += (" (the mixture of experts' loop over the experts that received tokens, Hugging Face's "
+                       "'eager' experts implementation)")
+            hint = ("choose an experts implementation of fixed shapes before compile: "
+                    "model.set_experts_implementation('grouped_mm') (or 'batched_mm'), as Hugging Face does by default")
     elif op_name and "_local_scalar_dense" in op_name or "data-dependent" in str(e).lower() or "DataDependent" in type(e).__name__:
         op_name = op_name or "aten._local_scalar_dense"
         reason = "a tensor's value is used in Python control flow or converted to a Python number (.item(), if tensor:, int(tensor))"
