@@ -601,8 +601,12 @@ def _attention_strategy(node: fx.Node, ins: list[fx.Node], shapes: list[Any], T:
     for name, s in zip(names, shapes):
         if name in PER_HEAD:
             want.append(S(1) if len(s) >= 3 and s[1] > 1 else R)
-        else:  # a mask (per head, or broadcast over heads), seeds, sequence lengths
-            want.append(S(1) if name in MASKS and len(s) == 4 and s[1] > 1 else R)
+        elif name in MASKS and len(s) >= 3 and s[-3] > 1:  # a mask per head ([B,] heads, L, S)
+            if len(s) != 4:
+                return None  # [heads, L, S], broadcast over the batch: no rule
+            want.append(S(1))
+        else:  # a mask broadcast over heads, seeds, sequence lengths
+            want.append(R)
     q = shapes[names.index("query")] if "query" in names else None
     if q is None or len(q) != 4 or not all(_valid(w, s, T) for w, s in zip(want, shapes)):
         return None
