@@ -241,6 +241,10 @@ def _as_on_cuda(gm: fx.GraphModule) -> fx.GraphModule:
             q, k, v, dropout, causal = (*n.args, 0.0, False)[:5]
             mask = n.kwargs.get("attn_mask")
             with g.inserting_before(n):
+                if mask is not None:  # aten's preprocess_mask: the mask expanded over the heads
+                    heads = tuple(q.meta["val"].shape[:2]) + tuple(mask.meta["val"].shape[2:])
+                    mask = g.call_function(aten.expand.default, (mask, list(heads)))
+                    mask.meta = {"val": old[n].meta["val"][0].new_empty(heads)}
                 e = g.call_function(aten._scaled_dot_product_efficient_attention.default,
                                     (q, k, v, mask, True, dropout, causal), {"scale": n.kwargs.get("scale")})
             e.meta = {**old[n].meta, "val": (*old[n].meta["val"], torch.zeros((), dtype=torch.int64),
@@ -256,7 +260,7 @@ def _as_on_cuda(gm: fx.GraphModule) -> fx.GraphModule:
                 for x, i in ((seed, 2), (offset, 3)):
                     x.meta = {"val": fwd.meta["val"][i]}
                 b = g.call_function(aten._scaled_dot_product_efficient_attention_backward.default,
-                                    (grad, q, k, v, n.kwargs.get("attn_mask"), o, lse, seed, offset, dropout,
+                                    (grad, q, k, v, fwd.args[3], o, lse, seed, offset, dropout,
                                      [True, True, True, False], causal), {"scale": n.kwargs.get("scale")})
             b.meta = {**old[n].meta, "val": (*old[n].meta["val"], torch.zeros(0))}
             n.replace_all_uses_with(b)
@@ -282,7 +286,8 @@ def test_a_cuda_programs_attention_kernels_are_split_by_heads_as_the_cpu_flash_k
         solved["cpu"] = solve(gm, sig, device, 2)[0]
         cuda = _as_on_cuda(gm)
         masks = [n.args[3] for n in cuda.graph.nodes if n.target == torch.ops.aten._scaled_dot_product_efficient_attention.default]
-        assert name != "bert" or (masks and None not in masks), masks
+        assert name != "bert" or (masks and all(m is not None and m.target == torch.ops.aten.expand.default
+                                                for m in masks)), masks
         assert torch.ops.aten._scaled_dot_product_efficient_attention_backward.default in {
             n.target for n in cuda.graph.nodes}
         solved["cuda"] = solve(cuda, sig, device, 2)[0]

@@ -913,8 +913,12 @@ def _cheapest(n: fx.Node, ins: list[fx.Node], pl: list[Placement], derived: set[
         # the shard another input has (label smoothing's gradient added to vocabulary-sharded
         # logits): it holds no per-element data there, so no activation is split anew.
         matched = n.target in _POINTWISE and any(p.kind == "S" and p == w for p, w in zip(pl, st.want))
+        # So may attention slice a mask broadcast over the heads: CUDA's memory-efficient kernel
+        # gets the padding mask [B, 1, L, S] expanded to [B, H, L, S] (aten's preprocess_mask)
+        heads = n.target in SDPA_FORWARD or n.target in SDPA_BACKWARD
         c = sum(reads(p, w, i) if p.kind != "R" or w.kind != "S" or i in derived or
-                (matched and (w.rep >= T or _broadcast_along(i, w.dim))) else math.inf for p, w, i in zip(pl, st.want, ins))
+                (matched and (w.rep >= T or _broadcast_along(i, w.dim))) or (heads and _broadcast_along(i, w.dim))
+                else math.inf for p, w, i in zip(pl, st.want, ins))
         c += cm.node(n, _div(st, T), _whole_bytes(cm, st, ins)) + sum(cm.move(P, R, b) for b in st.inner)
         if st.reduce_before_bias:
             c += cm.move(P, st.out, _nbytes(n))  # the product is reduced before the bias
