@@ -216,6 +216,8 @@ class MaskAssigned(nn.Module):
         self.fill = nn.Parameter(torch.randn(8))
 
     def forward(self, x: torch.Tensor, m: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        y = y.clone()
+        y[y > 5] = 0.0  # no gradient through it: not the line to blame
         h = self.a(x)
         h[m] = self.fill  # ASSIGN-LINE
         return ((h - y) ** 2).mean()
@@ -225,6 +227,7 @@ class MaskSelected(MaskAssigned):
     """The rewrite the error suggests."""
 
     def forward(self, x: torch.Tensor, m: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        y = torch.where(y > 5, 0.0, y)
         h = torch.where(m.unsqueeze(-1), self.fill, self.a(x))
         return ((h - y) ** 2).mean()
 

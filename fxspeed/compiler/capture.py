@@ -1499,11 +1499,13 @@ _INDEX_PUT = ("aten::index_put", "aten::index_put_", "aten::_index_put_impl_")
 
 
 def _mask_assignment(func: Any, args: tuple, kwargs: dict) -> str | None:
-    """`h[mask] = v`: an index_put whose index is a boolean mask."""
-    if func._schema.name not in _INDEX_PUT or len(args) < 2:
+    """`h[mask] = v` whose backward runs: an index_put with a boolean mask for an index, into or
+    from a tensor that needs a gradient (`y[y > 5] = 0` on the targets traces fine)."""
+    if func._schema.name not in _INDEX_PUT or len(args) < 3:
         return None
     masks = [i for i in args[1] if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
-    return "mask assignment" if masks else None
+    grads = any(isinstance(t, torch.Tensor) and t.requires_grad for t in (args[0], args[2]))
+    return "mask assignment" if masks and grads else None
 
 
 def _first_user_frame(frames: Any) -> traceback.FrameSummary | None:
