@@ -836,6 +836,25 @@ def check_pack_linear(mode: str) -> None:
         raise ConfigError(f"serve: pack_linear must be 'auto', 'always' or 'never', got {mode!r}")
 
 
+def sliding_windows(model: nn.Module) -> tuple[int, ...] | None:
+    """Each attention layer's sliding window (0: none), in layer order, from a Hugging Face
+    config: `sliding_window` on the layers `layer_types` names "sliding_attention" (Gemma3,
+    Qwen2, ...), or on every layer where the config has no layer kinds (Mistral, Mixtral). None
+    where no layer slides, or the config does not say which layers do (another kind of layer)."""
+    cfg = getattr(model, "config", None)
+    window = getattr(cfg, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0 \
+            or not getattr(cfg, "use_sliding_window", True):
+        return None
+    kinds = getattr(cfg, "layer_types", None)
+    if isinstance(kinds, (list, tuple)) and kinds:
+        if not set(kinds) <= {"sliding_attention", "full_attention"} or "sliding_attention" not in kinds:
+            return None
+        return tuple(window if k == "sliding_attention" else 0 for k in kinds)
+    layers = getattr(cfg, "num_hidden_layers", None)
+    return (window,) * layers if isinstance(layers, int) and layers > 0 else None
+
+
 def model_limits(model: nn.Module) -> tuple[int, int, str]:
     """(vocab size, context length, what that length is: for an error message) from the model's
     config (Hugging Face or fxspeed's GPT)."""
@@ -874,8 +893,10 @@ def model_limits(model: nn.Module) -> tuple[int, int, str]:
     layer_types = getattr(cfg, "layer_types", None)
     if isinstance(layer_types, (list, tuple)) and layer_types and "sliding_attention" not in layer_types:
         window = None  # Hugging Face's per-layer kinds: no layer slides (Qwen2's max_window_layers)
-    if isinstance(window, int) and window < ctx and getattr(cfg, "use_sliding_window", True):
-        # sliding-window attention is plain causal attention up to the window: serve that far
+    if isinstance(window, int) and window < ctx and getattr(cfg, "use_sliding_window", True) \
+            and sliding_windows(model) is None:
+        # A window whose layers the config does not name is not applied (the paged attention gets
+        # each layer's window from the config): served as plain causal attention, up to the window
         what = (f"the model's sliding window of {window} tokens (its context is {ctx}; fxspeed serves "
                 "sliding-window attention up to the window only)")
         ctx = window

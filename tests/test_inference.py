@@ -433,18 +433,61 @@ def test_cuda_graphs_without_a_cuda_device_or_under_tensor_parallelism_are_refus
         fxspeed.serve(_gpt(), cuda_graphs=True)
 
 
-def test_a_prompt_as_long_as_the_sliding_window_gets_its_one_new_token_and_a_longer_request_names_the_window():
+def test_a_full_context_prompt_gets_its_one_new_token_and_a_custom_window_is_served_up_to_it():
     """The last new token is never fed, so a request needs prompt + max_new_tokens - 1 positions
-    (a full-context prompt with one new token was refused); the limit of a sliding-window model
-    is its window, and the refusal says so (it said "the model's context")."""
-    model = _hf("mistral")  # sliding_window 48 < max_position_embeddings 64
+    (a full-context prompt with one new token was refused). A window the config does not name
+    per layer (set on the module, not the config) is served as causal attention up to it."""
+    model = _hf("llama")  # context 64
     engine = fxspeed.serve(model, token_budget=16, max_batch=2, block_size=8)
-    prompt = [(7 * i) % V for i in range(48)]
-    want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 48, dtype=torch.long), max_new_tokens=1,
-                          do_sample=False, pad_token_id=0)[0, 48:].tolist()
+    prompt = [(7 * i) % V for i in range(64)]
+    want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 64, dtype=torch.long), max_new_tokens=1,
+                          do_sample=False, pad_token_id=0)[0, 64:].tolist()
     out = engine.generate([prompt, prompt], max_new_tokens=[1, 2], on_error="return")
     assert out[0] == want
-    assert isinstance(out[1], fxspeed.RequestError) and "sliding window of 48 tokens" in str(out[1])
+    assert isinstance(out[1], fxspeed.RequestError) and "context of 64 tokens" in str(out[1])
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "qwen2"])
+def test_sliding_window_models_are_served_past_their_window_with_hugging_faces_tokens(family):
+    """Each layer's window from the config (Mistral: every layer; Gemma3: local layers between
+    global ones; Qwen2: the layers past max_window_layers) goes to the paged attention, which hides
+    keys that many positions back: requests run past the window (they were capped at it) and give
+    HF generate's greedy tokens and logits, over a mixed-length batch."""
+    torch.manual_seed(0)
+    small = dict(vocab_size=V, max_position_embeddings=64, attn_implementation="sdpa", num_hidden_layers=2,
+                 hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 initializer_range=0.2)
+    if family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**small, sliding_window=6))
+    elif family == "gemma3":
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **small, head_dim=8, sliding_window=5, layer_types=["sliding_attention", "full_attention"]))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**small, sliding_window=6, use_sliding_window=True,
+                                                                       max_window_layers=1))
+    model.eval()
+    engine = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=128)
+    engine._serving.record_logits = {}
+    prompts, new = [list(range(3, 23)), [5, 17, 3], list(range(30, 39))], [6, 12, 5]
+    outs = engine.generate(prompts, max_new_tokens=new)
+    with torch.no_grad():
+        for i, (p, n, o) in enumerate(zip(prompts, new, outs)):
+            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+            assert o == ref[0, len(p):].tolist(), f"request {i}"
+            want = _logits(model, p + o)[len(p) - 1:len(p) + n - 1]
+            torch.testing.assert_close(torch.stack(engine._serving.record_logits[i]), want, rtol=0, atol=1e-4)
+
+
+def test_a_config_window_the_model_does_not_apply_is_refused_not_applied():
+    """Llama ignores config.sliding_window: its masks are plain causal in a row longer than the
+    window, so the config's window (which the buckets too short to show it would apply) is wrong."""
+    from fxspeed.errors import FxspeedError
+
+    model = _hf("llama")
+    model.config.sliding_window = 6
+    with pytest.raises(FxspeedError, match=r"causality only, but the config's sliding window for that layer is 6"):
+        fxspeed.serve(model, token_budget=8, max_batch=2, block_size=4, cache_tokens=64)
 
 
 def test_the_default_cache_is_capped_at_half_the_free_memory_and_a_cache_that_cannot_be_allocated_names_cache_tokens(

@@ -120,28 +120,57 @@ def check(args: tuple, unread: torch.Tensor, out: torch.Tensor, caches: tuple, r
 @given(data=st.data(), S=st.integers(1, 3), Hkv=st.sampled_from([1, 2]), group=st.sampled_from([1, 2, 3, 4]),
        D=st.sampled_from([8, 16, 24, 32]), block_size=st.sampled_from([1, 2, 4, 8, 16]),
        dtype=st.sampled_from(sorted(DTYPES)), cache_dtype=st.sampled_from(["same", *sorted(DTYPES)]),
-       pad=st.integers(0, 3))
+       pad=st.integers(0, 3), window=st.sampled_from([0, 0, 1, 3, 8]))
 def test_the_kernel_gives_the_torch_path_s_attention_and_cache_over_mixed_batches(
-        data, S, Hkv, group, D, block_size, dtype, cache_dtype, pad) -> None:
+        data, S, Hkv, group, D, block_size, dtype, cache_dtype, pad, window) -> None:
     """Mixed steps (prompt chunks of several tokens beside decode tokens, contexts over several
     blocks, dummy query slots, bucket padding), GQA ratios 1-4, head dims not all powers of two,
-    caches in q's dtype or another (the torch path casts K/V to q's)."""
+    caches in q's dtype or another (the torch path casts K/V to q's), with or without a sliding
+    window (1: each query sees itself only)."""
     needs_interpreter()
     queries = data.draw(st.lists(st.integers(1, 5), min_size=S, max_size=S), label="queries")
     contexts = data.draw(st.lists(st.integers(0, 20), min_size=S, max_size=S), label="contexts")
     cdt = DTYPES[dtype if cache_dtype == "same" else cache_dtype]
     args, unread = make_step(queries, contexts, Hkv * group, Hkv, D, block_size, pad, DTYPES[dtype], cdt,
                              seed=data.draw(st.integers(0, 2 ** 16), label="seed"))
+    args = (*args, window)
     check(args, unread, *run_both(args, unread), dtype)
 
 
+@pytest.mark.parametrize("window", [0, 40])
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-def test_a_decode_step_over_long_contexts_matches_the_torch_path(dtype) -> None:
+def test_a_decode_step_over_long_contexts_matches_the_torch_path(dtype, window) -> None:
     """Decode only (one query per sequence), contexts spanning many blocks and several of the
-    kernel's key tiles, one sequence at position 0 (a prompt of one token)."""
+    kernel's key tiles, one sequence at position 0 (a prompt of one token). With a window of 40,
+    the query at 150 sees no key in the kernel's first tiles (its running max stays -inf there:
+    NaN, had the kernel subtracted it)."""
     needs_interpreter()
     args, unread = make_step([1, 1, 1, 1], [150, 0, 63, 64], 8, 2, 64, 16, 1, DTYPES[dtype], DTYPES[dtype], seed=1)
+    args = (*args, window)
     check(args, unread, *run_both(args, unread), dtype)
+
+
+def test_a_sliding_window_hides_the_keys_it_leaves_behind() -> None:
+    """The torch path's window against a dense reference: each query attends the last `window`
+    positions of its sequence, itself included."""
+    args, _ = make_step([3, 1], [5, 9], 4, 2, 8, 4, 0, torch.float32, torch.float32, seed=3)
+    q, k, v, kc, vc, slots, bt, qi, qp, scale = args
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(pa, "kernel_applies", lambda *a: False)
+        out = pa.paged_attention_impl(q, k, v, kc.clone(), vc.clone(), slots, bt, qi, qp, scale, 3)
+    kcw, vcw = kc.clone(), vc.clone()
+    kflat, vflat = pa._write_cache(k, v, kcw, vcw, slots)
+    for s in range(bt.shape[0]):
+        for i in range(qi.shape[1]):
+            t, p = int(qi[s, i]), int(qp[s, i])
+            if t == q.shape[2]:
+                continue
+            keys = torch.arange(max(0, p - 2), p + 1)
+            at = bt[s, keys // 4] * 4 + keys % 4
+            K, V = kflat[at].transpose(0, 1), vflat[at].transpose(0, 1)  # [Hkv, n, D]
+            K, V = K.repeat_interleave(2, 0), V.repeat_interleave(2, 0)
+            w = torch.softmax(q[0, :, t, None] @ K.transpose(1, 2) * scale, -1)
+            torch.testing.assert_close(out[0, :, t], (w @ V)[:, 0], rtol=1e-5, atol=1e-6)
 
 
 def _tiny_hf(name: str) -> torch.nn.Module:

@@ -29,6 +29,7 @@ A model whose forward takes no `position_ids` (fxspeed's GPT) makes its own `ara
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from typing import Any, Sequence
@@ -91,6 +92,10 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     from fxspeed.passes.graph.upcast_cpu_compute import upcast_cpu_compute, wanted as upcast_wanted
 
     opts = options or PassOptions.single_device(config)
+    from fxspeed.runtime.serving import sliding_windows
+
+    if not opts.kv_windows and (windows := sliding_windows(model)):
+        opts = dataclasses.replace(opts, kv_windows=windows)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     args, kwargs, kinds = _inputs(model, tokens, device)
     t0 = time.perf_counter()

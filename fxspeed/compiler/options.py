@@ -112,9 +112,13 @@ class PassOptions:
     # their fp32 linear weights pre-packed for oneDNN (0: none). Past about 128 rows MKL's GEMM is
     # as fast. why: runtime/kernels/packed_linear.py
     pack_linear_tokens: int = 128
+    # kv_cache (serving programs): each attention layer's sliding window in layer order (0: none),
+    # from the model's config (`capture_inference.sliding_windows`); () where it names none. A
+    # bucket of T <= window tokens cannot show the window in its masks, so it comes from here.
+    kv_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("fp32_modules", "split_points", "positions"):
+        for name in ("fp32_modules", "split_points", "positions", "kv_windows"):
             value = getattr(self, name)
             if isinstance(value, str) or not isinstance(value, (tuple, list)):
                 raise ConfigError(f"PassOptions.{name}={value!r} is invalid; give a sequence")

@@ -148,6 +148,11 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         raise PassError("kv_cache: the program has no `tokens` input; capture it with capture_inference")
     T = tokens.meta["val"].shape[-1]
     device = tokens.meta["val"].device
+    windows = tuple(ctx.options.kv_windows)
+    if windows and len(windows) != len(attention):
+        raise PassError(f"kv_cache: {ctx.model_name}'s config names the sliding window of {len(windows)} layers "
+                        f"(sliding_window and layer_types), but its forward has {len(attention)} attentions; which "
+                        "window is whose is unknown, so this model cannot be served yet")
     i64 = dict(dtype=torch.int64, device=device)
     meta = {k: _placeholder(gm, ctx, IOSpec(k, ""), torch.empty((T,) if k == "slot_mapping" else (1, T), **i64))
             for k in METADATA}
@@ -164,12 +169,23 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if not (causal or masked or T == 1):
             raise PassError(f"kv_cache: attention {n.name} of {ctx.model_name} is not causal (no mask, is_causal="
                             "False); a KV cache serves decoder (causal) attention only")
+        problem, window, mask = "", None, sdpa_mask(n)
         if masked and T > 1:
             # The paged attention is causal by construction and drops the mask: it must be the
             # plain causal mask, not one that also carries a bias (Falcon's ALiBi was served without it).
-            mask = sdpa_mask(n)
             problem, window = _not_causal(gm, ctx, mask, T)
-            if window is not None:  # a sliding window: served only up to it (the runtime's context limit)
+        if windows and T > 1 and (window or 0) != windows[layer] and (window is not None or T > windows[layer]):
+            # A T-token row's mask shows a window below T (else none): one that disagrees with the
+            # config's (a config window the model does not apply) would be applied wrongly in the
+            # buckets too short to show it
+            raise PassError(f"kv_cache: attention {n.name} of {ctx.model_name} (layer {layer}) masks keys "
+                            + (f"{window} or more positions back" if window is not None else "by causality only")
+                            + f", but the config's sliding window for that layer is {windows[layer] or 'none'} "
+                            "(sliding_window, layer_types); this model cannot be served yet")
+        if masked and T > 1:
+            if window is not None and not windows:
+                # a window the config does not name: served as causal attention up to it (the
+                # runtime's context limit), since the buckets too short to show it would not apply it
                 gm.meta["kv_cache_window"] = min(window, gm.meta.get("kv_cache_window", window))
             if problem:
                 raise PassError(f"kv_cache: attention {n.name} of {ctx.model_name} reads a mask {mask.name} that "
@@ -192,7 +208,7 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         with g.inserting_before(n):
             out = call(g, torch.ops.fxspeed.paged_attention.default,
                        (q, k0, v0, kc, vc, meta["slot_mapping"], meta["block_table"], meta["query_index"],
-                        meta["query_pos"], float(scale)))
+                        meta["query_pos"], float(scale), int(windows[layer]) if windows else 0))
         users = list(n.users)
         if isinstance(n.meta["val"], torch.Tensor):
             n.replace_all_uses_with(out)
@@ -283,17 +299,15 @@ _ALONG_DIM = {aten.cumsum.default: 1, aten.cumprod.default: 1, aten.logcumsumexp
 
 
 def _token_mixing(n: fx.Node, T: int) -> bool:
-    """Whether `n` combines floating values into floating values along a dim of size T (the
-    packed row's tokens). An integer result is index arithmetic, not a layer's activations: the
-    offsets of a mixture of experts' token groups (Hugging Face's grouped_mm: cumsum(histc(expert
-    ids), dtype=int32) over the experts) were refused as a scan over the tokens wherever the
-    number of experts equalled a bucket's token count (8, 64, 128: every power of two)."""
+    """Whether `n` combines floating values along a dim of size T (the packed row's tokens). Not
+    a scan of a histogram (histc / bincount: one entry per bin, not per token): the offsets of a
+    mixture of experts' token groups (Hugging Face's grouped_mm: cumsum(histc(expert ids)) over
+    the experts) were refused as a scan over the tokens wherever the number of experts equalled
+    a bucket's token count (8, 64, 128: every power of two)."""
     if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
         return False
-    x, out = n.args[0].meta.get("val"), n.meta.get("val")
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        return False
-    if isinstance(out, torch.Tensor) and not out.is_floating_point():
+    x = n.args[0].meta.get("val")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or _of_a_histogram(n.args[0]):
         return False
     if n.target == aten.convolution.default:
         return T in x.shape[2:]
@@ -303,6 +317,20 @@ def _token_mixing(n: fx.Node, T: int) -> bool:
     dims = n.args[at] if len(n.args) > at else n.kwargs.get("dims", n.kwargs.get("dim"))
     dims = [dims] if isinstance(dims, int) else list(dims or [])
     return any(x.shape[d] == T for d in dims if -x.dim() <= d < x.dim())
+
+
+def _of_a_histogram(x: fx.Node) -> bool:
+    """`x` is a histogram's counts, through casts and views."""
+    for _ in range(8):
+        if not isinstance(x, fx.Node) or x.op != "call_function":
+            return False
+        if x.target in (aten.histc.default, aten.bincount.default):
+            return True
+        if x.target not in (aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.view.default,
+                            aten._unsafe_view.default, aten.reshape.default, aten.clone.default):
+            return False
+        x = x.args[0]
+    return False
 
 
 def _refuse_token_mixing(g: fx.Graph, ctx: PassContext, T: int) -> None:
@@ -336,7 +364,9 @@ def _aranges(g: fx.Graph, T: int) -> list[fx.Node]:
 
 def _inverts_a_permutation(r: fx.Node) -> bool:
     """`r` is read only as the values of index_put / index_copy / scatter (`inv[perm] = r`),
-    directly or through views (a 1-token row's arange(1) is viewed as a scalar first)."""
+    directly or through views (a 1-token row's arange(1) is viewed as a scalar first). A position
+    written into a table this way (none of the families tried) would pass here; serve's packed
+    check against the eager forward is what stands behind it."""
     writes = {aten.index_put.default: 2, aten.index_put_.default: 2, aten._index_put_impl_.default: 2,
               aten.index_copy.default: 3, aten.scatter.src: 3}
     views = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)

@@ -6,6 +6,7 @@ of several requests and single decode tokens side by side), and
 
     k_cache[slot_mapping[t]] = k[t]; v_cache[slot_mapping[t]] = v[t]     (in place, every token)
     out[query_index[s, i]] = softmax(q_i K_s^T * scale, keys j <= query_pos[s, i]) V_s
+                             (and j > query_pos[s, i] - window, for a sliding window: window > 0)
 
 where K_s / V_s are sequence s's keys and values gathered through its row of `block_table`
 (block b holds positions b*block_size .. (b+1)*block_size - 1 of the sequence). Padding:
@@ -49,18 +50,22 @@ MAX_HEAD_DIM = 256  # wider heads fall back to torch: a program holds its query 
 
 def paged_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
-                         query_index: torch.Tensor, query_pos: torch.Tensor, scale: float) -> torch.Tensor:
+                         query_index: torch.Tensor, query_pos: torch.Tensor, scale: float,
+                         window: int = 0) -> torch.Tensor:
     """The op's body. The serving runtime calls it directly from the program (`direct_calls`):
     the custom op's dispatch costs about 0.2 ms a call on the CPU, ~5% of a GPT-2 decode step.
-    The Triton kernel where `kernel_applies` says so, else the torch implementation below."""
+    The Triton kernel where `kernel_applies` says so, else the torch implementation below.
+    `window` > 0: a sliding window, keys `window` or more positions back hidden (Mistral's,
+    Gemma3's local layers); 0: plain causal attention."""
     _, H, T, D = q.shape
     Hkv = k.shape[1]
     kc, vc = _write_cache(k, v, k_cache, v_cache, slot_mapping)
     if kernel_applies(q, k_cache, v_cache, block_table, query_index):
-        return _paged_attention_triton(q, kc, vc, k_cache.shape[1], block_table, query_index, query_pos, scale)
+        return _paged_attention_triton(q, kc, vc, k_cache.shape[1], block_table, query_index, query_pos, scale,
+                                       window)
     bs = k_cache.shape[1]
     S, NB = block_table.shape
-    slots, mask, decode = _step_index(block_table, query_pos, query_index, bs, q.dtype)
+    slots, mask, decode = _step_index(block_table, query_pos, query_index, bs, q.dtype, window)
     # index_select, not advanced indexing: ~10x less overhead per call on CPU at decode sizes
     K = kc.index_select(0, slots).view(S, NB * bs, Hkv, D).transpose(1, 2)  # [S, Hkv, L, D]
     V = vc.index_select(0, slots).view(S, NB * bs, Hkv, D).transpose(1, 2)
@@ -92,24 +97,28 @@ _last_step: tuple | None = None
 
 
 def _step_index(block_table: torch.Tensor, query_pos: torch.Tensor, query_index: torch.Tensor, bs: int,
-                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, bool]:
+                dtype: torch.dtype = torch.float32, window: int = 0) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """The cache slots of every sequence's blocks, flat [S * NB * bs]; the causal mask
-    [S, 1, Q, NB * bs] (key j visible to a query at position p when j <= p), additive (0 / -inf in
-    `dtype`, the queries': SDPA would convert a boolean one in every layer); and whether the step
-    is pure decode, every sequence s's one query slot holding token s (then the queries need no
-    gather)."""
+    [S, 1, Q, NB * bs] (key j visible to a query at position p when j <= p, and p - window < j
+    under a sliding window), additive (0 / -inf in `dtype`, the queries': SDPA would convert a
+    boolean one in every layer); and whether the step is pure decode, every sequence s's one
+    query slot holding token s (then the queries need no gather). Layers of another window (Gemma3
+    alternates) get their own mask of the same step."""
     global _last_step
     on_cpu = block_table.device.type == "cpu"
     # (tensors made under torch.inference_mode have no version counter: no memo for them)
     memoized = on_cpu and not any(t.is_inference() for t in (block_table, query_pos, query_index))
-    stamp = (block_table._version, query_pos._version, query_index._version, bs, dtype) if memoized else None
+    stamp = (block_table._version, query_pos._version, query_index._version, bs, dtype, window) if memoized else None
     memo = _last_step
     if memoized and memo is not None and memo[0] is block_table and memo[1] is query_pos and memo[2] is query_index \
             and memo[3] == stamp:
         return memo[4]
     S, NB = block_table.shape
     slots = (block_table[:, :, None] * bs + torch.arange(bs, device=block_table.device)).reshape(-1)
-    seen = torch.arange(NB * bs, device=query_pos.device)[None, None, :] <= query_pos[:, :, None]
+    keys = torch.arange(NB * bs, device=query_pos.device)[None, None, :]
+    seen = keys <= query_pos[:, :, None]
+    if window > 0:
+        seen &= keys > query_pos[:, :, None] - window
     mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))[:, None]
     # .item() on CPU only: on CUDA it would wait for the device (and break graph capture)
     decode = on_cpu and query_index.shape[1] == 1 and bool(
@@ -211,7 +220,7 @@ def _make_kernel(interpret: bool) -> Any:
             return tl.dot(a, b, input_precision="ieee")  # fp32 operands: no TF32, like the torch path
 
     @triton.jit
-    def paged_attention_fwd(Q, KC, VC, BT, QI, QP, Out, T, NB, Qn, n_tiles, sq_t, sq_h, sq_d, qk_scale,
+    def paged_attention_fwd(Q, KC, VC, BT, QI, QP, Out, T, NB, Qn, n_tiles, sq_t, sq_h, sq_d, qk_scale, WINDOW,
                             HKV: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, BS: tl.constexpr,
                             D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                             SPLIT_P: tl.constexpr, INTERPRET_BF16: tl.constexpr):
@@ -251,10 +260,16 @@ def _make_kernel(interpret: bool) -> Any:
             # the torch path casts K/V to q's dtype before the products; so does the kernel
             kt = _cast(tl.load(KC + kv, mask=kv_ok, other=0.0), dt, INTERPRET_BF16)
             qk = _mma(q, tl.trans(kt), INTERPRET_BF16)
-            qk = tl.where((j[None, :] <= pos[:, None]) & j_ok[None, :], qk * qk_scale, float("-inf"))
+            seen = (j[None, :] <= pos[:, None]) & j_ok[None, :]
+            if WINDOW > 0:  # a sliding window: keys WINDOW or more positions back hidden
+                seen = seen & (j[None, :] > pos[:, None] - WINDOW)
+            qk = tl.where(seen, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(qk - m_new[:, None])
+            # a row with no key seen yet (all behind its window so far) keeps m = -inf: subtract 0,
+            # not -inf, so that its terms are exp2(-inf) = 0, not NaN
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_sub)
+            p = tl.math.exp2(qk - m_sub[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             vt = _cast(tl.load(VC + kv, mask=kv_ok, other=0.0), dt, INTERPRET_BF16)
             # P in q's dtype for the tensor cores, as P = hi + lo (two 16-bit terms): flash attention
@@ -274,7 +289,7 @@ def _make_kernel(interpret: bool) -> Any:
 
 def _paged_attention_triton(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, block_size: int,
                             block_table: torch.Tensor, query_index: torch.Tensor, query_pos: torch.Tensor,
-                            scale: float) -> torch.Tensor:
+                            scale: float, window: int = 0) -> torch.Tensor:
     """Attention of the step's queries over the caches kc/vc [num_blocks * block_size, Hkv, D] (this
     step's k/v already written), through the Triton kernel. Same result as the torch path, in its
     layout ([1, H, T, D] over [T, H, D] memory), with zero rows for the tokens no query slot names
@@ -289,7 +304,7 @@ def _paged_attention_triton(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
     out = q.new_zeros(T, H, D)  # the bucket's padding tokens keep zero rows, as in the torch path
     _kernel()[(S * n_tiles, Hkv)](
         q[0], kc, vc, block_table.contiguous(), query_index.contiguous(), query_pos.contiguous(), out,
-        T, NB, Qn, n_tiles, q.stride(2), q.stride(1), q.stride(3), scale * _LOG2E,
+        T, NB, Qn, n_tiles, q.stride(2), q.stride(1), q.stride(3), scale * _LOG2E, int(window),
         HKV=Hkv, G=G, G_P=G_P, BS=block_size, D=D, BLOCK_Q=BLOCK_Q, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
         SPLIT_P=q.dtype != torch.float32, INTERPRET_BF16=interpreting() and q.dtype == torch.bfloat16, num_warps=warps)
     return out.transpose(0, 1).unsqueeze(0)
@@ -298,13 +313,14 @@ def _paged_attention_triton(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
 @torch.library.custom_op("fxspeed::paged_attention", mutates_args=("k_cache", "v_cache"))
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
-                    query_index: torch.Tensor, query_pos: torch.Tensor, scale: float) -> torch.Tensor:
-    return paged_attention_impl(q, k, v, k_cache, v_cache, slot_mapping, block_table, query_index, query_pos, scale)
+                    query_index: torch.Tensor, query_pos: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    return paged_attention_impl(q, k, v, k_cache, v_cache, slot_mapping, block_table, query_index, query_pos, scale,
+                                window)
 
 
 @paged_attention.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
       slot_mapping: torch.Tensor, block_table: torch.Tensor, query_index: torch.Tensor, query_pos: torch.Tensor,
-      scale: float) -> torch.Tensor:
+      scale: float, window: int = 0) -> torch.Tensor:
     _, H, T, D = q.shape
     return q.new_empty(T, H, D).transpose(0, 1).unsqueeze(0)
