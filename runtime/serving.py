@@ -37,6 +37,7 @@ import inspect
 import math
 import numbers
 import os
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -840,11 +841,17 @@ def sliding_windows(model: nn.Module) -> tuple[int, ...] | None:
     """Each attention layer's sliding window (0: none), in layer order, from a Hugging Face
     config: `sliding_window` on the layers `layer_types` names "sliding_attention" (Gemma3,
     Qwen2, ...), or on every layer where the config has no layer kinds (Mistral, Mixtral). None
-    where no layer slides, or the config does not say which layers do (another kind of layer)."""
+    where no layer slides, or the config does not say which layers do (another kind of layer).
+
+    None too where the model's code never reads `sliding_window`: Hugging Face keeps any key of a
+    config.json, so a Llama checkpoint may carry one its attention ignores. kv_cache refuses a
+    config window the masks of a bucket longer than it do not show, but a window past the longest
+    bucket cannot be checked so, and applied it gave a Llama with `sliding_window=12` other tokens
+    than HF's from position 13 (h37); such a model keeps the older rule (served up to the window)."""
     cfg = getattr(model, "config", None)
     window = getattr(cfg, "sliding_window", None)
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0 \
-            or not getattr(cfg, "use_sliding_window", True):
+            or not getattr(cfg, "use_sliding_window", True) or not _reads_sliding_window(type(model)):
         return None
     kinds = getattr(cfg, "layer_types", None)
     if isinstance(kinds, (list, tuple)) and kinds:
@@ -853,6 +860,23 @@ def sliding_windows(model: nn.Module) -> tuple[int, ...] | None:
         return tuple(window if k == "sliding_attention" else 0 for k in kinds)
     layers = getattr(cfg, "num_hidden_layers", None)
     return (window,) * layers if isinstance(layers, int) and layers > 0 else None
+
+
+def _reads_sliding_window(cls: type) -> bool:
+    """Whether the source of the module defining `cls` (or a base class's) names sliding_window."""
+    for klass in cls.__mro__:
+        name = klass.__module__
+        module = sys.modules.get(name)
+        # (Hugging Face's shared base classes name it for the models that use it: not evidence)
+        if module is None or name.startswith(("torch", "builtins")) or (
+                name.startswith("transformers.") and not name.startswith("transformers.models.")):
+            continue
+        try:
+            if "sliding_window" in inspect.getsource(module):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
 
 
 def model_limits(model: nn.Module) -> tuple[int, int, str]:

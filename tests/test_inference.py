@@ -479,14 +479,34 @@ def test_sliding_window_models_are_served_past_their_window_with_hugging_faces_t
             torch.testing.assert_close(torch.stack(engine._serving.record_logits[i]), want, rtol=0, atol=1e-4)
 
 
-def test_a_config_window_the_model_does_not_apply_is_refused_not_applied():
-    """Llama ignores config.sliding_window: its masks are plain causal in a row longer than the
-    window, so the config's window (which the buckets too short to show it would apply) is wrong."""
+@pytest.mark.parametrize("window", [6, 12])
+def test_a_config_window_the_models_code_never_reads_is_not_applied_and_caps_the_context(window):
+    """Llama ignores config.sliding_window (Hugging Face keeps any key of a config.json). Applied,
+    a window past the longest bucket (12 > 8 tokens), which no bucket's masks can check, gave other
+    tokens than HF's from position 13 (h37); it is served up to the window, as before."""
+    model = _hf("llama")
+    model.config.sliding_window = window
+    engine = fxspeed.serve(model, token_budget=8, max_batch=2, block_size=4, cache_tokens=64)
+    prompt = list(range(3, 3 + window - 2))
+    want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    out = engine.generate([prompt, prompt], max_new_tokens=[3, 4], on_error="return")
+    assert out[0] == want
+    assert isinstance(out[1], fxspeed.RequestError) and f"sliding window of {window} tokens" in str(out[1])
+
+
+def test_a_config_window_the_masks_contradict_is_refused():
+    """Mistral slides every layer; a config that says its first layer does not (layer_types) is
+    contradicted by that layer's mask in a bucket longer than the window."""
     from fxspeed.errors import FxspeedError
 
-    model = _hf("llama")
-    model.config.sliding_window = 6
-    with pytest.raises(FxspeedError, match=r"causality only, but the config's sliding window for that layer is 6"):
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=V, max_position_embeddings=64, attn_implementation="sdpa", num_hidden_layers=2, hidden_size=32,
+        intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, sliding_window=6)).eval()
+    model.config.layer_types = ["full_attention", "sliding_attention"]
+    with pytest.raises(FxspeedError, match=r"6 or more positions back, but the config's sliding window for that "
+                                           r"layer is none"):
         fxspeed.serve(model, token_budget=8, max_batch=2, block_size=4, cache_tokens=64)
 
 
