@@ -322,7 +322,7 @@ class Config:
                                   f"set only Config.{key} (extra is deprecated)")
             setattr(self, key, value)
         warn_user(f"Config(extra={extra!r}) is deprecated: use "
-                      + ", ".join(f"Config({k}={extra[k]!r})" for k in extra), FutureWarning)
+                  + ", ".join(f"Config({k}={extra[k]!r})" for k in extra), FutureWarning)
 
     def check_supported(self) -> None:
         """Refuse settings whose capability is not built yet, naming the key."""

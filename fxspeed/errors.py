@@ -49,15 +49,20 @@ def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
     warnings.warn(message, category, stacklevel=level + 1)
 
 
+_PASSED_THROUGH = ("torch", "contextlib", "functools")
+
+
+def _package(frame: Any) -> str:
+    return frame.f_globals.get("__name__", "").split(".")[0]
+
+
 def _internal(frame: Any) -> bool:
-    name = frame.f_globals.get("__name__", "")
-    if name == "fxspeed" or name.startswith("fxspeed."):
+    if _package(frame) == "fxspeed":
         return True
-    if name.split(".")[0] in ("torch", "contextlib", "functools"):
-        # only while fxspeed called it: a user frame between them ends the walk
-        outer = frame.f_back
-        while outer is not None and outer.f_globals.get("__name__", "").split(".")[0] in ("torch", "contextlib",
-                                                                                          "functools"):
-            outer = outer.f_back
-        return outer is not None and (outer.f_globals.get("__name__", "") + ".").startswith("fxspeed.")
-    return False
+    if _package(frame) not in _PASSED_THROUGH:
+        return False
+    # torch's or contextlib's frames only while fxspeed called them: a user frame between ends the walk
+    outer = frame.f_back
+    while outer is not None and _package(outer) in _PASSED_THROUGH:
+        outer = outer.f_back
+    return outer is not None and _package(outer) == "fxspeed"

@@ -32,6 +32,7 @@ tokens), or returns the errors in place with `on_error="return"`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import inspect
 import math
@@ -862,8 +863,10 @@ def sliding_windows(model: nn.Module) -> tuple[int, ...] | None:
     return (window,) * layers if isinstance(layers, int) and layers > 0 else None
 
 
+@functools.cache
 def _reads_sliding_window(cls: type) -> bool:
-    """Whether the source of the module defining `cls` (or a base class's) names sliding_window."""
+    """Whether the source of the module defining `cls` (or a base class's) names sliding_window
+    (read once per class: every bucket's compile asks)."""
     for klass in cls.__mro__:
         name = klass.__module__
         module = sys.modules.get(name)

@@ -88,12 +88,11 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     from fxspeed.passes.inference.drop_clones import drop_clones
     from fxspeed.passes.inference.kv_cache import kv_cache
     from fxspeed.passes.inference.pack_linear_weights import pack_linear_weights
+    from fxspeed.runtime.serving import sliding_windows
     from fxspeed.passes.inference.select_logits import select_logits
     from fxspeed.passes.graph.upcast_cpu_compute import upcast_cpu_compute, wanted as upcast_wanted
 
     opts = options or PassOptions.single_device(config)
-    from fxspeed.runtime.serving import sliding_windows
-
     if not opts.kv_windows and (windows := sliding_windows(model)):
         opts = dataclasses.replace(opts, kv_windows=windows)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))

@@ -113,7 +113,7 @@ class PassOptions:
     # as fast. why: runtime/kernels/packed_linear.py
     pack_linear_tokens: int = 128
     # kv_cache (serving programs): each attention layer's sliding window in layer order (0: none),
-    # from the model's config (`capture_inference.sliding_windows`); () where it names none. A
+    # from the model's config (`runtime/serving.py:sliding_windows`); () where it names none. A
     # bucket of T <= window tokens cannot show the window in its masks, so it comes from here.
     kv_windows: tuple[int, ...] = ()
 

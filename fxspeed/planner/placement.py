@@ -1276,12 +1276,12 @@ def warn_heads(gm: fx.GraphModule, T: int) -> None:
             ok = [str(t) for t in range(2, h + 1) if _heads_split(h, kv, t)]
             works = (", ".join(ok[:-1]) + f" or {ok[-1]}" if len(ok) > 1 else ok[0]) if ok else ""
             warn_user(f"Config.tensor={T}: the model's attention has {h} query heads and {kv} key/value "
-                          f"head{'s' if kv != 1 else ''}, "
-                          f"which do not split evenly over {T} tensor-parallel ranks, so it is not split by heads: "
-                          "every tp rank computes whole what does not divide (those weights replicated, or split "
-                          "on their input dim where that is cheaper); the MLPs and the vocabulary can still be split"
-                          + (f". tensor={works} would split the heads" if works else ""),
-                          ConfigWarning)
+                      f"head{'s' if kv != 1 else ''}, "
+                      f"which do not split evenly over {T} tensor-parallel ranks, so it is not split by heads: "
+                      "every tp rank computes whole what does not divide (those weights replicated, or split "
+                      "on their input dim where that is cheaper); the MLPs and the vocabulary can still be split"
+                      + (f". tensor={works} would split the heads" if works else ""),
+                      ConfigWarning)
 
 
 def _heads_split(h: int, kv: int, T: int) -> bool:
@@ -1391,10 +1391,10 @@ def warn_vocabulary(gm: fx.GraphModule, signature: Any, T: int) -> None:
     if rows > 1 and rows % T:
         padded = -(-rows // (64 * T)) * 64 * T
         warn_user(f"Config.tensor={T}: the embedding {names[table]} has {rows} rows (the vocabulary), which "
-                      f"do not split over {T} ranks, so it cannot be vocabulary-parallel and stays whole or is "
-                      f"split on its hidden dim (gathered for the head each step); pad the vocabulary to a "
-                      f"multiple of {T}, e.g. {padded} (Hugging Face: model.resize_token_embeddings({rows}, "
-                      f"pad_to_multiple_of={64 * T}))", ConfigWarning)
+                  f"do not split over {T} ranks, so it cannot be vocabulary-parallel and stays whole or is "
+                  f"split on its hidden dim (gathered for the head each step); pad the vocabulary to a "
+                  f"multiple of {T}, e.g. {padded} (Hugging Face: model.resize_token_embeddings({rows}, "
+                  f"pad_to_multiple_of={64 * T}))", ConfigWarning)
 
 
 def _kv_heads(k: fx.Node, heads: int) -> int:

@@ -102,7 +102,7 @@ def _repeated_along(x: fx.Node, dim: int) -> bool:
         if t == aten.expand.default:
             src = x.args[0].meta["val"]
             d = dim - (x.meta["val"].dim() - src.dim())
-            return d >= 0 and src.shape[d] == 1 or d < 0
+            return d < 0 or src.shape[d] == 1  # (d < 0: a dim the expand added)
         if t == aten.permute.default:
             dim = list(x.args[1])[dim] % x.meta["val"].dim()
         elif t == c10d.all_gather_into_tensor.default:
@@ -163,17 +163,16 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             raise PassError(f"kv_cache: attention {n.name} of {ctx.model_name} has dropout; serve the model in eval "
                             "mode (fxspeed.serve does) or set its attention dropout to 0")
         causal = sdpa_arg(n, "is_causal", False)
-        masked = sdpa_mask(n) is not None
+        mask = sdpa_mask(n)
+        masked = mask is not None
         # With one query (T == 1) models drop the causal mask (nothing to hide); serve compiles
         # its largest bucket first, where a bidirectional attention is caught.
         if not (causal or masked or T == 1):
             raise PassError(f"kv_cache: attention {n.name} of {ctx.model_name} is not causal (no mask, is_causal="
                             "False); a KV cache serves decoder (causal) attention only")
-        problem, window, mask = "", None, sdpa_mask(n)
-        if masked and T > 1:
-            # The paged attention is causal by construction and drops the mask: it must be the
-            # plain causal mask, not one that also carries a bias (Falcon's ALiBi was served without it).
-            problem, window = _not_causal(gm, ctx, mask, T)
+        # The paged attention is causal by construction and drops the mask: it must be the plain
+        # causal mask, not one that also carries a bias (Falcon's ALiBi was served without it).
+        problem, window = _not_causal(gm, ctx, mask, T) if masked and T > 1 else ("", None)
         if windows and T > 1 and (window or 0) != windows[layer] and (window is not None or T > windows[layer]):
             # A T-token row's mask shows a window below T (else none): one that disagrees with the
             # config's (a config window the model does not apply) would be applied wrongly in the
@@ -182,15 +181,14 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                             + (f"{window} or more positions back" if window is not None else "by causality only")
                             + f", but the config's sliding window for that layer is {windows[layer] or 'none'} "
                             "(sliding_window, layer_types); this model cannot be served yet")
-        if masked and T > 1:
-            if window is not None and not windows:
-                # a window the config does not name: served as causal attention up to it (the
-                # runtime's context limit), since the buckets too short to show it would not apply it
-                gm.meta["kv_cache_window"] = min(window, gm.meta.get("kv_cache_window", window))
-            if problem:
-                raise PassError(f"kv_cache: attention {n.name} of {ctx.model_name} reads a mask {mask.name} that "
-                                f"{problem}; the paged attention applies the causal mask only, so this model cannot "
-                                "be served yet (a position bias such as ALiBi, or another mask, has no paged form here)")
+        if window is not None and not windows:
+            # a window the config does not name: served as causal attention up to it (the
+            # runtime's context limit), since the buckets too short to show it would not apply it
+            gm.meta["kv_cache_window"] = min(window, gm.meta.get("kv_cache_window", window))
+        if problem:
+            raise PassError(f"kv_cache: attention {n.name} of {ctx.model_name} reads a mask {mask.name} that "
+                            f"{problem}; the paged attention applies the causal mask only, so this model cannot "
+                            "be served yet (a position bias such as ALiBi, or another mask, has no paged form here)")
         qv = q.meta["val"]
         if qv.shape[0] != 1 or qv.shape[2] != T:
             raise PassError(f"kv_cache: attention {n.name} has queries of shape {tuple(qv.shape)}, expected "
