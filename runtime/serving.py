@@ -19,7 +19,11 @@ holds the per-step scheduling it runs). One serving step:
 
 Requests reserve the blocks of their whole length (prompt + max_new_tokens - 1: the last new
 token is never fed, so it takes no position and no cache slot) when admitted, so a running
-request is never preempted. Block 0 is never handed out: padding tokens write there.
+request is never preempted. Block 0 is never handed out: padding tokens write there. Where every
+layer has a sliding window, a request holds at most `ring_blocks` blocks, however long it runs:
+its logical block b lives in its block b % ring, and a block is written again only once every
+query that could see its keys has run (Mistral at window 4096 holds 4096 + token_budget tokens
+a request, not its whole context).
 
 Bad requests (empty prompt, token id outside the vocabulary, prompt + max_new_tokens - 1 longer
 than the model's context or sliding window, a request larger than the whole cache, or larger
@@ -65,6 +69,7 @@ class RequestError(FxspeedError, ValueError):
     def __init__(self, req_id: int, message: str):
         super().__init__(f"request {req_id}: {message}")
         self.req_id = req_id
+        self.reason = message  # without the "request i: " prefix
 
 
 class GenerationError(FxspeedError):
@@ -198,14 +203,16 @@ def _token_ids(prompt: Any) -> tuple[list[int] | None, str]:
     """The prompt's token ids (a list, a 1-D integer tensor or array), or (None, what is wrong).
     Only integers: a float id (2.5, or 2.0 from a float tensor), a bool or a string is refused, not
     rounded: it means the caller passed something other than what it meant to."""
+    if getattr(prompt, "ndim", 1) != 1:  # a tensor or array: one prompt is 1-D
+        return None, f"a {type(prompt).__name__} of shape {tuple(prompt.shape)}; give each prompt as a 1-D sequence"
     seq = prompt.tolist() if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)) else prompt
     try:
         items = list(seq)
     except TypeError:
-        return None, f"a {type(prompt).__name__}"
+        return None, f"{type(prompt).__name__} {prompt!r}"
     for j, t in enumerate(items):
         if not _is_int(t):
-            return None, f"position {j} holds {t!r}, a {type(t).__name__}"
+            return None, f"position {j} holds {t!r} ({type(t).__name__})"
     return [int(t) for t in items], ""
 
 
@@ -375,7 +382,11 @@ class ServingLoop:
         first = self._check_window(compile_bucket(decode if agree is not None else self.buckets[-1],
                                                   pack_linear != "never"))
         self._packable = (first.gm.meta.get("packable_weights", []), first.gm.meta.get("pack_linear_tokens", 0))
-        self.cache = _allocate_cache(first, cache_tokens, max_context * max_batch, block_size, device, agree_min)
+        # Where every layer has a sliding window a request keeps `ring` blocks at most, reused in
+        # turn: a block's keys are behind every later query's window by the time it is written again
+        self.ring = ring_blocks(first.kv_windows, token_budget, block_size)
+        self.cache = _allocate_cache(first, cache_tokens, self.blocks_held(max_context) * block_size * max_batch,
+                                     block_size, device, agree_min)
         self.programs: dict[int, _Bound | _Static] = {}
         self.programs[first.tokens] = self._bound(first)
         self.stats: dict[str, Any] = {"steps": 0, "tokens": 0, "padded_tokens": 0,
@@ -436,6 +447,12 @@ class ServingLoop:
         log.info("fxspeed: serve: the %d-token bucket's linears %s (a probe pass: packed %.2f ms, GEMM %.2f ms)",
                  T, "read packed weights" if packs else "run through the GEMM", packed_s * 1e3, gemm_s * 1e3)
         return packs
+
+    def blocks_held(self, positions: int) -> int:
+        """Cache blocks a request of `positions` fed tokens holds (all it ever holds: they are
+        allocated when it starts): one per block_size positions, at most `ring`."""
+        blocks = -(-positions // self.block_size)
+        return min(blocks, self.ring) if self.ring else blocks
 
     def _bucket(self, n: int) -> int:
         if self._only_bucket is not None:
@@ -540,9 +557,10 @@ class ServingLoop:
             elif fed_tokens(len(ids), m) > self.max_context:
                 err = (f"prompt ({len(ids)} tokens) + max_new_tokens ({m}) - 1 = {fed_tokens(len(ids), m)} positions "
                        f"exceeds {self.context_limit}; shorten the prompt or lower max_new_tokens")
-            elif -(-fed_tokens(len(ids), m) // self.block_size) > self.cache.usable_blocks:
-                err = (f"needs {fed_tokens(len(ids), m)} tokens of KV cache but the whole cache holds "
-                       f"{self.cache.usable_blocks * self.block_size}; raise serve(..., cache_tokens=)")
+            elif self.blocks_held(fed_tokens(len(ids), m)) > self.cache.usable_blocks:
+                err = (f"needs {self.blocks_held(fed_tokens(len(ids), m)) * self.block_size} tokens of KV cache but "
+                       f"the whole cache holds {self.cache.usable_blocks * self.block_size}; raise "
+                       "serve(..., cache_tokens=)")
             if err:
                 out.append(RequestError(i, err))
                 continue
@@ -618,7 +636,7 @@ class ServingLoop:
         while waiting or active:
             while waiting and len(active) < self.max_batch:
                 r = waiting[0]
-                need = -(-fed_tokens(len(r.prompt), r.max_new) // bs)
+                need = self.blocks_held(fed_tokens(len(r.prompt), r.max_new))
                 blocks = self.cache.allocate(need)
                 if blocks is None and not active:
                     # Nothing here will give blocks back: another stream() of this engine, paused by its
@@ -694,9 +712,11 @@ class ServingLoop:
             blocks = torch.tensor(r.blocks, dtype=torch.long)
             tokens[0, at:at + c] = torch.tensor(feed)
             positions[0, at:at + c] = pos
-            slots[at:at + c] = blocks[pos // bs] * bs + pos % bs
+            # logical block b of the sequence is block b % len(blocks) of its own: the same unless
+            # a ring (sliding windows) holds fewer blocks than the sequence spans
+            slots[at:at + c] = blocks[(pos // bs) % len(blocks)] * bs + pos % bs
             nb = -(-(r.cached + c) // bs)
-            block_table[s, :nb] = blocks[:nb]
+            block_table[s, :nb] = blocks[torch.arange(nb) % len(blocks)]
             query_index[s, :c] = torch.arange(at, at + c)
             query_pos[s, :c] = pos
             r.cached += c
@@ -836,6 +856,20 @@ def check_pack_linear(mode: str) -> None:
     """serve's `pack_linear` is one of the three modes (checked before serve does any work)."""
     if mode not in ("auto", "always", "never"):
         raise ConfigError(f"serve: pack_linear must be 'auto', 'always' or 'never', got {mode!r}")
+
+
+def ring_blocks(windows: Sequence[int], token_budget: int, block_size: int) -> int | None:
+    """The blocks a request needs at most when every layer has a sliding window (None when one
+    layer has none). A step's chunk of c <= token_budget queries at positions a .. a+c-1 reads
+    keys a-W+1 .. a+c-1 (W the widest window). With R blocks in turn (logical block b in block
+    b % R), a slot written at position p' last held p = p' - m*R*block_size; so p is still
+    where it was written for every query that sees it if R*block_size > (a+c-1) - (a-W+1), that is
+    R = ceil((W + token_budget - 1) / block_size), and no fewer (a run of full chunks needs them).
+
+        window 6, budget 8, blocks of 4: ceil(13 / 4) = 4 blocks, whatever the context."""
+    if not windows or not all(w > 0 for w in windows):
+        return None
+    return -(-(max(windows) + token_budget - 1) // block_size)
 
 
 def sliding_windows(model: nn.Module) -> tuple[int, ...] | None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fxspeed
 from fxspeed.errors import ConfigError
@@ -157,7 +159,7 @@ def test_a_prompt_of_integer_ids_in_any_container_is_served_and_one_of_floats_bo
     res = engine.generate([*ok, *bad], max_new_tokens=4, on_error="return")
     assert res[:len(ok)] == [want] * len(ok)
     assert all(isinstance(r, fxspeed.RequestError) and "integer token ids" in str(r) for r in res[len(ok):])
-    assert "position 1 holds 2.5, a float" in str(res[len(ok)])
+    assert "position 1 holds 2.5 (float)" in str(res[len(ok)])
     # max_new_tokens: any integer type (numpy's from a length computation), not a bool
     assert engine.generate([[1, 2, 3, 4]] * 2, max_new_tokens=np.int64(4)) == [want] * 2
     assert engine.generate([[1, 2, 3, 4]] * 2, max_new_tokens=[np.int32(4), 2]) == [want, want[:2]]
@@ -286,7 +288,7 @@ def test_a_measured_cpu_gives_the_inference_plan_this_machines_rates():
     model = _hf("gpt2")
     plan = fxspeed.serve(model, devices=spec, token_budget=8, max_batch=4, block_size=4, cache_tokens=40).plan
     assert plan.device == spec.name and spec.name in plan.summary()
-    want = decode_tokens_per_s(plan.parameters, plan.weight_bytes, plan.kv_bytes_per_token, 1, 64, spec)
+    want = decode_tokens_per_s(plan.parameters, plan.weight_bytes, 64 * plan.kv_bytes_per_token, 1, spec)
     assert plan.predicted_tokens_per_s["batch=1,context=64"] == pytest.approx(want)
 
 
@@ -477,6 +479,61 @@ def test_sliding_window_models_are_served_past_their_window_with_hugging_faces_t
             assert o == ref[0, len(p):].tolist(), f"request {i}"
             want = _logits(model, p + o)[len(p) - 1:len(p) + n - 1]
             torch.testing.assert_close(torch.stack(engine._serving.record_logits[i]), want, rtol=0, atol=1e-4)
+
+
+def test_a_mistral_request_longer_than_the_whole_cache_reuses_its_blocks_behind_the_window():
+    """Every layer of a Mistral slides (window 6): a request keeps ring_blocks(6, budget 8, blocks
+    of 4) = 4 blocks whatever its length, reused in turn. A cache of 5 blocks serves two requests of
+    49 and 30 positions (13 and 8 blocks: refused before) one after the other, with HF's tokens and
+    logits; the plan counts what a request of the whole context holds."""
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=V, max_position_embeddings=64, attn_implementation="sdpa", num_hidden_layers=2, hidden_size=32,
+        intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+        sliding_window=6)).eval()
+    engine = fxspeed.serve(model, token_budget=8, max_batch=2, block_size=4, cache_tokens=20)
+    assert engine._serving.ring == 4 and engine._serving.cache.usable_blocks == 5
+    assert engine.plan.held_at_context == 16 and "each holds 16 tokens" in engine.plan.summary()
+    engine._serving.record_logits = {}
+    prompts, new = [list(range(3, 33)), [(5 * i) % V for i in range(11)]], [20, 20]
+    outs = engine.generate(prompts, max_new_tokens=new)
+    with torch.no_grad():
+        for i, (p, n, o) in enumerate(zip(prompts, new, outs)):
+            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+            assert o == ref[0, len(p):].tolist(), f"request {i}"
+            want = _logits(model, p + o)[len(p) - 1:len(p) + n - 1]
+            torch.testing.assert_close(torch.stack(engine._serving.record_logits[i]), want, rtol=0, atol=1e-4)
+    assert engine._serving.cache.free_blocks() == 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(window=st.integers(1, 20), budget=st.integers(1, 12), block_size=st.sampled_from([1, 2, 3, 4, 8]),
+       data=st.data())
+def test_a_ring_of_blocks_keeps_every_key_a_window_reads_where_it_was_written(window, budget, block_size, data):
+    """The serving loop's slot rule under a ring (logical block b in block b % ring) over any
+    sequence of chunks of at most `budget` tokens: after a step's writes, every key within the
+    window of each of its queries is still in its slot. One block fewer loses a key under full
+    chunks: the ring is as small as it can be."""
+    from fxspeed.runtime.serving import ring_blocks
+
+    def keeps_every_key(ring: int, chunks: list[int]) -> bool:
+        held: dict[int, int] = {}  # slot -> position written there
+        at = 0
+        for c in chunks:
+            for p in range(at, at + c):
+                held[((p // block_size) % ring) * block_size + p % block_size] = p
+            if any(held[((p // block_size) % ring) * block_size + p % block_size] != p
+                   for q in range(at, at + c) for p in range(max(0, q - window + 1), q + 1)):
+                return False
+            at += c
+        return True
+
+    ring = ring_blocks([window, window], budget, block_size)
+    assert ring_blocks([window, 0], budget, block_size) is None  # a layer without a window keeps everything
+    assert keeps_every_key(ring, data.draw(st.lists(st.integers(1, budget), min_size=1, max_size=12), label="chunks"))
+    if ring > 1:
+        assert not keeps_every_key(ring - 1, [budget] * ((ring + 1) * block_size // budget + 3))
 
 
 @pytest.mark.parametrize("window", [6, 12])

@@ -142,31 +142,42 @@ def test_the_kernel_gives_the_torch_path_s_attention_and_cache_over_mixed_batche
 def test_a_decode_step_over_long_contexts_matches_the_torch_path(dtype, window) -> None:
     """Decode only (one query per sequence), contexts spanning many blocks and several of the
     kernel's key tiles, one sequence at position 0 (a prompt of one token). With a window of 40,
-    the query at 150 sees no key in the kernel's first tiles (its running max stays -inf there:
-    NaN, had the kernel subtracted it)."""
+    the query at 150 sees no key in the kernel's first tiles: those hold NaN here, and the kernel
+    must not read them (it starts at the tile of the window's first key)."""
     needs_interpreter()
     args, unread = make_step([1, 1, 1, 1], [150, 0, 63, 64], 8, 2, 64, 16, 1, DTYPES[dtype], DTYPES[dtype], seed=1)
+    if window:
+        block_n = pa._tiles(1, 4, 64, dtype == "fp32")[3]
+        _, _, _, _, _, _, bt, _, qp, _ = args
+        for s in range(bt.shape[0]):
+            behind = torch.arange((max(int(qp[s, 0]) - window + 1, 0)) // block_n * block_n)
+            unread.view(-1)[bt[s, behind // 16] * 16 + behind % 16] = True
     args = (*args, window)
     check(args, unread, *run_both(args, unread), dtype)
 
 
-def test_a_sliding_window_hides_the_keys_it_leaves_behind() -> None:
-    """The torch path's window against a dense reference: each query attends the last `window`
-    positions of its sequence, itself included."""
-    args, _ = make_step([3, 1], [5, 9], 4, 2, 8, 4, 0, torch.float32, torch.float32, seed=3)
+@settings(max_examples=40, deadline=None)
+@given(queries=st.lists(st.integers(1, 5), min_size=1, max_size=3), data=st.data(),
+       block_size=st.sampled_from([1, 2, 4, 8]), window=st.integers(1, 12), pad=st.integers(0, 2))
+def test_the_torch_path_s_sliding_window_attends_the_last_window_positions_only(queries, data, block_size, window,
+                                                                                pad) -> None:
+    """The torch path (which on the CPU gathers only the blocks from each sequence's window start)
+    against a dense reference: each query attends the last `window` positions of its sequence,
+    itself included, over mixed steps of prompt chunks and decode tokens."""
+    contexts = data.draw(st.lists(st.integers(0, 30), min_size=len(queries), max_size=len(queries)), label="contexts")
+    args, _ = make_step(queries, contexts, 4, 2, 8, block_size, pad, torch.float32, torch.float32, seed=3)
     q, k, v, kc, vc, slots, bt, qi, qp, scale = args
     with pytest.MonkeyPatch.context() as m:
         m.setattr(pa, "kernel_applies", lambda *a: False)
-        out = pa.paged_attention_impl(q, k, v, kc.clone(), vc.clone(), slots, bt, qi, qp, scale, 3)
-    kcw, vcw = kc.clone(), vc.clone()
-    kflat, vflat = pa._write_cache(k, v, kcw, vcw, slots)
+        out = pa.paged_attention_impl(q, k, v, kc.clone(), vc.clone(), slots, bt, qi, qp, scale, window)
+    kflat, vflat = pa._write_cache(k, v, kc.clone(), vc.clone(), slots)
     for s in range(bt.shape[0]):
         for i in range(qi.shape[1]):
             t, p = int(qi[s, i]), int(qp[s, i])
             if t == q.shape[2]:
                 continue
-            keys = torch.arange(max(0, p - 2), p + 1)
-            at = bt[s, keys // 4] * 4 + keys % 4
+            keys = torch.arange(max(0, p - window + 1), p + 1)
+            at = bt[s, keys // block_size] * block_size + keys % block_size
             K, V = kflat[at].transpose(0, 1), vflat[at].transpose(0, 1)  # [Hkv, n, D]
             K, V = K.repeat_interleave(2, 0), V.repeat_interleave(2, 0)
             w = torch.softmax(q[0, :, t, None] @ K.transpose(1, 2) * scale, -1)

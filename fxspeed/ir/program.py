@@ -132,6 +132,8 @@ class InferenceProgram:
     # the sliding window its attention masks apply (keys this many positions back or more are
     # hidden): served as plain causal attention, so only up to this context; None: no window
     window: int | None = None
+    # per cache layer, the sliding window its paged attention applies (0: none), from the config
+    kv_windows: tuple[int, ...] = ()
     records: list[Any] = field(default_factory=list)
     capture_seconds: float = 0.0
     pass_seconds: float = 0.0
@@ -139,3 +141,10 @@ class InferenceProgram:
     def kv_bytes_per_token(self) -> int:
         """Cache bytes one token occupies: keys and values of every layer."""
         return sum(2 * h * d * torch.empty((), dtype=dt).element_size() for h, d, dt in self.kv_layout)
+
+    def kv_bytes_read(self, context: int) -> int:
+        """Cache bytes one query at `context` cached tokens reads: a layer with a sliding window
+        reads at most its window's keys and values."""
+        windows = self.kv_windows or (0,) * len(self.kv_layout)
+        return sum(2 * h * d * torch.empty((), dtype=dt).element_size() * (min(context, w) if w else context)
+                   for (h, d, dt), w in zip(self.kv_layout, windows))

@@ -3,11 +3,14 @@
 Decode is memory-bound: every step reads all the weights once plus each request's cached keys
 and values, and does about 2 x parameters FLOPs per token, so
 
-    step seconds(B, L) = max(2 * P * B / peak_flops, (weight_bytes + B * L * kv_bytes_per_token) / bandwidth)
+    step seconds(B, L) = max(2 * P * B / peak_flops, (weight_bytes + B * read(L)) / bandwidth)
     tokens/s(B, L)     = B / step seconds
 
-The largest batch x context that fits: (device memory - weights - packed weight copies - workspace)
-/ kv_bytes_per_token tokens of cache, shared by the batch.
+where read(L) = L * kv_bytes_per_token, less in the layers with a sliding window W (they read
+min(L, W) tokens). The largest batch x context that fits: (device memory - weights - packed weight
+copies - workspace) / kv_bytes_per_token tokens of cache, shared by the batch; a request keeps
+fewer than its context's tokens where every layer slides (the serving loop reuses its blocks
+behind the window: `ServingLoop.blocks_held`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ class InferencePlan:
     # copies of the linear weights pre-packed for oneDNN (CPU decode buckets;
     # passes/inference/pack_linear_weights.py), held beside the model's own
     packed_weight_bytes: int = 0
+    # tokens of cache a request of the full context holds: the context, or less where every layer
+    # has a sliding window (its blocks behind the window are reused)
+    held_at_context: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,7 +74,9 @@ class InferencePlan:
             f"  cache allocated    {self.cache_tokens} tokens ({self.cache_bytes / mb:.1f} MiB) in blocks of "
             f"{self.block_size}",
             f"  fits on device     {self.max_cache_tokens} tokens of cache = {self.max_batch_at_context} requests "
-            f"x {self.context} context",
+            f"x {self.context} context"
+            + (f" (each holds {self.held_at_context} tokens: its sliding windows')"
+               if 0 < self.held_at_context < self.context else ""),
             f"  token budget/step  {self.token_budget}",
             "  predicted decode (roofline):",
         ]
@@ -76,12 +84,13 @@ class InferencePlan:
         return "\n".join(lines)
 
 
-def decode_tokens_per_s(parameters: int, weight_bytes: int, kv_bytes_per_token: int, batch: int, context: int,
-                        device: DeviceSpec, dtype: str = "fp32", comm_s: float = 0.0) -> float:
-    """The roofline of one decode step at `batch` requests of `context` cached tokens, plus
-    `comm_s` seconds of tensor-parallel collectives (not overlapped: each waits for its layer)."""
+def decode_tokens_per_s(parameters: int, weight_bytes: int, kv_bytes_read: int, batch: int, device: DeviceSpec,
+                        dtype: str = "fp32", comm_s: float = 0.0) -> float:
+    """The roofline of one decode step at `batch` requests that each read `kv_bytes_read` bytes of
+    cache (InferenceProgram.kv_bytes_read at their context), plus `comm_s` seconds of
+    tensor-parallel collectives (not overlapped: each waits for its layer)."""
     flops_s = 2.0 * parameters * batch / device.peak_flops(dtype)
-    bytes_s = (weight_bytes + batch * context * kv_bytes_per_token) / max(device.mem_bandwidth, 1.0)
+    bytes_s = (weight_bytes + batch * kv_bytes_read) / max(device.mem_bandwidth, 1.0)
     return batch / (max(flops_s, bytes_s) + comm_s)
 
 
@@ -106,13 +115,15 @@ def plan_inference(model: nn.Module, program: Any, serving: Any, device: DeviceS
     for b in sorted({1, serving.max_batch}):
         for length in sorted({min(128, ctx), ctx}):
             comm = sum(cm.move(P if reduce else S(0), R, int(b * per_token)) for reduce, per_token in collectives)
-            pred[f"batch={b},context={length}"] = decode_tokens_per_s(params, wbytes, kvb, b, length, device, dtype,
-                                                                     comm_s=comm)
+            pred[f"batch={b},context={length}"] = decode_tokens_per_s(params, wbytes, program.kv_bytes_read(length),
+                                                                     b, device, dtype, comm_s=comm)
+    held = serving.blocks_held(ctx) * serving.block_size if ctx else 0
     return InferencePlan(model=type(model).__name__, device=device.name, parameters=params, weight_bytes=wbytes,
                          kv_bytes_per_token=kvb, layers=len(program.kv_layout), context=ctx,
                          cache_tokens=serving.cache.usable_blocks * serving.block_size,
                          cache_bytes=serving.cache.nbytes(), max_cache_tokens=max_tokens,
-                         max_batch_at_context=max_tokens // ctx if ctx else 0, token_budget=serving.token_budget,
+                         max_batch_at_context=max_tokens // held if held else 0, held_at_context=min(held, ctx),
+                         token_budget=serving.token_budget,
                          block_size=serving.block_size, predicted_tokens_per_s=pred, tensor=tensor,
                          tp_collectives_per_step=len(collectives), packed_weight_bytes=packed)
 

@@ -225,6 +225,7 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     _refuse_token_mixing(g, ctx, T)
     _thread_positions(gm, ctx, T, device)
     gm.meta["kv_cache_layout"] = layout
+    gm.meta["kv_cache_windows"] = tuple(int(w) for w in windows) if windows else (0,) * len(layout)
     gm.recompile()
     return PassResult(gm, modified=True)
 

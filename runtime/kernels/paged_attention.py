@@ -25,11 +25,13 @@ Two implementations behind `paged_attention_impl`:
   path gathers every sequence's whole K/V (NB * block_size slots, however short the sequence) into
   fresh copies and runs a masked SDPA over them; on a GPU, where decode attention is bound by memory
   bandwidth, that is a write and a second read of everything it reads. The kernel reads each key
-  and value a query needs once per program and nothing past the program's last query position.
+  and value a query needs once per program and nothing past the program's last query position,
+  nor, under a sliding window, before the tile of its earliest query's window start.
 - the torch implementation (CPU, any device, and whatever the kernel does not take): no allocation
   that depends on anything but the step's shapes. On the CPU a pure decode step (sequence s's one
   query is token s) takes a shorter branch, without the query gather and output scatter a mixed
-  step needs; elsewhere (CUDA graphs capture one fixed op sequence) every step runs the same ops.
+  step needs, and a sliding window gathers only the blocks from each sequence's window start;
+  elsewhere (CUDA graphs capture one fixed op sequence) every step runs the same ops.
 
 The cache write (k/v into their slots) is torch's index_copy_ in both.
 """
@@ -65,10 +67,10 @@ def paged_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
                                        window)
     bs = k_cache.shape[1]
     S, NB = block_table.shape
-    slots, mask, decode = _step_index(block_table, query_pos, query_index, bs, q.dtype, window)
+    slots, mask, decode = _step_index(block_table, query_pos, query_index, bs, q.dtype, window, T)
     # index_select, not advanced indexing: ~10x less overhead per call on CPU at decode sizes
-    K = kc.index_select(0, slots).view(S, NB * bs, Hkv, D).transpose(1, 2)  # [S, Hkv, L, D]
-    V = vc.index_select(0, slots).view(S, NB * bs, Hkv, D).transpose(1, 2)
+    K = kc.index_select(0, slots).view(S, -1, Hkv, D).transpose(1, 2)  # [S, Hkv, L, D]
+    V = vc.index_select(0, slots).view(S, -1, Hkv, D).transpose(1, 2)
     Sq, Qn = query_index.shape
     if decode:  # sequence s's one query is token s: q's own rows, no gather in and no scatter out
         Q = q[0, :, :S].transpose(0, 1).unsqueeze(2)  # [S, H, 1, D]
@@ -86,36 +88,56 @@ def paged_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
     return res[:T].transpose(0, 1).unsqueeze(0)
 
 
-# The last step's (block_table, query_pos, query_index, (their versions, block size, dtype),
-# (slots, mask, decode)): every layer of a step calls the op with the same metadata tensors, so
+# Per window, the last step's (block_table, query_pos, query_index, (their versions, block size,
+# dtype, window, T), (slots, mask, decode)): every layer of a step calls the op with the same metadata tensors, so
 # the torch path makes its slot list, mask and decode test once per step, not once per layer
 # (5 ops in each layer but the first: 55 of the ~520 of a GPT-2 decode step; 12 layers at one
 # token went from 3.7-3.8 to 2.8-2.9 ms). Holding the tensors keeps their identity from being
 # reused; their version counters catch a step that refills them in place (_Static buckets). CPU
 # only: under CUDA graph capture a memo made by the warm-up runs would be baked into the graph.
-_last_step: tuple | None = None
+# Keyed by window: layers of two windows (Gemma3's local and global) alternate within a step.
+_last_steps: dict[int, tuple] = {}
 
 
 def _step_index(block_table: torch.Tensor, query_pos: torch.Tensor, query_index: torch.Tensor, bs: int,
-                dtype: torch.dtype = torch.float32, window: int = 0) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """The cache slots of every sequence's blocks, flat [S * NB * bs]; the causal mask
-    [S, 1, Q, NB * bs] (key j visible to a query at position p when j <= p, and p - window < j
-    under a sliding window), additive (0 / -inf in `dtype`, the queries': SDPA would convert a
-    boolean one in every layer); and whether the step is pure decode, every sequence s's one
-    query slot holding token s (then the queries need no gather). Layers of another window (Gemma3
-    alternates) get their own mask of the same step."""
-    global _last_step
+                dtype: torch.dtype = torch.float32, window: int = 0,
+                T: int | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The cache slots of the blocks each sequence's keys are read from, flat [S * W * bs]; the
+    causal mask [S, 1, Q, W * bs] (key j visible to a query at position p when j <= p, and
+    p - window < j under a sliding window), additive (0 / -inf in `dtype`, the queries': SDPA
+    would convert a boolean one in every layer); and whether the step is pure decode, every
+    sequence s's one query slot holding token s (then the queries need no gather). Layers of
+    another window (Gemma3 alternates) get their own mask of the same step.
+
+    W = NB (every block of the table), except on the CPU under a sliding window: there each
+    sequence reads the W blocks from its earliest query's window start (W the widest such span
+    of the step), so a decode step reads about window keys whatever the context (a block table
+    column c holds positions c*bs ... c*bs + bs - 1). `T`: the step's tokens (query_index == T
+    marks a dummy slot, whose position does not count)."""
     on_cpu = block_table.device.type == "cpu"
     # (tensors made under torch.inference_mode have no version counter: no memo for them)
     memoized = on_cpu and not any(t.is_inference() for t in (block_table, query_pos, query_index))
-    stamp = (block_table._version, query_pos._version, query_index._version, bs, dtype, window) if memoized else None
-    memo = _last_step
-    if memoized and memo is not None and memo[0] is block_table and memo[1] is query_pos and memo[2] is query_index \
+    stamp = (block_table._version, query_pos._version, query_index._version, bs, dtype, window, T) \
+        if memoized else None
+    memo = _last_steps.get(window) if memoized else None
+    if memo is not None and memo[0] is block_table and memo[1] is query_pos and memo[2] is query_index \
             and memo[3] == stamp:
         return memo[4]
     S, NB = block_table.shape
-    slots = (block_table[:, :, None] * bs + torch.arange(bs, device=block_table.device)).reshape(-1)
-    keys = torch.arange(NB * bs, device=query_pos.device)[None, None, :]
+    table, first = block_table, None
+    if window > 0 and on_cpu and NB > 1:
+        live = query_index < (T if T is not None else query_index.max() + 1)
+        earliest = torch.where(live, query_pos, query_pos.max() + 1).min(dim=1).values
+        lo = (earliest - window + 1).clamp(min=0) // bs
+        width = max(int((query_pos.max(dim=1).values // bs - lo).max()) + 1, 1)
+        if width < NB:
+            lo = lo.clamp(max=NB - width)
+            table = block_table.gather(1, lo[:, None] + torch.arange(width))
+            first = lo * bs
+    slots = (table[:, :, None] * bs + torch.arange(bs, device=block_table.device)).reshape(-1)
+    keys = torch.arange(table.shape[1] * bs, device=query_pos.device)[None, None, :]
+    if first is not None:
+        keys = keys + first[:, None, None]
     seen = keys <= query_pos[:, :, None]
     if window > 0:
         seen &= keys > query_pos[:, :, None] - window
@@ -125,7 +147,7 @@ def _step_index(block_table: torch.Tensor, query_pos: torch.Tensor, query_index:
         torch.equal(query_index[:, 0], torch.arange(S, device=query_index.device)))
     found = (slots, mask, decode)
     if memoized:
-        _last_step = (block_table, query_pos, query_index, stamp, found)
+        _last_steps[window] = (block_table, query_pos, query_index, stamp, found)
     return found
 
 
@@ -249,7 +271,11 @@ def _make_kernel(interpret: bool) -> Any:
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, BLOCK_D], tl.float32)
-        for start in range(0, n_keys, BLOCK_N):
+        # under a sliding window, from the tile of the program's earliest live query's window start:
+        # the tiles wholly behind it hold no key any row sees
+        earliest = tl.min(tl.where(live, pos, n_keys), axis=0)
+        lo = tl.where(WINDOW > 0, tl.maximum(earliest - WINDOW + 1, 0), 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, n_keys, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             j_ok = j < n_keys
             # each key's slot through the block table: the cache is read where it lies, no gathered copy
