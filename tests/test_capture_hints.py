@@ -7,6 +7,7 @@ import copy
 import inspect
 import logging
 import math
+import os
 
 import pytest
 import torch
@@ -395,6 +396,44 @@ def test_an_embedding_with_sparse_gradients_is_refused_at_compile_with_sparse_fa
     msg = str(info.value)
     assert "`emb.weight`" in msg and "`emb` (Embedding)" in msg and "sparse gradient" in msg
     assert "sparse=False" in msg
+
+
+def test_an_embedding_with_max_norm_in_a_sequential_is_refused_naming_max_norm_and_no_line_of_fxspeed() -> None:
+    """max_norm renormalizes the looked-up rows in place in forward; the user wrote no in-place op.
+    With no forward of the user's (a Sequential) the error named fxspeed's runtime/engine.py (h39)."""
+    model = nn.Sequential(nn.Embedding(10, 8, max_norm=1.0), nn.Linear(8, 1))
+    ids = torch.randint(0, 10, (4, 3))
+    with pytest.raises(fxspeed.CaptureError) as info:
+        fxspeed.compile(model, devices=1, example_inputs=(ids,), loss_fn=lambda out, *b: out.mean()).train_step(ids)
+    msg = str(info.value)
+    assert "max_norm=None" in msg and "`model[0]`" in msg and "embedding_renorm" in msg
+    fxspeed_dirs = [os.path.dirname(os.path.dirname(fxspeed.__file__)) + f"/{d}/" for d in ("fxspeed", "runtime", "passes")]
+    assert not any(d in msg for d in fxspeed_dirs), msg
+
+
+class RealFFT(nn.Module):
+    def __init__(self, rfft: bool) -> None:
+        super().__init__()
+        self.lin, self.rfft = nn.Linear(16, 16), rfft
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.rfft:
+            return torch.fft.irfft(torch.fft.rfft(h), n=16).pow(2).mean()
+        return torch.fft.ifft(torch.fft.fft(h)[..., :9], n=16).real.pow(2).mean()  # the suggested form
+
+
+def test_a_real_fft_that_export_cannot_differentiate_is_refused_with_a_complex_fft_instead() -> None:
+    """torch's AOT export cannot differentiate rfft/irfft's complex outputs (eager can); the error
+    said "rewrite that line" with no line of the user's on the trace."""
+    x = torch.randn(4, 16)
+    with pytest.raises(fxspeed.CaptureError) as info:
+        fxspeed.compile(RealFFT(rfft=True), devices=1, example_inputs=(x,)).train_step(x)
+    msg = str(info.value)
+    assert "torch.fft.fft" in msg and "that line" not in msg
+    torch.manual_seed(0)
+    model = RealFFT(rfft=False)
+    check_parity(model, [(torch.randn(4, 16),) for _ in range(2)])
 
 
 def test_a_frozen_sparse_embedding_still_trains_as_in_eager() -> None:

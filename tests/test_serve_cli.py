@@ -19,7 +19,7 @@ def test_fxspeed_serve_prints_hugging_faces_greedy_tokens_and_reports_a_bad_requ
     from fxspeed.tools.serve_cli import build_model
 
     cmd = [sys.executable, "-m", "fxspeed", "serve", "--model", "gpt2", "--layers", "1", "--prompt", "1 2 3",
-           "--prompt", "7 8", "--prompt", "", "--max-new-tokens", "3", "--token-budget", "8"]
+           "--prompt", "7 8", "--prompt", "", "--max-new-tokens", "3", "--token-budget", "8", "--top-k", "0"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]  # the empty prompt failed, alone
     lines = [line for line in proc.stdout.splitlines() if line.startswith("request ")]
@@ -29,7 +29,13 @@ def test_fxspeed_serve_prints_hugging_faces_greedy_tokens_and_reports_a_bad_requ
             want = model.generate(torch.tensor([p]), max_new_tokens=3, do_sample=False, eos_token_id=None,
                                   pad_token_id=0)[0, len(p):].tolist()
             assert lines[i] == f"request {i}: {' '.join(map(str, want))}"
-    assert lines[2].startswith("request 2: error:") and "empty" in lines[2]
+    assert lines[2].startswith("request 2: error: the prompt is empty")  # its index once
+    new = lines[0].split()[2:]
+    stop = new[1]  # request 0 alone, stopped at its second new token (returned with it, as in HF)
+    cmd[cmd.index("--prompt") + 2:cmd.index("--max-new-tokens")] = []
+    proc = subprocess.run(cmd + ["--eos-token-id", stop], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"request 0: {' '.join(new[:new.index(stop) + 1])}" in proc.stdout.splitlines()
 
 
 def test_a_refused_request_under_tensor_2_exits_1_without_the_launchers_crash_report(tmp_path):

@@ -547,8 +547,7 @@ def _autograd_grad_calls(calls: list[traceback.FrameSummary]) -> Iterator[None]:
     @functools.wraps(real)
     def grad(*a: Any, **kw: Any) -> Any:
         caller = sys._getframe(1)
-        f = os.path.abspath(caller.f_code.co_filename)
-        if not f.startswith(_SKIP_DIRS) and "site-packages/torch" not in f and "<" not in caller.f_code.co_filename:
+        if _is_user_file(caller.f_code.co_filename):
             calls.append(traceback.FrameSummary(caller.f_code.co_filename, caller.f_lineno, caller.f_code.co_name))
         return real(*a, **kw)
 
@@ -1323,16 +1322,26 @@ def _same_op(a: fx.Node, b: fx.Node) -> bool:
 # Errors
 # --------------------------------------------------------------------------------------------
 
-_SKIP_DIRS = tuple(os.path.dirname(m.__file__) for m in (torch, contextlib) if getattr(m, "__file__", None)) + (
-    os.path.dirname(os.path.abspath(__file__)),
-)
+def _package_dir(name: str) -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    return os.path.abspath(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations \
+        else ""
+
+
+# Frames here are torch's or fxspeed's, never the user's line: fxspeed's own folders (the runtime
+# and passes live outside fxspeed/ in the source tree) but for its models, which are user code to
+# an error (a Sequential's error was blamed on runtime/engine.py's call of the compiler, h39).
+_SKIP_DIRS = tuple(os.path.dirname(m.__file__) for m in (torch, contextlib) if getattr(m, "__file__", None)) + tuple(
+    d + os.sep for d in map(_package_dir, ("fxspeed", "fxspeed.runtime", "fxspeed.passes")) if d)
+_USER_DIRS = tuple(d + os.sep for d in (_package_dir("fxspeed.models"),) if d)
 
 
 def _user_frame(tb: Any) -> traceback.FrameSummary | None:
     frames = traceback.extract_tb(tb)
     for fr in reversed(frames):
-        f = os.path.abspath(fr.filename)
-        if not f.startswith(_SKIP_DIRS) and "site-packages/torch" not in f and "<" not in fr.filename:
+        if _is_user_file(fr.filename):
             return fr
     return None
 
@@ -1399,11 +1408,19 @@ def _known_capture_error(model: nn.Module, wrapper: "_StepModule", tensors: list
         if found is not None:
             pname, op, frame = found
             where = f" at {frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`" if frame else ""
+            fix = ("do not modify parameters inside forward (in-place ops on a parameter or on its .data); change "
+                   "them outside the training step under torch.no_grad(), or compute a new tensor "
+                   "(w = self.weight * s) and use it")
+            if "embedding_renorm" in op:
+                # no in-place op in the user's code: nn.Embedding(max_norm=...) rescales the rows it
+                # looks up, in place, in every forward
+                fix = (f"nn.Embedding(max_norm=...) rescales the rows it looks up in place in forward: build "
+                       f"`{_python_path(pname.rsplit('.', 1)[0])}` with max_norm=None, and if the norm bound matters rescale "
+                       "its rows between steps under torch.no_grad() (or use F.normalize on the looked-up rows "
+                       "inside forward)")
             return CaptureError(
                 f"cannot capture the training step of {name}: forward modifies the trainable parameter `{pname}` "
-                f"in place ({op}){where}. How to fix: do not modify parameters inside forward (in-place ops on "
-                "a parameter or on its .data); change them outside the training step under torch.no_grad(), "
-                "or compute a new tensor (w = self.weight * s) and use it.",
+                f"in place ({op}){where}. How to fix: {fix}.",
                 op=op, source=f"{frame.filename}:{frame.lineno}" if frame else None,
             )
     return None
@@ -1511,8 +1528,7 @@ def _mask_assignment(func: Any, args: tuple, kwargs: dict) -> str | None:
 def _first_user_frame(frames: Any) -> traceback.FrameSummary | None:
     """The innermost frame outside torch and fxspeed's capture, of frames given innermost-last."""
     for fr in reversed(list(frames)):
-        f = os.path.abspath(fr.filename)
-        if not f.startswith(_SKIP_DIRS) and "site-packages/torch" not in f and "<" not in fr.filename:
+        if _is_user_file(fr.filename):
             return fr
     return None
 
@@ -1619,6 +1635,13 @@ def _capture_error(model: nn.Module, e: BaseException, train: bool = True) -> Ca
         hint = ("turn those outputs off for this step: model.config.output_router_logits = False (and "
                 "output_attentions / output_hidden_states = False); an MoE's auxiliary loss is then left out, which "
                 "serving and evaluation do not need")
+    elif any("complex dtype" in str(c) and "automatic differentiation" in str(c) for c in chain):
+        # torch's AOT export cannot differentiate some ops with complex outputs (the backward of
+        # torch.fft.rfft / irfft writes through slice_scatter); eager and torch.compile can
+        hint = ("this is a limit of torch's export" + ("" if frame else ", and no line of your code is on the trace")
+                + ": compute on tensors that export can differentiate: torch.fft.fft (and take the first n // 2 + 1 "
+                "frequencies) instead of rfft, torch.fft.ifft(...).real instead of irfft, or real tensors "
+                "through torch.view_as_real")
     elif any("modified by an inplace operation" in str(c) for c in chain):
         # autograd's own message ends "... Good luck!" and names no line: the write is in forward,
         # the failure in backward, where no user frame is
@@ -1635,8 +1658,10 @@ def _capture_error(model: nn.Module, e: BaseException, train: bool = True) -> Ca
 
 
 def _is_user_file(filename: str) -> bool:
+    """Whether a frame of `filename` is the user's code: not torch's, not fxspeed's but its models."""
     f = os.path.abspath(filename)
-    return not f.startswith(_SKIP_DIRS) and "site-packages/torch" not in f and "<" not in filename
+    return (not f.startswith(_SKIP_DIRS) or f.startswith(_USER_DIRS)) and "site-packages/torch" not in f \
+        and "<" not in filename
 
 
 def _torch_callee(model: nn.Module, e: BaseException

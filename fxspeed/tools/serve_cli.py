@@ -34,9 +34,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="space-separated token ids of one request; repeat for more requests")
     s.add_argument("--max-new-tokens", type=positive_int, default=16)
     s.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 is greedy (default)")
-    s.add_argument("--top-k", type=positive_int, default=None)
+    s.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 or unset: all)")
     s.add_argument("--top-p", type=probability, default=None)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--eos-token-id", type=int, action="append", default=None, metavar="ID",
+                   help="stop a request at this token (returned with it); repeat for several")
     s.add_argument("--tensor", type=positive_int, default=1, help="tensor-parallel processes (default: 1)")
     s.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     s.add_argument("--token-budget", type=positive_int, default=256)
@@ -157,12 +159,13 @@ def run(args: argparse.Namespace) -> int:
         if args.plan:
             print(engine.plan.summary(), flush=True)
     outs = engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_error="return")
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=args.eos_token_id,
+                           on_error="return")
     failed = sum(isinstance(out, fxspeed.RequestError) for out in outs)
     if rank0:
         for i, out in enumerate(outs):
             if isinstance(out, fxspeed.RequestError):
-                print(f"request {i}: error: {out}", flush=True)
+                print(f"request {i}: error: {out.reason}", flush=True)
             else:
                 print(f"request {i}: {' '.join(map(str, out))}", flush=True)
     import torch.distributed as dist
