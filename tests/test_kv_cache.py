@@ -314,19 +314,21 @@ def test_the_torch_path_makes_a_step_s_slots_and_mask_once_and_again_when_the_me
     bt = torch.tensor([[1, 2], [3, 0]])
     qp = torch.tensor([[5], [2]])
     qi = torch.tensor([[0], [1]])
-    first = _step_index(bt, qp, qi, 4)
-    assert _step_index(bt, qp, qi, 4)[0] is first[0]  # the second layer: the same tensors
-    assert first[0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3]
-    assert (first[1][:, 0, 0] == 0).tolist() == [[j <= 5 for j in range(8)], [j <= 2 for j in range(8)]]
-    assert first[2]  # sequence s's one query is token s: a decode step
+    first, decode = _step_index(bt, qp, qi, 4)
+    assert _step_index(bt, qp, qi, 4)[0] is first  # the second layer: the same tensors
+    (slots, mask, _), = first
+    assert slots.tolist() == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3]
+    assert (mask[:, 0, 0] == 0).tolist() == [[j <= 5 for j in range(8)], [j <= 2 for j in range(8)]]
+    assert decode  # sequence s's one query is token s: a decode step
     bt[1, 0] = 2  # the next step, refilled in place
     qp.copy_(torch.tensor([[6], [3]]))
     qi.copy_(torch.tensor([[1], [0]]))
-    slots, mask, decode = _step_index(bt, qp, qi, 4)
+    (again, decode) = _step_index(bt, qp, qi, 4)
+    (slots, mask, _), = again
     assert slots[8:12].tolist() == [8, 9, 10, 11]
     assert (mask[:, 0, 0] == 0).tolist() == [[j <= 6 for j in range(8)], [j <= 3 for j in range(8)]]
     assert mask[0, 0, 0, 7] == float("-inf") and not decode  # the queries swapped: not in token order
-    assert _step_index(bt.clone(), qp, qi, 4)[0] is not slots  # another tensor, however equal: made again
+    assert _step_index(bt.clone(), qp, qi, 4)[0] is not again  # another tensor, however equal: made again
     qi.copy_(torch.tensor([[0], [1]]))  # only the query slots refilled: the decode test is made again
-    assert _step_index(bt, qp, qi, 4)[2]
-    assert _step_index(bt, qp, qi, 4, torch.bfloat16)[1].dtype == torch.bfloat16  # the queries' dtype
+    assert _step_index(bt, qp, qi, 4)[1]
+    assert _step_index(bt, qp, qi, 4, torch.bfloat16)[0][0][1].dtype == torch.bfloat16  # the queries' dtype

@@ -158,12 +158,13 @@ def test_a_decode_step_over_long_contexts_matches_the_torch_path(dtype, window) 
 
 @settings(max_examples=40, deadline=None)
 @given(queries=st.lists(st.integers(1, 5), min_size=1, max_size=3), data=st.data(),
-       block_size=st.sampled_from([1, 2, 4, 8]), window=st.integers(1, 12), pad=st.integers(0, 2))
-def test_the_torch_path_s_sliding_window_attends_the_last_window_positions_only(queries, data, block_size, window,
-                                                                                pad) -> None:
-    """The torch path (which on the CPU gathers only the blocks from each sequence's window start)
-    against a dense reference: each query attends the last `window` positions of its sequence,
-    itself included, over mixed steps of prompt chunks and decode tokens."""
+       block_size=st.sampled_from([1, 2, 4, 8]), window=st.integers(0, 12), pad=st.integers(0, 2))
+def test_the_torch_path_attends_each_query_s_causal_window_over_mixed_steps(queries, data, block_size, window,
+                                                                            pad) -> None:
+    """The torch path (which on the CPU attends a mixed step's decode tokens apart from its prompt
+    chunks, and gathers only the blocks from each sequence's window start) against a dense
+    reference: each query attends the last `window` positions of its sequence, itself included
+    (0: every position up to its own)."""
     contexts = data.draw(st.lists(st.integers(0, 30), min_size=len(queries), max_size=len(queries)), label="contexts")
     args, _ = make_step(queries, contexts, 4, 2, 8, block_size, pad, torch.float32, torch.float32, seed=3)
     q, k, v, kc, vc, slots, bt, qi, qp, scale = args
@@ -176,7 +177,7 @@ def test_the_torch_path_s_sliding_window_attends_the_last_window_positions_only(
             t, p = int(qi[s, i]), int(qp[s, i])
             if t == q.shape[2]:
                 continue
-            keys = torch.arange(max(0, p - window + 1), p + 1)
+            keys = torch.arange(max(0, p - window + 1) if window else 0, p + 1)
             at = bt[s, keys // block_size] * block_size + keys % block_size
             K, V = kflat[at].transpose(0, 1), vflat[at].transpose(0, 1)  # [Hkv, n, D]
             K, V = K.repeat_interleave(2, 0), V.repeat_interleave(2, 0)

@@ -30,8 +30,9 @@ Two implementations behind `paged_attention_impl`:
 - the torch implementation (CPU, any device, and whatever the kernel does not take): no allocation
   that depends on anything but the step's shapes. On the CPU a pure decode step (sequence s's one
   query is token s) takes a shorter branch, without the query gather and output scatter a mixed
-  step needs, and a sliding window gathers only the blocks from each sequence's window start;
-  elsewhere (CUDA graphs capture one fixed op sequence) every step runs the same ops.
+  step needs; a mixed step attends its decode tokens apart from its prompt chunks (each group
+  padded to its own longest); a sliding window gathers only the blocks from each sequence's
+  window start. Elsewhere (CUDA graphs capture one fixed op sequence) every step runs the same ops.
 
 The cache write (k/v into their slots) is torch's index_copy_ in both.
 """
@@ -66,30 +67,39 @@ def paged_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
         return _paged_attention_triton(q, kc, vc, k_cache.shape[1], block_table, query_index, query_pos, scale,
                                        window)
     bs = k_cache.shape[1]
-    S, NB = block_table.shape
-    slots, mask, decode = _step_index(block_table, query_pos, query_index, bs, q.dtype, window, T)
-    # index_select, not advanced indexing: ~10x less overhead per call on CPU at decode sizes
-    K = kc.index_select(0, slots).view(S, -1, Hkv, D).transpose(1, 2)  # [S, Hkv, L, D]
-    V = vc.index_select(0, slots).view(S, -1, Hkv, D).transpose(1, 2)
-    Sq, Qn = query_index.shape
+    groups, decode = _step_index(block_table, query_pos, query_index, bs, q.dtype, window, T)
     if decode:  # sequence s's one query is token s: q's own rows, no gather in and no scatter out
+        slots, mask, _ = groups[0]
+        S = block_table.shape[0]
         Q = q[0, :, :S].transpose(0, 1).unsqueeze(2)  # [S, H, 1, D]
-    else:
-        qt = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, H, D)])  # row T: the dummy query
-        Q = qt.index_select(0, query_index.reshape(-1)).view(Sq, Qn, H, D).transpose(1, 2)  # [S, H, Q, D]
-    out = F.scaled_dot_product_attention(Q, K.to(Q.dtype), V.to(Q.dtype), attn_mask=mask, scale=scale,
-                                         enable_gqa=H != Hkv)
-    if decode:
-        out = out.reshape(S, H, D)
+        out = _attend(Q, kc, vc, slots, mask, scale).reshape(S, H, D)
         res = out if S == T else torch.cat([out, out.new_zeros(T - S, H, D)])
         return res.contiguous().transpose(0, 1).unsqueeze(0)
+    qt = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, H, D)])  # row T: the dummy query
     res = q.new_zeros(T + 1, H, D)
-    res.index_copy_(0, query_index.reshape(-1), out.transpose(1, 2).reshape(-1, H, D))  # dummies all land on row T
+    for slots, mask, qidx in groups:
+        Sg, Qg = qidx.shape
+        Q = qt.index_select(0, qidx.reshape(-1)).view(Sg, Qg, H, D).transpose(1, 2)  # [S, H, Q, D]
+        out = _attend(Q, kc, vc, slots, mask, scale)
+        res.index_copy_(0, qidx.reshape(-1), out.transpose(1, 2).reshape(-1, H, D))  # dummies all land on row T
     return res[:T].transpose(0, 1).unsqueeze(0)
 
 
+def _attend(Q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """SDPA of queries Q [S, H, Q, D] over the keys and values at `slots` (S sequences' worth,
+    flat), under the additive `mask` [S, 1, Q, L]."""
+    S, H, _, D = Q.shape
+    Hkv = kc.shape[1]
+    # index_select, not advanced indexing: ~10x less overhead per call on CPU at decode sizes
+    K = kc.index_select(0, slots).view(S, -1, Hkv, D).transpose(1, 2)  # [S, Hkv, L, D]
+    V = vc.index_select(0, slots).view(S, -1, Hkv, D).transpose(1, 2)
+    return F.scaled_dot_product_attention(Q, K.to(Q.dtype), V.to(Q.dtype), attn_mask=mask, scale=scale,
+                                          enable_gqa=H != Hkv)
+
+
 # Per window, the last step's (block_table, query_pos, query_index, (their versions, block size,
-# dtype, window, T), (slots, mask, decode)): every layer of a step calls the op with the same metadata tensors, so
+# dtype, window, T), (groups, decode)): every layer of a step calls the op with the same metadata tensors, so
 # the torch path makes its slot list, mask and decode test once per step, not once per layer
 # (5 ops in each layer but the first: 55 of the ~520 of a GPT-2 decode step; 12 layers at one
 # token went from 3.7-3.8 to 2.8-2.9 ms). Holding the tensors keeps their identity from being
@@ -100,20 +110,25 @@ _last_steps: dict[int, tuple] = {}
 
 
 def _step_index(block_table: torch.Tensor, query_pos: torch.Tensor, query_index: torch.Tensor, bs: int,
-                dtype: torch.dtype = torch.float32, window: int = 0,
-                T: int | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """The cache slots of the blocks each sequence's keys are read from, flat [S * W * bs]; the
-    causal mask [S, 1, Q, W * bs] (key j visible to a query at position p when j <= p, and
-    p - window < j under a sliding window), additive (0 / -inf in `dtype`, the queries': SDPA
-    would convert a boolean one in every layer); and whether the step is pure decode, every
-    sequence s's one query slot holding token s (then the queries need no gather). Layers of
-    another window (Gemma3 alternates) get their own mask of the same step.
+                dtype: torch.dtype = torch.float32, window: int = 0, T: int | None = None
+                ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], bool]:
+    """How the torch path attends a step: groups of sequences, each (the cache slots of the blocks
+    its sequences' keys are read from, flat [S * W * bs]; the causal mask [S, 1, Q, W * bs], key j
+    visible to a query at position p when j <= p, and p - window < j under a sliding window,
+    additive: 0 / -inf in `dtype`, the queries', as SDPA would convert a boolean one in every
+    layer; the token index of each of its query slots [S, Q], T for a dummy), and whether the step
+    is pure decode, every sequence s's one query slot holding token s (then the queries need no
+    gather). Layers of another window (Gemma3 alternates) get their own groups of the same step.
 
-    W = NB (every block of the table), except on the CPU under a sliding window: there each
-    sequence reads the W blocks from its earliest query's window start (W the widest such span
-    of the step), so a decode step reads about window keys whatever the context (a block table
-    column c holds positions c*bs ... c*bs + bs - 1). `T`: the step's tokens (query_index == T
-    marks a dummy slot, whose position does not count)."""
+    One group of every sequence and all Q query slots, except on the CPU (where shapes may follow
+    the data): there a mixed step's sequences with one query (decode tokens) attend apart from
+    those with a prompt chunk, each group padded to its own longest; in one group a decode token
+    beside a 256-token chunk ran 256 query rows, all but one dummies. And W = NB (every block of
+    the table), except on the CPU under a sliding window: there each sequence reads the W blocks
+    from its earliest query's window start (W the widest such span of the group), so a decode step
+    reads about window keys whatever the context (block table column c holds positions c*bs ...
+    c*bs + bs - 1). `T`: the step's tokens (query_index == T marks a dummy slot, whose position
+    does not count)."""
     on_cpu = block_table.device.type == "cpu"
     # (tensors made under torch.inference_mode have no version counter: no memo for them)
     memoized = on_cpu and not any(t.is_inference() for t in (block_table, query_pos, query_index))
@@ -123,10 +138,35 @@ def _step_index(block_table: torch.Tensor, query_pos: torch.Tensor, query_index:
     if memo is not None and memo[0] is block_table and memo[1] is query_pos and memo[2] is query_index \
             and memo[3] == stamp:
         return memo[4]
+    S, Qn = query_index.shape
+    if T is None and on_cpu:
+        T = int(query_index.max()) + 1
+    # .item() on CPU only: on CUDA it would wait for the device (and break graph capture)
+    decode = on_cpu and Qn == 1 and bool(torch.equal(query_index[:, 0], torch.arange(S, device=query_index.device)))
+    parts = [(block_table, query_pos, query_index)]
+    if on_cpu and Qn > 1:
+        live = query_index < T
+        single = live.sum(1) == 1
+        if bool(single.any()) and not bool(single.all()):
+            one, many = single.nonzero()[:, 0], (~single).nonzero()[:, 0]
+            slot = live[one].int().argmax(1, keepdim=True)  # the one live query slot of each
+            widest = int(torch.where(live[many], torch.arange(Qn) + 1, 0).max())  # past the last live slot
+            parts = [(block_table[one], query_pos[one].gather(1, slot), query_index[one].gather(1, slot)),
+                     (block_table[many], query_pos[many, :widest], query_index[many, :widest])]
+    groups = [(*_keys_and_mask(bt, qp, qi, bs, dtype, window, T), qi) for bt, qp, qi in parts]
+    found = (groups, decode)
+    if memoized:
+        _last_steps[window] = (block_table, query_pos, query_index, stamp, found)
+    return found
+
+
+def _keys_and_mask(block_table: torch.Tensor, query_pos: torch.Tensor, query_index: torch.Tensor, bs: int,
+                   dtype: torch.dtype, window: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache slots and the additive mask of one group of `_step_index`."""
     S, NB = block_table.shape
     table, first = block_table, None
-    if window > 0 and on_cpu and NB > 1:
-        live = query_index < (T if T is not None else query_index.max() + 1)
+    if window > 0 and block_table.device.type == "cpu" and NB > 1:
+        live = query_index < T
         earliest = torch.where(live, query_pos, query_pos.max() + 1).min(dim=1).values
         lo = (earliest - window + 1).clamp(min=0) // bs
         width = max(int((query_pos.max(dim=1).values // bs - lo).max()) + 1, 1)
@@ -142,13 +182,7 @@ def _step_index(block_table: torch.Tensor, query_pos: torch.Tensor, query_index:
     if window > 0:
         seen &= keys > query_pos[:, :, None] - window
     mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))[:, None]
-    # .item() on CPU only: on CUDA it would wait for the device (and break graph capture)
-    decode = on_cpu and query_index.shape[1] == 1 and bool(
-        torch.equal(query_index[:, 0], torch.arange(S, device=query_index.device)))
-    found = (slots, mask, decode)
-    if memoized:
-        _last_steps[window] = (block_table, query_pos, query_index, stamp, found)
-    return found
+    return slots, mask
 
 
 def _write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
