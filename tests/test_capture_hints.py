@@ -436,6 +436,32 @@ def test_a_real_fft_that_export_cannot_differentiate_is_refused_with_a_complex_f
     check_parity(model, [(torch.randn(4, 16),) for _ in range(2)])
 
 
+class PaddedEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.enc(x, src_key_padding_mask=pad)
+        return out if y is None else ((out - y) ** 2).mean()
+
+
+def test_a_transformer_encoder_s_nested_fast_path_is_named_when_its_eval_step_is_compiled() -> None:
+    """Eager eval under no_grad returns 0 at padded positions (nested tensors); the compiled eval
+    step computes them (h39). Said with the module's name; the unpadded positions are eager's."""
+    x, pad = torch.randn(2, 5, 16), torch.zeros(2, 5, dtype=torch.bool)
+    pad[1, 3:] = True
+    model = PaddedEncoder()
+    engine = _compile(model, (x, pad, torch.randn(2, 5, 16)))
+    model.eval()
+    with pytest.warns(UserWarning, match=r"enc \(nn.TransformerEncoder, enable_nested_tensor=True\).*padded positions"):
+        out = engine.eval_step(x, pad)
+    with torch.no_grad():
+        want = model(x, pad)
+    assert want[1, 3:].abs().max() == 0 and out[1, 3:].abs().max() > 0  # the fast path's zeros, computed here
+    torch.testing.assert_close(out[~pad], want[~pad], rtol=1e-5, atol=1e-6)
+
+
 def test_a_frozen_sparse_embedding_still_trains_as_in_eager() -> None:
     model = SparseEmbedding()
     model.emb.weight.requires_grad_(False)  # no gradient, so nothing sparse
