@@ -78,6 +78,21 @@ def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return (out if isinstance(out, torch.Tensor) else out.logits)[0]
 
 
+def _generates_hugging_faces_tokens(model: torch.nn.Module, engine: fxspeed.Engine, prompts: list[list[int]],
+                                    new: list[int]) -> None:
+    """engine.generate gives HF generate's greedy tokens per prompt, and the logits of each sampled
+    token within 1e-4 of the model's full forward."""
+    engine._serving.record_logits = {}
+    outs = engine.generate(prompts, max_new_tokens=new)
+    with torch.no_grad():
+        for i, (p, n, o) in enumerate(zip(prompts, new, outs)):
+            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+            assert o == ref[0, len(p):].tolist(), f"request {i}"
+            want = _logits(model, p + o)[len(p) - 1:len(p) + n - 1]
+            torch.testing.assert_close(torch.stack(engine._serving.record_logits[i]), want, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama", "fxspeed_gpt", "mistral", "neox", "opt", "qwen2", "phi", "qwen3_moe",
                                   "qwen3_moe_top1"])
 def test_greedy_tokens_equal_hugging_face_generate_over_a_mixed_length_batch(name):
@@ -469,16 +484,7 @@ def test_sliding_window_models_are_served_past_their_window_with_hugging_faces_t
                                                                        max_window_layers=1))
     model.eval()
     engine = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=128)
-    engine._serving.record_logits = {}
-    prompts, new = [list(range(3, 23)), [5, 17, 3], list(range(30, 39))], [6, 12, 5]
-    outs = engine.generate(prompts, max_new_tokens=new)
-    with torch.no_grad():
-        for i, (p, n, o) in enumerate(zip(prompts, new, outs)):
-            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-            assert o == ref[0, len(p):].tolist(), f"request {i}"
-            want = _logits(model, p + o)[len(p) - 1:len(p) + n - 1]
-            torch.testing.assert_close(torch.stack(engine._serving.record_logits[i]), want, rtol=0, atol=1e-4)
+    _generates_hugging_faces_tokens(model, engine, [list(range(3, 23)), [5, 17, 3], list(range(30, 39))], [6, 12, 5])
 
 
 def test_a_mistral_request_longer_than_the_whole_cache_reuses_its_blocks_behind_the_window():
@@ -494,16 +500,7 @@ def test_a_mistral_request_longer_than_the_whole_cache_reuses_its_blocks_behind_
     engine = fxspeed.serve(model, token_budget=8, max_batch=2, block_size=4, cache_tokens=20)
     assert engine._serving.ring == 4 and engine._serving.cache.usable_blocks == 5
     assert engine.plan.held_at_context == 16 and "each holds 16 tokens" in engine.plan.summary()
-    engine._serving.record_logits = {}
-    prompts, new = [list(range(3, 33)), [(5 * i) % V for i in range(11)]], [20, 20]
-    outs = engine.generate(prompts, max_new_tokens=new)
-    with torch.no_grad():
-        for i, (p, n, o) in enumerate(zip(prompts, new, outs)):
-            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-            assert o == ref[0, len(p):].tolist(), f"request {i}"
-            want = _logits(model, p + o)[len(p) - 1:len(p) + n - 1]
-            torch.testing.assert_close(torch.stack(engine._serving.record_logits[i]), want, rtol=0, atol=1e-4)
+    _generates_hugging_faces_tokens(model, engine, [list(range(3, 33)), [(5 * i) % V for i in range(11)]], [20, 20])
     assert engine._serving.cache.free_blocks() == 5
 
 
