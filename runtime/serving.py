@@ -470,9 +470,9 @@ class ServingLoop:
         over tp) for the eager reference."""
         prompts = [[(7 * i + 3) % self.vocab_size for i in range(5)], [(11 * i + 1) % self.vocab_size for i in range(3)]]
         new = 3
-        if self.cache.usable_blocks < 2 * -(-8 // self.block_size):
+        if self.cache.usable_blocks < 2 * self.blocks_held(8):
             prompts = prompts[:1]  # a cache too small for both: the check is the last guard, run it on one
-        if self.max_context < 8 or self.cache.usable_blocks < -(-8 // self.block_size):
+        if self.max_context < 8 or self.cache.usable_blocks < self.blocks_held(8):
             log.warning("fxspeed: serve skipped its packed check against the eager model: the context (%d) or the "
                         "cache (%d blocks of %d) is smaller than one 8-token request", self.max_context,
                         self.cache.usable_blocks, self.block_size)
@@ -558,9 +558,11 @@ class ServingLoop:
                 err = (f"prompt ({len(ids)} tokens) + max_new_tokens ({m}) - 1 = {fed_tokens(len(ids), m)} positions "
                        f"exceeds {self.context_limit}; shorten the prompt or lower max_new_tokens")
             elif self.blocks_held(fed_tokens(len(ids), m)) > self.cache.usable_blocks:
-                err = (f"needs {self.blocks_held(fed_tokens(len(ids), m)) * self.block_size} tokens of KV cache but "
-                       f"the whole cache holds {self.cache.usable_blocks * self.block_size}; raise "
-                       "serve(..., cache_tokens=)")
+                held = self.blocks_held(fed_tokens(len(ids), m))
+                ring = (f" (a ring of {held} blocks of {self.block_size}: its sliding window plus a step's token "
+                        "budget)" if self.ring and held == self.ring else "")
+                err = (f"needs {held * self.block_size} tokens of KV cache{ring} but the whole cache holds "
+                       f"{self.cache.usable_blocks * self.block_size}; raise serve(..., cache_tokens=)")
             if err:
                 out.append(RequestError(i, err))
                 continue

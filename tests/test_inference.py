@@ -502,6 +502,9 @@ def test_a_mistral_request_longer_than_the_whole_cache_reuses_its_blocks_behind_
     assert engine.plan.held_at_context == 16 and "each holds 16 tokens" in engine.plan.summary()
     _generates_hugging_faces_tokens(model, engine, [list(range(3, 33)), [(5 * i) % V for i in range(11)]], [20, 20])
     assert engine._serving.cache.free_blocks() == 5
+    small = fxspeed.serve(model, token_budget=8, max_batch=2, block_size=4, cache_tokens=12)  # 3 blocks < the ring
+    with pytest.raises(fxspeed.GenerationError, match=r"needs 16 tokens of KV cache \(a ring of 4 blocks of 4"):
+        small.generate([[1, 2, 3]], max_new_tokens=20)
 
 
 @settings(max_examples=60, deadline=None)

@@ -25,6 +25,10 @@ INTERPRETED_TESTS = ("test_the_kernel_gives_the_torch_path_s_attention_and_cache
                      "test_a_decode_step_over_long_contexts_matches_the_torch_path",
                      "test_a_llama_served_with_the_kernel_gives_the_torch_path_s_greedy_tokens")
 
+# numpy's "invalid value encountered in divide" under the interpreter is a NaN the kernel made (in
+# rows it does not store, but made): under a window the key loop may start past a dummy row's key
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # ||kernel - torch|| <= TOL ||torch|| + ATOL sqrt(numel), in the dtype of the computation (q's)
 TOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 4e-3}

@@ -296,7 +296,8 @@ def _make_kernel(interpret: bool) -> Any:
         row_ok = (i < Qn) & (g < G)
         qi = tl.load(QI + s * Qn + i, mask=row_ok, other=T)
         live = row_ok & (qi < T)  # dummy slots (query_index == T) and padding rows compute but store nothing
-        # a dead row attends key 0 only: every row has a key in the first tile, so no -inf - -inf
+        # a dead row reads position 0: it sees key 0 if the loop starts there (its result is never
+        # stored; under a window the loop may start past it, and l = 0 is divided by 1 below)
         pos = tl.load(QP + s * Qn + i, mask=live, other=0).to(tl.int32)
         n_keys = tl.minimum(tl.max(pos, axis=0) + 1, NB * BS)  # causal: no program reads past its last query
         q = tl.load(Q + qi[:, None].to(tl.int64) * sq_t + h[:, None] * sq_h + d[None, :] * sq_d,
@@ -340,7 +341,7 @@ def _make_kernel(interpret: bool) -> Any:
             if SPLIT_P:
                 acc += _mma(_cast(p - p_hi.to(tl.float32), dt, INTERPRET_BF16), vt, INTERPRET_BF16)
             m_i = m_new
-        out = acc / l_i[:, None]
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a live row sees at least its own key: l > 0
         tl.store(Out + (qi[:, None].to(tl.int64) * (HKV * G) + h[:, None]) * D + d[None, :],
                  _cast(out, Out.dtype.element_ty, INTERPRET_BF16), mask=live[:, None] & d_ok[None, :])
 
