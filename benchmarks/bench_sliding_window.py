@@ -90,11 +90,16 @@ def main() -> None:
     if args.mode:
         print(json.dumps(child(args)))
         return
+    child_argv = list(sys.argv[1:])  # the child writes no file: --out and its value (or --out=X) left out
+    for i, a in enumerate(child_argv):
+        if a == "--out":
+            del child_argv[i:i + 2]
+            break
+    child_argv = [a for a in child_argv if not a.startswith("--out=")]
     rows = []
     for prompt in args.prompts:
         for mode in ("window", "full"):
-            cmd = [sys.executable, __file__, "--mode", mode, "--prompt", str(prompt)] + [
-                a for a in sys.argv[1:] if a != "--out" and a != args.out]
+            cmd = [sys.executable, __file__, "--mode", mode, "--prompt", str(prompt)] + child_argv
             with tempfile.TemporaryFile("w+") as err:
                 proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
                 out = proc.stdout.read()

@@ -155,7 +155,8 @@ def _allocate_cache(program: InferenceProgram, cache_tokens: int | None, default
         tokens = default_tokens
         if room < tokens:
             tokens = max(room, 2 * block_size)
-            log.warning("fxspeed: serve's default KV cache (max_batch x context = %d tokens, %.1f GB) does not fit in "
+            log.warning("fxspeed: serve's default KV cache (max_batch x what a request of the whole context holds = %d "
+                        "tokens, %.1f GB) does not fit in "
                         "half of the %s's free memory; it holds %d tokens (%.1f GB). Pass serve(..., cache_tokens=) "
                         "to choose", default_tokens, default_tokens * per_token / 1e9, device.type, tokens,
                         tokens * per_token / 1e9)

@@ -69,6 +69,8 @@ def test_an_unknown_model_name_is_refused_with_the_closest_model_types_not_all_o
     ("--max-new-tokens", "0", "argument --max-new-tokens: expected a positive integer, got 0"),
     ("--top-p", "1.5", "argument --top-p: expected a number in (0, 1], got 1.5"),
     ("--temperature", "-1", "argument --temperature: expected a number >= 0, got -1"),
+    ("--top-k", "-1", "argument --top-k: expected an integer >= 0, got -1"),
+    ("--eos-token-id", "-1", "argument --eos-token-id: expected an integer >= 0, got -1"),
 ])
 def test_a_bad_serve_value_is_an_argparse_error_before_any_model_is_built(flag, value, said, capsys):
     """They were tracebacks from Config or the serving loop after compiling, or a misleading error

@@ -1346,12 +1346,16 @@ def _package_dir(name: str) -> str:
         else ""
 
 
-# Frames here are torch's or fxspeed's, never the user's line: fxspeed's own folders (the runtime
-# and passes live outside fxspeed/ in the source tree) but for its models, which are user code to
-# an error (a Sequential's error was blamed on runtime/engine.py's call of the compiler, h39).
-_SKIP_DIRS = tuple(os.path.dirname(m.__file__) for m in (torch, contextlib) if getattr(m, "__file__", None)) + tuple(
-    d + os.sep for d in map(_package_dir, ("fxspeed", "fxspeed.runtime", "fxspeed.passes")) if d)
+# Frames here are torch's, the standard library's or fxspeed's, never the user's line: fxspeed's own
+# folders (the runtime and passes live outside fxspeed/ in the source tree) but for its models,
+# which are user code to an error (a Sequential's error was blamed on runtime/engine.py's call of
+# the compiler, h39). Packages installed beside the standard library (a python without a venv puts
+# site-packages inside it) are not the standard library: Hugging Face's lines are the user's.
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_STDLIB_DIR = os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep
+_FXSPEED_DIRS = tuple(d + os.sep for d in map(_package_dir, ("fxspeed", "fxspeed.runtime", "fxspeed.passes")) if d)
 _USER_DIRS = tuple(d + os.sep for d in (_package_dir("fxspeed.models"),) if d)
+_INSTALLED = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 
 
 def _user_frame(tb: Any) -> traceback.FrameSummary | None:
@@ -1431,7 +1435,7 @@ def _known_capture_error(model: nn.Module, wrapper: "_StepModule", tensors: list
                 # no in-place op in the user's code: nn.Embedding(max_norm=...) rescales the rows it
                 # looks up, in place, in every forward
                 fix = (f"nn.Embedding(max_norm=...) rescales the rows it looks up in place in forward: build "
-                       f"`{_python_path(pname.rsplit('.', 1)[0])}` with max_norm=None, and if the norm bound matters rescale "
+                       f"`{_python_path(pname.rpartition('.')[0])}` with max_norm=None, and if the norm bound matters rescale "
                        "its rows between steps under torch.no_grad() (or use F.normalize on the looked-up rows "
                        "inside forward)")
             return CaptureError(
@@ -1676,8 +1680,13 @@ def _capture_error(model: nn.Module, e: BaseException, train: bool = True) -> Ca
 def _is_user_file(filename: str) -> bool:
     """Whether a frame of `filename` is the user's code: not torch's, not fxspeed's but its models."""
     f = os.path.abspath(filename)
-    return (not f.startswith(_SKIP_DIRS) or f.startswith(_USER_DIRS)) and "site-packages/torch" not in f \
-        and "<" not in filename
+    if "<" in filename or f.startswith(_TORCH_DIR) or f"{os.sep}site-packages{os.sep}torch{os.sep}" in f:
+        return False
+    if f.startswith(_USER_DIRS):
+        return True
+    if f.startswith(_FXSPEED_DIRS):
+        return False
+    return not f.startswith(_STDLIB_DIR) or any(p in f[len(_STDLIB_DIR) - 1:] for p in _INSTALLED)
 
 
 def _torch_callee(model: nn.Module, e: BaseException

@@ -25,6 +25,7 @@ def _checked(convert: Callable[[str], float], ok: Callable[[float], bool], expec
 positive_int = _checked(int, lambda n: n >= 1, "a positive integer")
 probability = _checked(float, lambda p: 0.0 < p <= 1.0, "a number in (0, 1]")  # a top-p
 non_negative_float = _checked(float, lambda x: x >= 0.0, "a number >= 0")
+non_negative_int = _checked(int, lambda n: n >= 0, "an integer >= 0")
 
 
 def key_value(text: str) -> tuple[str, Any]:

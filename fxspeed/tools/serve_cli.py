@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from fxspeed.tools.arg_types import key_value, non_negative_float, positive_int, probability
+from fxspeed.tools.arg_types import key_value, non_negative_float, non_negative_int, positive_int, probability
 from fxspeed.tools.launcher import launch
 
 
@@ -34,10 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="space-separated token ids of one request; repeat for more requests")
     s.add_argument("--max-new-tokens", type=positive_int, default=16)
     s.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 is greedy (default)")
-    s.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 or unset: all)")
+    s.add_argument("--top-k", type=non_negative_int, default=None, help="keep the k most likely tokens (0 or unset: all)")
     s.add_argument("--top-p", type=probability, default=None)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--eos-token-id", type=int, action="append", default=None, metavar="ID",
+    s.add_argument("--eos-token-id", type=non_negative_int, action="append", default=None, metavar="ID",
                    help="stop a request at this token (returned with it); repeat for several")
     s.add_argument("--tensor", type=positive_int, default=1, help="tensor-parallel processes (default: 1)")
     s.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
@@ -158,9 +158,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"fxspeed serve: {type(model).__name__} compiled in {time.perf_counter() - t0:.1f}s", flush=True)
         if args.plan:
             print(engine.plan.summary(), flush=True)
-    outs = engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=args.eos_token_id,
-                           on_error="return")
+    try:
+        outs = engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=args.eos_token_id,
+                               on_error="return")
+    except fxspeed.ConfigError as e:  # an option the model refuses (an --eos-token-id past its vocabulary), every rank
+        if rank0:
+            print(f"fxspeed serve: {e}", file=sys.stderr)
+        return 2
     failed = sum(isinstance(out, fxspeed.RequestError) for out in outs)
     if rank0:
         for i, out in enumerate(outs):

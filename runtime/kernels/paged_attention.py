@@ -146,7 +146,7 @@ def _step_index(block_table: torch.Tensor, query_pos: torch.Tensor, query_index:
     parts = [(block_table, query_pos, query_index)]
     if on_cpu and Qn > 1:
         live = query_index < T
-        single = live.sum(1) == 1
+        single = live.sum(1) <= 1  # (a padded sequence of a fixed-shape bucket has no live slot: a dummy here)
         if bool(single.any()) and not bool(single.all()):
             one, many = single.nonzero()[:, 0], (~single).nonzero()[:, 0]
             slot = live[one].int().argmax(1, keepdim=True)  # the one live query slot of each
