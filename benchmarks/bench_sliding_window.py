@@ -6,7 +6,8 @@ model with full attention, side by side in one run.
 
 A HF Mistral from its config (random init, fp32, `--layers` x `--hidden`, `--kv-heads` key/value
 heads), served by fxspeed with `sliding_window=--window` ("window") and with no window ("full",
-the anchor: same weights and sizes). Per prompt length: `--batch` requests of that many random
+the anchor: same weights and sizes). `--global-every K`: a Qwen2 whose every K-th layer is global
+and the others slide (Gemma3's pattern at K=6), against the same Qwen2 with no window. Per prompt length: `--batch` requests of that many random
 tokens and `--new` new tokens, greedy. Each row runs in its own process, so its peak RSS is read
 from outside (the child's own rusage, `os.wait4`); the cache is serve's default
 (max_batch x what a request of the whole context holds). Reported: tokens/s of decode (batch x
@@ -35,12 +36,18 @@ def child(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    cfg = transformers.MistralConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=args.context, attn_implementation="sdpa",
-        sliding_window=args.window if args.mode == "window" else None)
-    model = transformers.MistralForCausalLM(cfg).eval()
+    sizes = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                 num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                 num_key_value_heads=args.kv_heads, max_position_embeddings=args.context, attn_implementation="sdpa")
+    if args.global_every:  # Qwen2 with layer kinds: every global_every-th layer global, the others sliding
+        kinds = ["full_attention" if (i + 1) % args.global_every == 0 else "sliding_attention" for i in range(args.layers)]
+        windowed = args.mode == "window"
+        cfg = transformers.Qwen2Config(**sizes, use_sliding_window=windowed, sliding_window=args.window,
+                                       layer_types=kinds if windowed else ["full_attention"] * args.layers)
+        model = transformers.Qwen2ForCausalLM(cfg).eval()
+    else:
+        cfg = transformers.MistralConfig(**sizes, sliding_window=args.window if args.mode == "window" else None)
+        model = transformers.MistralForCausalLM(cfg).eval()
     engine = fxspeed.serve(model, token_budget=args.budget, max_batch=args.batch, block_size=16)
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, args.vocab, (args.batch, args.prompt), generator=g).tolist()
@@ -78,6 +85,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--prompts", type=int, nargs="+", default=[512, 3072])
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--global-every", type=int, default=0,
+                    help="every K-th layer global, the others sliding (a Qwen2 with layer kinds); 0: all slide")
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)

@@ -54,13 +54,19 @@ import torch.nn as nn
 from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.global_state import no_autocast
 from fxspeed.ir import IOSpec
-from fxspeed.ir.program import InferenceProgram
+from fxspeed.ir.program import WINDOW_GROUP, InferenceProgram
 from fxspeed.runtime.kernels.packed_linear import PACKED_KINDS, PackedWeights, packing_pays
 from fxspeed.runtime.kernels.direct_calls import direct_calls
 
 log = logging.getLogger("fxspeed")
 
 PER_STEP = ("tokens", "positions", "slot_mapping", "block_table", "query_index", "query_pos", "logits_index")
+
+
+def step_key(kind: str, group: str = "") -> str:
+    """A serving step's name for a per-step input: its kind, with the block table's group when
+    not the main one ("block_table:window")."""
+    return f"{kind}:{group}" if group else kind
 
 
 class RequestError(FxspeedError, ValueError):
@@ -84,37 +90,49 @@ class GenerationError(FxspeedError):
 
 
 class KVCache:
-    """The paged cache: per layer a key and a value tensor [num_blocks, block_size, kv_heads,
-    head_dim], allocated once; blocks are handed to requests from a free list."""
+    """The paged cache: per layer a key and a value tensor [blocks, block_size, kv_heads, head_dim],
+    allocated once; blocks are handed to requests from a free list. `groups[i]`: the block table
+    layer i reads. A model with sliding and global layers has two ("" and "window"), each over
+    blocks of its own: `group_blocks` gives the "window" pool's size (its layers' tensors hold
+    that many blocks), `num_blocks` the "" pool's."""
 
     def __init__(self, layout: Sequence[tuple[int, int, torch.dtype]], num_blocks: int, block_size: int,
-                 device: torch.device):
-        if num_blocks < 2:
-            raise ConfigError(f"serve: the cache needs at least 2 blocks (block 0 is reserved), got {num_blocks}; "
-                              "raise cache_tokens")
+                 device: torch.device, groups: Sequence[str] = (), group_blocks: dict[str, int] | None = None):
+        groups = tuple(groups) or ("",) * len(layout)
+        self.sizes = {g: num_blocks if g == "" else int((group_blocks or {}).get(g, num_blocks))
+                      for g in ("", *groups)}
+        if min(self.sizes.values()) < 2:
+            raise ConfigError(f"serve: the cache needs at least 2 blocks (block 0 is reserved), got "
+                              f"{min(self.sizes.values())}; raise cache_tokens")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.layout = list(layout)
+        self.groups = groups
         self.tensors: dict[str, torch.Tensor] = {}
-        for i, (h, d, dt) in enumerate(layout):
+        for i, ((h, d, dt), g) in enumerate(zip(layout, groups)):
             for kv in ("k", "v"):
-                self.tensors[f"{i}.{kv}"] = torch.zeros(num_blocks, block_size, h, d, dtype=dt, device=device)
-        self._free = list(range(num_blocks - 1, 0, -1))
+                self.tensors[f"{i}.{kv}"] = torch.zeros(self.sizes[g], block_size, h, d, dtype=dt, device=device)
+        self._free = {g: list(range(n - 1, 0, -1)) for g, n in self.sizes.items()}
 
     @property
     def usable_blocks(self) -> int:
         return self.num_blocks - 1
 
-    def free_blocks(self) -> int:
-        return len(self._free)
+    def usable(self, group: str) -> int:
+        return self.sizes[group] - 1
 
-    def allocate(self, n: int) -> list[int] | None:
-        if n > len(self._free):
+    def free_blocks(self, group: str = "") -> int:
+        return len(self._free[group])
+
+    def allocate(self, needs: dict[str, int]) -> dict[str, list[int]] | None:
+        """`needs[g]` blocks of each table's pool, or None (nothing taken) where one has too few."""
+        if any(n > len(self._free[g]) for g, n in needs.items()):
             return None
-        return [self._free.pop() for _ in range(n)]
+        return {g: [self._free[g].pop() for _ in range(n)] for g, n in needs.items()}
 
-    def release(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+    def release(self, blocks: dict[str, list[int]]) -> None:
+        for g, bs in blocks.items():
+            self._free[g].extend(reversed(bs))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -139,17 +157,36 @@ def free_memory(device: torch.device) -> int:
 
 
 def _allocate_cache(program: InferenceProgram, cache_tokens: int | None, default_tokens: int, block_size: int,
-                    device: torch.device, agree_min: Callable[[int], int] | None) -> KVCache:
+                    device: torch.device, agree_min: Callable[[int], int] | None,
+                    window_blocks: Callable[[int], int] | None = None) -> KVCache:
     """The KVCache for `cache_tokens` (the user's), else for `default_tokens` capped at
     CACHE_MEMORY_FRACTION of the free memory; a failed allocation is a ConfigError naming
     cache_tokens instead of the allocator's message. Under tensor parallelism (`agree_min`: the
     minimum over the tp ranks) every rank takes the smallest rank's room, so all admit the same
     requests, and all raise if one rank's allocation failed (the others would wait in the next
-    collective until dist_timeout_s)."""
-    per_token = program.kv_bytes_per_token()
+    collective until dist_timeout_s). A model with sliding and global layers: the tokens are the
+    global layers' ("" table); `window_blocks(usable "" blocks)` sizes the sliding layers' pool."""
+    groups = tuple(getattr(program, "kv_groups", ()))
+    windowed = window_blocks is not None and any(groups)
+    main = program.kv_bytes_per_token("") if windowed else program.kv_bytes_per_token()
+    side = program.kv_bytes_per_token(WINDOW_GROUP) if windowed else 0
+
+    def side_blocks(tokens: int) -> int:
+        return window_blocks(-(-tokens // block_size)) if windowed and window_blocks is not None else 0
+
+    def nbytes(tokens: int) -> int:  # without the reserved blocks
+        return tokens * main + side_blocks(tokens) * block_size * side
+
     tokens = cache_tokens
     if tokens is None:
-        room = int(CACHE_MEMORY_FRACTION * free_memory(device)) // max(per_token, 1)
+        budget = int(CACHE_MEMORY_FRACTION * free_memory(device))
+        room = budget // max(main, 1)
+        if windowed:  # the most tokens whose blocks in both pools fit (nbytes grows with tokens)
+            lo, hi = 0, min(room, default_tokens)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if nbytes(mid) <= budget else (lo, mid - 1)
+            room = lo if lo < min(room, default_tokens) else room
         if agree_min is not None:
             room = agree_min(room)
         tokens = default_tokens
@@ -158,19 +195,22 @@ def _allocate_cache(program: InferenceProgram, cache_tokens: int | None, default
             log.warning("fxspeed: serve's default KV cache (max_batch x what a request of the whole context holds = %d "
                         "tokens, %.1f GB) does not fit in "
                         "half of the %s's free memory; it holds %d tokens (%.1f GB). Pass serve(..., cache_tokens=) "
-                        "to choose", default_tokens, default_tokens * per_token / 1e9, device.type, tokens,
-                        tokens * per_token / 1e9)
+                        "to choose", default_tokens, nbytes(default_tokens) / 1e9, device.type, tokens,
+                        nbytes(tokens) / 1e9)
     blocks = -(-tokens // block_size) + 1
+    sizes = {WINDOW_GROUP: side_blocks(tokens) + 1} if windowed else None
     cache, error = None, ""
     try:
-        cache = KVCache(program.kv_layout, blocks, block_size, device)
+        cache = KVCache(program.kv_layout, blocks, block_size, device, groups, sizes)
     except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
         error = str(e).splitlines()[0] if str(e) else type(e).__name__
     if agree_min is not None and agree_min(0 if cache is None else 1) == 0 and not error:
         error = "another tensor-parallel rank could not allocate its share"
     if error:
-        raise ConfigError(f"serve: a KV cache of {tokens} tokens ({blocks * block_size * per_token / 1e9:.2f} GB, "
-                          f"{per_token} bytes a token) could not be allocated on {device}: {error}; "
+        side_note = (f"; its sliding layers' {side_blocks(tokens) * block_size} tokens ({side} bytes a token) "
+                     "included" if windowed else "")
+        raise ConfigError(f"serve: a KV cache of {tokens} tokens ({nbytes(blocks * block_size) / 1e9:.2f} GB, "
+                          f"{main} bytes a token{side_note}) could not be allocated on {device}: {error}; "
                           "lower serve(..., cache_tokens=)")
     assert cache is not None
     return cache
@@ -186,7 +226,7 @@ class _Request:
     top_k: int | None
     top_p: float | None
     generator: torch.Generator | None
-    blocks: list[int] = field(default_factory=list)
+    blocks: dict[str, list[int]] = field(default_factory=dict)  # per block table: its blocks
     cached: int = 0  # tokens whose keys/values are in the cache
     out: list[int] = field(default_factory=list)
     last_token_at: float = 0.0
@@ -230,7 +270,7 @@ class _Bound:
         self.slots: dict[str, int] = {}
         for i, s in enumerate(program.signature.inputs):
             if s.kind in PER_STEP:
-                self.slots[s.kind] = i
+                self.slots[step_key(s.kind, s.target)] = i
                 self.args.append(None)
             elif s.kind == "kv_cache":
                 self.args.append(cache.tensors[s.target])
@@ -276,10 +316,15 @@ class _Static:
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.long, device=device)
 
-        self.inputs = {"tokens": zeros(1, T), "positions": zeros(1, T), "slot_mapping": zeros(T),
-                       "block_table": zeros(sequences, blocks), "query_pos": zeros(sequences, T),
+        self.inputs = {"tokens": zeros(1, T), "positions": zeros(1, T), "query_pos": zeros(sequences, T),
                        "query_index": torch.full((sequences, T), T, dtype=torch.long, device=device),
                        "logits_index": zeros(sequences)}
+        for key in bound.slots:  # one slot mapping and block table per block table the program reads
+            kind = key.split(":")[0]
+            if kind == "slot_mapping":
+                self.inputs[key] = zeros(T)
+            elif kind == "block_table":
+                self.inputs[key] = zeros(sequences, blocks)
         self.graph: Any = None
         self.out: torch.Tensor | None = None
         if capture:
@@ -385,9 +430,17 @@ class ServingLoop:
         self._packable = (first.gm.meta.get("packable_weights", []), first.gm.meta.get("pack_linear_tokens", 0))
         # Where every layer has a sliding window a request keeps `ring` blocks at most, reused in
         # turn: a block's keys are behind every later query's window by the time it is written again
-        self.ring = ring_blocks(first.kv_windows, token_budget, block_size)
+        # Where only some layers slide (Gemma3), those read a block table of their own (kv_cache's
+        # "window" group) over a pool of their own, and a request keeps a ring there while the
+        # global layers keep every block. The pool holds what max_batch rings can (or as many
+        # blocks as the global layers' pool, if fewer): it never refuses a request the other admits.
+        self.rings = {g: ring_blocks(ws, token_budget, block_size) for g, ws in first.kv_group_windows().items()}
+        self.ring = self.rings[""]
+        self._bytes_per_token = {g: first.kv_bytes_per_token(g) for g in self.rings}
+        window_ring = self.rings.get(WINDOW_GROUP) or 0
         self.cache = _allocate_cache(first, cache_tokens, self.blocks_held(max_context) * block_size * max_batch,
-                                     block_size, device, agree_min)
+                                     block_size, device, agree_min,
+                                     window_blocks=lambda usable: min(usable, max_batch * window_ring))
         self.programs: dict[int, _Bound | _Static] = {}
         self.programs[first.tokens] = self._bound(first)
         self.stats: dict[str, Any] = {"steps": 0, "tokens": 0, "padded_tokens": 0,
@@ -428,7 +481,8 @@ class ServingLoop:
         if T not in self.programs:
             t0 = time.perf_counter()
             program = self._check_window(self._compile(T, self._packs(T)))
-            if list(program.kv_layout) != self.cache.layout:
+            if list(program.kv_layout) != self.cache.layout or \
+                    tuple(program.kv_groups or ("",) * len(program.kv_layout)) != self.cache.groups:
                 # Every bucket writes the same cache: under tensor parallelism its heads must be
                 # split the same way in every program (the layout is solved once and kept).
                 raise FxspeedError(f"serve: the program for {T} tokens lays out the KV cache as "
@@ -449,11 +503,20 @@ class ServingLoop:
                  T, "read packed weights" if packs else "run through the GEMM", packed_s * 1e3, gemm_s * 1e3)
         return packs
 
-    def blocks_held(self, positions: int) -> int:
-        """Cache blocks a request of `positions` fed tokens holds (all it ever holds: they are
-        allocated when it starts): one per block_size positions, at most `ring`."""
+    def blocks_held(self, positions: int, group: str = "") -> int:
+        """Cache blocks a request of `positions` fed tokens holds in `group`'s pool (all it ever
+        holds: they are allocated when it starts): one per block_size positions, at most its ring."""
         blocks = -(-positions // self.block_size)
-        return min(blocks, self.ring) if self.ring else blocks
+        ring = self.rings[group]
+        return min(blocks, ring) if ring else blocks
+
+    def needs(self, positions: int) -> dict[str, int]:
+        """The blocks of each pool a request of `positions` fed tokens holds."""
+        return {g: self.blocks_held(positions, g) for g in self.rings}
+
+    def bytes_held(self, positions: int) -> int:
+        """The cache bytes a request of `positions` fed tokens holds, over every layer."""
+        return sum(n * self.block_size * self._bytes_per_token[g] for g, n in self.needs(positions).items())
 
     def _bucket(self, n: int) -> int:
         if self._only_bucket is not None:
@@ -558,7 +621,7 @@ class ServingLoop:
             elif fed_tokens(len(ids), m) > self.max_context:
                 err = (f"prompt ({len(ids)} tokens) + max_new_tokens ({m}) - 1 = {fed_tokens(len(ids), m)} positions "
                        f"exceeds {self.context_limit}; shorten the prompt or lower max_new_tokens")
-            elif self.blocks_held(fed_tokens(len(ids), m)) > self.cache.usable_blocks:
+            elif any(n > self.cache.usable(g) for g, n in self.needs(fed_tokens(len(ids), m)).items()):
                 held = self.blocks_held(fed_tokens(len(ids), m))
                 ring = (f" (a ring of {held} blocks of {self.block_size}: its sliding window plus a step's token "
                         "budget)" if self.ring and held == self.ring else "")
@@ -630,23 +693,25 @@ class ServingLoop:
             # the caller stopped iterating (or a step failed): give the blocks back
             for r in active:
                 self.cache.release(r.blocks)
-                r.blocks = []
+                r.blocks = {}
 
     def _loop(self, waiting: list[_Request], active: list[_Request],
               check_peers: bool) -> Iterator[tuple[int, int | RequestError]]:
-        bs = self.block_size
         steps = 0
         while waiting or active:
             while waiting and len(active) < self.max_batch:
                 r = waiting[0]
-                need = self.blocks_held(fed_tokens(len(r.prompt), r.max_new))
+                need = self.needs(fed_tokens(len(r.prompt), r.max_new))
                 blocks = self.cache.allocate(need)
                 if blocks is None and not active:
                     # Nothing here will give blocks back: another stream() of this engine, paused by its
                     # caller, holds them. Waiting would never end, so refuse this request.
                     waiting.pop(0)
-                    yield r.id, RequestError(r.id, f"needs {need} KV-cache blocks but only {self.cache.free_blocks()} "
-                                                   f"of {self.cache.usable_blocks} are free: another stream() of this "
+                    short = next(g for g, n in need.items() if n > self.cache.free_blocks(g))
+                    yield r.id, RequestError(r.id, f"needs {need[short]} KV-cache blocks"
+                                                   + (" (of its sliding layers)" if short else "")
+                                                   + f" but only {self.cache.free_blocks(short)} of "
+                                                   f"{self.cache.usable(short)} are free: another stream() of this "
                                                    "engine holds the rest; finish or close it first, or raise "
                                                    "serve(..., cache_tokens=)")
                     continue
@@ -675,7 +740,7 @@ class ServingLoop:
                 yield r.id, tok
             for r in [r for r in active if r.done()]:
                 self.cache.release(r.blocks)
-                r.blocks = []
+                r.blocks = {}
                 active.remove(r)
 
     def _schedule(self, active: list[_Request]) -> list[tuple[_Request, int]]:
@@ -701,10 +766,11 @@ class ServingLoop:
         bs = self.block_size
         tokens = torch.zeros(1, T, dtype=torch.long)
         positions = torch.zeros(1, T, dtype=torch.long)
-        slots = torch.zeros(T, dtype=torch.long)  # padding writes block 0
         S, Q, NB = bound.shape(len(chunks), max(c for _, c in chunks),
                                max(-(-(r.cached + c) // bs) for r, c in chunks))
-        block_table = torch.zeros(S, NB, dtype=torch.long)
+        # per block table ("": every layer, or the global ones where a model has sliding layers too)
+        slots = {g: torch.zeros(T, dtype=torch.long) for g in self.rings}  # padding writes block 0
+        block_table = {g: torch.zeros(S, NB, dtype=torch.long) for g in self.rings}
         query_index = torch.full((S, Q), T, dtype=torch.long)
         query_pos = torch.zeros(S, Q, dtype=torch.long)
         at = 0
@@ -712,14 +778,15 @@ class ServingLoop:
         for s, (r, c) in enumerate(chunks):
             feed = r.pending()[:c]
             pos = torch.arange(r.cached, r.cached + c)
-            blocks = torch.tensor(r.blocks, dtype=torch.long)
             tokens[0, at:at + c] = torch.tensor(feed)
             positions[0, at:at + c] = pos
-            # logical block b of the sequence is block b % len(blocks) of its own: the same unless
-            # a ring (sliding windows) holds fewer blocks than the sequence spans
-            slots[at:at + c] = blocks[(pos // bs) % len(blocks)] * bs + pos % bs
             nb = -(-(r.cached + c) // bs)
-            block_table[s, :nb] = blocks[torch.arange(nb) % len(blocks)]
+            for g, held in r.blocks.items():
+                blocks = torch.tensor(held, dtype=torch.long)
+                # logical block b of the sequence is block b % len(blocks) of its own: the same unless
+                # a ring (sliding windows) holds fewer blocks than the sequence spans
+                slots[g][at:at + c] = blocks[(pos // bs) % len(blocks)] * bs + pos % bs
+                block_table[g][s, :nb] = blocks[torch.arange(nb) % len(blocks)]
             query_index[s, :c] = torch.arange(at, at + c)
             query_pos[s, :c] = pos
             r.cached += c
@@ -730,9 +797,11 @@ class ServingLoop:
         # a static bucket selects S rows (the extra ones read row 0 and are dropped below)
         select = torch.cat([rows_at, rows_at.new_zeros(S - len(last))]) if bound.static else rows_at
         step = {k: v.to(self.device) for k, v in (("tokens", tokens), ("positions", positions),
-                                                  ("slot_mapping", slots), ("block_table", block_table),
                                                   ("query_index", query_index), ("query_pos", query_pos),
                                                   ("logits_index", select))}
+        for g in self.rings:
+            step[step_key("slot_mapping", g)] = slots[g].to(self.device)
+            step[step_key("block_table", g)] = block_table[g].to(self.device)
         logits = bound(step)
         self.stats["steps"] += 1
         self.stats["tokens"] += n

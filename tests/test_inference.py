@@ -315,10 +315,11 @@ def test_two_tensor_parallel_ranks_serve_the_tokens_and_logits_of_one_device(tmp
     heads); sampling without a seed agrees over the ranks; bad requests fail alone; a stream stopped
     at different tokens on the ranks is an error on the rank that goes on, not a hang; a Llama whose
     6 query / 3 key/value heads do not split over 2 ranks is served, with one device's tokens; so is
-    a Phi3 (fused qkv, grouped keys) whose largest bucket all-gathers its repeated keys' tokens."""
+    a Phi3 (fused qkv, grouped keys) whose largest bucket all-gathers its repeated keys' tokens; a
+    Gemma3 with local and global layers keeps its local layers' blocks in a smaller pool."""
     from tests.multiprocess import launch_worker
 
-    cases = ("gpt2", "llama", "gpt", "opt", "llama_fused", "sampling", "bad_request", "stream_stops", "uneven_heads",
+    cases = ("gpt2", "llama", "gpt", "opt", "gemma3", "llama_fused", "sampling", "bad_request", "stream_stops", "uneven_heads",
              "fused_qkv_gqa")
     launch_worker("tests.workers.serving_worker", 2, tmp_path, "--case", ",".join(cases), timeout=600)
     for case in cases:
@@ -419,7 +420,7 @@ def test_serving_programs_run_the_fused_kernels_where_fusion_is_on_and_give_the_
                                    torch.stack(plain._serving.record_logits[i]), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mistral", "gemma3"])
 def test_decode_buckets_at_the_fixed_shapes_of_a_cuda_graph_give_the_tokens_and_logits_of_per_step_shapes(name):
     """cuda_graphs: the buckets up to the decode bucket run at fixed shapes (every step's metadata
     padded to min(T, max_batch) sequences, T query slots, a whole context of blocks; the logits
@@ -429,7 +430,7 @@ def test_decode_buckets_at_the_fixed_shapes_of_a_cuda_graph_give_the_tokens_and_
     with a padded sequence beside decode tokens crashed the CPU torch path's grouping (h41)."""
     from fxspeed.runtime.serving import _Static
 
-    model = _hf(name)
+    model = _gemma3_hybrid() if name == "gemma3" else _hf(name)  # gemma3: two block tables, two pools
     options = dict(token_budget=8, max_batch=4, block_size=4, cache_tokens=96)
     plain = fxspeed.serve(model, **options)
     fixed = fxspeed.serve(model, **options)
@@ -438,7 +439,8 @@ def test_decode_buckets_at_the_fixed_shapes_of_a_cuda_graph_give_the_tokens_and_
     for e in (plain, fixed):
         e._serving.record_logits = {}
     # three requests decoding together: bucket 4 runs them beside a padded sequence
-    prompts, new = (PROMPTS, NEW) if name != "mistral" else ([[5, 17, 3, 9, 11], list(range(1, 10)), [7, 8, 9]], [6] * 3)
+    prompts, new = (PROMPTS, NEW) if name not in ("mistral", "gemma3") else (
+        [[5, 17, 3, 9, 11], list(range(1, 10)), [7, 8, 9]], [6] * 3)
     assert fixed.generate(prompts, max_new_tokens=new) == plain.generate(prompts, max_new_tokens=new)
     ran = {T: type(b) for T, b in fixed._serving.programs.items()}
     assert ran.get(4) is _Static and ran.get(8) is not _Static, ran
@@ -510,6 +512,50 @@ def test_a_mistral_request_longer_than_the_whole_cache_reuses_its_blocks_behind_
         small.generate([[1, 2, 3]], max_new_tokens=20)
 
 
+def _gemma3_hybrid() -> torch.nn.Module:
+    """Gemma3 with three local layers (window 5) and one global layer, as its 5:1 pattern in small."""
+    torch.manual_seed(0)
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        vocab_size=V, max_position_embeddings=64, attn_implementation="sdpa", num_hidden_layers=4, hidden_size=32,
+        intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8, initializer_range=0.2,
+        sliding_window=5, layer_types=["sliding_attention"] * 3 + ["full_attention"])).eval()
+
+
+def test_a_model_with_global_and_sliding_layers_keeps_a_ring_in_its_sliding_layers_and_every_block_in_the_others():
+    """Gemma3's local layers read a block table of their own over a pool of their own: a request
+    keeps ring_blocks(5, budget 8, blocks of 4) = 3 blocks there, reused in turn, and every block of
+    its context in the global layer. The local pool holds max_batch rings (9 blocks, not the 32 of
+    the global one); requests of up to 31 positions wrap their rings several times and give HF's
+    tokens and logits. The plan counts both: a request of the whole context (64) holds
+    (64 + 3 x 12) / 4 = 25 tokens of every layer's cache."""
+    from fxspeed.ir.program import WINDOW_GROUP
+
+    model = _gemma3_hybrid()
+    engine = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=128)
+    serving = engine._serving
+    assert serving.rings == {"": None, WINDOW_GROUP: 3}
+    assert serving.cache.sizes == {"": 33, WINDOW_GROUP: 10}
+    assert [tuple(serving.cache.tensors[f"{i}.k"].shape) for i in range(4)] == [(10, 4, 2, 8)] * 3 + [(33, 4, 2, 8)]
+    program = serving.programs[8].program
+    assert program.kv_groups == (WINDOW_GROUP,) * 3 + ("",)
+    assert {(s.kind, s.target) for s in program.signature.inputs if s.target == WINDOW_GROUP} == {
+        ("slot_mapping", WINDOW_GROUP), ("block_table", WINDOW_GROUP)}
+    assert engine.plan.held_at_context == 25 and "each holds 25 tokens" in engine.plan.summary()
+    _generates_hugging_faces_tokens(model, engine, [list(range(3, 23)), [5, 17, 3], list(range(30, 39)), [9] * 14],
+                                    [12, 20, 5, 18])
+    assert serving.cache.free_blocks("") == 32 and serving.cache.free_blocks(WINDOW_GROUP) == 9
+
+
+def test_a_model_whose_layers_all_slide_or_none_do_reads_one_block_table():
+    """The second table is only for models with both kinds of layer: Mistral (every layer slides)
+    and Llama (none) read one slot mapping and one block table, as before."""
+    for name in ("mistral", "llama"):
+        engine = fxspeed.serve(_hf(name), token_budget=8, max_batch=2, block_size=4, cache_tokens=32)
+        program = engine._serving.programs[8].program
+        assert set(program.kv_groups) == {""} and set(engine._serving.cache.sizes) == {""}
+        assert [s.kind for s in program.signature.inputs].count("block_table") == 1
+
+
 @settings(max_examples=60, deadline=None)
 @given(window=st.integers(1, 20), budget=st.integers(1, 12), block_size=st.sampled_from([1, 2, 3, 4, 8]),
        data=st.data())
@@ -568,6 +614,31 @@ def test_a_config_window_the_masks_contradict_is_refused():
     with pytest.raises(FxspeedError, match=r"6 or more positions back, but the config's sliding window for that "
                                            r"layer is none"):
         fxspeed.serve(model, token_budget=8, max_batch=2, block_size=4, cache_tokens=64)
+
+
+def test_the_default_cache_of_a_model_with_sliding_and_global_layers_fits_both_pools_in_half_the_free_memory(
+        monkeypatch):
+    """One global and one sliding layer of 128 bytes a token; the sliding pool holds 2 rings of 3
+    blocks of 4 at most. Half the free memory is 12800 bytes: 76 tokens of the global layer (19
+    blocks, 9728 bytes) and the 6 sliding blocks (3072 bytes), not the 50 tokens that counting
+    every layer at every token would leave."""
+    from fxspeed.runtime import serving
+
+    class Program:
+        kv_layout = [(2, 8, torch.float32)] * 2
+        kv_groups = ("", "window")
+
+        def kv_bytes_per_token(self, group: str | None = None) -> int:
+            return 128 * (2 if group is None else 1)
+
+    monkeypatch.setattr(serving, "free_memory", lambda device: 2 * 12800)
+    cache = serving._allocate_cache(Program(), None, 64 * 16, 4, torch.device("cpu"), None,
+                                    window_blocks=lambda usable: min(usable, 6))
+    assert cache.sizes == {"": 20, "window": 7}
+    assert tuple(cache.tensors["0.k"].shape) == (20, 4, 2, 8) and tuple(cache.tensors["1.k"].shape) == (7, 4, 2, 8)
+    # a cache smaller than two rings: the sliding pool takes no more blocks than the global one
+    assert serving._allocate_cache(Program(), 12, 64 * 16, 4, torch.device("cpu"), None,
+                                   window_blocks=lambda usable: min(usable, 6)).sizes == {"": 4, "window": 4}
 
 
 def test_the_default_cache_is_capped_at_half_the_free_memory_and_a_cache_that_cannot_be_allocated_names_cache_tokens(

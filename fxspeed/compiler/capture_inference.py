@@ -146,6 +146,7 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     return InferenceProgram(gm=gm, signature=sig, tokens=tokens, kv_layout=list(gm.meta["kv_cache_layout"]),
                             selects_logits=bool(gm.meta.get("selects_logits")), window=gm.meta.get("kv_cache_window"),
                             kv_windows=tuple(gm.meta.get("kv_cache_windows", ())),
+                            kv_groups=tuple(gm.meta.get("kv_cache_groups", ())),
                             records=pm.records, capture_seconds=t1 - t0, pass_seconds=t2 - t1)
 
 

@@ -110,6 +110,11 @@ class StageProgram:
                 "predicted_s": dict(self.predicted), **self.nodes}
 
 
+# The IOSpec target of the slot mapping and block table that the sliding layers of a model with
+# global layers too read (passes/inference/kv_cache.py writes it, runtime/serving.py binds it)
+WINDOW_GROUP = "window"
+
+
 @dataclass
 class InferenceProgram:
     """A forward-only serving program for one bucket of `tokens` packed tokens (prefill chunks and
@@ -134,13 +139,28 @@ class InferenceProgram:
     window: int | None = None
     # per cache layer, the sliding window its paged attention applies (0: none), from the config
     kv_windows: tuple[int, ...] = ()
+    # per cache layer, the block table it reads: "" or, for the sliding layers of a model that
+    # also has global ones, "window" (its own table and pool of blocks)
+    kv_groups: tuple[str, ...] = ()
     records: list[Any] = field(default_factory=list)
     capture_seconds: float = 0.0
     pass_seconds: float = 0.0
 
-    def kv_bytes_per_token(self) -> int:
-        """Cache bytes one token occupies: keys and values of every layer."""
-        return sum(2 * h * d * torch.empty((), dtype=dt).element_size() for h, d, dt in self.kv_layout)
+    def kv_bytes_per_token(self, group: str | None = None) -> int:
+        """Cache bytes one token occupies: keys and values of every layer (of `group`'s layers
+        only, when given)."""
+        groups = self.kv_groups or ("",) * len(self.kv_layout)
+        return sum(2 * h * d * torch.empty((), dtype=dt).element_size()
+                   for (h, d, dt), g in zip(self.kv_layout, groups) if group is None or g == group)
+
+    def kv_group_windows(self) -> dict[str, tuple[int, ...]]:
+        """Each block table's layers' sliding windows (0: none), "" first."""
+        groups = self.kv_groups or ("",) * len(self.kv_layout)
+        windows = self.kv_windows or (0,) * len(self.kv_layout)
+        out: dict[str, list[int]] = {"": []}
+        for g, w in zip(groups, windows):
+            out.setdefault(g, []).append(w)
+        return {g: tuple(ws) for g, ws in out.items()}
 
     def kv_bytes_read(self, context: int) -> int:
         """Cache bytes one query at `context` cached tokens reads: a layer with a sliding window

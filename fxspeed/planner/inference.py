@@ -9,8 +9,8 @@ and values, and does about 2 x parameters FLOPs per token, so
 where read(L) = L * kv_bytes_per_token, less in the layers with a sliding window W (they read
 min(L, W) tokens). The largest batch x context that fits: (device memory - weights - packed weight
 copies - workspace) / kv_bytes_per_token tokens of cache, shared by the batch; a request keeps
-fewer than its context's tokens where every layer slides (the serving loop reuses its blocks
-behind the window: `ServingLoop.blocks_held`).
+fewer than its context's tokens where layers slide (the serving loop reuses their blocks behind
+the window: `ServingLoop.bytes_held`).
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ class InferencePlan:
     # copies of the linear weights pre-packed for oneDNN (CPU decode buckets;
     # passes/inference/pack_linear_weights.py), held beside the model's own
     packed_weight_bytes: int = 0
-    # tokens of cache a request of the full context holds: the context, or less where every layer
-    # has a sliding window (its blocks behind the window are reused)
+    # the cache a request of the full context holds, in tokens of every layer's keys and values:
+    # the context, or less where layers have a sliding window (the serving loop reuses their blocks
+    # behind it; where only some layers slide, this is their bytes and the global layers' together)
     held_at_context: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,7 +118,9 @@ def plan_inference(model: nn.Module, program: Any, serving: Any, device: DeviceS
             comm = sum(cm.move(P if reduce else S(0), R, int(b * per_token)) for reduce, per_token in collectives)
             pred[f"batch={b},context={length}"] = decode_tokens_per_s(params, wbytes, program.kv_bytes_read(length),
                                                                      b, device, dtype, comm_s=comm)
-    held = serving.blocks_held(ctx) * serving.block_size if ctx else 0
+    # a request of the whole context, in tokens of every layer's cache: fewer than the context where
+    # layers slide (their blocks behind the window are reused; Gemma3's global layers keep them all)
+    held = -(-serving.bytes_held(ctx) // kvb) if ctx and kvb else 0
     return InferencePlan(model=type(model).__name__, device=device.name, parameters=params, weight_bytes=wbytes,
                          kv_bytes_per_token=kvb, layers=len(program.kv_layout), context=ctx,
                          cache_tokens=serving.cache.usable_blocks * serving.block_size,

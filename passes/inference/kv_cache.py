@@ -25,8 +25,14 @@ that arange replaced by the `positions` input, which this pass adds; with packed
 right is refused: an attention that is not causal, an attention op it does not know, an
 `arange(T)` still read after the rewrite next to a `positions` input.
 
+Sliding windows (PassOptions.kv_windows, per layer from the model's config) go to each layer's
+paged attention. Where only some layers slide (Gemma3's local layers between global ones), those
+read their own `slot_mapping` and `block_table` inputs (IOSpec target "window"): a second block
+table, over a second pool of blocks that the runtime keeps as a ring per request.
+
 `gm.meta["kv_cache_layout"]`: per layer (Hkv, D, dtype) — what the runtime allocates and what the
-planner counts as cache bytes per token. Reads no options.
+planner counts as cache bytes per token; `kv_cache_windows` and `kv_cache_groups` (the block
+table each layer reads: "" or "window"), per layer. Reads no options but kv_windows.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
 from fxspeed.compiler.rewrite import call
 from fxspeed.errors import PassError
 from fxspeed.ir import IOSpec
+from fxspeed.ir.program import WINDOW_GROUP
 from fxspeed.ir.attention import SDPA_FORWARD, sdpa_arg, sdpa_mask
 from fxspeed.runtime.kernels import paged_attention as _registers_the_op  # noqa: F401 - torch.ops.fxspeed.paged_attention
 
@@ -48,6 +55,9 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 METADATA = ("slot_mapping", "block_table", "query_index", "query_pos")
+# where a model has layers with and without a sliding window, the sliding ones read these under
+# the IOSpec target WINDOW_GROUP (the others, and every layer of any other model, under "")
+GROUP_METADATA = ("slot_mapping", "block_table")
 NOMINAL_BLOCKS, NOMINAL_BLOCK_SIZE = 1, 16  # the cache placeholders' traced shape; the runtime binds any
 
 
@@ -154,8 +164,12 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                         f"(sliding_window and layer_types), but its forward has {len(attention)} attentions; which "
                         "window is whose is unknown, so this model cannot be served yet")
     i64 = dict(dtype=torch.int64, device=device)
-    meta = {k: _placeholder(gm, ctx, IOSpec(k, ""), torch.empty((T,) if k == "slot_mapping" else (1, T), **i64))
-            for k in METADATA}
+    # Layers with and without a window in one model (Gemma3, Qwen2 past max_window_layers): the
+    # sliding ones read a block table of their own (target "window"), so the runtime can keep a
+    # ring of blocks for them while the global layers keep every block of the context.
+    groups = [WINDOW_GROUP if w and not all(windows) else "" for w in windows] or [""] * len(attention)
+    meta = {(k, grp): _placeholder(gm, ctx, IOSpec(k, grp), torch.empty((T,) if k == "slot_mapping" else (1, T), **i64))
+            for grp in dict.fromkeys(groups) for k in METADATA if grp == "" or k in GROUP_METADATA}
     layout = []
     for layer, n in enumerate(attention):
         q, k, v = n.args[:3]
@@ -204,9 +218,11 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         vc = _placeholder(gm, ctx, IOSpec("kv_cache", f"{layer}.v"), torch.empty_like(cache_val))
         layout.append((int(kv.shape[1]), int(kv.shape[3]), kv.dtype))
         with g.inserting_before(n):
+            grp = groups[layer]
             out = call(g, torch.ops.fxspeed.paged_attention.default,
-                       (q, k0, v0, kc, vc, meta["slot_mapping"], meta["block_table"], meta["query_index"],
-                        meta["query_pos"], float(scale), int(windows[layer]) if windows else 0))
+                       (q, k0, v0, kc, vc, meta["slot_mapping", grp], meta["block_table", grp],
+                        meta["query_index", ""], meta["query_pos", ""], float(scale),
+                        int(windows[layer]) if windows else 0))
         users = list(n.users)
         if isinstance(n.meta["val"], torch.Tensor):
             n.replace_all_uses_with(out)
@@ -226,6 +242,7 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     _thread_positions(gm, ctx, T, device)
     gm.meta["kv_cache_layout"] = layout
     gm.meta["kv_cache_windows"] = tuple(int(w) for w in windows) if windows else (0,) * len(layout)
+    gm.meta["kv_cache_groups"] = tuple(groups)
     gm.recompile()
     return PassResult(gm, modified=True)
 

@@ -5,12 +5,14 @@ generate with the same prompts (mixed lengths, a token budget of 8 so prompts ar
 chunks beside other requests' decode tokens). Each case compares with the same model run eagerly
 in this process (one device, whole weights):
 
-    gpt2, llama, gpt, opt   greedy tokens equal Hugging Face `generate` (fxspeed's GPT: greedy by
+    gpt2, llama, gpt, opt,  greedy tokens equal Hugging Face `generate` (fxspeed's GPT: greedy by
                             hand), every sampled row's logits within 1e-4 (relative to the
                             largest logit, when above 1) of a full forward; the
                             cache holds kv_heads / T heads per rank (the program is cut by heads,
                             not left replicated), the embedding/head is split by vocabulary rows,
                             and the plan counts tp collectives
+    gemma3                  (local layers and a global one) the same, and the local layers' cache is a
+                            pool of its own, smaller than the global layer's
     llama_fused             llama with the fusion passes on (FXSPEED_FUSE_ON_CPU=1: the fused ops run
                             their torch fallback): the same checks, and each rank's programs hold the
                             fused norms, rotaries, SwiGLU and residual norms on its own heads
@@ -45,7 +47,7 @@ V = 2048  # the solver splits the embedding/head by vocabulary rows at this size
 D = 256  # wide enough that the placement cost model splits attention and MLP (narrower: replicated)
 PROMPTS = [[5, 17, 3], list(range(10, 30)), [7], [40, 41, 42, 43, 44, 45, 46, 47, 48], list(range(60, 72))]
 NEW = [6, 5, 7, 4, 6]
-KV_HEADS = {"gpt2": 4, "llama": 2, "gpt": 4, "opt": 4}
+KV_HEADS = {"gpt2": 4, "llama": 2, "gpt": 4, "opt": 4, "gemma3": 2}
 
 
 def build(name: str) -> torch.nn.Module:
@@ -72,6 +74,13 @@ def build(name: str) -> torch.nn.Module:
         cfg = transformers.OPTConfig(num_hidden_layers=2, hidden_size=D, ffn_dim=2 * D, num_attention_heads=4,
                                      word_embed_proj_dim=D, init_std=0.2, **common)
         return transformers.OPTForCausalLM(cfg).eval()
+    if name == "gemma3":  # local layers (window 5) and a global one: two block tables, two pools
+        cfg = transformers.Gemma3TextConfig(num_hidden_layers=3, hidden_size=D, intermediate_size=2 * D,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                            initializer_range=0.2, sliding_window=5,
+                                            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                            **common)
+        return transformers.Gemma3ForCausalLM(cfg).eval()
     if name == "llama_6_3heads":  # 6 query heads split over 2 ranks, 3 key/value heads do not
         cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=192, intermediate_size=384,
                                        num_attention_heads=6, num_key_value_heads=3, initializer_range=0.2, **common)
@@ -168,6 +177,16 @@ def generates_like_one_device(engine: fxspeed.Engine, eager: torch.nn.Module, fa
         if err > 1e-4 * scale:
             return f"request {i}: logits differ from the eager model's by {err:.3g} (> 1e-4 x {scale:.3g})"
     return "ok"
+
+
+def case_hybrid_windows() -> str:
+    """Gemma3 with local and global layers at T=2: each rank's sliding layers keep a ring of blocks
+    in a pool of their own, its global layer every block; one device's tokens and logits."""
+    engine, _ = served("gemma3")
+    sizes = engine._serving.cache.sizes
+    if set(sizes) != {"", "window"} or not sizes["window"] < sizes[""]:
+        return f"the cache's pools are {sizes}, expected a smaller 'window' pool beside the global one"
+    return case_model("gemma3")
 
 
 def case_uneven_heads() -> str:
@@ -314,6 +333,7 @@ CASES = {
     "llama": lambda: case_model("llama"),
     "gpt": lambda: case_model("gpt"),
     "opt": lambda: case_model("opt"),
+    "gemma3": case_hybrid_windows,
     "llama_fused": lambda: case_fused("llama_fused"),
     "sampling": case_sampling,
     "bad_request": case_bad_request,
