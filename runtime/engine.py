@@ -1393,6 +1393,10 @@ class Engine:
                 # Deferred: the gathers overlap the next forward, which waits for each bucket
                 # just before its first use (passes/wait_parameter_gathers).
                 self._flat.after_step(defer=defer)
+        elif self.config.grad_clip is not None:
+            # skipped (an fp16 overflow, nan_check="skip"): its gradient had no finite norm; the
+            # last clipped step's norm, kept, read as this step's (h43)
+            self._grad_norm = torch.tensor(float("nan"))
 
     def _check_lr_untouched(self) -> None:
         """The lr rule: Config's schedule owns the learning rate unless Config.lr_schedule is
@@ -1497,11 +1501,12 @@ class Engine:
             torch.nn.utils.clip_grads_with_norm_(stepped, self.config.grad_clip, norm, foreach=True)
 
     def grad_norm(self) -> float | None:
-        """The global gradient norm of the last step that clipped, before clipping: what
+        """The global gradient norm of the last step, before clipping: what
         torch.nn.utils.clip_grad_norm_ returns, each weight counted once whatever the layout
-        (shards, stages, slices), the same on every rank. None without Config.grad_clip, which
-        is when the norm is computed (a step's gradients live in the engine's buffers, not in
-        p.grad)."""
+        (shards, stages, slices), the same on every rank. NaN where that step was skipped (an
+        fp16 overflow, or Config.nan_check="skip" on a NaN/inf). None without Config.grad_clip,
+        which is when the norm is computed (a step's gradients live in the engine's buffers, not
+        in p.grad)."""
         return None if self._grad_norm is None else float(self._grad_norm)
 
     def _tp_shard_squares(self, factors: Sequence[Any] = ()) -> torch.Tensor:

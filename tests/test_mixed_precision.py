@@ -4,6 +4,7 @@ tracks fp32, fp16 loss scaling with overflow skipping, and ZeRO-3 gathers in bf1
 from __future__ import annotations
 
 import copy
+import math
 import operator
 from pathlib import Path
 
@@ -160,6 +161,21 @@ def test_an_fp16_overflow_skips_that_step_lowers_the_scale_and_training_continue
     for (k, a), b in zip(seen.state_dict().items(), unseen.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=k)
     assert e1.optimizer.state_dict()["state"][0]["step"] == e2.optimizer.state_dict()["state"][0]["step"]
+
+
+def test_the_gradient_norm_of_a_skipped_step_is_nan_not_the_last_clipped_steps() -> None:
+    """An overflowing fp16 step is skipped before clipping: grad_norm() said the step before's
+    norm (h43: 1.451 on two overflowed steps), which read as a normal step in a log."""
+    g = torch.Generator().manual_seed(0)
+    good = [torch.randn(4, 8, generator=g) for _ in range(2)]
+    engine = fxspeed.compile(Scaler(), 1, fxspeed.Config(precision="fp16", lr=1e-2, loss_scale=2.0**10, grad_clip=1.0),
+                             example_inputs=(good[0],))
+    engine.train_step(good[0])
+    assert math.isfinite(engine.grad_norm())
+    engine.train_step(torch.full((4, 8), 6e4))
+    assert engine.stats["skipped_steps"] == 1 and math.isnan(engine.grad_norm())
+    engine.train_step(good[1])
+    assert math.isfinite(engine.grad_norm())
 
 
 def test_the_loss_scale_grows_after_a_window_of_clean_steps() -> None:
