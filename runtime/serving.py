@@ -17,13 +17,19 @@ holds the per-step scheduling it runs). One serving step:
     retire       a request that produced eos or max_new_tokens frees its blocks; waiting
                  requests join as soon as blocks are free
 
-Requests reserve the blocks of their whole length (prompt + max_new_tokens - 1: the last new
-token is never fed, so it takes no position and no cache slot) when admitted, so a running
-request is never preempted. Block 0 is never handed out: padding tokens write there. Where every
-layer has a sliding window, a request holds at most `ring_blocks` blocks, however long it runs:
-its logical block b lives in its block b % ring, and a block is written again only once every
-query that could see its keys has run (Mistral at window 4096 holds 4096 + token_budget tokens
-a request, not its whole context).
+A request holds the blocks of what it has fed: its prompt's when admitted (with a block of room
+left for each running request), then one more each time its tokens start a block (`_grow`), so
+one that stops early at eos never held the rest of max_new_tokens. Where no block is free, the
+youngest running request gives its blocks back and waits at the head of the queue; readmitted,
+it feeds its prompt and tokens so far again and goes on (preemption by recompute:
+`stats["preempted"]` counts them; greedy tokens and a seeded request's samples are those of an
+uninterrupted run). A request longer than the whole cache (prompt + max_new_tokens - 1: the last
+new token is never fed, so it takes no position and no cache slot) is refused up front. Block 0
+is never handed out: padding tokens write there. Where every layer has a sliding window, a
+request holds at most `ring_blocks` blocks, however long it runs: its logical block b lives in
+its block b % ring, and a block is written again only once every query that could see its keys
+has run (Mistral at window 4096 holds 4096 + token_budget tokens a request, not its whole
+context).
 
 Bad requests (empty prompt, token id outside the vocabulary, prompt + max_new_tokens - 1 longer
 than the model's context or sliding window, a request larger than the whole cache, or larger
@@ -443,7 +449,7 @@ class ServingLoop:
                                      window_blocks=lambda usable: min(usable, max_batch * window_ring))
         self.programs: dict[int, _Bound | _Static] = {}
         self.programs[first.tokens] = self._bound(first)
-        self.stats: dict[str, Any] = {"steps": 0, "tokens": 0, "padded_tokens": 0,
+        self.stats: dict[str, Any] = {"steps": 0, "tokens": 0, "padded_tokens": 0, "preempted": 0,
                                       "compile_s": first.capture_seconds + first.pass_seconds}
         self.record_logits: dict[int, list[torch.Tensor]] | None = None  # tests: logits per sampled token
         self._only_bucket: int | None = None  # check_against runs every step in one bucket
@@ -504,14 +510,14 @@ class ServingLoop:
         return packs
 
     def blocks_held(self, positions: int, group: str = "") -> int:
-        """Cache blocks a request of `positions` fed tokens holds in `group`'s pool (all it ever
-        holds: they are allocated when it starts): one per block_size positions, at most its ring."""
+        """Cache blocks a request holds in `group`'s pool once it has fed `positions` tokens: one
+        per block_size positions, at most its ring."""
         blocks = -(-positions // self.block_size)
         ring = self.rings[group]
         return min(blocks, ring) if ring else blocks
 
     def needs(self, positions: int) -> dict[str, int]:
-        """The blocks of each pool a request of `positions` fed tokens holds."""
+        """The blocks of each pool a request holds once it has fed `positions` tokens."""
         return {g: self.blocks_held(positions, g) for g in self.rings}
 
     def bytes_held(self, positions: int) -> int:
@@ -542,7 +548,7 @@ class ServingLoop:
                         self.cache.usable_blocks, self.block_size)
             return
         self._only_bucket, recorded, self.record_logits = self.buckets[-1], self.record_logits, {}
-        counters = {k: self.stats[k] for k in ("steps", "tokens", "padded_tokens")}
+        counters = {k: self.stats[k] for k in ("steps", "tokens", "padded_tokens", "preempted")}
         try:
             outs = self.generate(prompts, max_new_tokens=new)
             got = {i: torch.stack(v) for i, v in self.record_logits.items()}
@@ -701,8 +707,12 @@ class ServingLoop:
         while waiting or active:
             while waiting and len(active) < self.max_batch:
                 r = waiting[0]
-                need = self.needs(fed_tokens(len(r.prompt), r.max_new))
-                blocks = self.cache.allocate(need)
+                # the blocks of what it feeds first: its prompt (after a preemption, its tokens so far);
+                # a block of room is left for each running request's next one, so that admitting
+                # does not at once preempt
+                need = self.needs(len(r.prompt) + len(r.out))
+                room = all(self.cache.free_blocks(g) >= n + len(active) for g, n in need.items())
+                blocks = self.cache.allocate(need) if room or not active else None
                 if blocks is None and not active:
                     # Nothing here will give blocks back: another stream() of this engine, paused by its
                     # caller, holds them. Waiting would never end, so refuse this request.
@@ -720,6 +730,9 @@ class ServingLoop:
                 r.blocks = blocks
                 active.append(waiting.pop(0))
             if not active:
+                continue
+            self._grow(active, waiting)
+            if not active:  # its only request gave its blocks back: another stream holds the rest
                 continue
             chunks = self._schedule(active)
             # Normal tensors whatever mode the caller is in: caches, packed copies and programs made
@@ -743,17 +756,40 @@ class ServingLoop:
                 r.blocks = {}
                 active.remove(r)
 
+    def _grow(self, active: list[_Request], waiting: list[_Request]) -> None:
+        """Give each decoding request the block its next token starts, oldest first (a request
+        holds the blocks of what it has fed, not of its whole length: one that stops early at
+        eos never held the rest). Where none is free, the youngest running request gives its
+        blocks back and waits at the head of the queue; readmitted, it feeds its prompt and its
+        tokens so far again, then goes on sampling from where it was (vLLM's preemption by
+        recompute). The oldest always goes on, so every request finishes."""
+        for r in list(active):
+            while r in active:
+                want = {g: n - len(r.blocks.get(g, ())) for g, n in self.needs(r.cached + len(r.pending())).items()}
+                want = {g: n for g, n in want.items() if n > 0}
+                got = self.cache.allocate(want) if want else {}
+                if got is not None:
+                    for g, blocks in got.items():
+                        r.blocks.setdefault(g, []).extend(blocks)
+                    break
+                victim = active.pop()
+                self.cache.release(victim.blocks)
+                victim.blocks, victim.cached = {}, 0
+                waiting.insert(0, victim)
+                self.stats["preempted"] += 1
+
     def _schedule(self, active: list[_Request]) -> list[tuple[_Request, int]]:
-        """(request, tokens fed this step): decode tokens first, then prompt chunks."""
+        """(request, tokens fed this step): decode tokens first (a request with one token to
+        feed), then prompt chunks (a prompt, or after a preemption its prompt and tokens so far)."""
         budget = self.token_budget
         chunks: list[tuple[_Request, int]] = []
         for r in active:
-            if r.cached >= len(r.prompt) and budget > 0:
+            if len(r.pending()) == 1 and budget > 0:
                 chunks.append((r, 1))
                 budget -= 1
         for r in active:
-            left = len(r.prompt) - r.cached
-            if left > 0 and budget > 0:
+            left = len(r.pending())
+            if left > 1 and budget > 0:
                 c = min(left, budget)
                 chunks.append((r, c))
                 budget -= c

@@ -211,16 +211,22 @@ def test_max_new_tokens_that_is_neither_an_int_nor_one_per_prompt_is_refused_nam
 def test_a_request_that_cannot_get_blocks_while_a_paused_stream_holds_them_is_refused_not_left_waiting(gpt2_engine):
     """A generate() called while the caller holds another stream() of the engine half-way: no
     request of this loop will ever give blocks back, so waiting would never end (it raised
-    "max() arg is an empty sequence"). The request fails alone; the stream goes on."""
-    _, engine = gpt2_engine  # 40 tokens of cache: the stream's two 19-token requests take all 10 blocks
-    want = engine.generate([[3, 4, 5]], max_new_tokens=4)[0]
-    it = engine.stream([[1] * 14, [2] * 14], max_new_tokens=6)
+    "max() arg is an empty sequence"). The request fails alone; the stream goes on. So does one
+    admitted beside the paused stream that then needs a block none of its own loop can free."""
+    _, engine = gpt2_engine  # 40 tokens of cache: the stream's 39-token prompt takes all 10 blocks
+    want = engine.generate([[3, 4, 5]], max_new_tokens=12)[0]
+    it = engine.stream([[1] * 39], max_new_tokens=2)
     first = next(it)
     out = engine.generate([[3, 4, 5]], max_new_tokens=4, on_error="return")
     assert isinstance(out[0], fxspeed.RequestError) and "another stream()" in str(out[0])
     rest = [first, *it]
-    assert len(rest) == 12 and engine._serving.cache.free_blocks() == engine._serving.cache.usable_blocks
-    assert engine.generate([[3, 4, 5]], max_new_tokens=4)[0] == want
+    assert len(rest) == 2 and engine._serving.cache.free_blocks() == engine._serving.cache.usable_blocks
+    it = engine.stream([[1] * 30], max_new_tokens=3)  # 8 blocks held; 2 left, where 14 positions need 4
+    first = next(it)
+    out = engine.generate([[3, 4, 5]], max_new_tokens=12, on_error="return")
+    assert isinstance(out[0], fxspeed.RequestError) and "another stream()" in str(out[0])
+    assert len([first, *it]) == 3 and engine._serving.cache.free_blocks() == engine._serving.cache.usable_blocks
+    assert engine.generate([[3, 4, 5]], max_new_tokens=12)[0] == want
 
 
 def test_stream_yields_the_tokens_of_generate_and_eos_stops_a_request(gpt2_engine):
@@ -439,8 +445,7 @@ def test_decode_buckets_at_the_fixed_shapes_of_a_cuda_graph_give_the_tokens_and_
     for e in (plain, fixed):
         e._serving.record_logits = {}
     # three requests decoding together: bucket 4 runs them beside a padded sequence
-    prompts, new = (PROMPTS, NEW) if name not in ("mistral", "gemma3") else (
-        [[5, 17, 3, 9, 11], list(range(1, 10)), [7, 8, 9]], [6] * 3)
+    prompts, new = [[5, 17, 3, 9, 11], list(range(1, 10)), [7, 8, 9]], [6] * 3
     assert fixed.generate(prompts, max_new_tokens=new) == plain.generate(prompts, max_new_tokens=new)
     ran = {T: type(b) for T, b in fixed._serving.programs.items()}
     assert ran.get(4) is _Static and ran.get(8) is not _Static, ran
@@ -490,6 +495,44 @@ def test_sliding_window_models_are_served_past_their_window_with_hugging_faces_t
     model.eval()
     engine = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=128)
     _generates_hugging_faces_tokens(model, engine, [list(range(3, 23)), [5, 17, 3], list(range(30, 39))], [6, 12, 5])
+
+
+def test_requests_hold_the_blocks_they_have_fed_and_the_youngest_gives_them_back_when_the_cache_runs_out():
+    """A cache of 16 blocks of 4 and three requests of 4 + 39 positions (11 blocks each: one at a
+    time when a request reserved its whole length). They start together, grow a block at a time,
+    and the youngest is preempted when none is free, then fed again (prompt and tokens so far):
+    HF's greedy tokens and logits, and a seeded sampling run draws what a roomy cache draws."""
+    model = _hf("llama")
+    prompts, new = [[5, 17, 3, 9], [40, 41, 42, 43], [7, 8, 9, 10]], [40] * 3
+    tight = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=64)
+    assert tight._serving.cache.usable_blocks == 16
+    _generates_hugging_faces_tokens(model, tight, prompts, new)
+    assert tight._serving.stats["preempted"] > 0 and tight._serving.cache.free_blocks() == 16
+    roomy = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=256)
+    sampled = dict(temperature=1.0, top_k=20, seed=3)
+    assert tight.generate(prompts, max_new_tokens=new, **sampled) == roomy.generate(prompts, max_new_tokens=new,
+                                                                                    **sampled)
+    assert roomy._serving.stats["preempted"] == 0
+
+
+def test_requests_that_stop_early_at_eos_run_side_by_side_in_a_cache_too_small_for_their_whole_lengths():
+    """max_new_tokens 40 (11 blocks a request) on a cache of 16 blocks: each request stops at an
+    eos it meets in its third token, so all three start in the first two steps (the first token of
+    each), instead of one after the other."""
+    model = _hf("llama")
+    prompts = [[5, 17, 3, 9], [40, 41, 42, 43], [7, 8, 9, 10]]
+    with torch.no_grad():
+        refs = [model.generate(torch.tensor([p]), max_new_tokens=3, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    eos = [[r[2]] for r in refs]
+    want = [r[:r.index(e[0]) + 1] for r, e in zip(refs, eos)]
+    engine = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=64)
+    first_at: dict[int, int] = {}
+    got: list[list[int]] = [[] for _ in prompts]
+    for rid, tok in engine.stream(prompts, max_new_tokens=40, eos_token_ids=eos):
+        first_at.setdefault(rid, engine._serving.stats["steps"])
+        got[rid].append(tok)
+    assert got == want and max(first_at.values()) <= 2, first_at
 
 
 def test_a_mistral_request_longer_than_the_whole_cache_reuses_its_blocks_behind_the_window():
