@@ -155,7 +155,8 @@ def plan(model: nn.Module, devices: Devices = 1, config: Config | dict | str | N
 
 def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | None = None, *,
           token_budget: int = 256, max_batch: int = 16, block_size: int = 16,
-          cache_tokens: int | None = None, cuda_graphs: bool | None = None, pack_linear: str = "auto") -> Engine:
+          cache_tokens: int | None = None, cuda_graphs: bool | None = None, pack_linear: str = "auto",
+          prefix_caching: bool = True) -> Engine:
     """Compile a causal LM for inference; returns the Engine, with `generate` and `stream`.
 
         engine = fxspeed.serve(model)
@@ -181,6 +182,10 @@ def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | 
     faster on this machine ("auto": timed when each such bucket is first used, except the first
     program serve compiles; tensor-parallel ranks may choose differently, which changes rounding
     only); "always" / "never" force it.
+    `prefix_caching`: a request whose first tokens fill cache blocks another request (or an
+    earlier call) already computed reads them instead of computing them again (a shared system
+    prompt, a chat's earlier turns); blocks no request holds stay cached until their room is
+    needed. Models with a sliding window compute every prompt. Forgotten when the weights change.
     """
     _check_model(model, "serve")
     refuse_autocast("fxspeed.serve")
@@ -220,5 +225,6 @@ def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | 
     engine = Engine(model, devs, cfg, None, compiler=Compiler(cfg, mesh, None, analyses=analyses), mesh=mesh)
     with torch.inference_mode(False):  # a cache made under inference_mode could not be written outside it
         engine.setup_serving(token_budget=token_budget, max_batch=max_batch, block_size=block_size,
-                             cache_tokens=cache_tokens, cuda_graphs=cuda_graphs, pack_linear=pack_linear)
+                             cache_tokens=cache_tokens, cuda_graphs=cuda_graphs, pack_linear=pack_linear,
+                             prefix_caching=prefix_caching)
     return engine

@@ -872,7 +872,7 @@ class Engine:
     def setup_serving(self, **options: Any) -> None:
         """Compile for inference: the serving loop over the compiler's inference programs and a
         paged KV cache (runtime/serving.py; options: token_budget, max_batch, block_size,
-        cache_tokens, cuda_graphs, pack_linear), and the inference plan as `self.plan`."""
+        cache_tokens, cuda_graphs, pack_linear, prefix_caching), and the inference plan as `self.plan`."""
         from fxspeed.planner.inference import plan_inference
         from fxspeed.runtime.serving import ServingLoop, model_limits
 

@@ -31,6 +31,12 @@ its block b % ring, and a block is written again only once every query that coul
 has run (Mistral at window 4096 holds 4096 + token_budget tokens a request, not its whole
 context).
 
+Prefix caching: every full block of the "" pool is indexed by its tokens after the same prefix
+(`KVCache.match` / `index`), kept after its requests finish until its room is needed (least
+recently used first), and a request whose first blocks are there reads them and computes from
+the first block that is not. Off where a layer has a sliding window; dropped when the weights
+change between calls.
+
 Bad requests (empty prompt, token id outside the vocabulary, prompt + max_new_tokens - 1 longer
 than the model's context or sliding window, a request larger than the whole cache, or larger
 than what is free while another paused `stream` of the engine holds the rest, max_new_tokens
@@ -41,8 +47,10 @@ tokens), or returns the errors in place with `on_error="return"`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import itertools
 import logging
 import inspect
 import math
@@ -61,7 +69,7 @@ from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.global_state import no_autocast
 from fxspeed.ir import IOSpec
 from fxspeed.ir.program import WINDOW_GROUP, InferenceProgram
-from fxspeed.runtime.kernels.packed_linear import PACKED_KINDS, PackedWeights, packing_pays
+from fxspeed.runtime.kernels.packed_linear import PACKED_KINDS, PackedWeights, packing_pays, weight_stamp
 from fxspeed.runtime.kernels.direct_calls import direct_calls
 
 log = logging.getLogger("fxspeed")
@@ -119,6 +127,15 @@ class KVCache:
             for kv in ("k", "v"):
                 self.tensors[f"{i}.{kv}"] = torch.zeros(self.sizes[g], block_size, h, d, dtype=dt, device=device)
         self._free = {g: list(range(n - 1, 0, -1)) for g, n in self.sizes.items()}
+        # The prefix index (the "" pool): a full block's keys and values are those of its tokens
+        # after every token before them, so it is found again by (the id of the block before it in
+        # the index, 0 for the first, its tokens). Ids are never reused: a key cannot match a block
+        # whose prefix was evicted and written over, and there is no hash to collide.
+        self._index: dict[tuple[int, tuple[int, ...]], int] = {}  # key -> block
+        self._entry: dict[int, tuple[tuple[int, tuple[int, ...]], int]] = {}  # indexed block -> (key, id)
+        self._refs: dict[int, int] = {}  # indexed block -> requests holding it
+        self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # held by none, LRU first
+        self._ids = itertools.count(1)
 
     @property
     def usable_blocks(self) -> int:
@@ -128,17 +145,76 @@ class KVCache:
         return self.sizes[group] - 1
 
     def free_blocks(self, group: str = "") -> int:
-        return len(self._free[group])
+        """Blocks a request can take: never handed out, or indexed but held by no request (the
+        least recently used of those is taken first, and leaves the index)."""
+        return len(self._free[group]) + (len(self._idle) if group == "" else 0)
 
     def allocate(self, needs: dict[str, int]) -> dict[str, list[int]] | None:
         """`needs[g]` blocks of each table's pool, or None (nothing taken) where one has too few."""
-        if any(n > len(self._free[g]) for g, n in needs.items()):
+        if any(n > self.free_blocks(g) for g, n in needs.items()):
             return None
-        return {g: [self._free[g].pop() for _ in range(n)] for g, n in needs.items()}
+        return {g: [self._take_free(g) for _ in range(n)] for g, n in needs.items()}
+
+    def _take_free(self, group: str) -> int:
+        if self._free[group]:
+            return self._free[group].pop()
+        block, _ = self._idle.popitem(last=False)  # evicted: its key goes, its children are unreachable
+        key, _ = self._entry.pop(block)
+        del self._index[key], self._refs[block]
+        return block
 
     def release(self, blocks: dict[str, list[int]]) -> None:
         for g, bs in blocks.items():
-            self._free[g].extend(reversed(bs))
+            plain = []
+            for b in bs:
+                if b in self._entry:  # indexed: kept for the next request with this prefix
+                    self._refs[b] -= 1
+                    if not self._refs[b]:
+                        self._idle[b] = None
+                else:
+                    plain.append(b)
+            self._free[g].extend(reversed(plain))
+
+    def match(self, tokens: Sequence[int], limit: int) -> tuple[list[int], int]:
+        """The indexed blocks holding the first `limit` full blocks of `tokens` (as many as are
+        indexed, from the first), and the id of the last (0: none). Takes nothing: see `hold`."""
+        bs, parent, found = self.block_size, 0, []
+        for k in range(limit):
+            block = self._index.get((parent, tuple(tokens[k * bs:(k + 1) * bs])))
+            if block is None:
+                break
+            found.append(block)
+            parent = self._entry[block][1]
+        return found, parent
+
+    def idle_among(self, blocks: Sequence[int]) -> int:
+        return sum(b in self._idle for b in blocks)
+
+    def hold(self, blocks: Sequence[int]) -> None:
+        """A request now reads these indexed blocks (from `match`): they are not evicted until
+        it releases them."""
+        for b in blocks:
+            self._refs[b] += 1
+            self._idle.pop(b, None)
+
+    def index(self, block: int, parent: int, tokens: tuple[int, ...]) -> int:
+        """Index `block`, just filled with `tokens` after the prefix `parent` (an id from `match`
+        or `index`), held by the one request that wrote it; returns its id. Where another block
+        already holds that prefix, `block` stays out of the index and that block's id is returned
+        (the two hold the same keys and values)."""
+        key = (parent, tokens)
+        if key in self._index:
+            return self._entry[self._index[key]][1]
+        if block in self._entry:  # a block from `match` is indexed already (under another key: never)
+            return self._entry[block][1]
+        ident = next(self._ids)
+        self._index[key], self._entry[block], self._refs[block] = block, (key, ident), 1
+        return ident
+
+    def forget_prefixes(self) -> None:
+        """The weights changed: no cached block holds what they would compute now."""
+        self._free[""].extend(reversed(list(self._idle)))
+        self._index.clear(), self._entry.clear(), self._refs.clear(), self._idle.clear()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -234,6 +310,8 @@ class _Request:
     generator: torch.Generator | None
     blocks: dict[str, list[int]] = field(default_factory=dict)  # per block table: its blocks
     cached: int = 0  # tokens whose keys/values are in the cache
+    indexed: int = 0  # its first blocks that are in the cache's prefix index (or equal to one there)
+    chain: int = 0  # the prefix index id of the last of those
     out: list[int] = field(default_factory=list)
     last_token_at: float = 0.0
 
@@ -370,7 +448,7 @@ class ServingLoop:
                  max_batch: int = 16, block_size: int = 16, cache_tokens: int | None = None,
                  agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  agree_min: Callable[[int], int] | None = None, cuda_graphs: bool | None = None,
-                 pack_linear: str = "auto"):
+                 pack_linear: str = "auto", prefix_caching: bool = True):
         """`agree`: tensor-parallel serving hands every step's sampled tokens to it and continues with
         what it returns (tp rank 0's choice), so that every rank schedules the same requests;
         `agree_min` gives the minimum of an int over the tp ranks (the cache size they can all hold).
@@ -380,7 +458,11 @@ class ServingLoop:
         `compile_bucket(T, pack)`: bucket T's program, its linear weights packed for oneDNN where
         the pack_linear_weights pass applies (CPU buckets of a few tokens) if `pack`.
         `pack_linear`: "auto" times both ways on the model's weights before compiling each such
-        bucket and packs where that is faster (`pack_probe` keeps the seconds); "always"; "never"."""
+        bucket and packs where that is faster (`pack_probe` keeps the seconds); "always"; "never".
+        `prefix_caching`: a request's first full blocks that are in the cache already (another
+        request's same prompt start, or its own before a preemption) are read, not computed again;
+        on where no layer has a sliding window (a window layer needs the keys before the first
+        token it computes in its own pool). Forgotten when the weights change between calls."""
         check_pack_linear(pack_linear)
         if token_budget < 1 or max_batch < 1 or block_size < 1:
             raise ConfigError(f"serve: token_budget ({token_budget}), max_batch ({max_batch}) and block_size "
@@ -442,6 +524,10 @@ class ServingLoop:
         # blocks as the global layers' pool, if fewer): it never refuses a request the other admits.
         self.rings = {g: ring_blocks(ws, token_budget, block_size) for g, ws in first.kv_group_windows().items()}
         self.ring = self.rings[""]
+        if not isinstance(prefix_caching, bool):
+            raise ConfigError(f"serve: prefix_caching must be True or False, got {prefix_caching!r}")
+        self.prefix_caching = prefix_caching and set(self.rings.values()) == {None}
+        self._stamps: list[Any] | None = None
         self._bytes_per_token = {g: first.kv_bytes_per_token(g) for g in self.rings}
         window_ring = self.rings.get(WINDOW_GROUP) or 0
         self.cache = _allocate_cache(first, cache_tokens, self.blocks_held(max_context) * block_size * max_batch,
@@ -450,6 +536,7 @@ class ServingLoop:
         self.programs: dict[int, _Bound | _Static] = {}
         self.programs[first.tokens] = self._bound(first)
         self.stats: dict[str, Any] = {"steps": 0, "tokens": 0, "padded_tokens": 0, "preempted": 0,
+                                      "prefix_hit_tokens": 0,
                                       "compile_s": first.capture_seconds + first.pass_seconds}
         self.record_logits: dict[int, list[torch.Tensor]] | None = None  # tests: logits per sampled token
         self._only_bucket: int | None = None  # check_against runs every step in one bucket
@@ -548,7 +635,7 @@ class ServingLoop:
                         self.cache.usable_blocks, self.block_size)
             return
         self._only_bucket, recorded, self.record_logits = self.buckets[-1], self.record_logits, {}
-        counters = {k: self.stats[k] for k in ("steps", "tokens", "padded_tokens", "preempted")}
+        counters = {k: self.stats[k] for k in ("steps", "tokens", "padded_tokens", "preempted", "prefix_hit_tokens")}
         try:
             outs = self.generate(prompts, max_new_tokens=new)
             got = {i: torch.stack(v) for i, v in self.record_logits.items()}
@@ -680,6 +767,8 @@ class ServingLoop:
         if stale:
             log.info("fxspeed: serve packed %d weights again (changed since packing: %s)", len(stale),
                      ", ".join(stale[:3]) + (" ..." if len(stale) > 3 else ""))
+        if self.prefix_caching and self._weights_changed(stale):
+            self.cache.forget_prefixes()  # cached keys and values of the old weights
         waiting = [r for r in reqs if not isinstance(r, RequestError)]
         active: list[_Request] = []
         try:
@@ -710,17 +799,32 @@ class ServingLoop:
                 # the blocks of what it feeds first: its prompt (after a preemption, its tokens so far);
                 # a block of room is left for each running request's next one, so that admitting
                 # does not at once preempt
-                need = self.needs(len(r.prompt) + len(r.out))
-                room = all(self.cache.free_blocks(g) >= n + len(active) for g, n in need.items())
-                blocks = self.cache.allocate(need) if room or not active else None
+                seq = len(r.prompt) + len(r.out)
+                need = self.needs(seq)
+                # its first full blocks already in the cache (a shared prompt, or its own before a
+                # preemption): read, not computed again; its last token is always fed, for its logits
+                hits, chain = self.cache.match(r.prompt + r.out, (seq - 1) // self.block_size) \
+                    if self.prefix_caching else ([], 0)
+                need[""] -= len(hits)
+                free = {g: self.cache.free_blocks(g) - (self.cache.idle_among(hits) if g == "" else 0) for g in need}
+                room = all(free[g] >= n + len(active) for g, n in need.items())
+                blocks = None
+                if room or (not active and all(free[g] >= n for g, n in need.items())):
+                    self.cache.hold(hits)
+                    blocks = self.cache.allocate(need)
+                    assert blocks is not None  # counted above
+                    blocks[""] = hits + blocks[""]
+                    r.cached = len(hits) * self.block_size
+                    r.indexed, r.chain = len(hits), chain
+                    self.stats["prefix_hit_tokens"] += r.cached
                 if blocks is None and not active:
                     # Nothing here will give blocks back: another stream() of this engine, paused by its
                     # caller, holds them. Waiting would never end, so refuse this request.
                     waiting.pop(0)
-                    short = next(g for g, n in need.items() if n > self.cache.free_blocks(g))
+                    short = next(g for g, n in need.items() if n > free[g])
                     yield r.id, RequestError(r.id, f"needs {need[short]} KV-cache blocks"
                                                    + (" (of its sliding layers)" if short else "")
-                                                   + f" but only {self.cache.free_blocks(short)} of "
+                                                   + f" but only {free[short]} of "
                                                    f"{self.cache.usable(short)} are free: another stream() of this "
                                                    "engine holds the rest; finish or close it first, or raise "
                                                    "serve(..., cache_tokens=)")
@@ -773,10 +877,36 @@ class ServingLoop:
                         r.blocks.setdefault(g, []).extend(blocks)
                     break
                 victim = active.pop()
-                self.cache.release(victim.blocks)
-                victim.blocks, victim.cached = {}, 0
+                self.cache.release(victim.blocks)  # its indexed blocks stay findable: it may read them back
+                victim.blocks, victim.cached, victim.indexed, victim.chain = {}, 0, 0, 0
                 waiting.insert(0, victim)
                 self.stats["preempted"] += 1
+
+    def _index_full_blocks(self, r: _Request) -> None:
+        """Put the blocks this step filled into the cache's prefix index (they are written by
+        the time a later step reads them: the steps run in order)."""
+        bs, blocks = self.block_size, r.blocks[""]
+        full = min(r.cached // bs, len(blocks))
+        if r.indexed < full:
+            seq = r.prompt + r.out
+            for k in range(r.indexed, full):
+                r.chain = self.cache.index(blocks[k], r.chain, tuple(seq[k * bs:(k + 1) * bs]))
+            r.indexed = full
+
+    def _weights_changed(self, stale: list[str]) -> bool:
+        """Whether the weights were written since the last call (`stale`: packed copies refreshed
+        just now; the others by their stamps), agreed over tensor-parallel ranks."""
+        stamps = [weight_stamp(t) for t in self._weights()]
+        changed = bool(stale) or stamps != self._stamps
+        self._stamps = stamps
+        if self._agree_min is not None:
+            changed = self._agree_min(0 if changed else 1) == 0
+        return changed
+
+    def _weights(self) -> list[torch.Tensor]:
+        program = self.programs[max(self.programs)].program
+        return [self._bind(s) for s in program.signature.inputs
+                if s.kind not in PER_STEP and s.kind != "kv_cache" and s.kind not in PACKED_KINDS]
 
     def _schedule(self, active: list[_Request]) -> list[tuple[_Request, int]]:
         """(request, tokens fed this step): decode tokens first (a request with one token to
@@ -826,6 +956,8 @@ class ServingLoop:
             query_index[s, :c] = torch.arange(at, at + c)
             query_pos[s, :c] = pos
             r.cached += c
+            if self.prefix_caching:
+                self._index_full_blocks(r)
             if r.cached >= len(r.prompt) + len(r.out):
                 last.append((r, at + c - 1))
             at += c

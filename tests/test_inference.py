@@ -515,6 +515,94 @@ def test_requests_hold_the_blocks_they_have_fed_and_the_youngest_gives_them_back
     assert roomy._serving.stats["preempted"] == 0
 
 
+def test_requests_that_share_a_prompt_start_read_its_cached_blocks_instead_of_computing_them():
+    """Prefix caching: three prompts share 17 tokens (4 full blocks of 4). The first call computes
+    them (its requests start together); the next call's requests read those blocks and compute
+    from position 16 on, with HF's tokens and logits, and so does a later prompt that extends an
+    earlier request's prompt and output (a chat's next turn)."""
+    model = _hf("llama")
+    engine = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
+    serving = engine._serving
+    assert serving.prefix_caching
+    shared = list(range(10, 27))
+    prompts = [shared + [1, 2], shared + [3], shared + [4, 5, 6, 7, 8]]
+    _generates_hugging_faces_tokens(model, engine, prompts, [6] * 3)
+    hits = serving.stats["prefix_hit_tokens"]
+    _generates_hugging_faces_tokens(model, engine, prompts, [6] * 3)
+    assert serving.stats["prefix_hit_tokens"] - hits >= 3 * 16
+    turn = prompts[2] + engine.generate([prompts[2]], max_new_tokens=6)[0] + [9, 9]
+    hits = serving.stats["prefix_hit_tokens"]
+    _generates_hugging_faces_tokens(model, engine, [turn], [5])
+    # the earlier request fed 22 + 5 tokens (its last new token is never fed): 6 full blocks
+    assert serving.stats["prefix_hit_tokens"] - hits == 6 * 4
+    assert serving.cache.free_blocks() == serving.cache.usable_blocks
+
+
+@pytest.mark.parametrize("write", ["in_place", "data"])
+def test_cached_prefixes_are_forgotten_when_the_weights_change_between_calls(write):
+    """Blocks computed with the old weights would give the new model's requests the old keys and
+    values: a write to the weights (in place under no_grad, or through .data) between calls drops
+    the index, and the next call gives the new model's tokens and logits."""
+    model = _hf("llama")
+    engine = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
+    prompts = [list(range(10, 30)), list(range(10, 25))]
+    engine.generate(prompts, max_new_tokens=4)
+    with torch.no_grad():
+        for p in model.parameters():
+            (p if write == "in_place" else p.data).mul_(1.5)
+    hits = engine._serving.stats["prefix_hit_tokens"]
+    _generates_hugging_faces_tokens(model, engine, prompts, [4, 4])
+    assert engine._serving.stats["prefix_hit_tokens"] == hits
+
+
+def test_a_sliding_window_model_computes_every_prompt():
+    """A window layer needs the keys before the first token it computes in its own pool (its ring
+    holds no shared blocks), so prefix caching is off for models with a sliding window."""
+    engine = fxspeed.serve(_hf("mistral"), token_budget=8, max_batch=2, block_size=4, cache_tokens=32)
+    assert engine._serving.prefix_caching is False
+    assert fxspeed.serve(_hf("llama"), token_budget=8, max_batch=2, block_size=4, cache_tokens=32,
+                         prefix_caching=False)._serving.prefix_caching is False
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 4), st.integers(1, 14)), min_size=1, max_size=40),
+       block_size=st.sampled_from([1, 2, 3, 4]))
+def test_the_prefix_index_finds_a_block_only_where_it_holds_those_tokens_after_that_prefix(ops, block_size):
+    """KVCache's prefix index under admissions of sequences sharing starts, releases, evictions
+    (LRU, when the free list runs out) and forgets: every block `match` returns was filled with
+    exactly that prefix (the sequence up to its end), and free blocks + blocks held = usable."""
+    from fxspeed.runtime.serving import KVCache
+
+    cache = KVCache([(1, 1, torch.float32)], 9, block_size, torch.device("cpu"))
+    filled: dict[int, tuple[int, ...]] = {}  # block -> the prefix its keys and values were computed from
+    held: list[list[int]] = []
+    for kind, n in ops:
+        if kind == 4 and n == 1:
+            cache.forget_prefixes()
+            continue
+        seq = tuple(([kind % 3] * 6 + list(range(n)))[:n])
+        full = len(seq) // block_size
+        hits, chain = cache.match(seq, full)
+        for k, b in enumerate(hits):
+            assert filled[b] == seq[:(k + 1) * block_size]
+        need = full - len(hits)
+        while held and need > cache.free_blocks() - cache.idle_among(hits):
+            cache.release({"": held.pop(0)})
+            hits, chain = cache.match(seq, full)  # a release may make room by eviction later, never drop a hit
+            need = full - len(hits)
+        if need > cache.free_blocks() - cache.idle_among(hits):
+            continue  # longer than the whole cache
+        cache.hold(hits)
+        new = cache.allocate({"": need})[""]
+        for k, b in enumerate(new, start=len(hits)):
+            filled[b] = seq[:(k + 1) * block_size]
+            chain = cache.index(b, chain, seq[k * block_size:(k + 1) * block_size])
+        held.append(hits + new)
+        if kind == 3:
+            cache.release({"": held.pop(0)})
+        assert cache.free_blocks() + len({b for h in held for b in h}) == cache.usable_blocks
+
+
 def test_requests_that_stop_early_at_eos_run_side_by_side_in_a_cache_too_small_for_their_whole_lengths():
     """max_new_tokens 40 (11 blocks a request) on a cache of 16 blocks: each request stops at an
     eos it meets in its third token, so all three start in the first two steps (the first token of

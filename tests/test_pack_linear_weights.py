@@ -127,6 +127,7 @@ def test_with_pack_linear_auto_each_small_bucket_packs_only_where_its_probe_meas
     model = _hf("gpt2")
     auto = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
     _same_generation(auto, fxspeed.serve(model, config=UNPACKED, **SMALL))
+    auto.generate([[5, 6], [7, 8]], max_new_tokens=3)  # two decode tokens a step: bucket 2
     assert sorted(auto._serving.programs) == [1, 2, 4, 8] and sorted(r for r, _ in asked) == [1, 2, 4]
     assert all(n == 2 * 4 + 1 for _, n in asked)  # every linear weight the pass would pack, the head included
     for T, bound in auto._serving.programs.items():

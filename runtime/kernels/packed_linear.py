@@ -72,7 +72,7 @@ class PackedWeights:
         """The packed copy behind program input `spec`; `bind` gives the source weight."""
         if spec not in self._packed:
             source = bind(IOSpec("param", spec.target))
-            self._packed[spec] = (self._pack(spec, source), source, _stamp(source))
+            self._packed[spec] = (self._pack(spec, source), source, weight_stamp(source))
         return self._packed[spec][0]
 
     def _pack(self, spec: IOSpec, source: torch.Tensor) -> torch.Tensor:
@@ -85,9 +85,9 @@ class PackedWeights:
         new values go into them in place."""
         stale = []
         for spec, (packed, source, stamp) in self._packed.items():
-            if _stamp(source) != stamp:
+            if weight_stamp(source) != stamp:
                 packed.copy_(self._pack(spec, source))
-                self._packed[spec] = (packed, source, _stamp(source))
+                self._packed[spec] = (packed, source, weight_stamp(source))
                 stale.append(spec.target)
         return stale
 
@@ -95,7 +95,7 @@ class PackedWeights:
         return sum(p.numel() * p.element_size() for p, _, _ in self._packed.values())
 
 
-def _stamp(t: torch.Tensor) -> tuple[int, int, bytes]:
+def weight_stamp(t: torch.Tensor) -> tuple[int, int, bytes]:
     """What says a weight was written: its version, its storage, and a sample of its bits (above).
     A few thousand elements: microseconds per weight against a generate's milliseconds."""
     flat = t.detach().reshape(-1)
