@@ -905,8 +905,9 @@ class ServingLoop:
 
     def _weights(self) -> list[torch.Tensor]:
         program = self.programs[max(self.programs)].program
-        return [self._bind(s) for s in program.signature.inputs
-                if s.kind not in PER_STEP and s.kind != "kv_cache" and s.kind not in PACKED_KINDS]
+        bound = [self._bind(s) for s in program.signature.inputs
+                 if s.kind not in PER_STEP and s.kind != "kv_cache" and s.kind not in PACKED_KINDS]
+        return [t for t in bound if isinstance(t, torch.Tensor)]
 
     def _schedule(self, active: list[_Request]) -> list[tuple[_Request, int]]:
         """(request, tokens fed this step): decode tokens first (a request with one token to

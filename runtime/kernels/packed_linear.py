@@ -103,7 +103,7 @@ def weight_stamp(t: torch.Tensor) -> tuple[int, int, bytes]:
     if t.dim() == 2:
         parts += [t.detach()[:, 0], t.detach()[0, :]]
     sample = torch.cat([x.reshape(-1) for x in parts]).contiguous()
-    return t._version, t.data_ptr(), sample.view(torch.uint8).numpy().tobytes()
+    return t._version, t.data_ptr(), sample.view(torch.uint8).cpu().numpy().tobytes()
 
 
 def packing_pays(specs: Sequence[IOSpec], rows: int, bind: Callable[[IOSpec], torch.Tensor], layout_rows: int,
