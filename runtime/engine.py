@@ -1394,8 +1394,8 @@ class Engine:
                 # just before its first use (passes/wait_parameter_gathers).
                 self._flat.after_step(defer=defer)
         elif self.config.grad_clip is not None:
-            # skipped (an fp16 overflow, nan_check="skip"): its gradient had no finite norm; the
-            # last clipped step's norm, kept, read as this step's (h43)
+            # skipped (an fp16 overflow, nan_check="skip"): its gradient had no finite norm (h43:
+            # the last clipped step's norm was kept and read as this step's)
             self._grad_norm = torch.tensor(float("nan"))
 
     def _check_lr_untouched(self) -> None:

@@ -18,12 +18,14 @@ holds the per-step scheduling it runs). One serving step:
                  requests join as soon as blocks are free
 
 A request holds the blocks of what it has fed: its prompt's when admitted (with a block of room
-left for each running request), then one more each time its tokens start a block (`_grow`), so
+left for each running request that may still grow), then one more each time its tokens start a
+block (`_grow`), so
 one that stops early at eos never held the rest of max_new_tokens. Where no block is free, the
 youngest running request gives its blocks back and waits at the head of the queue; readmitted,
 it feeds its prompt and tokens so far again and goes on (preemption by recompute:
-`stats["preempted"]` counts them; greedy tokens and a seeded request's samples are those of an
-uninterrupted run). A request longer than the whole cache (prompt + max_new_tokens - 1: the last
+`stats["preempted"]` counts them; the tokens and a seeded request's samples are an
+uninterrupted run's up to float rounding: a recomputed chunk sums in another order than the
+decode steps it replaces, which can flip a near tie). A request longer than the whole cache (prompt + max_new_tokens - 1: the last
 new token is never fed, so it takes no position and no cache slot) is refused up front. Block 0
 is never handed out: padding tokens write there. Where every layer has a sliding window, a
 request holds at most `ring_blocks` blocks, however long it runs: its logical block b lives in
@@ -69,7 +71,7 @@ from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.global_state import no_autocast
 from fxspeed.ir import IOSpec
 from fxspeed.ir.program import WINDOW_GROUP, InferenceProgram
-from fxspeed.runtime.kernels.packed_linear import PACKED_KINDS, PackedWeights, packing_pays, weight_stamp
+from fxspeed.runtime.kernels.packed_linear import PACKED_KINDS, PackedWeights, packing_pays, weight_stamps
 from fxspeed.runtime.kernels.direct_calls import direct_calls
 
 log = logging.getLogger("fxspeed")
@@ -160,20 +162,24 @@ class KVCache:
             return self._free[group].pop()
         block, _ = self._idle.popitem(last=False)  # evicted: its key goes, its children are unreachable
         key, _ = self._entry.pop(block)
-        del self._index[key], self._refs[block]
+        del self._refs[block]
+        if self._index.get(key) == block:  # (after forget_prefixes the key is gone or another's)
+            del self._index[key]
         return block
 
     def release(self, blocks: dict[str, list[int]]) -> None:
         for g, bs in blocks.items():
             plain = []
-            for b in bs:
-                if b in self._entry:  # indexed: kept for the next request with this prefix
+            # last blocks first: they are evicted first, and a prefix's first blocks stay findable
+            # (a chain's child is unreachable once its parent is evicted)
+            for b in reversed(bs):
+                if g == "" and b in self._entry:  # indexed: kept for the next request with this prefix
                     self._refs[b] -= 1
                     if not self._refs[b]:
                         self._idle[b] = None
                 else:
                     plain.append(b)
-            self._free[g].extend(reversed(plain))
+            self._free[g].extend(plain)
 
     def match(self, tokens: Sequence[int], limit: int) -> tuple[list[int], int]:
         """The indexed blocks holding the first `limit` full blocks of `tokens` (as many as are
@@ -205,16 +211,20 @@ class KVCache:
         key = (parent, tokens)
         if key in self._index:
             return self._entry[self._index[key]][1]
-        if block in self._entry:  # a block from `match` is indexed already (under another key: never)
-            return self._entry[block][1]
         ident = next(self._ids)
         self._index[key], self._entry[block], self._refs[block] = block, (key, ident), 1
         return ident
 
     def forget_prefixes(self) -> None:
-        """The weights changed: no cached block holds what they would compute now."""
+        """The weights changed: no cached block holds what they would compute now. Blocks no
+        request holds are free again; blocks a paused stream's requests hold stay counted (their
+        entries and references) until released, but no key leads to them any more."""
+        for b in self._idle:
+            key, _ = self._entry.pop(b)
+            del self._refs[b]
         self._free[""].extend(reversed(list(self._idle)))
-        self._index.clear(), self._entry.clear(), self._refs.clear(), self._idle.clear()
+        self._idle.clear()
+        self._index.clear()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -254,7 +264,7 @@ def _allocate_cache(program: InferenceProgram, cache_tokens: int | None, default
     side = program.kv_bytes_per_token(WINDOW_GROUP) if windowed else 0
 
     def side_blocks(tokens: int) -> int:
-        return window_blocks(-(-tokens // block_size)) if windowed and window_blocks is not None else 0
+        return window_blocks(-(-tokens // block_size)) if window_blocks is not None and windowed else 0
 
     def nbytes(tokens: int) -> int:  # without the reserved blocks
         return tokens * main + side_blocks(tokens) * block_size * side
@@ -268,7 +278,7 @@ def _allocate_cache(program: InferenceProgram, cache_tokens: int | None, default
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if nbytes(mid) <= budget else (lo, mid - 1)
-            room = lo if lo < min(room, default_tokens) else room
+            room = lo
         if agree_min is not None:
             room = agree_min(room)
         tokens = default_tokens
@@ -319,6 +329,10 @@ class _Request:
         """Tokens not yet fed: the rest of the prompt, or the last sampled token."""
         seq = self.prompt + self.out
         return seq[self.cached:]
+
+    def to_feed(self) -> int:
+        """len(pending()), without building the sequence."""
+        return len(self.prompt) + len(self.out) - self.cached
 
     def done(self) -> bool:
         return len(self.out) >= self.max_new or (bool(self.out) and self.out[-1] in self.eos)
@@ -521,13 +535,18 @@ class ServingLoop:
         # Where only some layers slide (Gemma3), those read a block table of their own (kv_cache's
         # "window" group) over a pool of their own, and a request keeps a ring there while the
         # global layers keep every block. The pool holds what max_batch rings can (or as many
-        # blocks as the global layers' pool, if fewer): it never refuses a request the other admits.
+        # blocks as the global layers' pool, if fewer): within one stream it never refuses a
+        # request the other admits (its requests hold a ring at most, max_batch of them).
         self.rings = {g: ring_blocks(ws, token_budget, block_size) for g, ws in first.kv_group_windows().items()}
         self.ring = self.rings[""]
         if not isinstance(prefix_caching, bool):
             raise ConfigError(f"serve: prefix_caching must be True or False, got {prefix_caching!r}")
         self.prefix_caching = prefix_caching and set(self.rings.values()) == {None}
-        self._stamps: list[Any] | None = None
+        self._stamps: Any = None
+        # what the first program reads besides the packed copies (which refresh() follows): the
+        # same list at every call, whatever buckets are compiled later
+        read = [s for s in first.signature.inputs if s.kind not in (*PER_STEP, "kv_cache", *PACKED_KINDS)]
+        self._stamped = [t for t in map(bind, read) if isinstance(t, torch.Tensor)] if self.prefix_caching else []
         self._bytes_per_token = {g: first.kv_bytes_per_token(g) for g in self.rings}
         window_ring = self.rings.get(WINDOW_GROUP) or 0
         self.cache = _allocate_cache(first, cache_tokens, self.blocks_held(max_context) * block_size * max_batch,
@@ -797,8 +816,8 @@ class ServingLoop:
             while waiting and len(active) < self.max_batch:
                 r = waiting[0]
                 # the blocks of what it feeds first: its prompt (after a preemption, its tokens so far);
-                # a block of room is left for each running request's next one, so that admitting
-                # does not at once preempt
+                # a block of room is left for each running request's next one (that may still grow),
+                # so that admitting does not at once preempt
                 seq = len(r.prompt) + len(r.out)
                 need = self.needs(seq)
                 # its first full blocks already in the cache (a shared prompt, or its own before a
@@ -807,7 +826,7 @@ class ServingLoop:
                     if self.prefix_caching else ([], 0)
                 need[""] -= len(hits)
                 free = {g: self.cache.free_blocks(g) - (self.cache.idle_among(hits) if g == "" else 0) for g in need}
-                room = all(free[g] >= n + len(active) for g, n in need.items())
+                room = all(free[g] >= n + self._growing(active, g) for g, n in need.items())
                 blocks = None
                 if room or (not active and all(free[g] >= n for g, n in need.items())):
                     self.cache.hold(hits)
@@ -822,12 +841,15 @@ class ServingLoop:
                     # caller, holds them. Waiting would never end, so refuse this request.
                     waiting.pop(0)
                     short = next(g for g, n in need.items() if n > free[g])
+                    # (the sliding layers' pool holds max_batch rings, whatever cache_tokens says)
+                    raise_it = "serve(..., max_batch=)" if short else "serve(..., cache_tokens=)"
                     yield r.id, RequestError(r.id, f"needs {need[short]} KV-cache blocks"
-                                                   + (" (of its sliding layers)" if short else "")
+                                                   + (f" of its sliding layers' pool ({self.max_batch} rings)"
+                                                      if short else "")
                                                    + f" but only {free[short]} of "
-                                                   f"{self.cache.usable(short)} are free: another stream() of this "
-                                                   "engine holds the rest; finish or close it first, or raise "
-                                                   "serve(..., cache_tokens=)")
+                                                   f"{self.cache.usable(short)} are free: another unfinished stream() "
+                                                   "of this engine holds the rest; finish or close it first, or "
+                                                   f"raise {raise_it}")
                     continue
                 if blocks is None:
                     break  # it fits in the cache (checked), just not now: wait for others to finish
@@ -869,7 +891,7 @@ class ServingLoop:
         recompute). The oldest always goes on, so every request finishes."""
         for r in list(active):
             while r in active:
-                want = {g: n - len(r.blocks.get(g, ())) for g, n in self.needs(r.cached + len(r.pending())).items()}
+                want = {g: n - len(r.blocks.get(g, ())) for g, n in self.needs(r.cached + r.to_feed()).items()}
                 want = {g: n for g, n in want.items() if n > 0}
                 got = self.cache.allocate(want) if want else {}
                 if got is not None:
@@ -882,9 +904,14 @@ class ServingLoop:
                 waiting.insert(0, victim)
                 self.stats["preempted"] += 1
 
+    def _growing(self, active: list[_Request], group: str) -> int:
+        """Running requests that may still take a block of `group`'s pool: all of them, or where
+        the pool holds rings, those whose ring is not whole yet."""
+        ring = self.rings[group]
+        return sum(1 for r in active if not ring or len(r.blocks.get(group, ())) < ring)
+
     def _index_full_blocks(self, r: _Request) -> None:
-        """Put the blocks this step filled into the cache's prefix index (they are written by
-        the time a later step reads them: the steps run in order)."""
+        """Put the blocks the step just run filled into the cache's prefix index."""
         bs, blocks = self.block_size, r.blocks[""]
         full = min(r.cached // bs, len(blocks))
         if r.indexed < full:
@@ -895,19 +922,14 @@ class ServingLoop:
 
     def _weights_changed(self, stale: list[str]) -> bool:
         """Whether the weights were written since the last call (`stale`: packed copies refreshed
-        just now; the others by their stamps), agreed over tensor-parallel ranks."""
-        stamps = [weight_stamp(t) for t in self._weights()]
+        just now; the first program's other weights by their stamps), agreed over tensor-parallel
+        ranks."""
+        stamps = weight_stamps(self._stamped)
         changed = bool(stale) or stamps != self._stamps
         self._stamps = stamps
         if self._agree_min is not None:
             changed = self._agree_min(0 if changed else 1) == 0
         return changed
-
-    def _weights(self) -> list[torch.Tensor]:
-        program = self.programs[max(self.programs)].program
-        bound = [self._bind(s) for s in program.signature.inputs
-                 if s.kind not in PER_STEP and s.kind != "kv_cache" and s.kind not in PACKED_KINDS]
-        return [t for t in bound if isinstance(t, torch.Tensor)]
 
     def _schedule(self, active: list[_Request]) -> list[tuple[_Request, int]]:
         """(request, tokens fed this step): decode tokens first (a request with one token to
@@ -915,11 +937,11 @@ class ServingLoop:
         budget = self.token_budget
         chunks: list[tuple[_Request, int]] = []
         for r in active:
-            if len(r.pending()) == 1 and budget > 0:
+            if r.to_feed() == 1 and budget > 0:
                 chunks.append((r, 1))
                 budget -= 1
         for r in active:
-            left = len(r.pending())
+            left = r.to_feed()
             if left > 1 and budget > 0:
                 c = min(left, budget)
                 chunks.append((r, c))
@@ -957,8 +979,6 @@ class ServingLoop:
             query_index[s, :c] = torch.arange(at, at + c)
             query_pos[s, :c] = pos
             r.cached += c
-            if self.prefix_caching:
-                self._index_full_blocks(r)
             if r.cached >= len(r.prompt) + len(r.out):
                 last.append((r, at + c - 1))
             at += c
@@ -972,6 +992,9 @@ class ServingLoop:
             step[step_key("slot_mapping", g)] = slots[g].to(self.device)
             step[step_key("block_table", g)] = block_table[g].to(self.device)
         logits = bound(step)
+        if self.prefix_caching:  # after the step ran: a step that raised wrote nothing to index
+            for r, _ in chunks:
+                self._index_full_blocks(r)
         self.stats["steps"] += 1
         self.stats["tokens"] += n
         self.stats["padded_tokens"] += T - n

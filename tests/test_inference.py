@@ -218,13 +218,13 @@ def test_a_request_that_cannot_get_blocks_while_a_paused_stream_holds_them_is_re
     it = engine.stream([[1] * 39], max_new_tokens=2)
     first = next(it)
     out = engine.generate([[3, 4, 5]], max_new_tokens=4, on_error="return")
-    assert isinstance(out[0], fxspeed.RequestError) and "another stream()" in str(out[0])
+    assert isinstance(out[0], fxspeed.RequestError) and "another unfinished stream()" in str(out[0])
     rest = [first, *it]
     assert len(rest) == 2 and engine._serving.cache.free_blocks() == engine._serving.cache.usable_blocks
     it = engine.stream([[1] * 30], max_new_tokens=3)  # 8 blocks held; 2 left, where 14 positions need 4
     first = next(it)
     out = engine.generate([[3, 4, 5]], max_new_tokens=12, on_error="return")
-    assert isinstance(out[0], fxspeed.RequestError) and "another stream()" in str(out[0])
+    assert isinstance(out[0], fxspeed.RequestError) and "another unfinished stream()" in str(out[0])
     assert len([first, *it]) == 3 and engine._serving.cache.free_blocks() == engine._serving.cache.usable_blocks
     assert engine.generate([[3, 4, 5]], max_new_tokens=12)[0] == want
 
@@ -555,6 +555,69 @@ def test_cached_prefixes_are_forgotten_when_the_weights_change_between_calls(wri
     assert engine._serving.stats["prefix_hit_tokens"] == hits
 
 
+def test_forgetting_prefixes_leaves_the_blocks_a_paused_stream_shares_with_it_until_released():
+    """Two requests of a paused stream share prefix blocks; the weights change and another call
+    drops the index. Those blocks stayed counted (h45: they went to the free list when the first of
+    the two finished, were handed out while the other still read them, and came back twice): the
+    stream ends with the new model's tokens and every block is free once."""
+    model = _hf("llama")
+    engine = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
+    shared = list(range(10, 27))
+    engine.generate([shared], max_new_tokens=2)
+    prompts = [shared + [1], shared + [2, 3, 4]]
+    it = engine.stream(prompts, max_new_tokens=[3, 12])
+    got: list[list[int]] = [[], []]
+    rid, tok = next(it)
+    got[rid].append(tok)
+    with torch.no_grad():
+        model.model.norm.weight.add_(0)  # a write: the index is dropped at the next call
+    engine.generate([[5, 6, 7, 8, 9]], max_new_tokens=3)
+    for rid, tok in it:
+        got[rid].append(tok)
+    with torch.no_grad():
+        for p, n, o in zip(prompts, [3, 12], got):
+            assert o == model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                       pad_token_id=0)[0, len(p):].tolist()
+    cache = engine._serving.cache
+    assert cache.free_blocks() == cache.usable_blocks and len(set(cache._free[""])) == len(cache._free[""])
+
+
+def test_a_step_that_raises_indexes_none_of_the_blocks_it_did_not_write():
+    """The blocks a step fills are indexed after it ran: one that raised (an interrupt, an
+    allocator failure) left them indexed, unwritten, and the next call read them (h45)."""
+    model = _hf("llama")
+    engine = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
+    prompt = list(range(30, 45))
+    bound = engine._serving.program(8)
+
+    def fail(step):  # noqa: ANN001, ANN202
+        raise RuntimeError("interrupted")
+
+    engine._serving.programs[8] = fail
+    fail.static = False
+    fail.program = bound.program
+    fail.shape = bound.shape
+    with pytest.raises(RuntimeError, match="interrupted"):
+        engine.generate([prompt], max_new_tokens=3)
+    engine._serving.programs[8] = bound
+    hits = engine._serving.stats["prefix_hit_tokens"]
+    _generates_hugging_faces_tokens(model, engine, [prompt], [3])
+    assert engine._serving.stats["prefix_hit_tokens"] == hits
+
+
+def test_a_released_prefix_is_evicted_from_its_last_block_so_its_first_blocks_stay_findable():
+    from fxspeed.runtime.serving import KVCache
+
+    cache = KVCache([(1, 1, torch.float32)], 6, 2, torch.device("cpu"))  # 5 usable blocks of 2
+    seq = tuple(range(8))
+    blocks, chain = cache.allocate({"": 4})[""], 0
+    for k, b in enumerate(blocks):
+        chain = cache.index(b, chain, seq[2 * k:2 * k + 2])
+    cache.release({"": blocks})
+    cache.allocate({"": 2})  # one never-used block, then one evicted: the prefix's last
+    assert cache.match(seq, 4)[0] == blocks[:3]
+
+
 def test_a_sliding_window_model_computes_every_prompt():
     """A window layer needs the keys before the first token it computes in its own pool (its ring
     holds no shared blocks), so prefix caching is off for models with a sliding window."""
@@ -672,9 +735,24 @@ def test_a_model_with_global_and_sliding_layers_keeps_a_ring_in_its_sliding_laye
     assert {(s.kind, s.target) for s in program.signature.inputs if s.target == WINDOW_GROUP} == {
         ("slot_mapping", WINDOW_GROUP), ("block_table", WINDOW_GROUP)}
     assert engine.plan.held_at_context == 25 and "each holds 25 tokens" in engine.plan.summary()
+    assert engine.plan.window_pool_tokens == 36 and "the sliding layers' pool: 36 tokens" in engine.plan.summary()
     _generates_hugging_faces_tokens(model, engine, [list(range(3, 23)), [5, 17, 3], list(range(30, 39)), [9] * 14],
                                     [12, 20, 5, 18])
     assert serving.cache.free_blocks("") == 32 and serving.cache.free_blocks(WINDOW_GROUP) == 9
+
+
+def test_max_batch_requests_of_a_model_with_sliding_layers_run_side_by_side():
+    """The sliding layers' pool holds max_batch rings. Admission kept a block of room for every
+    running request, also those whose ring was whole and never take another: the last of three
+    long requests waited for the first to finish (h44: first token at step 23 of 42). Now the
+    three start together, as on a model without windows."""
+    model = _gemma3_hybrid()
+    engine = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=256)
+    first_at: dict[int, int] = {}
+    prompts = [[(7 * i + j) % V for i in range(12)] for j in range(3)]
+    for rid, _ in engine.stream(prompts, max_new_tokens=20):
+        first_at.setdefault(rid, engine._serving.stats["steps"])
+    assert max(first_at.values()) <= 6, first_at
 
 
 def test_a_model_whose_layers_all_slide_or_none_do_reads_one_block_table():

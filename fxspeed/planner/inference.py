@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from fxspeed.config import Config
 from fxspeed.devices import DeviceSpec
+from fxspeed.ir.program import WINDOW_GROUP
 from fxspeed.planner.placement import P, R, S, CostModel, tp_collectives
 
 # Activations of one step (one row of `token_budget` tokens) are small next to weights and cache;
@@ -55,6 +56,9 @@ class InferencePlan:
     # the context, or less where layers have a sliding window (the serving loop reuses their blocks
     # behind it; where only some layers slide, this is their bytes and the global layers' together)
     held_at_context: int = 0
+    # where only some layers slide: the tokens the sliding layers' own pool holds (max_batch rings);
+    # `cache_tokens` is then the global layers'
+    window_pool_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,7 +77,8 @@ class InferencePlan:
                if self.packed_weight_bytes else ""),
             f"  KV cache           {self.kv_bytes_per_token} bytes/token ({self.layers} layers, keys + values)",
             f"  cache allocated    {self.cache_tokens} tokens ({self.cache_bytes / mb:.1f} MiB) in blocks of "
-            f"{self.block_size}",
+            f"{self.block_size}"
+            + (f" (the sliding layers' pool: {self.window_pool_tokens} tokens)" if self.window_pool_tokens else ""),
             f"  fits on device     {self.max_cache_tokens} tokens of cache = {self.max_batch_at_context} requests "
             f"x {self.context} context"
             + (f" (each holds {self.held_at_context} tokens: its sliding windows')"
@@ -124,6 +129,8 @@ def plan_inference(model: nn.Module, program: Any, serving: Any, device: DeviceS
     return InferencePlan(model=type(model).__name__, device=device.name, parameters=params, weight_bytes=wbytes,
                          kv_bytes_per_token=kvb, layers=len(program.kv_layout), context=ctx,
                          cache_tokens=serving.cache.usable_blocks * serving.block_size,
+                         window_pool_tokens=(serving.cache.usable(WINDOW_GROUP) * serving.block_size
+                                             if WINDOW_GROUP in serving.cache.sizes else 0),
                          cache_bytes=serving.cache.nbytes(), max_cache_tokens=max_tokens,
                          max_batch_at_context=max_tokens // held if held else 0, held_at_context=min(held, ctx),
                          token_budget=serving.token_budget,

@@ -98,12 +98,26 @@ class PackedWeights:
 def weight_stamp(t: torch.Tensor) -> tuple[int, int, bytes]:
     """What says a weight was written: its version, its storage, and a sample of its bits (above).
     A few thousand elements: microseconds per weight against a generate's milliseconds."""
+    return t._version, t.data_ptr(), _sample_bits(t).cpu().numpy().tobytes()
+
+
+def weight_stamps(ts: Sequence[torch.Tensor]) -> tuple[tuple[tuple[int, int], ...], bytes]:
+    """`weight_stamp` of many weights, their samples copied to the host at once (one wait for a
+    GPU, not one per weight)."""
+    bits = [_sample_bits(t) for t in ts]
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for b in bits:
+        by_device.setdefault(b.device, []).append(b)
+    host = b"".join(torch.cat(bs).cpu().numpy().tobytes() for bs in by_device.values())
+    return tuple((t._version, t.data_ptr()) for t in ts), host
+
+
+def _sample_bits(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().reshape(-1)
     parts = [flat[::max(1, flat.numel() // 4096)]]
     if t.dim() == 2:
         parts += [t.detach()[:, 0], t.detach()[0, :]]
-    sample = torch.cat([x.reshape(-1) for x in parts]).contiguous()
-    return t._version, t.data_ptr(), sample.view(torch.uint8).cpu().numpy().tobytes()
+    return torch.cat([x.reshape(-1) for x in parts]).contiguous().view(torch.uint8).reshape(-1)
 
 
 def packing_pays(specs: Sequence[IOSpec], rows: int, bind: Callable[[IOSpec], torch.Tensor], layout_rows: int,
