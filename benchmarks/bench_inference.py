@@ -128,8 +128,10 @@ def main() -> None:
     # one CPU process: the plan's roofline at this machine's measured rates (the preset's are an
     # order of magnitude); tp ranks keep the preset, as they must agree on it
     devices = fxspeed.measured_cpu() if device.type == "cpu" and args.tensor == 1 else args.tensor
+    # no prefix caching: the timed repeats send the same prompts, which a cached engine would read
+    # rather than compute (HF computes them every time)
     options = dict(devices=devices, config=fxspeed.Config(tensor=args.tensor), token_budget=args.token_budget,
-                   max_batch=max_batch, block_size=16, cache_tokens=max_batch * context)
+                   max_batch=max_batch, block_size=16, cache_tokens=max_batch * context, prefix_caching=False)
     engine = fxspeed.serve(model, **options)
     launched = fxspeed.serve(model, **options, cuda_graphs=False) if device.type == "cuda" else None
     unpacked = fxspeed.serve(model, **{**options, "config": fxspeed.Config(
