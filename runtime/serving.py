@@ -138,6 +138,9 @@ class KVCache:
         self._refs: dict[int, int] = {}  # indexed block -> requests holding it
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # held by none, LRU first
         self._ids = itertools.count(1)
+        # bumped by forget_prefixes: a request admitted before it computed its blocks partly with
+        # the old weights, so it indexes none of them (`ServingLoop._index_full_blocks`)
+        self.generation = 0
 
     @property
     def usable_blocks(self) -> int:
@@ -225,6 +228,7 @@ class KVCache:
         self._free[""].extend(reversed(list(self._idle)))
         self._idle.clear()
         self._index.clear()
+        self.generation += 1
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -322,6 +326,7 @@ class _Request:
     cached: int = 0  # tokens whose keys/values are in the cache
     indexed: int = 0  # its first blocks that are in the cache's prefix index (or equal to one there)
     chain: int = 0  # the prefix index id of the last of those
+    generation: int = 0  # the cache's prefix generation when it was admitted
     out: list[int] = field(default_factory=list)
     last_token_at: float = 0.0
 
@@ -834,7 +839,7 @@ class ServingLoop:
                     assert blocks is not None  # counted above
                     blocks[""] = hits + blocks[""]
                     r.cached = len(hits) * self.block_size
-                    r.indexed, r.chain = len(hits), chain
+                    r.indexed, r.chain, r.generation = len(hits), chain, self.cache.generation
                     self.stats["prefix_hit_tokens"] += r.cached
                 if blocks is None and not active:
                     # Nothing here will give blocks back: another stream() of this engine, paused by its
@@ -911,7 +916,12 @@ class ServingLoop:
         return sum(1 for r in active if not ring or len(r.blocks.get(group, ())) < ring)
 
     def _index_full_blocks(self, r: _Request) -> None:
-        """Put the blocks the step just run filled into the cache's prefix index."""
+        """Put the blocks the step just run filled into the cache's prefix index. Not those of a
+        request admitted before the index was dropped (a paused stream's, across a weight write):
+        their first positions hold the old weights' keys (h46: such a block was read as the new
+        weights' by a later call)."""
+        if r.generation != self.cache.generation:
+            return
         bs, blocks = self.block_size, r.blocks[""]
         full = min(r.cached // bs, len(blocks))
         if r.indexed < full:

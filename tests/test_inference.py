@@ -582,6 +582,27 @@ def test_forgetting_prefixes_leaves_the_blocks_a_paused_stream_shares_with_it_un
     assert cache.free_blocks() == cache.usable_blocks and len(set(cache._free[""])) == len(cache._free[""])
 
 
+def test_a_request_running_across_a_weight_write_indexes_none_of_its_blocks():
+    """A paused stream's request has computed 3 positions of its first block with the old weights
+    when they change and another call drops the index; it fills the block with the new ones. The
+    block mixes both, so it is not indexed: a later prompt starting with it computes it again (h46:
+    it was read, logits 3.7 off)."""
+    model = _hf("llama")
+    engine = fxspeed.serve(model, token_budget=4, max_batch=2, block_size=4, cache_tokens=96)
+    long = list(range(20, 30))
+    it = engine.stream([[3], long], max_new_tokens=[6, 2])
+    next(it)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.25)
+    engine.generate([[40, 41]], max_new_tokens=2)  # drops the index
+    for _ in it:
+        pass
+    hits = engine._serving.stats["prefix_hit_tokens"]
+    _generates_hugging_faces_tokens(model, engine, [long + [7]], [5])
+    assert engine._serving.stats["prefix_hit_tokens"] == hits
+
+
 def test_a_step_that_raises_indexes_none_of_the_blocks_it_did_not_write():
     """The blocks a step fills are indexed after it ran: one that raised (an interrupt, an
     allocator failure) left them indexed, unwritten, and the next call read them (h45)."""
