@@ -19,14 +19,14 @@ holds the per-step scheduling it runs). One serving step:
 
 A request holds the blocks of what it has fed: its prompt's when admitted (with a block of room
 left for each running request that may still grow), then one more each time its tokens start a
-block (`_grow`), so
-one that stops early at eos never held the rest of max_new_tokens. Where no block is free, the
-youngest running request gives its blocks back and waits at the head of the queue; readmitted,
-it feeds its prompt and tokens so far again and goes on (preemption by recompute:
-`stats["preempted"]` counts them; the tokens and a seeded request's samples are an
+block (`_grow`), so one that stops early at eos never held the rest of max_new_tokens. Where no
+block is free, the youngest running request gives its blocks back and waits at the head of the
+queue; readmitted, it feeds its prompt and tokens so far again and goes on (preemption by
+recompute: `stats["preempted"]` counts them; the tokens and a seeded request's samples are an
 uninterrupted run's up to float rounding: a recomputed chunk sums in another order than the
-decode steps it replaces, which can flip a near tie). A request longer than the whole cache (prompt + max_new_tokens - 1: the last
-new token is never fed, so it takes no position and no cache slot) is refused up front. Block 0
+decode steps it replaces, which can flip a near tie). A request longer than the whole cache
+(prompt + max_new_tokens - 1: the last new token is never fed, so it takes no position and no
+cache slot) is refused up front. Block 0
 is never handed out: padding tokens write there. Where every layer has a sliding window, a
 request holds at most `ring_blocks` blocks, however long it runs: its logical block b lives in
 its block b % ring, and a block is written again only once every query that could see its keys
@@ -599,7 +599,7 @@ class ServingLoop:
             t0 = time.perf_counter()
             program = self._check_window(self._compile(T, self._packs(T)))
             if list(program.kv_layout) != self.cache.layout or \
-                    tuple(program.kv_groups or ("",) * len(program.kv_layout)) != self.cache.groups:
+                    program.layer_groups() != self.cache.groups:
                 # Every bucket writes the same cache: under tensor parallelism its heads must be
                 # split the same way in every program (the layout is solved once and kept).
                 raise FxspeedError(f"serve: the program for {T} tokens lays out the KV cache as "

@@ -149,13 +149,17 @@ class InferenceProgram:
     def kv_bytes_per_token(self, group: str | None = None) -> int:
         """Cache bytes one token occupies: keys and values of every layer (of `group`'s layers
         only, when given)."""
-        groups = self.kv_groups or ("",) * len(self.kv_layout)
+        groups = self.layer_groups()
         return sum(2 * h * d * torch.empty((), dtype=dt).element_size()
                    for (h, d, dt), g in zip(self.kv_layout, groups) if group is None or g == group)
 
+    def layer_groups(self) -> tuple[str, ...]:
+        """The block table each cache layer reads ("" for all where the program names none)."""
+        return tuple(self.kv_groups) or ("",) * len(self.kv_layout)
+
     def kv_group_windows(self) -> dict[str, tuple[int, ...]]:
         """Each block table's layers' sliding windows (0: none), "" first."""
-        groups = self.kv_groups or ("",) * len(self.kv_layout)
+        groups = self.layer_groups()
         windows = self.kv_windows or (0,) * len(self.kv_layout)
         out: dict[str, list[int]] = {"": []}
         for g, w in zip(groups, windows):
