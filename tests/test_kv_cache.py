@@ -4,6 +4,8 @@ logits of one full forward over the prefix."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn as nn
@@ -64,6 +66,44 @@ def test_grouped_query_attention_caches_the_kv_heads_not_the_repeated_ones():
     prog = compile_inference(m, 4, config=Config())
     assert prog.kv_layout == [(2, 8, torch.float32)]
     assert aten.expand.default not in targets(prog.gm)  # the repeat is dead: the kernel reads Hkv heads
+
+
+class _SlicedGroupedHeads(nn.Module):
+    """Grouped-query attention over heads [lo, hi) of 4 query heads, with keys/values cut from
+    the 2 key/value heads repeated whole: what a tensor-parallel rank runs where the solver left
+    the keys replicated and sliced its query heads' share (shard_tensors' clone(slice(...)))."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        super().__init__()
+        self.lo, self.hi = lo, hi
+        self.config = types.SimpleNamespace(vocab_size=64, max_position_embeddings=64)  # what serve reads
+        self.emb, self.q, self.kv = nn.Embedding(64, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+        self.head = nn.Linear(8 * (hi - lo), 64)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(input_ids)
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, 4, 8).transpose(1, 2)[:, self.lo:self.hi]
+        k, v = self.kv(x).view(B, T, 2, 2, 8).permute(2, 0, 3, 1, 4)
+        rep = lambda t: t[:, :, None].expand(B, 2, 2, T, 8).reshape(B, 4, T, 8)[:, self.lo:self.hi].contiguous()
+        y = F.scaled_dot_product_attention(q, rep(k), rep(v), is_causal=True)
+        return self.head(y.transpose(1, 2).reshape(B, T, -1))
+
+
+@pytest.mark.parametrize("lo,hi,heads", [(2, 4, 1), (0, 4, 2), (0, 1, 1), (1, 3, 2)])
+def test_keys_cut_from_repeated_heads_are_cached_as_their_key_value_heads(lo: int, hi: int, heads: int):
+    # (1, 3) spans half of each group: no kv-head form, the cache holds the 2 repeated heads
+    torch.manual_seed(0)
+    model = _SlicedGroupedHeads(lo, hi).eval()
+    assert compile_inference(model, 4, config=Config()).kv_layout == [(heads, 8, torch.float32)]
+    eng = fxspeed.serve(model, token_budget=4, max_batch=2, block_size=4, cache_tokens=64)
+    eng._serving.record_logits = {}
+    prompts = [[3, 9, 27, 17, 51, 1], [8]]
+    outs = eng.generate(prompts, max_new_tokens=5)
+    with torch.no_grad():
+        for i, (p, o) in enumerate(zip(prompts, outs)):
+            want = model(torch.tensor([p + o]))[0, len(p) - 1:len(p) + 4]
+            torch.testing.assert_close(torch.stack(eng._serving.record_logits[i]), want, rtol=0, atol=1e-4)
 
 
 class _Bidirectional(nn.Module):

@@ -767,9 +767,11 @@ class Result:
     comm: dict[str, float] = field(default_factory=dict)  # collective bytes by kind (per step, per rank)
 
 
-def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], cm: CostModel) -> Result:
+def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], cm: CostModel,
+              pinned: dict[fx.Node, Any] | None = None) -> Result:
     """One greedy pass in graph order: each node takes its cheapest strategy given its inputs.
-    Parameters are placed as `params` says (absent: replicated)."""
+    Parameters are placed as `params` says (absent: replicated). `pinned`: nodes whose output
+    placement is decided before (see PlacementAnalysis: a serving program's attention)."""
     T = cm.T
     place: dict[fx.Node, Any] = {}
     nodes: dict[fx.Node, NodePlacement] = {}
@@ -858,7 +860,7 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
             n, tuple(pl), tuple(i in derived for i in ins), n in _VOCAB_BACKWARD)
         best = _CHOICES.get(key) if key is not None else None
         if best is None:
-            best = _cheapest(n, ins, pl, derived, T, cm, reads)
+            best = _cheapest(n, ins, pl, derived, T, cm, reads, (pinned or {}).get(n))
             if key is not None:
                 _CHOICES[key] = best
         for p, w, i in zip(pl, best.want, ins):
@@ -892,13 +894,19 @@ def _random_strategies(n: fx.Node, pl: list[Placement], T: int) -> list[Strategy
 
 
 def _cheapest(n: fx.Node, ins: list[fx.Node], pl: list[Placement], derived: set[fx.Node], T: int,
-              cm: CostModel, reads: Callable[[Placement, Placement, fx.Node], float]) -> Strategy:
+              cm: CostModel, reads: Callable[[Placement, Placement, fx.Node], float],
+              pin: Any = None) -> Strategy:
     """The strategy of `n` (all-replicated when nothing else is possible) that costs least given
-    its inputs' placements `pl`: their reads, its compute and the reductions it leaves."""
+    its inputs' placements `pl`: their reads, its compute and the reductions it leaves. `pin`:
+    the output placement `n` must have (its first strategy that gives it, whatever it costs)."""
     val = n.meta.get("val")
     n_out = len(val) if isinstance(val, (tuple, list)) else 0
     fallback = Strategy([R] * len(ins), tuple(R for _ in range(n_out)) if n_out else R)
     options = _random_strategies(n, pl, T) if draws_random(n) else _strategies(n, ins, pl, T, cm.sequence_parallel)
+    if pin is not None:
+        # A forward-only program has no gradients to reduce, so slicing a replicated activation
+        # (R -> S, a local cut) is exact there, where a training program must not shard its batch.
+        return next((st for st in [*options, fallback] if st.out == pin), fallback)
     # A partial sum read by several ops is reduced once, where it is made, rather than
     # carried into each reader (each would need its own all-reduce later).
     options = [st for st in options if all(w.kind != "P" or len(i.users) == 1 for w, i in zip(st.want, ins))]
@@ -1071,12 +1079,14 @@ def _invert(view: fx.Node, src: fx.Node, q: Placement, T: int) -> Placement | No
 
 def solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
           fixed: dict[str, Placement] | None = None,
-          sequence_parallel: bool = False, groups: bool = True) -> tuple[dict[str, Placement], Result]:
+          sequence_parallel: bool = False, groups: bool = True,
+          pinned: dict[fx.Node, Any] | None = None) -> tuple[dict[str, Placement], Result]:
     """The cheapest parameter placements found (see the module docstring) and their propagation.
     `fixed`: placements decided before (another program of the same engine): used as they are.
     `groups`: parameters may be split over groups of ranks (S with 1 < rep < T; see
     `group_sizes`); where the runtime cannot count such slices yet, only rep T (MQA's whole
-    key/value weights) is tried."""
+    key/value weights) is tried. `pinned`: with `fixed`, nodes whose output placement is decided
+    before (propagate)."""
     global _CHOICES
     _SHAPES.clear()
     _NBYTES.clear()
@@ -1084,7 +1094,7 @@ def solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
     _PREFER_REP.clear()
     _CHOICES = {}
     try:
-        return _solve(gm, signature, device, T, fixed, sequence_parallel, groups)
+        return _solve(gm, signature, device, T, fixed, sequence_parallel, groups, pinned)
     finally:
         _CHOICES = None
         _SHAPES.clear()
@@ -1096,7 +1106,7 @@ def solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
 
 def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
            fixed: dict[str, Placement] | None, sequence_parallel: bool = False,
-           groups: bool = True) -> tuple[dict[str, Placement], Result]:
+           groups: bool = True, pinned: dict[fx.Node, Any] | None = None) -> tuple[dict[str, Placement], Result]:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     grads = {s.target for s in signature.outputs if s.kind == "grad"}
     params = {s.target: ph for ph, s in zip(placeholders, signature.inputs) if s.kind == "param"}
@@ -1123,7 +1133,7 @@ def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
             if a not in known and c in fixed:
                 known[a] = fixed[c]
         use = tie({n: p for n, p in known.items() if n in params})
-        return use, propagate(gm, signature, use, cm)
+        return use, propagate(gm, signature, use, cm, pinned)
     blocks = {1}
     for n in gm.graph.nodes:
         if n.target in (aten.split.Tensor, aten.split_with_sizes.default):
@@ -1348,6 +1358,7 @@ class PlacementAnalysis:
 
         self.device = devices[0]
         self.params: dict[str, Placement] | None = None
+        self.attention: list[Any] | None = None  # the first serving program's attention outputs, in order
         self.comm: dict[str, float] = {}
         self.graph_pass = graph_pass("tp_placements", requires=("annotate",), produces=("tp_placements",),
                                      is_analysis=True)(self._run)
@@ -1363,10 +1374,20 @@ class PlacementAnalysis:
             # Slices shared by groups of ranks (1 < rep < T) only where the engine counts them right:
             # its clip norm under ZeRO-1/2/3 and pipelines counts a slice once per tp rank.
             groups = ctx.options.zero == 0 and ctx.options.pipeline == 1
+            # Serving: every program (one per token bucket) writes the same KV cache, so each
+            # attention keeps the first program's split of its heads. Left to the cost model, a
+            # bucket of more tokens may compute an attention whole on every rank (where gathering
+            # small weights is cheaper than gathering activations) and cache all key/value heads.
+            serving = any(s.kind == "tokens" for s in ctx.signature.inputs)  # (compile_inference's programs)
+            attention = [n for n in gm.graph.nodes if n.target in SDPA_FORWARD] if serving else []
+            pinned = dict(zip(attention, self.attention)) \
+                if self.attention is not None and len(self.attention) == len(attention) else None
             params, res = solve(gm, ctx.signature, self.device, T, fixed=self.params,
-                                sequence_parallel=ctx.options.sequence_parallel, groups=groups)
+                                sequence_parallel=ctx.options.sequence_parallel, groups=groups, pinned=pinned)
             if self.params is None:
                 self.params, self.comm = params, dict(res.comm)
+            if serving and self.attention is None:
+                self.attention = [res.nodes[n].out for n in attention]
             for n, npl in res.nodes.items():
                 n.meta[TP_KEY] = npl
             gm.meta[PARAMS_KEY] = dict(params)

@@ -72,6 +72,9 @@ def _unrepeat(k: fx.Node, g: fx.Graph, before: fx.Node) -> fx.Node:
             return k
         with g.inserting_before(before):
             return call(g, aten._to_copy.default, (inner,), dict(k.kwargs))
+    cut = k.args[0] if k.target == aten.clone.default else k
+    if isinstance(cut, fx.Node) and cut.target == aten.slice.Tensor:
+        return _unrepeat_slice(k, cut, g, before)
     n = k
     if n.target not in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
         return k
@@ -99,6 +102,28 @@ def _unrepeat(k: fx.Node, g: fx.Graph, before: fx.Node) -> fx.Node:
         with g.inserting_before(before):
             return call(g, aten.select.int, (n, 2, 0))
     return k
+
+
+def _unrepeat_slice(k: fx.Node, cut: fx.Node, g: fx.Graph, before: fx.Node) -> fx.Node:
+    """`[clone](repeat_kv(x)[:, a:b])` (tensor parallelism: this rank's query heads' keys, cut from
+    keys repeated whole on every rank) -> `x[:, a/rep:b/rep]`, where the cut holds whole groups
+    of `rep` repeats (or lies in one group: its kv head). Else `k`: the cache then holds the
+    repeated heads (more bytes, still exact)."""
+    src, dim, a, b, step = (*cut.args, *(None,) * (5 - len(cut.args)))[:5]
+    heads = tuple(src.meta["val"].shape)
+    if dim not in (1, -3) or len(heads) != 4 or step not in (None, 1) or not isinstance(a, int) \
+            or not isinstance(b, int) or a < 0 or b <= a:
+        return k
+    inner = _unrepeat(src, g, before)
+    if inner is src:
+        return k
+    kv = inner.meta["val"].shape[1]
+    rep = heads[1] // kv
+    b = min(b, heads[1])
+    if not (a % rep == 0 and b % rep == 0 or a // rep == (b - 1) // rep):
+        return k
+    with g.inserting_before(before):
+        return call(g, aten.slice.Tensor, (inner, 1, a // rep, -(-b // rep)))
 
 
 def _repeated_along(x: fx.Node, dim: int) -> bool:

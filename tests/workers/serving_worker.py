@@ -23,6 +23,10 @@ in this process (one device, whole weights):
                             prompts are refused (ConfigError on every rank) and the engine goes on
     uneven_heads            Llama with 6 query / 3 key/value heads at T=2 (they do not split): served,
                             one device's tokens and logits
+    bucket_layouts          a narrow Llama (4 query / 2 key/value heads, hidden 32) on a slow device: a
+                            larger bucket, left to the cost model, computed one layer's attention whole
+                            and cut the other's heads from keys repeated whole; every bucket now caches
+                            1 key/value head per layer per rank, as the first does
     stream_stops            a stream stopped at different tokens on the ranks is an error on the rank
                             that goes on, at its next step; at the same token, none; the engine goes on
 
@@ -84,6 +88,10 @@ def build(name: str) -> torch.nn.Module:
     if name == "llama_6_3heads":  # 6 query heads split over 2 ranks, 3 key/value heads do not
         cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=192, intermediate_size=384,
                                        num_attention_heads=6, num_key_value_heads=3, initializer_range=0.2, **common)
+        return transformers.LlamaForCausalLM(cfg).eval()
+    if name == "llama_narrow":  # small enough that the solver's choices differ between buckets
+        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                       num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2, **common)
         return transformers.LlamaForCausalLM(cfg).eval()
     if name == "phi3":  # a fused qkv projection, 4 query / 2 key/value heads
         cfg = transformers.Phi3Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -208,6 +216,17 @@ def case_fused_qkv_gqa() -> str:
     the others cached 2, and serve refused the model ("please report this")."""
     return served_on("phi3", fxspeed.DeviceSpec("slow-compute", 1e9, {"fp32": 1e8}, 1e9, 1e12, "cpu"), [2, 2],
                      token_budget=256, max_batch=16, block_size=16, cache_tokens=1024)
+
+
+def case_bucket_layouts() -> str:
+    """Every bucket writes the same cache, so every bucket must cut each layer's heads the same
+    way. On this device the 6-token bucket computed layer 0's attention whole on every rank and
+    cut layer 1's query heads' keys from keys repeated whole: it cached [2, 2] heads where the
+    first bucket cached [1, 1], and serve refused the model ("please report this")."""
+    import dataclasses
+
+    slow = dataclasses.replace(fxspeed.devices("cpu")[0], flops={"fp32": 1e8}, mem_bandwidth=1e7)
+    return served_on("llama_narrow", slow, [1, 1], token_budget=6, max_batch=3, block_size=3, cache_tokens=90)
 
 
 def served_on(name: str, device: fxspeed.DeviceSpec, heads: list[int], **serve: Any) -> str:
@@ -340,6 +359,7 @@ CASES = {
     "stream_stops": case_stream_stops,
     "uneven_heads": case_uneven_heads,
     "fused_qkv_gqa": case_fused_qkv_gqa,
+    "bucket_layouts": case_bucket_layouts,
 }
 
 if __name__ == "__main__":
