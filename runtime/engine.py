@@ -1994,7 +1994,12 @@ class Engine:
         if self.scaler is not None and ck.extra.get("loss_scaler") is not None:
             self.scaler.load_state_dict(ck.extra["loss_scaler"])
             self._scale.copy_(self.scaler.scale)
-        self.stats.update(ck.extra["stats"])
+        # The run's progress only: the counters this engine kept itself (its compiles, the step
+        # timings it measured, a pipeline's idle fraction) are not the saving engine's.
+        saved = ck.extra["stats"]
+        self.stats.update({k: saved[k] for k in ("steps", "skipped_steps") if k in saved})
+        if self.scaler is not None:
+            self.stats["loss_scale"] = float(self.scaler.scale)
         # The same rank's stream when the world size matches (an exact resume); else rank 0's.
         rng, cuda_rng = ck.extra["rng"], ck.extra.get("cuda_rng")
         i = self.rank if len(rng) == self.world_size else 0

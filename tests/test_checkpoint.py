@@ -133,6 +133,24 @@ def test_loading_a_checkpoint_of_another_model_names_the_parameter(tmp_path: Pat
         e2.load(tmp_path / "ck")
 
 
+def test_a_loaded_checkpoint_restores_the_runs_progress_not_the_saving_engines_own_counters(tmp_path: Path) -> None:
+    # (h48: a resumed run reported the saving engine's compiles on top of its own, and a ZeRO-2
+    # engine loading a pipeline's checkpoint reported the pipeline's step timings)
+    batches = global_batches("gpt", 4)
+    saver = fxspeed.compile(build_model("gpt"), 1, fxspeed.Config(lr=1e-2, grad_accum=2), example_inputs=batches[0])
+    for b in batches[:3]:
+        saver.train_step(*b)
+    saver.stats["idle_fraction"] = 0.5  # as a pipeline engine keeps
+    saver.save(tmp_path / "ck")
+    loader = fxspeed.compile(build_model("gpt"), 1, fxspeed.Config(lr=1e-2), example_inputs=batches[0])
+    own = loader.stats["compiles"]
+    assert own < saver.stats["compiles"]
+    loader.load(tmp_path / "ck")
+    assert loader.stats == {"steps": 3, "compiles": own, "skipped_steps": 0}
+    loader.train_step(*batches[3])
+    assert loader.stats["steps"] == 4
+
+
 def test_a_missing_checkpoint_names_the_directory(tmp_path: Path) -> None:
     x, y = global_batches("gpt", 1)[0]
     engine = fxspeed.compile(build_model("gpt"), 1, fxspeed.Config(lr=1e-2), example_inputs=(x, y))
