@@ -328,3 +328,19 @@ def test_an_eval_step_whose_forward_writes_a_parameter_in_place_is_refused_namin
     engine.train_step(x, y)
     with pytest.raises(fxspeed.CaptureError, match=r"eval step of RescalesInEval: forward modifies the parameter `a.weight`"):
         engine.eval_step(x, y)
+
+
+def test_fxspeeds_own_error_raised_inside_the_trace_keeps_its_own_fix_not_rewrite_that_line():
+    # (h49: a model whose parameters another engine holds, traced again, ended its message with
+    # "How to fix: rewrite that line without the unsupported construct")
+    from fxspeed.compiler.capture import _capture_error
+
+    said = "Net was called directly, but fxspeed's engine holds its parameters as slices; use engine.gathered()"
+    try:
+        try:
+            raise fxspeed.FxspeedError(said)
+        except fxspeed.FxspeedError as inner:
+            raise RuntimeError("while tracing") from inner
+    except RuntimeError as e:
+        err = _capture_error(nn.Linear(2, 2), e)
+    assert said in str(err) and "rewrite that line" not in str(err) and "How to fix" not in str(err)

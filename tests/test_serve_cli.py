@@ -62,6 +62,17 @@ def test_an_unknown_model_name_is_refused_with_the_closest_model_types_not_all_o
     assert len(str(e.value)) < 300  # Hugging Face's own message lists all ~800 types
 
 
+def test_set_takes_a_configs_common_field_names_and_a_model_that_will_not_build_is_refused_in_one_line():
+    # (h49: the README's `--set hidden_size=256` for gpt2 was refused, GPT-2 naming it n_embd;
+    # and n_embd=256 with GPT-2's 12 heads ended in Hugging Face's traceback)
+    from fxspeed.tools.serve_cli import build_model, hf_config
+
+    cfg, _ = hf_config("gpt2", 2, overrides={"hidden_size": 64, "num_attention_heads": 4})
+    assert (cfg.n_embd, cfg.n_head, cfg.n_layer) == (64, 4, 2)
+    with pytest.raises(SystemExit, match="GPT2Config builds no model: .*divisible"):
+        build_model("gpt2", 1, {"n_embd": 64})
+
+
 @pytest.mark.parametrize("flag,value,said", [
     ("--layers", "0", "argument --layers: expected a positive integer, got 0"),
     ("--tensor", "-2", "argument --tensor: expected a positive integer, got -2"),

@@ -36,7 +36,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fxspeed.errors import CaptureError, warn_user
+from fxspeed.errors import CaptureError, FxspeedError, warn_user
 from fxspeed.ir.batch import input_key, split_inputs, tensor_leaves, traced_format  # noqa: F401
 from fxspeed.ir import IOSpec, StepSignature
 
@@ -1669,10 +1669,16 @@ def _capture_error(model: nn.Module, e: BaseException, train: bool = True) -> Ca
                   "out= write) changed a tensor that backward needs; eager backward fails the same way")
         hint = ("use the out-of-place form where forward writes that tensor (x = x * 2); on the eager model, "
                 "torch.autograd.set_detect_anomaly(True) names the op whose saved tensor was changed")
+    own = next((c for c in chain if isinstance(c, FxspeedError)), None)
+    if own is not None:
+        # fxspeed's own error raised inside the trace (a model whose parameters another engine
+        # holds, called directly): it says what to do itself, "rewrite that line" would not fit
+        reason, hint = str(own).strip().rstrip("."), ""
     where = f" at {source}{code}" if source else ""
     opmsg = f" in op {op_name}" if op_name else ""
+    fix = f". How to fix: {hint}." if hint else "."
     return CaptureError(
-        f"cannot capture the {'training' if train else 'eval'} step of {type(model).__name__}{opmsg}{where}: {reason}. How to fix: {hint}.",
+        f"cannot capture the {'training' if train else 'eval'} step of {type(model).__name__}{opmsg}{where}: {reason}{fix}",
         op=op_name, source=source,
     )
 

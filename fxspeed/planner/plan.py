@@ -140,7 +140,9 @@ class Plan:
             parts = " + ".join(f"{c} {gb(b).strip()}" for c, b in self.model_states.items())
             lines.append(f"  {'model states':<26}{gb(sum(self.model_states.values()))}   ({parts})")
         if self.zero_formula:
-            k = "K=12, 2-byte params/grads" if self.strategy["precision"] != "fp32" else "fp32 Adam: 4+4+8 bytes"
+            # the paper's layout, a reference beside what this plan holds (ZeRO-0 keeps fp32 weights)
+            k = ("the paper's mixed-precision layout: 2-byte params/grads, K=12" if self.strategy["precision"] != "fp32"
+                 else "fp32 Adam: 4+4+8 bytes")
             lines.append(f"  {'ZeRO paper model states':<26}{gb(self.zero_formula[0])}   ({k})")
         offload = self.config.get("offload", "optimizer")
         what = {"parameters": "working parameter shards, read ahead of each gather",

@@ -79,7 +79,9 @@ def hf_config(name: str, layers: int | None, command: str = "serve",
                 f" ({len(known)} types, e.g. gpt2, llama, mistral, qwen2, opt, gpt_neox, phi)")
         raise SystemExit(f"fxspeed {command}: --model {name!r} is neither a folder nor a Hugging Face model type"
                          + hint) from None
-    kw = dict(overrides or {})
+    # a common name the config maps to its own field (GPT-2's hidden_size -> n_embd)
+    aliases = getattr(cfg, "attribute_map", None) or {}
+    kw = {aliases.get(k, k): v for k, v in (overrides or {}).items()}
     fields = cfg.to_dict()
     for key in kw:
         if key not in fields:  # the constructors take any keyword silently
@@ -117,7 +119,11 @@ def build_model(name: str, layers: int | None, overrides: dict[str, Any] | None 
     import torch
 
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    try:
+        return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    except ValueError as e:  # sizes the config takes but the model does not (heads that do not divide the width)
+        raise SystemExit(f"fxspeed: --model {name!r} with these --set / --layers: {type(cfg).__name__} builds no "
+                         f"model: {e}") from None
 
 
 _STATUS = "FXSPEED_SERVE_STATUS"  # where launched ranks leave the number of refused requests

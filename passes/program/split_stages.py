@@ -1,5 +1,11 @@
 """split_stages: cut the joint forward+loss+backward graph into per-stage forward and backward programs.
 
+    before (one joint graph, pipeline=2):   after (two StagePrograms):
+      h = block0(x); y = block1(h)            stage 0  forward:  h = block0(x)            -> send h
+      loss = ce(y, t)                                  backward: recv dh; dw0 = block0'(dh, saved)
+      dh, dw1 = block1'(dloss)                stage 1  forward:  recv h; y = block1(h); loss = ce(y, t)
+      dw0 = block0'(dh)                                backward: dh, dw1 = block1'(dloss, saved) -> send dh
+
 Input: the annotated joint graph of ONE micro-batch, `gm(*params, *buffers, *batch) -> (loss, *grads)`
 (captured with tied weights NOT deduplicated, so a weight shared by two stages has one input
 and one gradient per name). Output: one `fxspeed.ir.program.StageProgram` per stage.
