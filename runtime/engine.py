@@ -88,6 +88,13 @@ class CompilerLike(Protocol):
     def inference(self, model: nn.Module, tokens: int, pack: bool = True) -> Any: ...  # an InferenceProgram (fxspeed.serve)
 
 
+def _restart(name: str) -> str:
+    """What to do once the ranks are out of step, after `name` failed on one of them."""
+    if name in ("generate", "stream"):
+        return "End every rank and serve again (fxspeed.serve on every rank)"
+    return "End every rank and restart from the last checkpoint (engine.load)"
+
+
 def _normal_tensors(fn: Callable) -> Callable:
     """Run `fn` outside torch.inference_mode whatever the caller is in: optimizer states, buffers
     and loss scales made under it are inference tensors that no later step outside it could
@@ -937,9 +944,17 @@ class Engine:
         check_generate_options("generate", kwargs)
         refuse_autocast("engine.generate")
         loop = self._serving_loop()
+        self._begin_step("generate")
         loop.close_open_streams()  # tp: a stream left unfinished tells the other ranks it stopped
         self._same_requests_on_every_rank("generate", prompts, max_new_tokens, kwargs)
-        return loop.generate(prompts, max_new_tokens, **kwargs)
+        try:
+            return loop.generate(prompts, max_new_tokens, **kwargs)
+        except FxspeedError:
+            raise  # ours: raised on every rank alike, or already said
+        except Exception as e:
+            if self._tp is None:
+                raise
+            raise self._failed_mid_step("generate", e) from e
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16,
                **kwargs: Any) -> Any:
@@ -949,9 +964,24 @@ class Engine:
         check_generate_options("stream", kwargs)
         refuse_autocast("engine.stream")
         loop = self._serving_loop()
+        self._begin_step("stream")
         loop.close_open_streams()
         self._same_requests_on_every_rank("stream", prompts, max_new_tokens, kwargs)
-        return loop.stream(prompts, max_new_tokens, **kwargs)
+        return self._stream_steps(loop.stream(prompts, max_new_tokens, **kwargs))
+
+    def _stream_steps(self, tokens: Iterator[Any]) -> Iterator[Any]:
+        """A stream's tokens, where a failure on this tensor-parallel rank mid-step (not fxspeed's
+        own errors, which every rank raises alike) is said as generate's and training's are: the
+        ranks are out of step for good, this rank refuses further calls, and a peer waiting in the
+        step's collective fails naming it when this process ends."""
+        try:
+            yield from tokens
+        except FxspeedError:
+            raise
+        except Exception as e:
+            if self._tp is None:
+                raise
+            raise self._failed_mid_step("stream", e) from e
 
     def _same_requests_on_every_rank(self, name: str, prompts: Any, max_new_tokens: Any, kwargs: dict) -> None:
         """Tensor-parallel serving: every rank must call generate/stream, with the same requests.
@@ -1058,8 +1088,7 @@ class Engine:
 
     def _begin_step(self, name: str) -> None:
         if self._out_of_step:
-            raise FxspeedError(f"{name}: {self._out_of_step}. End every rank and restart from the last checkpoint "
-                               "(engine.load)")
+            raise FxspeedError(f"{name}: {self._out_of_step}. {_restart(name)}")
 
     def _failed_mid_step(self, name: str, e: Exception) -> FxspeedError:
         """A step that raised on this rank while others were (or will be) in its collectives: the
@@ -1071,7 +1100,9 @@ class Engine:
         failed, exited = peers_gone() if collective else ([], [])
         uneven = ("the ranks ran different numbers of steps (a data loader with more batches on some ranks? give "
                   "every rank as many: fxspeed.data.shard_loader, or drop_last=True)")
-        here = f"while this rank ran {name} {self.stats['steps'] + 1}"
+        # (the step's number where it counts steps: a generate or stream call has none)
+        nth = f"{name} {self.stats['steps'] + 1}" if name in ("train_step", "eval_step") else name
+        here = f"while this rank ran {nth}"
         if failed:
             self._out_of_step = (f"a collective of {name} failed on rank {self.rank} because "
                                  + "; ".join(f"rank {r} failed: {what}" for r, what in failed))
@@ -1090,8 +1121,8 @@ class Engine:
         else:
             self._out_of_step = (f"{name} failed on rank {self.rank} ({type(e).__name__}: {first}) while the other "
                                  "ranks ran, or will run, the step's collectives, so the ranks are out of step")
-        note_failure_for_peers(f"{name} {self.stats['steps'] + 1} raised {type(e).__name__}: {first}")
-        return FxspeedError(f"{self._out_of_step}. End every rank and restart from the last checkpoint (engine.load)")
+        note_failure_for_peers(f"{nth} raised {type(e).__name__}: {first}")
+        return FxspeedError(f"{self._out_of_step}. {_restart(name)}")
 
     def _check_replica_batch(self, name: str, args: tuple, kwargs: dict) -> None:
         """Every tensor-parallel rank and pipeline position of a replica must pass the same batch.

@@ -114,3 +114,23 @@ def test_a_step_that_fails_on_one_rank_is_said_on_every_rank_and_the_failed_rank
     # what rank 1 left in the store as it failed, not only "another rank left the step"
     assert "because rank 1 failed: train_step 2 raised IndexError" in r0[0], r0
     assert r0[1].startswith("FxspeedError: train_step: a collective of train_step failed on rank 0"), r0
+
+
+def test_a_serving_step_that_fails_on_one_tensor_parallel_rank_is_said_on_every_rank(tmp_path: Path) -> None:
+    """Tensor-parallel serving: rank 1's step raises (injected) while rank 0 waits in the step's
+    collectives. Rank 1's generate raised the bare error and a caught one let it call again
+    against rank 0's pending collective; rank 0 got a bare gloo error. Now, as for training, rank
+    1 says the ranks are out of step and refuses its next call, and rank 0's error names rank 1's
+    failure, within seconds of rank 1's script ending."""
+    proc, wall = fxspeed_run(2, "midserve", tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert wall < DEADLINE_S, f"took {wall:.0f} s"
+    r0 = (tmp_path / "midserve_rank0.txt").read_text().splitlines()
+    r1 = (tmp_path / "midserve_rank1.txt").read_text().splitlines()
+    assert r1[0].startswith("FxspeedError: generate failed on rank 1 (RuntimeError: injected step failure)"), r1
+    assert "the ranks are out of step" in r1[0] and "serve again" in r1[0], r1
+    assert r1[1].startswith("FxspeedError: generate: generate failed on rank 1"), r1
+    assert r0[0].startswith("FxspeedError: a collective of generate failed on rank 0 because rank 1 failed: "
+                            "generate raised RuntimeError: injected step failure"), r0
+    assert r0[1].startswith("FxspeedError: generate: a collective of generate failed on rank 0"), r0

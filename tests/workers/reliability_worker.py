@@ -6,6 +6,8 @@
     sys_exit   as raise, but rank 1 calls sys.exit(7) (no exception for sys.excepthook to see)
     midstep    rank 1's forward raises mid-step and it catches it: both ranks get an FxspeedError, rank 0's
                naming rank 1's failure (from the store)
+    midserve   the same for tensor-parallel serving: rank 1's generate fails inside a step (injected)
+               while rank 0 is in the step's collectives
     longer     rank 0 runs one step more than rank 1, whose script ends: rank 0's FxspeedError says so
     model      rank 1 builds a different model      -> ConfigError at compile on every rank
     config     rank 1 passes a different Config      -> ConfigError at compile on every rank
@@ -48,10 +50,10 @@ def main() -> None:
     os.environ.setdefault("FXSPEED_BACKEND", "gloo")
     torch.set_num_threads(1)
     cases = a.case.split(",")
-    if not (cases in (["raise"], ["exit"], ["sys_exit"], ["midstep"], ["longer"]) or set(cases) <= {"model", "config", "devices", "indivisible", "shapes",
+    if not (cases in (["raise"], ["exit"], ["sys_exit"], ["midstep"], ["midserve"], ["longer"]) or set(cases) <= {"model", "config", "devices", "indivisible", "shapes",
                                                                                        "buffer", "frozen", "attribute",
                                                                                        "branch"}):
-        ap.error(f"--case {a.case}: raise, exit, sys_exit, midstep, longer, or some of model, config, devices, indivisible, shapes, buffer, "
+        ap.error(f"--case {a.case}: raise, exit, sys_exit, midstep, midserve, longer, or some of model, config, devices, indivisible, shapes, buffer, "
                  "frozen, attribute, branch")
     for case in cases:
         run(case, a.out)
@@ -122,6 +124,29 @@ def run(case: str, out: str | None) -> None:
         for b in (bad, local_batch(batches[2])):
             try:
                 engine.train_step(*b)
+                msgs.append("no error")
+            except Exception as e:  # noqa: BLE001 - the test checks which error it was
+                msgs.append(f"{type(e).__name__}: {e}")
+        with open(os.path.join(out, f"{case}_rank{rank}.txt"), "w") as f:
+            f.write("\n".join(msgs))
+        return
+
+    if case == "midserve":
+        # a device slow enough that the weights are split (the step all-reduces activations)
+        slow = dataclasses.replace(fxspeed.devices("cpu")[0], flops={"fp32": 1e8}, mem_bandwidth=1e7)
+        engine = fxspeed.serve(model, devices=[slow] * world, config=fxspeed.Config(tensor=world, dist_timeout_s=20.0),
+                               token_budget=8, max_batch=2, block_size=4, cache_tokens=64)
+        prompts = [[1, 2, 3], [4, 5]]
+        engine.generate(prompts, max_new_tokens=3)
+        if rank == 1:
+            def fails(chunks: object) -> None:
+                raise RuntimeError("injected step failure")
+
+            engine._serving._step = fails
+        msgs = []
+        for _ in range(2):
+            try:
+                engine.generate(prompts, max_new_tokens=3)
                 msgs.append("no error")
             except Exception as e:  # noqa: BLE001 - the test checks which error it was
                 msgs.append(f"{type(e).__name__}: {e}")
