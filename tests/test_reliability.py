@@ -27,6 +27,14 @@ def fxspeed_run(n: int, case: str, out: Path) -> tuple[subprocess.CompletedProce
     return proc, time.monotonic() - t0
 
 
+def errors_of_both_ranks(case: str, out: Path) -> tuple[list[str], list[str]]:
+    """A 2-rank launch of `case` that ends in time, each rank's error lines (write_errors)."""
+    proc, wall = fxspeed_run(2, case, out)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert wall < DEADLINE_S, f"took {wall:.0f} s"
+    return tuple((out / f"{case}_rank{r}.txt").read_text().splitlines() for r in range(2))  # type: ignore[return-value]
+
+
 @pytest.mark.parametrize("case,code", [("raise", 1), ("exit", 13), ("sys_exit", 7)])
 def test_a_rank_that_fails_after_compile_stops_every_rank_with_an_error_naming_it(
         case: str, code: int, tmp_path: Path) -> None:
@@ -101,12 +109,7 @@ def test_a_step_that_fails_on_one_rank_is_said_on_every_rank_and_the_failed_rank
     the mismatched sizes); rank 0 got a bare gloo error. Now rank 1's error says the ranks are out
     of step and its next step refuses at once; rank 0's says a collective failed because
     another rank left the step."""
-    proc, wall = fxspeed_run(2, "midstep", tmp_path)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert wall < DEADLINE_S, f"took {wall:.0f} s"
-    r0 = (tmp_path / "midstep_rank0.txt").read_text().splitlines()
-    r1 = (tmp_path / "midstep_rank1.txt").read_text().splitlines()
+    r0, r1 = errors_of_both_ranks("midstep", tmp_path)
     assert r1[0].startswith("FxspeedError: train_step failed on rank 1 (IndexError: index out of range"), r1
     assert "the ranks are out of step" in r1[0] and "restart from the last checkpoint" in r1[0], r1
     assert r1[1].startswith("FxspeedError: train_step: train_step failed on rank 1"), r1
@@ -122,12 +125,7 @@ def test_a_serving_step_that_fails_on_one_tensor_parallel_rank_is_said_on_every_
     against rank 0's pending collective; rank 0 got a bare gloo error. Now, as for training, rank
     1 says the ranks are out of step and refuses its next call, and rank 0's error names rank 1's
     failure, within seconds of rank 1's script ending."""
-    proc, wall = fxspeed_run(2, "midserve", tmp_path)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert wall < DEADLINE_S, f"took {wall:.0f} s"
-    r0 = (tmp_path / "midserve_rank0.txt").read_text().splitlines()
-    r1 = (tmp_path / "midserve_rank1.txt").read_text().splitlines()
+    r0, r1 = errors_of_both_ranks("midserve", tmp_path)
     assert r1[0].startswith("FxspeedError: generate failed on rank 1 (RuntimeError: injected step failure)"), r1
     assert "the ranks are out of step" in r1[0] and "serve again" in r1[0], r1
     assert r1[1].startswith("FxspeedError: generate: generate failed on rank 1"), r1

@@ -61,6 +61,19 @@ def main() -> None:
         dist.destroy_process_group()
 
 
+def write_errors(out: str, case: str, rank: int, calls: list) -> None:
+    """Each call's error, or "no error", one line each in --out/{case}_rank{rank}.txt."""
+    msgs = []
+    for call in calls:
+        try:
+            call()
+            msgs.append("no error")
+        except Exception as e:  # noqa: BLE001 - the test checks which error it was
+            msgs.append(f"{type(e).__name__}: {e}")
+    with open(os.path.join(out, f"{case}_rank{rank}.txt"), "w") as f:
+        f.write("\n".join(msgs))
+
+
 class Skippable(torch.nn.Module):
     """Uses layer b while `use_b` (a Python flag: a branch the trace bakes in)."""
 
@@ -120,15 +133,7 @@ def run(case: str, out: str | None) -> None:
         bad = local_batch(batches[1])
         if rank == 1:
             bad = (bad[0].clone().fill_(10_000), bad[1])
-        msgs = []
-        for b in (bad, local_batch(batches[2])):
-            try:
-                engine.train_step(*b)
-                msgs.append("no error")
-            except Exception as e:  # noqa: BLE001 - the test checks which error it was
-                msgs.append(f"{type(e).__name__}: {e}")
-        with open(os.path.join(out, f"{case}_rank{rank}.txt"), "w") as f:
-            f.write("\n".join(msgs))
+        write_errors(out, case, rank, [lambda b=b: engine.train_step(*b) for b in (bad, local_batch(batches[2]))])
         return
 
     if case == "midserve":
@@ -143,15 +148,7 @@ def run(case: str, out: str | None) -> None:
                 raise RuntimeError("injected step failure")
 
             engine._serving._step = fails
-        msgs = []
-        for _ in range(2):
-            try:
-                engine.generate(prompts, max_new_tokens=3)
-                msgs.append("no error")
-            except Exception as e:  # noqa: BLE001 - the test checks which error it was
-                msgs.append(f"{type(e).__name__}: {e}")
-        with open(os.path.join(out, f"{case}_rank{rank}.txt"), "w") as f:
-            f.write("\n".join(msgs))
+        write_errors(out, case, rank, [lambda: engine.generate(prompts, max_new_tokens=3)] * 2)
         return
 
     if case == "branch":
