@@ -947,14 +947,8 @@ class Engine:
         self._begin_step("generate")
         loop.close_open_streams()  # tp: a stream left unfinished tells the other ranks it stopped
         self._same_requests_on_every_rank("generate", prompts, max_new_tokens, kwargs)
-        try:
+        with self._failure_said("generate", self._tp is not None):
             return loop.generate(prompts, max_new_tokens, **kwargs)
-        except FxspeedError:
-            raise  # ours: raised on every rank alike, or already said
-        except Exception as e:
-            if self._tp is None:
-                raise
-            raise self._failed_mid_step("generate", e) from e
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16,
                **kwargs: Any) -> Any:
@@ -970,18 +964,9 @@ class Engine:
         return self._stream_steps(loop.stream(prompts, max_new_tokens, **kwargs))
 
     def _stream_steps(self, tokens: Iterator[Any]) -> Iterator[Any]:
-        """A stream's tokens, where a failure on this tensor-parallel rank mid-step (not fxspeed's
-        own errors, which every rank raises alike) is said as generate's and training's are: the
-        ranks are out of step for good, this rank refuses further calls, and a peer waiting in the
-        step's collective fails naming it when this process ends."""
-        try:
+        """A stream's tokens, a failure on this tensor-parallel rank said as generate's is."""
+        with self._failure_said("stream", self._tp is not None):
             yield from tokens
-        except FxspeedError:
-            raise
-        except Exception as e:
-            if self._tp is None:
-                raise
-            raise self._failed_mid_step("stream", e) from e
 
     def _same_requests_on_every_rank(self, name: str, prompts: Any, max_new_tokens: Any, kwargs: dict) -> None:
         """Tensor-parallel serving: every rank must call generate/stream, with the same requests.
@@ -1038,17 +1023,11 @@ class Engine:
         self._prefetch_parameters()
         if self._requires_grad is not None:
             self._check_parameters_unchanged()
-        try:
+        with self._failure_said("train_step", self.dist.active):
             if self.pipelined:
                 loss = self._pipeline_step(args, kwargs)
             else:
                 loss = self._joint_step(args, kwargs)
-        except FxspeedError:
-            raise  # ours: raised on every rank alike (the agreement checks) or already said
-        except Exception as e:
-            if not self.dist.active:
-                raise
-            raise self._failed_mid_step("train_step", e) from e
         self.stats["steps"] += 1
         return loss
 
@@ -1089,6 +1068,21 @@ class Engine:
     def _begin_step(self, name: str) -> None:
         if self._out_of_step:
             raise FxspeedError(f"{name}: {self._out_of_step}. {_restart(name)}")
+
+    @contextlib.contextmanager
+    def _failure_said(self, name: str, among_ranks: bool) -> Iterator[None]:
+        """Around a step (`name`) that runs collectives with other ranks (`among_ranks`): an
+        exception escaping it on this rank only is said as `_failed_mid_step` says it. fxspeed's
+        own errors pass as they are: raised on every rank alike (the agreement checks) or already
+        said."""
+        try:
+            yield
+        except FxspeedError:
+            raise
+        except Exception as e:
+            if not among_ranks:
+                raise
+            raise self._failed_mid_step(name, e) from e
 
     def _failed_mid_step(self, name: str, e: Exception) -> FxspeedError:
         """A step that raised on this rank while others were (or will be) in its collectives: the
@@ -1597,14 +1591,8 @@ class Engine:
         refuse_autocast("engine.eval_step")
         self._check_replica_batch("eval_step", args, kwargs)
         self._check_parameters_not_replaced()
-        try:
+        with self._failure_said("eval_step", self.dist.active):
             return self._eval_step(args, kwargs)
-        except FxspeedError:
-            raise
-        except Exception as e:
-            if not self.dist.active:
-                raise
-            raise self._failed_mid_step("eval_step", e) from e
 
     def _eval_step(self, args: tuple, kwargs: dict) -> Any:
         if self.pipelined:
