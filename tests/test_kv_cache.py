@@ -127,6 +127,38 @@ class _Handwritten(nn.Module):
         return torch.softmax(x @ x.transpose(1, 2), -1) @ x
 
 
+_FAST = fxspeed.DeviceSpec("fast-compute-slow-links", 1e10, {"fp32": 1e12}, 1e12, 1e6, "cpu")
+
+
+@pytest.mark.parametrize("device", ["cpu", "H100-80GB", "fast-compute-slow-links"])
+@pytest.mark.parametrize("family, width, heads, kv", [("llama", 512, 8, 2), ("gpt2", 64, 4, 4)])
+def test_a_tensor_parallel_serving_program_caches_only_its_rank_s_heads_on_any_device(device, family, width, heads,
+                                                                                        kv):
+    """The first serving program's layout splits attention by heads where they divide, so each of
+    T=2 ranks caches kv / 2 key/value heads a layer. Left to the cost model of one step, a Llama
+    512 wide on the H100 preset (and GPT-2 64 wide where links are slow next to compute) ran
+    attention whole on every rank, an all-reduce a layer fewer, and cached every head on each:
+    half the requests fit."""
+    import transformers
+
+    from fxspeed.compiler.options import PassOptions
+    from fxspeed.devices import PRESETS
+    from fxspeed.planner.placement import PlacementAnalysis
+
+    torch.manual_seed(0)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=128, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
+            num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=64)).eval()
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=128, n_embd=width, n_layer=2, n_head=heads, n_positions=64)).eval()
+    analysis = PlacementAnalysis([PRESETS.get(device, _FAST)])
+    options = PassOptions.single_device(Config(), tp_size=2, tp_rank=0, tp_group_name="tp")
+    program = compile_inference(model, 8, config=Config(), options=options, analyses=[analysis.graph_pass])
+    assert [h for h, _, _ in program.kv_layout] == [kv // 2] * 2
+
+
 def test_a_bidirectional_attention_is_refused_not_served_wrongly():
     with pytest.raises(PassError, match="not causal"):
         compile_inference(_Bidirectional().eval(), 4, config=Config())

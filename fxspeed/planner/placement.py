@@ -1085,8 +1085,8 @@ def solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
     `fixed`: placements decided before (another program of the same engine): used as they are.
     `groups`: parameters may be split over groups of ranks (S with 1 < rep < T; see
     `group_sizes`); where the runtime cannot count such slices yet, only rep T (MQA's whole
-    key/value weights) is tried. `pinned`: with `fixed`, nodes whose output placement is decided
-    before (propagate)."""
+    key/value weights) is tried. `pinned`: nodes whose output placement is decided before
+    (propagate; the search then lays out the weights around them)."""
     global _CHOICES
     _SHAPES.clear()
     _NBYTES.clear()
@@ -1160,7 +1160,7 @@ def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
     def evaluate(assign: dict[str, Placement]) -> tuple[dict[str, Placement], Result]:
         """Propagate; a unit left replicated (and not WHOLE) takes the shard its readers all chose."""
         assign = tie(assign)
-        res = propagate(gm, signature, assign, cm)
+        res = propagate(gm, signature, assign, cm, pinned)
         up = dict(assign)
         for name in units:
             if assign.get(name, R) == R:
@@ -1170,7 +1170,7 @@ def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
                     up[name] = shards.pop()
         up = tie(up)
         if up != assign:
-            res_up = propagate(gm, signature, up, cm)
+            res_up = propagate(gm, signature, up, cm, pinned)
             if res_up.cost <= res.cost:
                 return up, res_up
         return assign, res
@@ -1179,14 +1179,14 @@ def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
     # is cheaper (slow links: the seed's slices would cost more than they save).
     assign, best = evaluate({})
     whole = {name: WHOLE for name in units}
-    res = propagate(gm, signature, whole, cm)
+    res = propagate(gm, signature, whole, cm, pinned)
     if res.cost < best.cost:
         assign, best = whole, res
     if sequence_parallel:
         # Sequence parallelism changes where activations live, not which weights are sliced: the
         # layout found without it (Megatron's, on transformer blocks) starts the search. From the
         # seeds above the search would have to move q/k/v and the output projection at once.
-        start, _ = _solve(gm, signature, device, T, None, False, groups)
+        start, _ = _solve(gm, signature, device, T, None, False, groups, pinned)
         trial, res = evaluate(start)
         if res.cost < best.cost:
             assign, best = trial, res
@@ -1237,7 +1237,7 @@ def _solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
                     final[name] = q
     final = tie(final)
     if final != assign:
-        best = propagate(gm, signature, final, cm)
+        best = propagate(gm, signature, final, cm, pinned)
     return {n: p for n, p in final.items() if p.kind == "S" or p == WHOLE}, best
 
 
@@ -1296,6 +1296,22 @@ def warn_heads(gm: fx.GraphModule, T: int) -> None:
 
 def _heads_split(h: int, kv: int, T: int) -> bool:
     return h % T == 0 and (kv % T == 0 or T % kv == 0)
+
+
+def split_heads(attention: Sequence[fx.Node], T: int) -> dict[fx.Node, Any]:
+    """The output placements that split each of these attention calls by heads over T ranks,
+    for those whose query and key/value heads split (`_heads_split`) and whose split is exact
+    (`_attention_strategy`: no dropout inside the kernel, per-head inputs)."""
+    pins: dict[fx.Node, Any] = {}
+    for n in attention:
+        q, k = _shape(n.args[0]), _shape(n.args[1])
+        if q is None or k is None or len(q) != 4 or not _heads_split(q[1], _kv_heads(n.args[1], k[1]), T):
+            continue
+        ins = _tensor_args(n)
+        st = _attention_strategy(n, ins, [_shape(a) for a in ins], T)
+        if st is not None:
+            pins[n] = st.out
+    return pins
 
 
 _KV_PATH = {*_VIEWS, aten.clone.default, aten._to_copy.default, aten.unsqueeze.default, aten.expand.default,
@@ -1380,8 +1396,15 @@ class PlacementAnalysis:
             # small weights is cheaper than gathering activations) and cache all key/value heads.
             serving = any(s.kind == "tokens" for s in ctx.signature.inputs)  # (compile_inference's programs)
             attention = [n for n in gm.graph.nodes if n.target in SDPA_FORWARD] if serving else []
-            pinned = dict(zip(attention, self.attention)) \
-                if self.attention is not None and len(self.attention) == len(attention) else None
+            if self.attention is not None and len(self.attention) == len(attention):
+                pinned = dict(zip(attention, self.attention))
+            else:
+                # The first serving program splits every attention by heads where they divide
+                # (Megatron's layout, and each rank caches only its heads): its cost model sees one
+                # step, not the cache. Left to it, a model up to about 2048 wide on an H100 preset
+                # ran attention whole on every rank (a step saves an all-reduce's latency), which
+                # holds all key/value heads in every rank's cache: half the requests fit.
+                pinned = split_heads(attention, T) or None
             params, res = solve(gm, ctx.signature, self.device, T, fixed=self.params,
                                 sequence_parallel=ctx.options.sequence_parallel, groups=groups, pinned=pinned)
             if self.params is None:

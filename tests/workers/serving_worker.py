@@ -213,8 +213,10 @@ def case_fused_qkv_gqa() -> str:
     """Phi3 (a fused qkv projection, 4 query / 2 key/value heads) on devices whose compute is slow
     next to their links: the solver splits the tokens of one bucket's fused projection and
     all-gathers them after repeat_kv. That bucket cached the 4 repeated heads of one layer where
-    the others cached 2, and serve refused the model ("please report this")."""
-    return served_on("phi3", fxspeed.DeviceSpec("slow-compute", 1e9, {"fp32": 1e8}, 1e9, 1e12, "cpu"), [2, 2],
+    the others cached 2, and serve refused the model ("please report this"). Then every bucket
+    computed attention whole and cached both key/value heads on each rank; now each rank caches
+    its one (the first bucket splits attention by heads where they divide)."""
+    return served_on("phi3", fxspeed.DeviceSpec("slow-compute", 1e9, {"fp32": 1e8}, 1e9, 1e12, "cpu"), [1, 1],
                      token_budget=256, max_batch=16, block_size=16, cache_tokens=1024)
 
 
