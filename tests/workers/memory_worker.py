@@ -12,6 +12,7 @@ MALLOC_MMAP_THRESHOLD_ should be set by the launcher so freed tensors go back to
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import gc
 import json
@@ -54,14 +55,19 @@ def main() -> None:
     # Warm up once per tensor-parallel degree so that code loaded on first use (tracing
     # machinery, collectives) is not charged to whichever stage happens to run first.
     for tensor in sorted({t for _, _, t, _ in items}):
+        torch.manual_seed(0)  # the same weights on every rank (else the engine warns that they differ)
         tiny = GPT(GPTConfig.preset("tiny"))
         x = torch.randint(0, 256, (a.batch, 16), generator=torch.Generator().manual_seed(0))  # same on every rank
         warm = fxspeed.Config(zero=3 if tensor == 1 else 0, optimizer="adam", tensor=tensor)
         fxspeed.compile(tiny, world, warm, example_inputs=(x, x)).train_step(x, x)
         del tiny
         gc.collect()
+    # One model built per process, copied for each item: the same weights every time (seed 0), and
+    # a copy costs half of GPT's random init of >= 100M parameters (about 1 of 2 CPU-seconds per
+    # item and rank). It sits in the baseline RSS of every item, which the growth subtracts.
+    template = build(a)
     for zero, precision, tensor, end in items:
-        run(zero, precision, tensor, a, world, end)
+        run(zero, precision, tensor, a, world, end, template)
         gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -81,12 +87,18 @@ def parse(item: str, tensor: int) -> tuple[int, str, int, bool]:
     return int(zero), precision, tensor, end
 
 
-def run(zero: int, precision: str, tensor: int, a: argparse.Namespace, world: int, end: bool = False) -> None:
+def build(a: argparse.Namespace) -> GPT:
     torch.manual_seed(0)
     cfg = GPTConfig.preset(a.preset)
     cfg = dataclasses.replace(cfg, n_layer=a.layers or cfg.n_layer, n_embd=a.width or cfg.n_embd,
                               n_head=a.heads or cfg.n_head)
-    model = GPT(cfg)
+    return GPT(cfg)
+
+
+def run(zero: int, precision: str, tensor: int, a: argparse.Namespace, world: int, end: bool = False,
+        template: GPT | None = None) -> None:
+    model = copy.deepcopy(template) if template is not None else build(a)
+    torch.manual_seed(0)
     # the same batch on every rank: tensor-parallel ranks must pass the same one (the engine checks)
     x = torch.randint(0, model.config.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
     if dist.is_initialized():
