@@ -323,11 +323,12 @@ def test_two_tensor_parallel_ranks_serve_the_tokens_and_logits_of_one_device(tmp
     6 query / 3 key/value heads do not split over 2 ranks is served, with one device's tokens; so is
     a Phi3 (fused qkv, grouped keys) whose largest bucket all-gathers its repeated keys' tokens; a
     Gemma3 with local and global layers keeps its local layers' blocks in a smaller pool; a narrow
-    Llama on a slow device caches the same heads in every bucket."""
+    Llama on a slow device caches the same heads in every bucket; a small Llama under the H100
+    preset's costs is split by heads (it ran whole on every rank, no tp collective)."""
     from tests.multiprocess import launch_worker
 
     cases = ("gpt2", "llama", "gpt", "opt", "gemma3", "llama_fused", "sampling", "bad_request", "stream_stops", "uneven_heads",
-             "fused_qkv_gqa", "bucket_layouts")
+             "fused_qkv_gqa", "bucket_layouts", "gpu_preset")
     launch_worker("tests.workers.serving_worker", 2, tmp_path, "--case", ",".join(cases), timeout=600)
     for case in cases:
         for rank in range(2):

@@ -231,6 +231,16 @@ def case_bucket_layouts() -> str:
     return served_on("llama_narrow", slow, [1, 1], token_budget=6, max_batch=3, block_size=3, cache_tokens=90)
 
 
+def case_gpu_preset() -> str:
+    """The H100 preset's costs (as a CPU device): a step saves an all-reduce's latency by computing
+    a small Llama's attention whole on every rank, which cached both key/value heads on each rank.
+    Served as laid out for its cache: each rank caches its one head, with one device's tokens."""
+    import dataclasses
+
+    h100 = dataclasses.replace(fxspeed.devices("H100-80GB")[0], kind="cpu")
+    return served_on("llama", h100, [1, 1], token_budget=16, max_batch=4, block_size=4, cache_tokens=128)
+
+
 def served_on(name: str, device: fxspeed.DeviceSpec, heads: list[int], **serve: Any) -> str:
     """Model `name` served at T=2 on `device`s: the cache holds `heads` per layer on each rank, and
     the tokens and logits are one device's."""
@@ -362,6 +372,7 @@ CASES = {
     "uneven_heads": case_uneven_heads,
     "fused_qkv_gqa": case_fused_qkv_gqa,
     "bucket_layouts": case_bucket_layouts,
+    "gpu_preset": case_gpu_preset,
 }
 
 if __name__ == "__main__":
