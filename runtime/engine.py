@@ -47,7 +47,7 @@ from fxspeed.mesh import (Mesh, check_agreement, check_same_everywhere, check_sa
                           broadcast_into, share_generators, start_alike,
                           comm_device, expect_all_ranks, fingerprint, note_failure_for_peers, peers_gone)
 from fxspeed.planner import costs_reader, finish_plan
-from fxspeed.planner.estimate import offload_chunk_bytes
+from fxspeed.planner.estimate import offload_chunk_bytes, warn_over_budget
 from fxspeed.planner.plan import Plan
 from fxspeed.runtime.executor import StepExecutor
 from fxspeed.runtime.flat_parameters import FlatParameters, gather_into
@@ -282,6 +282,7 @@ class Engine:
                                     devices=self.devices, passes=[r.to_dict() for r in compiled.records],
                                     tp=self.config.tensor)
             self._note_mesh()
+            warn_over_budget(self.plan)
             if self._tp is not None:
                 from fxspeed.planner.placement import describe_placements
 
@@ -687,6 +688,7 @@ class Engine:
         apply_pipeline(self.plan, pipeline_report(self.programs, self.schedule, self.config, self.dp_size),
                        self.world_size, self.config.pipeline)
         self._note_mesh()
+        warn_over_budget(self.plan)
         if self._tp is not None:
             from fxspeed.planner.placement import describe_placements
 

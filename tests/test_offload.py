@@ -515,6 +515,14 @@ def test_with_a_memory_budget_the_planner_offloads_only_what_does_not_fit_and_th
     tight = fxspeed.plan(model, 1, fxspeed.Config(**cfg, offload="optimizer", nvme_path=str(tmp_path),
                                                   memory_budget_gb=1e-6), example_inputs=batch)
     assert tight.offloaded["disk"] == states and any("even with every optimizer state offloaded" in n for n in tight.notes)
+    # a budget the plan cannot meet: the summary says so (it said "fits", the device's limit), the
+    # note names the bucket size the staging scales with, and the engine warns (it ran silently)
+    assert f"within memory_budget_gb={budget:g}" in plan.summary()
+    assert "OVER memory_budget_gb=1e-06" in tight.summary() and "smaller Config.bucket_mb" in tight.summary()
+    with pytest.warns(ConfigWarning, match=r"memory_budget_gb=1e-06 cannot be met.*bucket_mb"):
+        engine = fxspeed.compile(copy.deepcopy(model), 1, fxspeed.Config(**cfg, offload="optimizer", nvme_path=str(tmp_path),
+                                                                         memory_budget_gb=1e-6), example_inputs=batch)
+        engine.train_step(x, y)
 
 
 def test_a_swap_directory_left_by_a_killed_process_is_removed_by_the_next_one(tmp_path: Path) -> None:

@@ -30,9 +30,10 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch.fx as fx
 import torch.nn as nn
 
-from fxspeed.config import Config
+from fxspeed.config import Config, ConfigWarning
 from fxspeed.planner.cost_model import estimate_times, optimizer_time
 from fxspeed.devices import DeviceSpec
+from fxspeed.errors import warn_user
 from fxspeed.ir import (BACKWARD, BUFFERS, CATEGORIES, COMM_BUFFERS, FORWARD, GRADIENTS, INPUTS, META_KEY,
                         OPTIMIZER_STATES, PARAMETERS, TEMPORARIES, StepSignature, step_calls, tensor_bytes)
 from fxspeed.planner.extrapolate import ALL, FRONT, extrapolate_peak, extrapolate_peaks
@@ -568,9 +569,32 @@ def choose_offload(config: Config, states: float, peak_resident: float,
         moved = min(states, moved + chunk)
     note = None
     if peak(moved) > budget:
-        note = (f"Config.memory_budget_gb={config.memory_budget_gb:g}: the peak is {peak(moved) / 1e9:.3g} GB even "
-                "with every optimizer state offloaded; shard more (zero=2/3, more ranks) or use a smaller batch")
+        note = over_budget(config, peak(moved), resident_optimizer_states(config, states, moved, masters, staged_here))
     return int(moved), note
+
+
+def warn_over_budget(plan: Plan) -> None:
+    """An engine whose plan cannot meet Config.memory_budget_gb runs anyway (the plan's figures
+    are estimates), but says so: the note alone was seen only by a user who printed the plan."""
+    for note in plan.notes:
+        if note.startswith("Config.memory_budget_gb=") and "cannot be met" in note:
+            warn_user(note, ConfigWarning)
+
+
+def over_budget(config: Config, peak: float, held_states: float) -> str:
+    """What to say when the peak with every optimizer state offloaded is over
+    Config.memory_budget_gb: the least the plan reaches, and the changes that lower it (the
+    staging the offloaded states move through, `held_states`, and the gradient buckets scale with
+    Config.bucket_mb; ZeRO shards only up to stage 3)."""
+    fixes = []
+    if held_states:
+        fixes.append(f"a smaller Config.bucket_mb (now {config.bucket_mb:g}: the offload staging takes "
+                     f"{held_states / 2**20:.3g} MiB of the peak, and the gradient buckets scale with it too)")
+    fixes.append(f"zero={'2 or 3' if config.zero < 2 else '3'} over more ranks" if config.zero < 3 else "more ranks")
+    fixes.append("a smaller batch")
+    return (f"Config.memory_budget_gb={config.memory_budget_gb:g} cannot be met: the planned peak is "
+            f"{peak / 1e9:.3g} GB per rank even with every optimizer state offloaded; to lower it, try "
+            + ", ".join(fixes[:-1]) + f" or {fixes[-1]}")
 
 
 def step_peak(costs: GraphCosts, config: Config, n_devices: int, offloaded: float | None = None,
