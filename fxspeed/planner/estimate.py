@@ -478,10 +478,11 @@ def grad_scale(config: Config, n_devices: int) -> float:
     return 1.0 / n_devices if config.zero >= 2 else 1.0
 
 
-def offload_chunk_bytes(config: Config) -> int:
+def offload_chunk_bytes(config: Config, bucket_mb: float | None = None) -> int:
     """Bytes of Adam moments per chunk of the offloaded optimizer (the engine asks for this): two
-    gradient buckets' worth (a bucket's exp_avg and exp_avg_sq), at least two pages."""
-    return max(int(2 * config.bucket_mb * 2**20), 2 * 4096)
+    gradient buckets' worth (a bucket's exp_avg and exp_avg_sq), at least two pages. `bucket_mb`:
+    instead of Config.bucket_mb."""
+    return max(int(2 * (config.bucket_mb if bucket_mb is None else bucket_mb) * 2**20), 2 * 4096)
 
 
 def masters_in_file(costs: GraphCosts, config: Config) -> bool:
@@ -511,13 +512,14 @@ def partition_states(costs: GraphCosts, config: Config, dp: int) -> tuple[float,
     return states, masters
 
 
-def offload_staging(config: Config, masters: bool = False) -> int:
+def offload_staging(config: Config, masters: bool = False, bucket_mb: float | None = None) -> int:
     """Host bytes the offloaded optimizer stages chunks through (runtime/offloaded_optimizer.py):
     three page-aligned slots of one chunk (`offload_chunk_bytes` of states in whole elements:
     [exp_avg | exp_avg_sq], or with the masters in the file [master | exp_avg | exp_avg_sq]; larger
-    tensors are cut into chunk-sized runs) and, with the masters, one chunk of fp32 gradients."""
+    tensors are cut into chunk-sized runs) and, with the masters, one chunk of fp32 gradients.
+    `bucket_mb`: instead of Config.bucket_mb."""
     sections = 3 if masters else 2
-    cap = max(offload_chunk_bytes(config) // (4 * sections), 1)  # elements per chunk
+    cap = max(offload_chunk_bytes(config, bucket_mb) // (4 * sections), 1)  # elements per chunk
     slot = -(-(4 * sections * cap) // 4096) * 4096
     return 3 * slot + (4 * cap if masters else 0)
 
@@ -569,7 +571,7 @@ def choose_offload(config: Config, states: float, peak_resident: float,
         moved = min(states, moved + chunk)
     note = None
     if peak(moved) > budget:
-        note = over_budget(config, peak(moved), resident_optimizer_states(config, states, moved, masters, staged_here))
+        note = over_budget(config, peak(moved), states, masters, staged_here)
     return int(moved), note
 
 
@@ -581,16 +583,20 @@ def warn_over_budget(plan: Plan) -> None:
             warn_user(note, ConfigWarning)
 
 
-def over_budget(config: Config, peak: float, held_states: float) -> str:
-    """What to say when the peak with every optimizer state offloaded is over
-    Config.memory_budget_gb: the least the plan reaches, and the changes that lower it (the
-    staging the offloaded states move through, `held_states`, and the gradient buckets scale with
-    Config.bucket_mb; ZeRO shards only up to stage 3)."""
+def over_budget(config: Config, peak: float, states: float, masters: bool, staged_here: bool) -> str:
+    """What to say when the peak with every optimizer state (`states` bytes) offloaded is over
+    Config.memory_budget_gb: the least the plan reaches, and the changes that lower it. The
+    staging the offloaded states move through is three chunks of 2 x bucket_mb, at most the states
+    themselves: a smaller bucket_mb (three chunks about a quarter of the states) is named only where
+    it at least halves that staging. ZeRO-3 over more ranks shards what the rank holds (ZeRO-2 on a
+    small model adds more gradient buckets than it shards)."""
     fixes = []
-    if held_states:
-        fixes.append(f"a smaller Config.bucket_mb (now {config.bucket_mb:g}: the offload staging takes "
-                     f"{held_states / 2**20:.3g} MiB of the peak, and the gradient buckets scale with it too)")
-    fixes.append(f"zero={'2 or 3' if config.zero < 2 else '3'} over more ranks" if config.zero < 3 else "more ranks")
+    held = min(states, offload_staging(config, masters)) if staged_here else 0
+    smaller = states / (24 * 2**20)  # MiB: three chunks of 2 x bucket_mb, about a quarter of the states
+    if held and smaller < config.bucket_mb and min(states, offload_staging(config, masters, smaller)) < 0.5 * held:
+        fixes.append(f"Config.bucket_mb={smaller:.2g} (now {config.bucket_mb:g}: the staging of the offloaded "
+                     f"states takes {held / 2**20:.3g} MiB of the peak)")
+    fixes.append("zero=3 over more ranks" if config.zero < 3 else "more ranks")
     fixes.append("a smaller batch")
     return (f"Config.memory_budget_gb={config.memory_budget_gb:g} cannot be met: the planned peak is "
             f"{peak / 1e9:.3g} GB per rank even with every optimizer state offloaded; to lower it, try "

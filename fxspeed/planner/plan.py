@@ -135,7 +135,7 @@ class Plan:
             if mem[c]:
                 lines.append(f"  {c:<26}{gb(mem[c])}")
         fit = "fits" if mem["total"] <= self.devices[0]["memory"] else "DOES NOT FIT"
-        budget = self.config.get("memory_budget_gb")
+        budget = self.config.get("memory_budget_gb") if self.config.get("offload") in ("optimizer", "all") else None
         if budget is not None and fit == "fits":  # the stated budget, not the device, is the limit then
             fit = f"{'within' if mem['total'] <= budget * 1e9 else 'OVER'} memory_budget_gb={budget:g}"
         lines.append(f"  {'total (peak, ' + self.peak_phase[0] + ')':<26}{gb(mem['total'])}   {fit}")
