@@ -194,6 +194,25 @@ def test_attention_traced_to_its_masked_math_form_is_refused_naming_the_mask():
         compile_inference(_MaskedCausalLM().eval(), 4, config=Config())
 
 
+def test_attention_on_heads_permuted_out_of_the_last_dim_is_refused_naming_contiguous(monkeypatch):
+    """SDPA on a query/key/value whose last dim is not contiguous (a permute that moves the head
+    dim) traces on the CPU to its math form, as a masked SDPA does; the error blamed a mask the
+    model never passed."""
+    import fxspeed.models.gpt as gpt
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, C // self.n_head, self.n_head).permute(0, 3, 1, 2)
+                   for t in self.qkv(x).split(C, dim=2))
+        return self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(0, 2, 3, 1).reshape(B, T, C))
+
+    monkeypatch.setattr(gpt.CausalSelfAttention, "forward", forward)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=32)).eval()
+    with pytest.raises(PassError, match=r"last dim is not contiguous.*add \.contiguous\(\)"):
+        compile_inference(model, 4, config=Config())
+
+
 class _MaskedSDPA(nn.Module):
     """Attention through SDPA with an explicit mask of one kind (its fused CPU kernel, which the
     kv_cache pass rewrites, takes the mask as it is)."""

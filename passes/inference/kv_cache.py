@@ -164,14 +164,18 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     attention = [n for n in g.nodes if n.op == "call_function" and n.target in SDPA_FORWARD]
     if not attention:
         others = sorted({str(n.target) for n in g.nodes if "attention" in str(n.target)})
-        # F.scaled_dot_product_attention given an explicit attn_mask traces (on the CPU) to its
-        # math form: matmuls and a softmax, with no attention op left to thread the cache through.
+        # F.scaled_dot_product_attention traces (on the CPU) to its math form, matmuls and a
+        # softmax with no attention op left to thread the cache through, when given an explicit
+        # attn_mask or inputs its fused kernels refuse (a last dim that is not contiguous: a
+        # permute that moves the head dim, as torch's kernel choice checks its stride).
         math_form = any("_safe_softmax" in str(n.target) for n in g.nodes)
         raise PassError(f"kv_cache: no scaled_dot_product_attention in {ctx.model_name}'s forward"
                         + (f" (found {others})" if others else "")
-                        + ("; its attention traced as matmul + softmax, which is what SDPA with an explicit "
-                           "attn_mask becomes: serving needs SDPA called with is_causal=True and no mask (the "
-                           "Hugging Face 'sdpa' attention of Llama, Mistral, Qwen2, GPT-2, OPT, GPT-NeoX, Phi)"
+                        + ("; its attention traced as matmul + softmax, which is what SDPA becomes with an "
+                           "explicit attn_mask, or with a query/key/value whose last dim is not contiguous (a "
+                           "permute before the call: add .contiguous()): serving needs SDPA called with "
+                           "is_causal=True, no mask and contiguous heads (the Hugging Face 'sdpa' attention of "
+                           "Llama, Mistral, Qwen2, GPT-2, OPT, GPT-NeoX, Phi)"
                            if math_form else
                            "; build the model with attn_implementation='sdpa' (Hugging Face) or call "
                            "F.scaled_dot_product_attention, so the cache can be threaded through it (a model "
