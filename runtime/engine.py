@@ -47,7 +47,7 @@ from fxspeed.mesh import (Mesh, check_agreement, check_same_everywhere, check_sa
                           broadcast_into, share_generators, start_alike,
                           comm_device, expect_all_ranks, fingerprint, note_failure_for_peers, peers_gone)
 from fxspeed.planner import costs_reader, finish_plan
-from fxspeed.planner.estimate import offload_chunk_bytes, warn_over_budget
+from fxspeed.planner.estimate import offload_chunk_bytes, staging_on_device, warn_over_budget
 from fxspeed.planner.plan import Plan
 from fxspeed.runtime.executor import StepExecutor
 from fxspeed.runtime.flat_parameters import FlatParameters, gather_into
@@ -685,7 +685,8 @@ class Engine:
                                 tp=self.config.tensor)
         from fxspeed.planner.pipeline import apply_pipeline, pipeline_report
 
-        apply_pipeline(self.plan, pipeline_report(self.programs, self.schedule, self.config, self.dp_size),
+        apply_pipeline(self.plan, pipeline_report(self.programs, self.schedule, self.config, self.dp_size,
+                                                  staged_here=staging_on_device(self.devices[0])),
                        self.world_size, self.config.pipeline)
         self._note_mesh()
         warn_over_budget(self.plan)
@@ -1686,7 +1687,8 @@ class Engine:
         bubble and step time. `costs` (a simulator.Costs) overrides the planner's stage times."""
         from fxspeed.planner.pipeline import pipeline_report
 
-        return pipeline_report(self.programs, self.schedule, self.config, self.dp_size, costs)
+        return pipeline_report(self.programs, self.schedule, self.config, self.dp_size, costs,
+                               staged_here=staging_on_device(self.devices[0]))
 
     def measure_p2p_latency(self, repeats: int = 20) -> float:
         """One-way seconds for a stage-boundary message (the largest activation sent), measured

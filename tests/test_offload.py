@@ -495,6 +495,14 @@ def test_a_pipeline_plan_keeps_each_positions_moments_on_disk_and_its_staging_sl
             assert rk_off["phase_memory"][phase]["optimizer_states"] == slots
     assert off.offloaded == {"disk": off.pipeline["ranks"][0]["offloaded"]}
     assert off.memory(0)["total"] == plain.memory(0)["total"] - off.offloaded["disk"] + slots
+    # on a CUDA device the slots are pinned host memory, as without a pipeline: the positions'
+    # device memory holds none of them (they were counted there)
+    h100 = fxspeed.devices("H100-80GB", 2)
+    cuda = fxspeed.plan(model, h100, fxspeed.Config(**small, offload="optimizer", offload_device="nvme",
+                                                    nvme_path=str(tmp_path)), example_inputs=batch)
+    for rk in cuda.pipeline["ranks"]:
+        assert rk["phase_memory"]["step"]["optimizer_states"] == rk["phase_memory"]["optimizer"]["optimizer_states"] == 0
+    assert cuda.offloaded == {"disk": cuda.pipeline["ranks"][0]["offloaded"], "host": slots}
 
 
 def test_with_a_memory_budget_the_planner_offloads_only_what_does_not_fit_and_the_engine_follows(tmp_path: Path) -> None:

@@ -52,7 +52,8 @@ from fxspeed.devices import DeviceSpec
 from fxspeed.ir import (ACTIVATIONS, BUFFERS, CATEGORIES, COMM_BUFFERS, GRADIENTS, INPUTS, OPTIMIZER_STATES,
                         PARAMETERS, TEMPORARIES, StageProgram, tensor_bytes)
 from fxspeed.ir.schedule import OFFLOAD, RELOAD, B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Schedule
-from fxspeed.planner.estimate import choose_offload, offload_tier, reduce_elem, resident_optimizer_states
+from fxspeed.planner.estimate import (choose_offload, offload_staging, offload_tier, reduce_elem,
+                                     resident_optimizer_states, staging_on_device)
 from fxspeed.planner.memory import ProgramLiveness, program_liveness
 from fxspeed.planner.plan import Plan
 
@@ -330,10 +331,11 @@ def _tp_bytes(programs: list[StageProgram], microbatches: int) -> dict[str, int]
 # --------------------------------------------------------------------------------------------
 
 def pipeline_report(stages: list[StageProgram], schedule: Schedule, config: Config, replicas: int,
-                    costs: Any = None) -> dict[str, Any]:
+                    costs: Any = None, staged_here: bool = True) -> dict[str, Any]:
     """Per stage: modules, parameters, predicted time and memory; per pipeline position: the
     memory at its peak by category (see the module docstring); the schedule's simulated bubble
-    and step time. `costs` (a simulator.Costs) overrides the planner's stage times."""
+    and step time. `costs` (a simulator.Costs) overrides the planner's stage times.
+    `staged_here`: the offloaded optimizer's staging is the device's memory (estimate.staging_on_device)."""
     from fxspeed.planner.estimate import opt_factors
     from fxspeed.planner.simulator import Costs, StageCosts, simulate
 
@@ -367,8 +369,8 @@ def pipeline_report(stages: list[StageProgram], schedule: Schedule, config: Conf
             step[c] = step.get(c, 0) + v
         # Config.offload="optimizer": this position's states go to its files (all, or what its
         # memory budget needs), as they do without a pipeline; three staging chunks stay.
-        moved, note = choose_offload(config, states, sum(step.values()))
-        states_held = resident_optimizer_states(config, states, moved)
+        moved, note = choose_offload(config, states, sum(step.values()), staged_here=staged_here)
+        states_held = resident_optimizer_states(config, states, moved, staged_here=staged_here)
         step[OPTIMIZER_STATES] = resident[OPTIMIZER_STATES] = states_held
         # ZeRO-3: every stage's RELEASE ran before the step, so only the trainable weights' shards stay
         held = w_bytes - t_bytes + t_bytes / D if z >= 3 and D > 1 else w_bytes
@@ -457,6 +459,8 @@ def apply_pipeline(plan: Plan, report: dict[str, Any], world: int, pp: int) -> N
                          for c in (PARAMETERS, GRADIENTS, OPTIMIZER_STATES)}
     moved = report["ranks"][0].get("offloaded", 0)  # rank 0's, as every plan field without a rank is
     plan.offloaded = {offload_tier(device, config): int(moved)} if moved else {}
+    if moved and not staging_on_device(device):  # the chunks' staging slots: pinned host memory beside the device
+        plan.offloaded["host"] = plan.offloaded.get("host", 0) + int(min(moved, offload_staging(config)))
     plan.notes = [n for n in plan.notes if "memory_budget_gb" not in n]  # the micro-batch plan's, not the pipeline's
     plan.notes += sorted({rk["offload_note"] for rk in report["ranks"] if rk.get("offload_note")})
 
@@ -538,12 +542,13 @@ def plan_pipeline(model: Any, args: tuple, kwargs: dict, *, config: Config, devi
     n_stages = P * (config.pipeline_chunks if config.schedule == "interleaved" else 1)
     found = repeated_blocks(model)
     notes: list[str] = []
+    staged_here = staging_on_device(devices[0])
     if (found is not None and not config.split_points and len(found[2]) >= 3 * n_stages
             and _extrapolation_wanted(config, len(found[2]))):
-        cp, costs, report, notes = _plan_extrapolated(model, found, n_stages, program, config, D)
+        cp, costs, report, notes = _plan_extrapolated(model, found, n_stages, program, config, D, staged_here)
     else:
         cp = program(tuple(config.split_points) or None)
-        costs, report = cp.costs, pipeline_report(cp.stages, cp.schedule, config, D)
+        costs, report = cp.costs, pipeline_report(cp.stages, cp.schedule, config, D, staged_here=staged_here)
     plan = finish_plan(costs, model_name=type(model).__name__, config=config, devices=devices,
                        passes=[r.to_dict() for r in cp.records], pp=P, tp=tp)
     apply_pipeline(plan, report, world, P)
@@ -558,7 +563,7 @@ def plan_pipeline(model: Any, args: tuple, kwargs: dict, *, config: Config, devi
 
 
 def _plan_extrapolated(model: Any, found: tuple, n_stages: int, program: Any, config: Config,
-                       replicas: int) -> tuple[Any, Any, dict[str, Any], list[str]]:
+                       replicas: int, staged_here: bool = True) -> tuple[Any, Any, dict[str, Any], list[str]]:
     """The pipeline of a deep block stack from three small traces: the model cut to 1, 2 and 3
     blocks per stage (split at those blocks). Each stage's forward time is a + b x blocks (the
     first stage's a holds the embedding, the last's the head), so the whole model's cut is the
@@ -590,10 +595,10 @@ def _plan_extrapolated(model: Any, found: tuple, n_stages: int, program: Any, co
         n[s] += 1
 
     def report_for(counts: list[int]) -> dict[str, Any]:
-        return _extrapolated_report(one, two, counts, config, replicas, prefix)
+        return _extrapolated_report(one, two, counts, config, replicas, prefix, staged_here)
 
     check = report_for([3] * n_stages)
-    want = pipeline_report(three.stages, three.schedule, config, replicas)
+    want = pipeline_report(three.stages, three.schedule, config, replicas, staged_here=staged_here)
     errs = {"step time": _rel(check["step_s"], want["step_s"]),
             "peak memory": max(_rel(sum(a["phase_memory"]["step"].values()), sum(b["phase_memory"]["step"].values()))
                                for a, b in zip(check["ranks"], want["ranks"]))}
@@ -610,14 +615,14 @@ def _plan_extrapolated(model: Any, found: tuple, n_stages: int, program: Any, co
 
 
 def _extrapolated_report(one: Any, two: Any, counts: list[int], config: Config, replicas: int,
-                         prefix: str) -> dict[str, Any]:
+                         prefix: str, staged_here: bool = True) -> dict[str, Any]:
     """pipeline_report of the program whose stage s has counts[s] blocks, from the programs
     `one` and `two` with 1 and 2 blocks per stage (linear in the blocks; maxima and the peak's
     action from `two`)."""
     from fxspeed.planner.simulator import Costs, StageCosts, simulate
 
-    r1 = pipeline_report(one.stages, one.schedule, config, replicas)
-    r2 = pipeline_report(two.stages, two.schedule, config, replicas)
+    r1 = pipeline_report(one.stages, one.schedule, config, replicas, staged_here=staged_here)
+    r2 = pipeline_report(two.stages, two.schedule, config, replicas, staged_here=staged_here)
 
     def lin(a: Any, b: Any, k: float) -> Any:
         if isinstance(a, dict):
