@@ -703,7 +703,7 @@ class Engine:
     def _setup_pipeline_state(self) -> None:
         """Which weights this rank keeps, the groups of weights shared across positions, the
         per-stage gradient buckets over the replicas, and the optimizer."""
-        P, position = self.config.pipeline, self.position
+        position = self.position
         by_id: dict[int, nn.Parameter] = {id(p): p for p in self._params.values()}
         holders: dict[int, set[int]] = {}  # parameter -> pipeline positions holding it
         for prog in self.programs:

@@ -503,6 +503,15 @@ def test_a_pipeline_plan_keeps_each_positions_moments_on_disk_and_its_staging_sl
     for rk in cuda.pipeline["ranks"]:
         assert rk["phase_memory"]["step"]["optimizer_states"] == rk["phase_memory"]["optimizer"]["optimizer_states"] == 0
     assert cuda.offloaded == {"disk": cuda.pipeline["ranks"][0]["offloaded"], "host": slots}
+    # a budget no position meets: each position's note once (not the micro-batch plan's), kept
+    # through the plan's JSON, which is what the engine warns with
+    tight = fxspeed.plan(model, 2, fxspeed.Config(**small, offload="optimizer", nvme_path=str(tmp_path),
+                                                  memory_budget_gb=1e-6), example_inputs=batch)
+    said = sorted({rk["offload_note"] for rk in tight.pipeline["ranks"]})
+    assert tight.over_budget == said and all("cannot be met" in n for n in said)
+    assert [n for n in tight.notes if "memory_budget_gb" in n] == said
+    assert fxspeed.Plan.from_json(tight.to_json()).over_budget == said
+    assert not off.over_budget
 
 
 def test_with_a_memory_budget_the_planner_offloads_only_what_does_not_fit_and_the_engine_follows(tmp_path: Path) -> None:

@@ -323,8 +323,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     host_tier = tier == "host"
     offloaded = {tier: int(round(on_disk))} if on_disk else {}
     if moved and not staged_here:  # the chunks' staging slots: pinned host memory beside the device
-        staging = min(moved, offload_staging(config, in_file))
-        offloaded["host"] = offloaded.get("host", 0) + int(round(staging))
+        offloaded["host"] = offloaded.get("host", 0) + staging_held(config, moved, in_file)
     if costs.offloaded_activation_bytes:
         where = "host" if devices[0].kind == "cuda" else "disk"
         offloaded[f"activations ({where})"] = int(round(costs.offloaded_activation_bytes))
@@ -378,6 +377,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
         dtypes=category_dtypes(config, master=costs.master_bytes > 0),
         communication={k: int(v) for k, v in communication.items()},
         mesh=layout_text(dp, pp, tp) if n > 1 else "", offloaded=offloaded, offloaded_optimizer=int(moved),
+        over_budget=[budget_note] if budget_note else [],
         tp_placements=dict(costs.tp_placements), tp_communication={k: int(v) for k, v in costs.tp_communication.items()},
     )
 
@@ -524,6 +524,13 @@ def offload_staging(config: Config, masters: bool = False, bucket_mb: float | No
     return 3 * slot + (4 * cap if masters else 0)
 
 
+def staging_held(config: Config, moved: float, masters: bool = False) -> int:
+    """Bytes of the offloaded optimizer's staging slots when `moved` bytes of states are offloaded:
+    `offload_staging`, at most the states themselves (the optimizer sizes its slots to the largest
+    chunk it has)."""
+    return int(min(moved, offload_staging(config, masters)))
+
+
 def offload_tier(device: DeviceSpec, config: Config) -> str:
     """Where optimizer and parameter offload put the states: "host" (a CUDA device keeps them in
     pinned host memory unless told Config.offload_device="nvme") or "disk" (files)."""
@@ -548,7 +555,7 @@ def resident_optimizer_states(config: Config, states: float, offloaded: float | 
     moved = states if offloaded is None else offloaded
     if not moved:
         return states
-    return states - moved + (min(moved, offload_staging(config, masters)) if staged_here else 0)
+    return states - moved + (staging_held(config, moved, masters) if staged_here else 0)
 
 
 def choose_offload(config: Config, states: float, peak_resident: float,
@@ -578,9 +585,8 @@ def choose_offload(config: Config, states: float, peak_resident: float,
 def warn_over_budget(plan: Plan) -> None:
     """An engine whose plan cannot meet Config.memory_budget_gb runs anyway (the plan's figures
     are estimates), but says so: the note alone was seen only by a user who printed the plan."""
-    for note in plan.notes:
-        if note.startswith("Config.memory_budget_gb=") and "cannot be met" in note:
-            warn_user(note, ConfigWarning)
+    for note in plan.over_budget:
+        warn_user(note, ConfigWarning)
 
 
 def over_budget(config: Config, peak: float, states: float, masters: bool, staged_here: bool) -> str:
@@ -591,7 +597,7 @@ def over_budget(config: Config, peak: float, states: float, masters: bool, stage
     it at least halves that staging. ZeRO-3 over more ranks shards what the rank holds (ZeRO-2 on a
     small model adds more gradient buckets than it shards)."""
     fixes = []
-    held = min(states, offload_staging(config, masters)) if staged_here else 0
+    held = staging_held(config, states, masters) if staged_here else 0
     smaller = states / (24 * 2**20)  # MiB: three chunks of 2 x bucket_mb, about a quarter of the states
     if held and smaller < config.bucket_mb and min(states, offload_staging(config, masters, smaller)) < 0.5 * held:
         fixes.append(f"Config.bucket_mb={smaller:.2g} (now {config.bucket_mb:g}: the staging of the offloaded "

@@ -52,8 +52,8 @@ from fxspeed.devices import DeviceSpec
 from fxspeed.ir import (ACTIVATIONS, BUFFERS, CATEGORIES, COMM_BUFFERS, GRADIENTS, INPUTS, OPTIMIZER_STATES,
                         PARAMETERS, TEMPORARIES, StageProgram, tensor_bytes)
 from fxspeed.ir.schedule import OFFLOAD, RELOAD, B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Schedule
-from fxspeed.planner.estimate import (choose_offload, offload_staging, offload_tier, reduce_elem,
-                                     resident_optimizer_states, staging_on_device)
+from fxspeed.planner.estimate import (choose_offload, offload_tier, reduce_elem,
+                                     resident_optimizer_states, staging_held, staging_on_device)
 from fxspeed.planner.memory import ProgramLiveness, program_liveness
 from fxspeed.planner.plan import Plan
 
@@ -460,9 +460,11 @@ def apply_pipeline(plan: Plan, report: dict[str, Any], world: int, pp: int) -> N
     moved = report["ranks"][0].get("offloaded", 0)  # rank 0's, as every plan field without a rank is
     plan.offloaded = {offload_tier(device, config): int(moved)} if moved else {}
     if moved and not staging_on_device(device):  # the chunks' staging slots: pinned host memory beside the device
-        plan.offloaded["host"] = plan.offloaded.get("host", 0) + int(min(moved, offload_staging(config)))
-    plan.notes = [n for n in plan.notes if "memory_budget_gb" not in n]  # the micro-batch plan's, not the pipeline's
-    plan.notes += sorted({rk["offload_note"] for rk in report["ranks"] if rk.get("offload_note")})
+        plan.offloaded["host"] = plan.offloaded.get("host", 0) + staging_held(config, moved)
+    # the micro-batch plan's budget note is not the pipeline's: each position's is
+    plan.notes = [n for n in plan.notes if n not in plan.over_budget]
+    plan.over_budget = sorted({rk["offload_note"] for rk in report["ranks"] if rk.get("offload_note")})
+    plan.notes += plan.over_budget
 
     # Time: the busiest position's compute, its wait (the bubble as it lives it), its optimizer step.
     ranks = report["ranks"]

@@ -291,7 +291,7 @@ def _strategies(node: fx.Node, ins: list[fx.Node], pl: list[Placement], T: int,
     a = node.args
     if not ins:
         return sts
-    x, px = ins[0], pl[0]
+    px = pl[0]
     if t in _VIEWS or t in (aten.t.default, aten.transpose.int, aten.permute.default, aten.unsqueeze.default,
                             aten.expand.default, aten.slice.Tensor, aten.slice_backward.default, aten.squeeze.dim,
                             aten.squeeze.dims, aten.squeeze.default):

@@ -63,6 +63,9 @@ class Plan:
     offloaded: dict[str, int] = field(default_factory=dict)
     # of those, the optimizer states' (masters included): all of them, or what memory_budget_gb needs
     offloaded_optimizer: int = 0
+    # the notes (also in `notes`) saying Config.memory_budget_gb cannot be met: one per pipeline
+    # position that misses it; the engine warns with them
+    over_budget: list[str] = field(default_factory=list)
 
     # --- queries ---------------------------------------------------------------------------
     def memory(self, rank: int = 0) -> dict[str, int]:
