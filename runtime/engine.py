@@ -515,7 +515,7 @@ class Engine:
                                "use Config.grad_clip, for scaling change the loss (or use loss_fn)")
 
     def _build_optimizer(self, tensors: list[torch.Tensor]) -> None:
-        spec = dataclasses.replace(_optimizer_spec(self.config), **self._offload_spec())
+        spec = dataclasses.replace(_optimizer_spec(self.config), **self._offload_spec(tensors))
         decay = self._weight_decay(tensors)
         link = self._host_link() if self.config.offloads_optimizer else None
         if link is not None:
@@ -618,8 +618,9 @@ class Engine:
                               "removed there)")
         return c.nvme_path
 
-    def _offload_spec(self) -> dict[str, Any]:
-        """Config.offload="optimizer"/"all": where the Adam moments go on this rank's device."""
+    def _offload_spec(self, tensors: list[torch.Tensor]) -> dict[str, Any]:
+        """Config.offload="optimizer"/"all": where the Adam moments of `tensors` go on this rank's
+        device, and in chunks of what size (the planner's rule, over these tensors' states)."""
         c = self.config
         if not c.offloads_optimizer:
             return {}
@@ -637,8 +638,10 @@ class Engine:
             for k in range(len(self._flat.buckets)):
                 starts.append(at)
                 at += len(self._flat.bucket_tensors(k))
-        return {"swap_root": root, "swap_name": f"rank{self.rank}", "chunk_bytes": offload_chunk_bytes(c),
-                "offload_bytes": moved, "masters": self._flat is not None and self._flat.masters_elsewhere,
+        masters = self._flat is not None and self._flat.masters_elsewhere
+        states = 4 * (3 if masters else 2) * sum(t.numel() for t in tensors)
+        return {"swap_root": root, "swap_name": f"rank{self.rank}",
+                "chunk_bytes": offload_chunk_bytes(c, states=states), "offload_bytes": moved, "masters": masters,
                 "chunk_starts": tuple(starts)}
 
     # --- compile: pipeline ---------------------------------------------------------------------

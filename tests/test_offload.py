@@ -481,6 +481,31 @@ def test_the_plan_shows_the_moments_on_disk_and_only_the_staging_slots_in_memory
     assert "off the device: disk" in off.summary()
 
 
+def test_a_shard_of_a_few_mib_is_staged_through_about_a_quarter_of_its_states_not_all_of_them(
+        tmp_path: Path) -> None:
+    """At the default bucket_mb a chunk was two buckets' worth (50 MiB of moments): on a rank whose
+    states are smaller than three of them, the staging slots held all the states and offloading
+    them saved nothing. Chunks are now at most a twelfth of the states (not under 1 MiB)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=4, n_embd=256))
+    x = torch.randint(0, 256, (2, 16))
+    states = 8 * sum(p.numel() for p in model.parameters())  # Adam's two fp32 moments: 26 MB
+    cfg = dict(lr=1e-2, weight_decay=0.1)
+    off = fxspeed.compile(copy.deepcopy(model), 1, fxspeed.Config(**cfg, offload="optimizer", nvme_path=str(tmp_path)),
+                          example_inputs=(x, x))
+    assert off.plan.offloaded == {"disk": states}
+    planned = off.plan.memory()["optimizer_states"]
+    assert 0.2 * states <= planned <= 0.3 * states  # was all of them
+    opt = off.optimizer
+    staging = sum(t.nbytes for t in opt._slots)
+    assert len(opt._slots) == 3 and staging <= planned <= 1.05 * staging
+    plain = fxspeed.compile(model, 1, fxspeed.Config(**cfg), example_inputs=(x, x))
+    for step in range(2):
+        xs = torch.roll(x, step, 1)
+        assert plain.train_step(xs, x) == off.train_step(xs, x)
+    _same_states(plain, off)
+
+
 def test_a_pipeline_plan_keeps_each_positions_moments_on_disk_and_its_staging_slots_in_memory(tmp_path: Path) -> None:
     model, batch = _gpt()
     small = dict(bucket_mb=0.01, pipeline=2, microbatches=2)

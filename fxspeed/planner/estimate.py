@@ -323,7 +323,7 @@ def finish_plan(costs: GraphCosts, *, model_name: str, config: Config, devices: 
     host_tier = tier == "host"
     offloaded = {tier: int(round(on_disk))} if on_disk else {}
     if moved and not staged_here:  # the chunks' staging slots: pinned host memory beside the device
-        offloaded["host"] = offloaded.get("host", 0) + staging_held(config, moved, in_file)
+        offloaded["host"] = offloaded.get("host", 0) + staging_held(config, moved, states, in_file)
     if costs.offloaded_activation_bytes:
         where = "host" if devices[0].kind == "cuda" else "disk"
         offloaded[f"activations ({where})"] = int(round(costs.offloaded_activation_bytes))
@@ -478,11 +478,25 @@ def grad_scale(config: Config, n_devices: int) -> float:
     return 1.0 / n_devices if config.zero >= 2 else 1.0
 
 
-def offload_chunk_bytes(config: Config, bucket_mb: float | None = None) -> int:
-    """Bytes of Adam moments per chunk of the offloaded optimizer (the engine asks for this): two
-    gradient buckets' worth (a bucket's exp_avg and exp_avg_sq), at least two pages. `bucket_mb`:
-    instead of Config.bucket_mb."""
-    return max(int(2 * (config.bucket_mb if bucket_mb is None else bucket_mb) * 2**20), 2 * 4096)
+# The offloaded optimizer's chunk is at most this share of the rank's offloadable states, so that
+# its three staging slots hold about a quarter of them: two buckets' worth (150 MiB at the
+# default bucket_mb) held all the states of a small shard, and offloading them saved nothing.
+CHUNK_SHARE = 12
+# ... and at least this size, so that its file reads and writes stay large.
+MIN_CHUNK = 2**20
+
+
+def offload_chunk_bytes(config: Config, bucket_mb: float | None = None, *, states: float | None = None) -> int:
+    """Bytes of states per chunk of the offloaded optimizer (the engine asks for this): two
+    gradient buckets' worth (a bucket's exp_avg and exp_avg_sq), and given the rank's `states`
+    (the bytes it may offload: moments, and masters in the file) at most 1/CHUNK_SHARE of them
+    but not under MIN_CHUNK; at least two pages. `bucket_mb`: instead of Config.bucket_mb.
+
+        7.7M-parameter GPT, fp32, one rank: states 61.6 MB -> chunks of 5.1 MB, not 52.4 MB"""
+    chunk = 2 * (config.bucket_mb if bucket_mb is None else bucket_mb) * 2**20
+    if states:
+        chunk = min(chunk, max(states / CHUNK_SHARE, MIN_CHUNK))
+    return max(int(chunk), 2 * 4096)
 
 
 def masters_in_file(costs: GraphCosts, config: Config) -> bool:
@@ -512,23 +526,24 @@ def partition_states(costs: GraphCosts, config: Config, dp: int) -> tuple[float,
     return states, masters
 
 
-def offload_staging(config: Config, masters: bool = False, bucket_mb: float | None = None) -> int:
+def offload_staging(config: Config, masters: bool = False, bucket_mb: float | None = None, *,
+                    states: float | None = None) -> int:
     """Host bytes the offloaded optimizer stages chunks through (runtime/offloaded_optimizer.py):
     three page-aligned slots of one chunk (`offload_chunk_bytes` of states in whole elements:
     [exp_avg | exp_avg_sq], or with the masters in the file [master | exp_avg | exp_avg_sq]; larger
     tensors are cut into chunk-sized runs) and, with the masters, one chunk of fp32 gradients.
-    `bucket_mb`: instead of Config.bucket_mb."""
+    `bucket_mb`, `states`: as offload_chunk_bytes takes them."""
     sections = 3 if masters else 2
-    cap = max(offload_chunk_bytes(config, bucket_mb) // (4 * sections), 1)  # elements per chunk
+    cap = max(offload_chunk_bytes(config, bucket_mb, states=states) // (4 * sections), 1)  # elements per chunk
     slot = -(-(4 * sections * cap) // 4096) * 4096
     return 3 * slot + (4 * cap if masters else 0)
 
 
-def staging_held(config: Config, moved: float, masters: bool = False) -> int:
-    """Bytes of the offloaded optimizer's staging slots when `moved` bytes of states are offloaded:
-    `offload_staging`, at most the states themselves (the optimizer sizes its slots to the largest
-    chunk it has)."""
-    return int(min(moved, offload_staging(config, masters)))
+def staging_held(config: Config, moved: float, states: float, masters: bool = False) -> int:
+    """Bytes of the offloaded optimizer's staging slots when `moved` of the rank's `states` bytes
+    are offloaded: `offload_staging`, at most the moved states themselves (the optimizer sizes its
+    slots to the largest chunk it has)."""
+    return int(min(moved, offload_staging(config, masters, states=states)))
 
 
 def offload_tier(device: DeviceSpec, config: Config) -> str:
@@ -555,7 +570,7 @@ def resident_optimizer_states(config: Config, states: float, offloaded: float | 
     moved = states if offloaded is None else offloaded
     if not moved:
         return states
-    return states - moved + (staging_held(config, moved, masters) if staged_here else 0)
+    return states - moved + (staging_held(config, moved, states, masters) if staged_here else 0)
 
 
 def choose_offload(config: Config, states: float, peak_resident: float,
@@ -568,7 +583,7 @@ def choose_offload(config: Config, states: float, peak_resident: float,
     if config.memory_budget_gb is None:
         return int(states), None
     budget = config.memory_budget_gb * 1e9
-    chunk = offload_chunk_bytes(config)
+    chunk = offload_chunk_bytes(config, states=states)
 
     def peak(moved: float) -> float:
         return peak_resident - states + resident_optimizer_states(config, states, moved, masters, staged_here)
@@ -592,14 +607,15 @@ def warn_over_budget(plan: Plan) -> None:
 def over_budget(config: Config, peak: float, states: float, masters: bool, staged_here: bool) -> str:
     """What to say when the peak with every optimizer state (`states` bytes) offloaded is over
     Config.memory_budget_gb: the least the plan reaches, and the changes that lower it. The
-    staging the offloaded states move through is three chunks of 2 x bucket_mb, at most the states
-    themselves: a smaller bucket_mb (three chunks about a quarter of the states) is named only where
-    it at least halves that staging. ZeRO-3 over more ranks shards what the rank holds (ZeRO-2 on a
+    staging the offloaded states move through is three chunks (offload_chunk_bytes: at most 2 x
+    bucket_mb, not under MIN_CHUNK), at most the states themselves: a smaller bucket_mb (three
+    chunks about a quarter of the states) is named only where it at least halves that staging
+    (small shards, where MIN_CHUNK holds it up). ZeRO-3 over more ranks shards what the rank holds (ZeRO-2 on a
     small model adds more gradient buckets than it shards)."""
     fixes = []
-    held = staging_held(config, states, masters) if staged_here else 0
+    held = staging_held(config, states, states, masters) if staged_here else 0
     smaller = states / (24 * 2**20)  # MiB: three chunks of 2 x bucket_mb, about a quarter of the states
-    if held and smaller < config.bucket_mb and min(states, offload_staging(config, masters, smaller)) < 0.5 * held:
+    if held and smaller < config.bucket_mb and min(states, offload_staging(config, masters, smaller, states=states)) < 0.5 * held:
         fixes.append(f"Config.bucket_mb={smaller:.2g} (now {config.bucket_mb:g}: the staging of the offloaded "
                      f"states takes {held / 2**20:.3g} MiB of the peak)")
     fixes.append("zero=3 over more ranks" if config.zero < 3 else "more ranks")

@@ -379,7 +379,7 @@ def pipeline_report(stages: list[StageProgram], schedule: Schedule, config: Conf
                COMM_BUFFERS: resident[COMM_BUFFERS]}
         as_int = lambda d: {c: int(round(d.get(c, 0))) for c in CATEGORIES}  # noqa: E731
         ranks.append({"position": r, "stages": sorted(mine), "peak_at": walk["at"], "offloaded": int(moved),
-                      "offload_note": note,
+                      "offload_note": note, "staging": staging_held(config, moved, states) if moved else 0,
                       # the optimizer's own temporaries depend on the device: apply_pipeline adds them
                       "phase_memory": {"step": as_int(step), "optimizer": as_int(opt)},
                       "weights_bytes": int(w_bytes), "trainable_bytes": int(t_bytes),
@@ -460,7 +460,7 @@ def apply_pipeline(plan: Plan, report: dict[str, Any], world: int, pp: int) -> N
     moved = report["ranks"][0].get("offloaded", 0)  # rank 0's, as every plan field without a rank is
     plan.offloaded = {offload_tier(device, config): int(moved)} if moved else {}
     if moved and not staging_on_device(device):  # the chunks' staging slots: pinned host memory beside the device
-        plan.offloaded["host"] = plan.offloaded.get("host", 0) + staging_held(config, moved)
+        plan.offloaded["host"] = plan.offloaded.get("host", 0) + int(report["ranks"][0]["staging"])
     # the micro-batch plan's budget note is not the pipeline's: each position's is
     plan.notes = [n for n in plan.notes if n not in plan.over_budget]
     plan.over_budget = sorted({rk["offload_note"] for rk in report["ranks"] if rk.get("offload_note")})
