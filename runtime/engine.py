@@ -470,6 +470,7 @@ class Engine:
         (it was silently lost: training went on from the old weights)."""
         if self._flat is None:
             return
+        self._refuse_raced_writes()
         lost, repointed = self._flat.edited_outside()
         if repointed:
             self._flat.adopt(repointed)
@@ -1572,7 +1573,24 @@ class Engine:
         gathered()). state_dict(), save(), load() and eval_step() call it; call it yourself before
         reading the model's Parameters directly between steps."""
         if self._flat is not None:
+            self._refuse_raced_writes()
             self._flat.wait_gathers()
+
+    def _refuse_raced_writes(self) -> None:
+        """ZeRO-1/2: train_step returns while the updated weights are still being gathered into
+        the buckets the module's Parameters view. A write in place before they finish races with
+        them (the other ranks' slices land over it, or not): the ranks then step from different
+        weights, silently. Said once, after the gathers finish."""
+        raced = self._flat.raced_writes()
+        if not raced:
+            return
+        self._flat.wait_gathers()
+        raise FxspeedError(
+            f"{type(self.model).__name__}'s parameter(s) {raced[:5]}{f' and {len(raced) - 5} more' if len(raced) > 5 else ''} were written in place after train_step returned, "
+            f"while Config.zero={self.config.zero}'s all-gathers of the updated weights were still in flight "
+            "(train_step returns before they finish): the other ranks' slices may have landed over the write, so "
+            "it is lost in part on some ranks. Call engine.synchronize() after train_step and before writing the "
+            "model's Parameters (or write inside `with engine.gathered():`)")
 
     @contextlib.contextmanager
     def _full_weights(self) -> Iterator[None]:

@@ -94,6 +94,7 @@ class FlatParameters:
         # (PassOptions.gather_via_exchange, set for gloo). why: docs/decisions/zero-gather-via-all-reduce-on-gloo.md
         self.exchange = world > 1 and group is not None and dist.get_backend(group) == "gloo"
         self.in_flight = False  # deferred gathers issued and not yet known to be finished
+        self._issued: dict[str, int] = {}  # Parameter -> its version when the deferred gathers were issued
         self.grad_buffers: dict[int, torch.Tensor] = {}  # persistent reduced-gradient buckets
         self.full: list[torch.Tensor | None] = []
         self.shards: list[torch.Tensor] = []
@@ -341,6 +342,10 @@ class FlatParameters:
             for k in range(len(self.buckets)):
                 gather(self.work_shards[k], self.world, name, out=self.full[k])
             self.in_flight = True
+            # The Parameters are views into the buckets being gathered; an in-place write through
+            # one bumps its own version (the gathers write the buckets, not the Parameters).
+            # (Released Parameters hold nothing: a write to them is `edited_outside`'s.)
+            self._issued = {} if self.released else {n: self.params[n]._version for b in self.buckets for n in b.names}
             return
         if self.exchange:
             # The shard is this rank's slot of the full bucket: the sends read it in place while the
@@ -362,6 +367,13 @@ class FlatParameters:
             pending = work
         if pending is not None:
             pending.wait()
+
+    def raced_writes(self) -> list[str]:
+        """Parameters written in place while the deferred gathers were in flight: the other
+        ranks' slices may land over the write, on some ranks and not others."""
+        if not self.in_flight:
+            return []
+        return [n for n, v in self._issued.items() if self.params[n]._version != v]
 
     def wait_gathers(self) -> None:
         """Finish deferred gathers still in flight (a no-op for those the program waited for)."""

@@ -154,7 +154,8 @@ def test_two_rank_correctness_cases(tmp_path: Path) -> None:
     """zero3_module: calling the user's module (or its state_dict / load_state_dict) under ZeRO-3
     or ZeRO-1 bf16 names the engine and the way out, and `engine.gathered()` makes it usable; a
     write to its 0-size Parameters outside gathered() is said; repointed_zero12: `p.data = t`
-    under ZeRO-1/2 trains from the new values; pipeline_batchnorm: BatchNorm's statistics under a
+    under ZeRO-1/2 trains from the new values; raced_write_zero12: an in-place write under ZeRO-1/2
+    after engine.synchronize() trains as eager, one racing the step's in-flight gathers is refused; pipeline_batchnorm: BatchNorm's statistics under a
     pipeline equal eager's over the micro-batches; pipeline_shared_block: ALBERT's one block in
     four slots trains under a pipeline as eager; nan_one_rank: a NaN on one rank's batch skips the step on
     both; eval_global: eval_step returns the global mean on every rank; layout_dp: channels_last/transposed gradients under DP x ZeRO-1/2 equal one process;
@@ -167,7 +168,7 @@ def test_two_rank_correctness_cases(tmp_path: Path) -> None:
     trains as eager, comes back whole from state_dict and resumes from a checkpoint exactly."""
     proc = _worker("all", tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    for case in ("zero3_module", "repointed_zero12", "pipeline_batchnorm", "pipeline_shared_block", "nan_one_rank", "eval_global", "layout_dp", "token_mean", "no_decay_zero", "accum_once",
+    for case in ("zero3_module", "repointed_zero12", "raced_write_zero12", "pipeline_batchnorm", "pipeline_shared_block", "nan_one_rank", "eval_global", "layout_dp", "token_mean", "no_decay_zero", "accum_once",
                  "tie_second_name"):
         for r in range(2):
             got = (tmp_path / f"{case}_rank{r}.txt").read_text()

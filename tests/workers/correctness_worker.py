@@ -12,6 +12,8 @@
                   stages, losses and state equal eager's
     repointed_zero12 ZeRO-1/2 fp32: Parameters re-pointed by `p.data = t` (vector_to_parameters)
                   train from the new values as eager does (the buckets kept the old ones)
+    raced_write_zero12 ZeRO-1/2 fp32: an in-place write after engine.synchronize() trains as eager;
+                  one while the step's gathers are in flight is refused at the next step
     nan_one_rank  Config(nan_check="skip"): a NaN in rank 1's local batch only skips the step on
                   both ranks (parameters unchanged everywhere, both count one skipped step)
     eval_global   eval_step on 2 ranks returns the global batch's mean loss on both (as
@@ -119,6 +121,46 @@ def repointed_zero12() -> str:
             if abs(got - want.item()) > 1e-6:
                 out.append(f"zero={zero} step {step}: {got} != eager {want.item()}")
         out += state_errors(engine, ref, f"zero={zero} ")
+    return "; ".join(out) or "ok"
+
+
+def raced_write_zero12() -> str:
+    """ZeRO-1/2 fp32: train_step returns while the updated weights are still being gathered into
+    the buckets the module's Parameters view. A write in place after engine.synchronize() is
+    seen, as eager's; one before it raced with the gathers (the other ranks' slices landed over
+    it or not, the ranks then stepped from different weights, silently) and is refused at the
+    next step, naming engine.synchronize()."""
+    out = []
+    for zero in (1, 2):
+        torch.manual_seed(0)
+        model = Tiny()
+        ref = copy.deepcopy(model)
+        a, b = torch.randn(4, 4), torch.randn(4, 4)
+        engine = fxspeed.compile(model, 2, fxspeed.Config(zero=zero, optimizer="sgd", lr=0.1),
+                                 example_inputs=local_batch((a, b)))
+        opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(2):
+            got = engine.train_step(*local_batch((a, b)))
+            opt.zero_grad()
+            want = ref(a, b)
+            want.backward()
+            opt.step()
+            if abs(got - want.item()) > 1e-6:
+                out.append(f"zero={zero} step {step}: {got} != eager {want.item()}")
+            engine.synchronize()
+            with torch.no_grad():
+                for m in (model, ref):
+                    m.l.weight.clamp_(-0.2, 0.2)
+        out += state_errors(engine, ref, f"zero={zero} ")
+        engine.train_step(*local_batch((a, b)))
+        with torch.no_grad():
+            model.l.weight.mul_(0.5)  # no synchronize: the gathers are in flight
+        try:
+            engine.train_step(*local_batch((a, b)))
+            out.append(f"zero={zero}: a write racing the in-flight gathers trained on with no error")
+        except FxspeedError as e:
+            if "l.weight" not in str(e) or "engine.synchronize()" not in str(e):
+                out.append(f"zero={zero}: unexpected error: {e}")
     return "; ".join(out) or "ok"
 
 
@@ -424,7 +466,7 @@ def pipeline_shared_block() -> str:
 
 
 CASES = {"zero3_module": zero3_module, "pipeline_batchnorm": pipeline_batchnorm,
-         "pipeline_shared_block": pipeline_shared_block, "repointed_zero12": repointed_zero12, "token_mean": token_mean, "nan_one_rank": nan_one_rank, "eval_global": eval_global, "layout_dp": layout_dp,
+         "pipeline_shared_block": pipeline_shared_block, "repointed_zero12": repointed_zero12, "raced_write_zero12": raced_write_zero12, "token_mean": token_mean, "nan_one_rank": nan_one_rank, "eval_global": eval_global, "layout_dp": layout_dp,
          "no_decay_zero": no_decay_zero, "accum_once": accum_once, "tie_second_name": tie_second_name}
 
 
