@@ -28,6 +28,7 @@ import logging
 import numbers
 import os
 import time
+import weakref
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
@@ -186,6 +187,7 @@ class Engine:
         self._freed_shapes: dict[int, tuple[int, ...]] = {}
         self._requires_grad: list[tuple[str, bool]] | None = None  # at compile, by name
         self._release_hook: Any = None  # set when this rank's module holds 0-size Parameters
+        self._wait_hook: Any = None  # ZeRO-1/2: a direct call of the module waits for the step's gathers
         self._module_state = ModuleState(model)  # the last _python_state's modules part, per train/eval
         self._owned: list[nn.Parameter] = []
         self._tied: list[tuple[Any, nn.Parameter]] = []  # (group over the positions holding it, weight)
@@ -355,6 +357,15 @@ class Engine:
             if self._flat.released:
                 self._guard_released_module(list(canonical.values()), self._flat_where(),
                                             " or wrap the call in `with engine.gathered():` (on every rank)")
+            elif self._flat.zero in (1, 2) and self._flat.world > 1 and self._wait_hook is None:
+                # train_step returns while the updated weights are still being gathered into the
+                # module's Parameters: a direct call (a validation loss) read a mix of old and new
+                # weights. It waits for them first, as eval_step does. (A weak reference: the
+                # module must not keep a dropped engine, and its gathers, alive.)
+                engine = weakref.ref(self)
+                self._wait_hook = self.model.register_forward_pre_hook(
+                    lambda m, args: None if engine() is None else engine().synchronize())
+                self._module_state.ignore(self._wait_hook)  # the engine's own hook: no new trace for it
         else:
             tensors = [p for p in self._unique if p.requires_grad]
         self._owned = [p for p in self._unique if p.requires_grad]

@@ -12,7 +12,8 @@
                   stages, losses and state equal eager's
     repointed_zero12 ZeRO-1/2 fp32: Parameters re-pointed by `p.data = t` (vector_to_parameters)
                   train from the new values as eager does (the buckets kept the old ones)
-    raced_write_zero12 ZeRO-1/2 fp32: an in-place write after engine.synchronize() trains as eager;
+    raced_write_zero12 ZeRO-1/2 fp32: the module called right after train_step gives eager's output
+                  (it waits for the step's gathers); an in-place write after engine.synchronize() trains as eager;
                   one while the step's gathers are in flight is refused at the next step
     nan_one_rank  Config(nan_check="skip"): a NaN in rank 1's local batch only skips the step on
                   both ranks (parameters unchanged everywhere, both count one skipped step)
@@ -126,7 +127,8 @@ def repointed_zero12() -> str:
 
 def raced_write_zero12() -> str:
     """ZeRO-1/2 fp32: train_step returns while the updated weights are still being gathered into
-    the buckets the module's Parameters view. A write in place after engine.synchronize() is
+    the buckets the module's Parameters view. Calling the module right after the step waits for
+    them (it read a mix of old and new weights). A write in place after engine.synchronize() is
     seen, as eager's; one before it raced with the gathers (the other ranks' slices landed over
     it or not, the ranks then stepped from different weights, silently) and is refused at the
     next step, naming engine.synchronize()."""
@@ -147,6 +149,13 @@ def raced_write_zero12() -> str:
             opt.step()
             if abs(got - want.item()) > 1e-6:
                 out.append(f"zero={zero} step {step}: {got} != eager {want.item()}")
+            with torch.no_grad():  # a direct call (a validation loss) right after the step
+                direct, eager = model(a, b).item(), ref(a, b).item()
+            if abs(direct - eager) > 1e-6:
+                out.append(f"zero={zero} step {step}: the module called right after train_step gave {direct}, "
+                           f"eager {eager}")
+            if engine._flat.in_flight:  # (the mix above shows only when a gather lands late: a race)
+                out.append(f"zero={zero} step {step}: the module was called with the step's gathers in flight")
             engine.synchronize()
             with torch.no_grad():
                 for m in (model, ref):
