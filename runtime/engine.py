@@ -89,6 +89,26 @@ class CompilerLike(Protocol):
     def inference(self, model: nn.Module, tokens: int, pack: bool = True) -> Any: ...  # an InferenceProgram (fxspeed.serve)
 
 
+class _WaitForGathers:
+    """The module's forward pre-hook under ZeRO-1/2 on several ranks: engine.synchronize() first.
+    It holds the engine weakly (the module must not keep a dropped engine, and its gathers,
+    alive) and pickles as a no-op, so `torch.save(model)` still works."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self._engine: Callable[[], Engine | None] = weakref.ref(engine)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        engine = self._engine()
+        if engine is not None:
+            engine.synchronize()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._engine = lambda: None
+
+
 def _restart(name: str) -> str:
     """What to do once the ranks are out of step, after `name` failed on one of them."""
     if name in ("generate", "stream"):
@@ -360,11 +380,8 @@ class Engine:
             elif self._flat.zero in (1, 2) and self._flat.world > 1 and self._wait_hook is None:
                 # train_step returns while the updated weights are still being gathered into the
                 # module's Parameters: a direct call (a validation loss) read a mix of old and new
-                # weights. It waits for them first, as eval_step does. (A weak reference: the
-                # module must not keep a dropped engine, and its gathers, alive.)
-                engine = weakref.ref(self)
-                self._wait_hook = self.model.register_forward_pre_hook(
-                    lambda m, args: None if engine() is None else engine().synchronize())
+                # weights. It waits for them first, as eval_step does.
+                self._wait_hook = self.model.register_forward_pre_hook(_WaitForGathers(self))
                 self._module_state.ignore(self._wait_hook)  # the engine's own hook: no new trace for it
         else:
             tensors = [p for p in self._unique if p.requires_grad]
