@@ -282,6 +282,11 @@ def test_a_tiny_temperature_decodes_greedily_and_any_int_seed_samples(gpt2_engin
         a = engine.generate(prompts, max_new_tokens=4, temperature=1.0, seed=seed)
         assert a == engine.generate(prompts, max_new_tokens=4, temperature=1.0, seed=seed)
     np = pytest.importorskip("numpy")
+    # a numpy int seed (a value read from an array) samples as the same Python int: it failed in
+    # the seed arithmetic with an OverflowError (h54), and an int32 one would wrap before the modulo
+    for seed in (np.int64(5), np.int32(123457), np.uint64(5)):
+        assert engine.generate(prompts, max_new_tokens=4, temperature=1.0, seed=seed) == \
+            engine.generate(prompts, max_new_tokens=4, temperature=1.0, seed=int(seed))
     stop = engine.generate(prompts[:1], max_new_tokens=6)[0][1]
     assert engine.generate(prompts[:1], max_new_tokens=6, eos_token_id=np.array([stop]))[0][-1] == stop
 
