@@ -686,7 +686,16 @@ class ServingLoop:
                   eos_token_id: int | Sequence[int] | None,
                   eos_token_ids: Sequence[Any] | None) -> list[_Request | RequestError]:
         if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)):
-            raise ConfigError("generate: prompts must be a list of token-id lists (one per request)")
+            # (a batch tensor is refused, not split in rows: Hugging Face's padded input_ids would
+            # serve their pad ids as tokens)
+            shape = getattr(prompts, "shape", None)
+            got = f"{type(prompts).__name__}" + (f" of shape {tuple(shape)}" if shape is not None else "")
+            rows = "; for a batch tensor give input_ids.tolist(), without padding (each prompt its own length)"
+            raise ConfigError(f"generate: prompts must be a list of token-id lists (one per request), got a {got}"
+                              + (rows if shape is not None and len(shape) == 2 else ""))
+        if prompts and all(_is_int(p) for p in prompts):  # each id would fail as a prompt of its own
+            raise ConfigError(f"generate: prompts {_short(list(prompts))} is one prompt's token ids; give a list of "
+                              f"prompts, [{_short(list(prompts))}] for this one")
         n = len(prompts)
         if isinstance(max_new_tokens, torch.Tensor) and max_new_tokens.dim() == 0 and not max_new_tokens.is_floating_point():
             max_new_tokens = int(max_new_tokens)
@@ -1093,6 +1102,10 @@ def fed_tokens(prompt: int, max_new: int) -> int:
     """Positions (and cache slots) a request takes: its prompt and every new token but the last,
     which is sampled and returned, never fed."""
     return prompt + max_new - 1
+
+
+def _short(ids: list[int]) -> str:
+    return repr(ids) if len(ids) <= 8 else f"[{', '.join(map(str, ids[:8]))}, ...]"
 
 
 def _is_int(x: Any) -> bool:

@@ -181,6 +181,19 @@ def test_a_prompt_of_integer_ids_in_any_container_is_served_and_one_of_floats_bo
     assert "max_new_tokens must be an int" in str(engine.generate([[1, 2]], max_new_tokens=True, on_error="return")[0])
 
 
+def test_one_unwrapped_prompt_or_a_batch_tensor_of_prompts_is_refused_saying_how_to_give_them(gpt2_engine):
+    """A new user's two likely mistakes (h54): one prompt not wrapped in a list failed as one bad
+    request per id ("int 80"), and Hugging Face's 2-D input_ids only as "must be a list"."""
+    import numpy as np
+
+    _, engine = gpt2_engine
+    with pytest.raises(ConfigError, match=r"one prompt's token ids.*\[\[5, 6, 7\]\]"):
+        engine.generate([5, 6, 7], max_new_tokens=2)
+    for batch in (torch.tensor([[5, 6, 7]]), np.array([[5, 6, 7]])):
+        with pytest.raises(ConfigError, match=r"of shape \(1, 3\).*tolist\(\).*padding"):
+            engine.generate(batch, max_new_tokens=2)
+
+
 @pytest.mark.parametrize("options,key", [
     (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
     (dict(temperature=-1.0), "temperature"), (dict(temperature=1.0, top_k=-3), "top_k"),
