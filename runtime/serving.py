@@ -666,9 +666,10 @@ class ServingLoop:
         finally:
             self._only_bucket, self.record_logits = None, recorded
             self.stats.update(counters)  # the check is not serving work
+        eager = getattr(model, "_orig_mod", model)  # a torch.compile'd model: its module, not inductor's compile
         with torch.no_grad(), (full_weights() if full_weights is not None else contextlib.nullcontext()):
             for i, (p, o) in enumerate(zip(prompts, outs)):
-                out = model(torch.tensor([p + o], device=self.device))
+                out = eager(torch.tensor([p + o], device=self.device))
                 ref = (out if isinstance(out, torch.Tensor) else out["logits"])[0, len(p) - 1:len(p) + new - 1].float()
                 err = (got[i].to(ref.device) - ref).abs().max().item()
                 tol = (5e-2 if low_precision else 1e-3) * (1.0 + ref.abs().max().item())

@@ -181,6 +181,16 @@ def test_a_prompt_of_integer_ids_in_any_container_is_served_and_one_of_floats_bo
     assert "max_new_tokens must be an int" in str(engine.generate([[1, 2]], max_new_tokens=True, on_error="return")[0])
 
 
+def test_a_torch_compiled_model_is_served_as_its_original_module_with_its_tokens():
+    """serve read the token arguments from OptimizedModule.forward's (*args, **kwargs) and refused
+    the model as taking no token ids (h54); fxspeed.compile already traced `_orig_mod`."""
+    model = _hf("llama")
+    ref = model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=4, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)[0, len(PROMPTS[0]):].tolist()
+    engine = fxspeed.serve(torch.compile(model), token_budget=4, max_batch=2, block_size=4, cache_tokens=32)
+    assert engine.generate([PROMPTS[0]], max_new_tokens=4) == [ref]
+
+
 def test_one_unwrapped_prompt_or_a_batch_tensor_of_prompts_is_refused_saying_how_to_give_them(gpt2_engine):
     """A new user's two likely mistakes (h54): one prompt not wrapped in a list failed as one bad
     request per id ("int 80"), and Hugging Face's 2-D input_ids only as "must be a list"."""

@@ -56,7 +56,9 @@ def _inputs(model: nn.Module, T: int, device: torch.device) -> tuple[tuple, dict
     """The example call and the meaning of each traced tensor, in the order capture feeds them."""
     ids = torch.zeros(1, T, dtype=torch.long, device=device)
     pos = torch.arange(T, device=device)[None]
-    params = inspect.signature(model.forward).parameters
+    # a torch.compile'd model is traced as its original module (capture's _without_torch_compile):
+    # its arguments are the original forward's, not OptimizedModule's (*args, **kwargs)
+    params = inspect.signature(getattr(model, "_orig_mod", model).forward).parameters
     if "input_ids" in params:
         kwargs: dict = {"input_ids": ids}
         kinds = ["tokens"]
