@@ -690,9 +690,9 @@ class ServingLoop:
             # (a batch tensor is refused, not split in rows: Hugging Face's padded input_ids would
             # serve their pad ids as tokens)
             shape = getattr(prompts, "shape", None)
-            got = f"{type(prompts).__name__}" + (f" of shape {tuple(shape)}" if shape is not None else "")
+            got = f"a {type(prompts).__name__}" + (f" of shape {tuple(shape)}" if shape is not None else "")
             rows = "; for a batch tensor give input_ids.tolist(), without padding (each prompt its own length)"
-            raise ConfigError(f"generate: prompts must be a list of token-id lists (one per request), got a {got}"
+            raise ConfigError(f"generate: prompts must be a list of token-id lists (one per request), got {got}"
                               + (rows if shape is not None and len(shape) == 2 else ""))
         if prompts and all(_is_int(p) for p in prompts):  # each id would fail as a prompt of its own
             raise ConfigError(f"generate: prompts {_short(list(prompts))} is one prompt's token ids; give a list of "
@@ -1105,8 +1105,9 @@ def fed_tokens(prompt: int, max_new: int) -> int:
     return prompt + max_new - 1
 
 
-def _short(ids: list[int]) -> str:
-    return repr(ids) if len(ids) <= 8 else f"[{', '.join(map(str, ids[:8]))}, ...]"
+def _short(ids: list[Any]) -> str:
+    """Token ids for a message: the first 8, as plain ints (numpy's repr as np.int64(5))."""
+    return f"[{', '.join(str(int(t)) for t in ids[:8])}{', ...' if len(ids) > 8 else ''}]"
 
 
 def _is_int(x: Any) -> bool:
