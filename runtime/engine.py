@@ -1604,6 +1604,12 @@ class Engine:
             self._refuse_raced_writes()
             self._flat.wait_gathers()
 
+    def _finish_gathers(self) -> None:
+        """synchronize() for what overwrites every weight (load, load_state_dict): a write that raced
+        the gathers is not refused, since it is about to be replaced (a checkpoint is the way back)."""
+        if self._flat is not None:
+            self._flat.wait_gathers()
+
     def _refuse_raced_writes(self) -> None:
         """ZeRO-1/2: train_step returns while the updated weights are still being gathered into
         the buckets the module's Parameters view. A write in place before they finish races with
@@ -1904,7 +1910,7 @@ class Engine:
                                   "every rank must load the same full state (each keeps its part of it); load it from "
                                   "the same file on every rank, or use engine.save / engine.load",
                                   parts=lambda: {k: fingerprint(batch_digest((state[k],), {})) for k in keys})
-        self.synchronize()  # an in-flight gather would overwrite what is loaded
+        self._finish_gathers()  # an in-flight gather would overwrite what is loaded
         if loads_through_module(self.model, self._own_hooks()):
             return self._load_through_module(state, strict)
         return self._load_model_state(state, strict)
@@ -2044,7 +2050,7 @@ class Engine:
         self._expect_all_ranks("engine.load()", fix="Call engine.load(path) on every rank (each rank writes or reads its "
                                "part; do not guard it with `if rank == 0`)")
         self._check_same_directory("engine.load()", directory)
-        self.synchronize()
+        self._finish_gathers()
         held = [p for p in self._unique if id(p) not in self._freed_shapes]
         names = sorted({self._canonical[id(p)] for p in held} | {n for n, _ in self.model.named_buffers()})
         ck = load_checkpoint(directory, names=names, group=self.dist.group if self.dist.active else None,

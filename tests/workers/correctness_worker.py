@@ -14,7 +14,8 @@
                   train from the new values as eager does (the buckets kept the old ones)
     raced_write_zero12 ZeRO-1/2 fp32: the module called right after train_step gives eager's output
                   (it waits for the step's gathers); an in-place write after engine.synchronize() trains as eager;
-                  one while the step's gathers are in flight is refused at the next step
+                  one while the step's gathers are in flight is refused at the next step (not by a
+                  load_state_dict that replaces it)
     nan_one_rank  Config(nan_check="skip"): a NaN in rank 1's local batch only skips the step on
                   both ranks (parameters unchanged everywhere, both count one skipped step)
     eval_global   eval_step on 2 ranks returns the global batch's mean loss on both (as
@@ -161,6 +162,18 @@ def raced_write_zero12() -> str:
                 for m in (model, ref):
                     m.l.weight.clamp_(-0.2, 0.2)
         out += state_errors(engine, ref, f"zero={zero} ")
+        # a write racing the gathers, then a checkpoint loaded over it: the way back, not refused
+        saved = engine.state_dict()
+        engine.train_step(*local_batch((a, b)))
+        with torch.no_grad():
+            model.l.weight.mul_(0.5)
+        try:
+            engine.load_state_dict(saved)
+            engine.synchronize()
+            if not torch.equal(model.l.weight, saved["l.weight"]):
+                out.append(f"zero={zero}: load_state_dict after a raced write did not restore l.weight")
+        except FxspeedError as e:
+            out.append(f"zero={zero}: load_state_dict after a raced write was refused: {e}")
         engine.train_step(*local_batch((a, b)))
         with torch.no_grad():
             model.l.weight.mul_(0.5)  # no synchronize: the gathers are in flight
