@@ -90,14 +90,17 @@ class CompilerLike(Protocol):
 
 
 class _WaitForGathers:
-    """The module's forward pre-hook under ZeRO-1/2 on several ranks: engine.synchronize() first.
-    It holds the engine weakly (the module must not keep a dropped engine, and its gathers,
-    alive) and pickles as a no-op, so `torch.save(model)` still works."""
+    """The module's forward pre-hook (and state_dict pre-hook) under ZeRO-1/2 on several ranks:
+    engine.synchronize() first. It holds the engine weakly (the module must not keep a dropped
+    engine, and its gathers, alive) and pickles as a no-op, so `torch.save(model)` still works."""
 
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, engine: "Engine", state_dict: bool = False) -> None:
         self._engine: Callable[[], Engine | None] = weakref.ref(engine)
+        self._state_dict = state_dict
 
-    def __call__(self, module: nn.Module, args: Any) -> None:
+    def __call__(self, module: nn.Module, *args: Any) -> None:
+        if self._state_dict and args[-1]:  # keep_vars=True: the engine's own reads, which wait where they must
+            return
         engine = self._engine()
         if engine is not None:
             engine.synchronize()
@@ -207,7 +210,7 @@ class Engine:
         self._freed_shapes: dict[int, tuple[int, ...]] = {}
         self._requires_grad: list[tuple[str, bool]] | None = None  # at compile, by name
         self._release_hook: Any = None  # set when this rank's module holds 0-size Parameters
-        self._wait_hook: Any = None  # ZeRO-1/2: a direct call of the module waits for the step's gathers
+        self._wait_hook: Any = None  # ZeRO-1/2: a direct call or state_dict() of the module waits for the step's gathers
         self._module_state = ModuleState(model)  # the last _python_state's modules part, per train/eval
         self._owned: list[nn.Parameter] = []
         self._tied: list[tuple[Any, nn.Parameter]] = []  # (group over the positions holding it, weight)
@@ -380,9 +383,11 @@ class Engine:
             elif self._flat.zero in (1, 2) and self._flat.world > 1 and self._wait_hook is None:
                 # train_step returns while the updated weights are still being gathered into the
                 # module's Parameters: a direct call (a validation loss) read a mix of old and new
-                # weights. It waits for them first, as eval_step does.
-                self._wait_hook = self.model.register_forward_pre_hook(_WaitForGathers(self))
-                self._module_state.ignore(self._wait_hook)  # the engine's own hook: no new trace for it
+                # weights, and `torch.save(model.state_dict())` could save one. Both wait for them
+                # first, as eval_step and engine.state_dict() do.
+                self._wait_hook = [self.model.register_forward_pre_hook(_WaitForGathers(self)),
+                                   self.model.register_state_dict_pre_hook(_WaitForGathers(self, state_dict=True))]
+                self._module_state.ignore(self._wait_hook[0])  # the engine's own hook: no new trace for it
         else:
             tensors = [p for p in self._unique if p.requires_grad]
         self._owned = [p for p in self._unique if p.requires_grad]

@@ -13,7 +13,7 @@
     repointed_zero12 ZeRO-1/2 fp32: Parameters re-pointed by `p.data = t` (vector_to_parameters)
                   train from the new values as eager does (the buckets kept the old ones)
     raced_write_zero12 ZeRO-1/2 fp32: the module called right after train_step gives eager's output
-                  (it waits for the step's gathers); an in-place write after engine.synchronize() trains as eager;
+                  (it waits for the step's gathers, as its state_dict() does); an in-place write after engine.synchronize() trains as eager;
                   one while the step's gathers are in flight is refused at the next step (not by a
                   load_state_dict that replaces it)
     nan_one_rank  Config(nan_check="skip"): a NaN in rank 1's local batch only skips the step on
@@ -157,6 +157,15 @@ def raced_write_zero12() -> str:
                            f"eager {eager}")
             if engine._flat.in_flight:  # (the mix above shows only when a gather lands late: a race)
                 out.append(f"zero={zero} step {step}: the module was called with the step's gathers in flight")
+            engine.train_step(*local_batch((a, b)))
+            opt.zero_grad()
+            ref(a, b).backward()
+            opt.step()
+            saved = {k: v.clone() for k, v in model.state_dict().items()}  # torch.save(model.state_dict()) right after
+            if engine._flat.in_flight:
+                out.append(f"zero={zero} step {step}: the module's state_dict was read with the step's gathers in flight")
+            if not torch.equal(saved["l.weight"], model.l.weight):
+                out.append(f"zero={zero} step {step}: the module's state_dict read a weight mid-gather")
             engine.synchronize()
             with torch.no_grad():
                 for m in (model, ref):
