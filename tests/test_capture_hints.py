@@ -308,6 +308,25 @@ def test_batchnorm_with_momentum_none_names_the_torch_module_and_asks_for_a_fixe
     assert f"test_capture_hints.py:{_line_of(CumulativeBN, 'BN-LINE')}" in msg
 
 
+def test_sync_batchnorm_under_a_process_group_on_the_cpu_is_told_to_use_batchnorm() -> None:
+    """torch's SyncBatchNorm has GPU kernels only: under a process group on the CPU eager raises
+    too. The message said "rewrite that line"; it names the module and the BatchNorm to use."""
+    import torch.distributed as dist
+
+    model = nn.Sequential(nn.Linear(8, 4), nn.SyncBatchNorm(4))
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(fxspeed.CaptureError) as info:
+            fxspeed.compile(model, 1, fxspeed.Config(), example_inputs=(torch.randn(4, 8),),
+                            loss_fn=lambda out, *rest: out.sum())
+    finally:
+        dist.destroy_process_group()
+    msg = str(info.value)
+    assert "nn.SyncBatchNorm runs only on GPUs" in msg and "nn.BatchNorm2d (or 1d/3d)" in msg
+    assert "rewrite that line" not in msg
+
+
 def test_a_submodule_in_a_sequential_is_named_as_python_that_reaches_it() -> None:
     from fxspeed.compiler.capture import _python_path
 

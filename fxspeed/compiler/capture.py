@@ -1628,6 +1628,14 @@ def _capture_error(model: nn.Module, e: BaseException, train: bool = True) -> Ca
             hint = ("set the model's LayerDrop probability to 0 before compile (Hugging Face: config.layerdrop, "
                     "encoder_layerdrop or decoder_layerdrop = 0.0, when building the model from its config); "
                     "every layer then runs, as in evaluation")
+    elif any(str(c).startswith("SyncBatchNorm expected input tensor to be on GPU") for c in chain):
+        # torch's own rule (eager raises it too on a CPU with a process group): its statistics
+        # exchange has GPU kernels only
+        reason = "nn.SyncBatchNorm runs only on GPUs under a process group (eager raises this on the CPU too)"
+        hint = ("on the CPU use BatchNorm, whose statistics each rank computes over its own part of the batch (as "
+                "DDP without SyncBatchNorm): before compile, replace each nn.SyncBatchNorm with an nn.BatchNorm2d "
+                "(or 1d/3d) of the same num_features, eps, momentum, affine and track_running_stats, and copy its "
+                "state_dict over")
     elif any(isinstance(c, (RuntimeError, ValueError, TypeError)) and _DTYPE_ERROR.search(str(c)) for c in chain):
         hint = ("the model raises this for the example's dtypes, eagerly too: token ids, class labels and indices "
                 "must be int64 (torch.long) tensors, and the tensors a matmul or cat combines of one floating "
