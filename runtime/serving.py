@@ -1205,6 +1205,10 @@ def _reads_sliding_window(cls: type) -> bool:
     return False
 
 
+# Hugging Face model types whose layers keep a recurrent state (no context length in their configs)
+_RECURRENT_MODEL_TYPES = ("recurrent_gemma", "mamba", "mamba2", "falcon_mamba", "xlstm")
+
+
 def model_limits(model: nn.Module) -> tuple[int, int, str]:
     """(vocab size, context length, what that length is: for an error message) from the model's
     config (Hugging Face or fxspeed's GPT)."""
@@ -1226,6 +1230,11 @@ def model_limits(model: nn.Module) -> tuple[int, int, str]:
         raise ConfigError(f"serve: {type(model).__name__} is an encoder-decoder model; fxspeed.serve serves decoder-only "
                           "causal language models (a KV cache over one causal attention stack), so this model cannot "
                           "be served yet")
+    if getattr(cfg, "model_type", None) in _RECURRENT_MODEL_TYPES:
+        # the real reason: these carry a recurrent state from token to token (and no context length)
+        raise ConfigError(f"serve: {type(model).__name__} ({cfg.model_type}) carries a recurrent state from token to "
+                          "token (state-space or recurrent layers), not only keys and values; fxspeed.serve threads a "
+                          "KV cache through causal attention, so this model cannot be served yet")
     if vocab is None or ctx is None:
         raise ConfigError(f"serve: cannot read the vocabulary size and context length of {type(model).__name__} "
                           "(model.config.vocab_size and max_position_embeddings / n_positions / block_size)")

@@ -1030,7 +1030,8 @@ def test_eos_ids_outside_the_vocabulary_both_eos_options_and_hugging_face_only_o
 
 
 def test_bloom_and_mpt_are_refused_for_their_alibi_and_a_qwen2_whose_layers_do_not_slide_serves_past_the_window():
-    """BLOOM/MPT were told to add a context length (the blocker is ALiBi); Qwen2 with
+    """BLOOM/MPT were told to add a context length (the blocker is ALiBi), RecurrentGemma to
+    give one (the blocker is its recurrent state); Qwen2 with
     use_sliding_window but max_window_layers covering every layer (HF: all 'full_attention') was
     refused past a window no layer uses."""
     small = dict(vocab_size=V, num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -1041,6 +1042,12 @@ def test_bloom_and_mpt_are_refused_for_their_alibi_and_a_qwen2_whose_layers_do_n
                                                                       max_seq_len=64))):
         with pytest.raises(ConfigError, match="ALiBi"):
             fxspeed.serve(model.eval())
+    # RecurrentGemma was told it has no context length (the blocker is its recurrent state)
+    recurrent = transformers.RecurrentGemmaForCausalLM(transformers.RecurrentGemmaConfig(
+        vocab_size=V, hidden_size=16, lru_width=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, block_types=["recurrent"]))
+    with pytest.raises(ConfigError, match="carries a recurrent state"):
+        fxspeed.serve(recurrent.eval())
     torch.manual_seed(0)
     qwen = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**small, sliding_window=8, use_sliding_window=True,
                                                                   max_window_layers=2)).eval()
