@@ -172,7 +172,8 @@ def raced_write_zero12() -> str:
                     m.l.weight.clamp_(-0.2, 0.2)
         out += state_errors(engine, ref, f"zero={zero} ")
         # a write racing the gathers, then a checkpoint loaded over it: the way back, not refused
-        saved = engine.state_dict()
+        # (a snapshot: engine.state_dict() aliases the live weights, which the step and the write change)
+        saved = {k: v.clone() for k, v in engine.state_dict().items()}
         engine.train_step(*local_batch((a, b)))
         with torch.no_grad():
             model.l.weight.mul_(0.5)
