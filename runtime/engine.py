@@ -106,10 +106,12 @@ class _WaitForGathers:
             engine.synchronize()
 
     def __getstate__(self) -> dict:
-        return {}
+        return {"state_dict": self._state_dict}
 
     def __setstate__(self, state: dict) -> None:
+        # a copy of the module (deepcopy, pickle, torch.load) is no engine's: its hook waits for nothing
         self._engine = lambda: None
+        self._state_dict = state.get("state_dict", False)
 
 
 def _restart(name: str) -> str:

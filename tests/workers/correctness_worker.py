@@ -15,7 +15,7 @@
     raced_write_zero12 ZeRO-1/2 fp32: the module called right after train_step gives eager's output
                   (it waits for the step's gathers, as its state_dict() does); an in-place write after engine.synchronize() trains as eager;
                   one while the step's gathers are in flight is refused at the next step (not by a
-                  load_state_dict that replaces it)
+                  load_state_dict that replaces it); a deepcopy or pickle of the module is called as any module
     nan_one_rank  Config(nan_check="skip"): a NaN in rank 1's local batch only skips the step on
                   both ranks (parameters unchanged everywhere, both count one skipped step)
     eval_global   eval_step on 2 ranks returns the global batch's mean loss on both (as
@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -171,6 +172,13 @@ def raced_write_zero12() -> str:
                 for m in (model, ref):
                     m.l.weight.clamp_(-0.2, 0.2)
         out += state_errors(engine, ref, f"zero={zero} ")
+        # a copy of the module (an EMA or eval copy, torch.save(model)) carries the engine's hooks,
+        # as no-ops: it is called and saved like any module
+        for how, dup in (("deepcopy", copy.deepcopy), ("pickle", lambda m: pickle.loads(pickle.dumps(m)))):
+            try:
+                dup(model)(a, b), dup(model).state_dict()
+            except Exception as e:  # noqa: BLE001 (said as the case's result)
+                out.append(f"zero={zero}: a {how} of the module failed when called: {type(e).__name__}: {e}")
         # a write racing the gathers, then a checkpoint loaded over it: the way back, not refused
         # (a snapshot: engine.state_dict() aliases the live weights, which the step and the write change)
         saved = {k: v.clone() for k, v in engine.state_dict().items()}
