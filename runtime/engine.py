@@ -716,9 +716,10 @@ class Engine:
                                         device=self._device, activations=self._activation_store() if moves else None)
         if moves:
             self._activations.reserve(self._runtime.activation_sizes())
-        self._setup_pipeline_state()
         self._key = key
         self._count_compile()
+        # the plan before the state, as without a pipeline: the optimizer follows each position's
+        # offload choice under Config.memory_budget_gb (built after it, it offloaded every state)
         self.plan = finish_plan(cp.costs, model_name=type(self.model).__name__, config=micro_cfg,
                                 devices=self.devices[:1], passes=[r.to_dict() for r in cp.records],
                                 tp=self.config.tensor)
@@ -729,6 +730,7 @@ class Engine:
                        self.world_size, self.config.pipeline)
         self._note_mesh()
         warn_over_budget(self.plan)
+        self._setup_pipeline_state()
         if self._tp is not None:
             from fxspeed.planner.placement import describe_placements
 

@@ -4,8 +4,9 @@ On 2 gloo ranks, for ZeRO-1, ZeRO-3, a 2-stage pipeline and fp16 ZeRO-3 with cli
 in the file too): 3 steps with Adam's moments offloaded to files under DIR equal 3 steps without
 offload bit for bit (parameters and optimizer states); the same for bf16 ZeRO-3 with the working
 parameter shards in files (offload="parameters") and fp16 ZeRO-3 with both (offload="all"),
-with a different bucket size so a rank's states span several chunks. Rank 0 writes "ok" or the
-mismatches to FILE.
+with a different bucket size so a rank's states span several chunks; a pipeline under a
+memory budget its plan meets without offload keeps every state in memory. Rank 0 writes "ok" or
+the mismatches to FILE.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from tests.workers.common import build_model, global_batches, write_mismatches
 # Parameter offload (ZeRO-Infinity): bf16 working shards in files, fetched ahead of each gather,
 # with the fp32 masters and torch's Adam in memory ("parameters"), and with both tiers ("all").
 CASES = [dict(zero=1), dict(zero=3), dict(pipeline=2, microbatches=2), dict(zero=3, precision="fp16", grad_clip=0.5),
+         # a budget larger than the model: each position's plan offloads nothing, and so does its
+         # optimizer (it was built before the pipeline's plan and offloaded every state)
+         dict(pipeline=2, microbatches=2, memory_budget_gb=100.0),
          dict(zero=3, precision="bf16", offload="parameters"),
          # a loss scale that is not a power of 2: the clip norm of scaled fp16 gradients times 1/scale
          # differs in the last bits from the norm of unscaled fp32 ones (the masters-in-file path
@@ -60,6 +64,11 @@ def run(case: dict, swap: str) -> list[str]:
         return bad
     if b.optimizer.stats["masters"] != ("precision" in case):
         bad.append(f"{case}: masters in the file: {b.optimizer.stats['masters']}")
+    if "memory_budget_gb" in case:
+        planned = b.plan.pipeline["ranks"][b.position]["offloaded"]
+        if planned or b.optimizer.stats["chunks"]:
+            bad.append(f"{case}: the plan offloads {planned} bytes, the optimizer {b.optimizer.stats['chunks']} chunks")
+        return bad
     if b.optimizer.stats["chunks"] < 2 and "pipeline" not in case:
         bad.append(f"{case}: one chunk only ({b.optimizer.stats}); the test means to step several")
     return bad
