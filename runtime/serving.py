@@ -692,8 +692,9 @@ class ServingLoop:
             shape = getattr(prompts, "shape", None)
             got = f"a {type(prompts).__name__}" + (f" of shape {tuple(shape)}" if shape is not None else "")
             rows = "; for a batch tensor give input_ids.tolist(), without padding (each prompt its own length)"
-            raise ConfigError(f"generate: prompts must be a list of token-id lists (one per request), got {got}"
-                              + (rows if shape is not None and len(shape) == 2 else ""))
+            one = "; one prompt's ids go in a list of their own: [ids]"  # (a 1-D tensor or array is one prompt)
+            hint = {1: one, 2: rows}.get(len(shape), "") if shape is not None else ""
+            raise ConfigError(f"generate: prompts must be a list of token-id lists (one per request), got {got}{hint}")
         if prompts and all(_is_int(p) for p in prompts):  # each id would fail as a prompt of its own
             raise ConfigError(f"generate: prompts {_short(list(prompts))} is one prompt's token ids; give a list of "
                               f"prompts, [{_short(list(prompts))}] for this one")

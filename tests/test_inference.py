@@ -202,6 +202,9 @@ def test_one_unwrapped_prompt_or_a_batch_tensor_of_prompts_is_refused_saying_how
     for batch in (torch.tensor([[5, 6, 7]]), np.array([[5, 6, 7]])):
         with pytest.raises(ConfigError, match=r"of shape \(1, 3\).*tolist\(\).*padding"):
             engine.generate(batch, max_new_tokens=2)
+    for one in (torch.tensor([5, 6, 7]), np.array([5, 6, 7])):  # one prompt as a tensor: wrap it
+        with pytest.raises(ConfigError, match=r"of shape \(3,\).*in a list of their own: \[ids\]"):
+            engine.generate(one, max_new_tokens=2)
 
 
 @pytest.mark.parametrize("options,key", [
