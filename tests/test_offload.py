@@ -23,6 +23,7 @@ import torch.nn as nn
 import fxspeed
 from fxspeed.config import ConfigWarning
 from fxspeed.errors import ConfigError, FxspeedError
+from fxspeed.planner.estimate import offload_chunk_bytes
 from fxspeed.models import GPT, GPTConfig
 from fxspeed.runtime.offloaded_optimizer import OffloadedAdam
 from tests.multiprocess import check_swap_worker
@@ -499,6 +500,16 @@ def test_a_shard_of_a_few_mib_is_staged_through_about_a_quarter_of_its_states_no
     opt = off.optimizer
     staging = sum(t.nbytes for t in opt._slots)
     assert len(opt._slots) == 3 and staging <= planned <= 1.05 * staging
+    # under a memory budget the engine offloads at least the bytes the plan chose, less than a chunk
+    # more; a chunk is whole 64-element runs of 2 or 3 fp32 sections (a flat ZeRO shard of another
+    # size was cut short, and one chunk more went: 2 ranks, ZeRO-1, 9.69 MB moved for 8.61 planned)
+    chunk = offload_chunk_bytes(off.config, states=states)
+    assert chunk < 2 * off.config.bucket_mb * 2**20 and chunk % (64 * 4 * 2) == chunk % (64 * 4 * 3) == 0
+    plain_peak = fxspeed.plan(model, 1, fxspeed.Config(**cfg), example_inputs=(x, x)).peak_memory()
+    budget = (plain_peak + off.plan.peak_memory()) / 2 / 1e9
+    part = fxspeed.compile(copy.deepcopy(model), 1, fxspeed.Config(**cfg, offload="optimizer", nvme_path=str(tmp_path),
+                                                                   memory_budget_gb=budget), example_inputs=(x, x))
+    assert 0 < part.plan.offloaded["disk"] <= part.optimizer.stats["offloaded_bytes"] < part.plan.offloaded["disk"] + chunk
     plain = fxspeed.compile(model, 1, fxspeed.Config(**cfg), example_inputs=(x, x))
     for step in range(2):
         xs = torch.roll(x, step, 1)

@@ -484,6 +484,8 @@ def grad_scale(config: Config, n_devices: int) -> float:
 CHUNK_SHARE = 12
 # ... and at least this size, so that its file reads and writes stay large.
 MIN_CHUNK = 2**20
+# 64 elements of [exp_avg | exp_avg_sq] or [master | exp_avg | exp_avg_sq] in fp32: 512 and 768 bytes
+RUN_BYTES = 1536
 
 
 def offload_chunk_bytes(config: Config, bucket_mb: float | None = None, *, states: float | None = None) -> int:
@@ -494,8 +496,11 @@ def offload_chunk_bytes(config: Config, bucket_mb: float | None = None, *, state
 
         7.7M-parameter GPT, fp32, one rank: states 61.6 MB -> chunks of 5.1 MB, not 52.4 MB"""
     chunk = 2 * (config.bucket_mb if bucket_mb is None else bucket_mb) * 2**20
-    if states:
-        chunk = min(chunk, max(states / CHUNK_SHARE, MIN_CHUNK))
+    if states and states / CHUNK_SHARE < chunk:
+        # whole runs of 64 elements of 2 or 3 fp32 sections (the optimizer cuts runs at 64
+        # elements): a chunk of another size is cut short, and reaching a memory budget's bytes
+        # then took one chunk more than planned
+        chunk = min(chunk, max(states / CHUNK_SHARE // RUN_BYTES * RUN_BYTES, MIN_CHUNK))
     return max(int(chunk), 2 * 4096)
 
 
