@@ -99,30 +99,40 @@ def zero3_module() -> str:
     return "ok"
 
 
+def _tiny_sgd_pair(zero: int) -> tuple:
+    """Tiny under ZeRO-`zero` on 2 ranks with SGD, its eager twin and optimizer, and a batch."""
+    torch.manual_seed(0)
+    model = Tiny()
+    ref = copy.deepcopy(model)
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    engine = fxspeed.compile(model, 2, fxspeed.Config(zero=zero, optimizer="sgd", lr=0.1),
+                             example_inputs=local_batch((a, b)))
+    return model, ref, (a, b), engine, torch.optim.SGD(ref.parameters(), lr=0.1)
+
+
+def _step_both(engine: fxspeed.Engine, ref: torch.nn.Module, opt: torch.optim.Optimizer, batch: tuple,
+               tag: str) -> list[str]:
+    """One step of the engine on this rank's half of `batch` and of eager on all of it: the losses."""
+    got = engine.train_step(*local_batch(batch))
+    opt.zero_grad()
+    want = ref(*batch)
+    want.backward()
+    opt.step()
+    return [f"{tag}: {got} != eager {want.item()}"] if abs(got - want.item()) > 1e-6 else []
+
+
 def repointed_zero12() -> str:
     """ZeRO-1/2 fp32: the module's Parameters are views into the flat buckets; torch's
     vector_to_parameters re-points them (`p.data = t`): the optimizer went on stepping the
     buckets and the Parameters kept the new values for good."""
     out = []
     for zero in (1, 2):
-        torch.manual_seed(0)
-        model = Tiny()
-        ref = copy.deepcopy(model)
-        a, b = torch.randn(4, 4), torch.randn(4, 4)
-        engine = fxspeed.compile(model, 2, fxspeed.Config(zero=zero, optimizer="sgd", lr=0.1),
-                                 example_inputs=local_batch((a, b)))
-        opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        model, ref, (a, b), engine, opt = _tiny_sgd_pair(zero)
         for step in range(4):
             if step == 1:
                 for m in (model, ref):
                     torch.nn.utils.vector_to_parameters(torch.linspace(-0.5, 0.5, 20), m.parameters())
-            got = engine.train_step(*local_batch((a, b)))
-            opt.zero_grad()
-            want = ref(a, b)
-            want.backward()
-            opt.step()
-            if abs(got - want.item()) > 1e-6:
-                out.append(f"zero={zero} step {step}: {got} != eager {want.item()}")
+            out += _step_both(engine, ref, opt, (a, b), f"zero={zero} step {step}")
         out += state_errors(engine, ref, f"zero={zero} ")
     return "; ".join(out) or "ok"
 
@@ -136,21 +146,9 @@ def raced_write_zero12() -> str:
     next step, naming engine.synchronize()."""
     out = []
     for zero in (1, 2):
-        torch.manual_seed(0)
-        model = Tiny()
-        ref = copy.deepcopy(model)
-        a, b = torch.randn(4, 4), torch.randn(4, 4)
-        engine = fxspeed.compile(model, 2, fxspeed.Config(zero=zero, optimizer="sgd", lr=0.1),
-                                 example_inputs=local_batch((a, b)))
-        opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        model, ref, (a, b), engine, opt = _tiny_sgd_pair(zero)
         for step in range(2):
-            got = engine.train_step(*local_batch((a, b)))
-            opt.zero_grad()
-            want = ref(a, b)
-            want.backward()
-            opt.step()
-            if abs(got - want.item()) > 1e-6:
-                out.append(f"zero={zero} step {step}: {got} != eager {want.item()}")
+            out += _step_both(engine, ref, opt, (a, b), f"zero={zero} step {step}")
             with torch.no_grad():  # a direct call (a validation loss) right after the step
                 direct, eager = model(a, b).item(), ref(a, b).item()
             if abs(direct - eager) > 1e-6:
