@@ -1632,8 +1632,9 @@ class Engine:
             f"{type(self.model).__name__}'s parameter(s) {raced[:5]}{f' and {len(raced) - 5} more' if len(raced) > 5 else ''} were written in place after train_step returned, "
             f"while Config.zero={self.config.zero}'s all-gathers of the updated weights were still in flight "
             "(train_step returns before they finish): the other ranks' slices may have landed over the write, so "
-            "it is lost in part on some ranks. Call engine.synchronize() after train_step and before writing the "
-            "model's Parameters (or write inside `with engine.gathered():`)")
+            "it is lost in part on some ranks, which may now hold different weights: restart from a checkpoint "
+            "(engine.load / engine.load_state_dict on every rank). Call engine.synchronize() after train_step and "
+            "before writing the model's Parameters (or write inside `with engine.gathered():`)")
 
     @contextlib.contextmanager
     def _full_weights(self) -> Iterator[None]:
