@@ -1628,8 +1628,9 @@ class Engine:
         if not raced:
             return
         self._flat.wait_gathers()
+        named = f"{raced[:5]}" + (f" and {len(raced) - 5} more" if len(raced) > 5 else "")
         raise FxspeedError(
-            f"{type(self.model).__name__}'s parameter(s) {raced[:5]}{f' and {len(raced) - 5} more' if len(raced) > 5 else ''} were written in place after train_step returned, "
+            f"{type(self.model).__name__}'s parameter(s) {named} were written in place after train_step returned, "
             f"while Config.zero={self.config.zero}'s all-gathers of the updated weights were still in flight "
             "(train_step returns before they finish): the other ranks' slices may have landed over the write, so "
             "it is lost in part on some ranks, which may now hold different weights: restart from a checkpoint "

@@ -762,7 +762,8 @@ class ServingLoop:
             gen = None
             if temperature > 0:
                 gen = torch.Generator(device="cpu")
-                base = int(seed) if seed is not None else int(torch.randint(0, 2**31, ()).item())  # (numpy's ints overflow)
+                # int(seed): numpy's ints overflowed in the arithmetic below
+                base = int(seed) if seed is not None else int(torch.randint(0, 2**31, ()).item())
                 # per request: results do not depend on batching; within the generator's 64 bits (a
                 # seed from time.time_ns() overflowed)
                 gen.manual_seed((base * 1_000_003 + i) % 2**64)

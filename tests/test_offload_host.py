@@ -19,7 +19,7 @@ import torch.nn as nn
 
 import fxspeed
 from fxspeed.errors import ConfigError
-from fxspeed.planner.estimate import offload_staging
+from fxspeed.planner.estimate import staging_held
 from fxspeed.runtime.host_tier import ENV_ON_CPU, DeviceLink
 from fxspeed.runtime.offloaded_optimizer import OffloadedAdam
 from tests.multiprocess import check_swap_worker
@@ -205,7 +205,7 @@ def test_a_pipeline_plan_of_a_cuda_device_keeps_the_offloaded_states_in_host_mem
                          fxspeed.Config(**cfg, offload_device="nvme", nvme_path=str(tmp_path)), example_inputs=(ids, ids))
     moved = gpus.pipeline["ranks"][0]["offloaded"]
     # the staging slots are pinned host memory too, as the plan without a pipeline says
-    staging = min(moved, offload_staging(fxspeed.Config(**cfg), states=moved))
+    staging = staging_held(fxspeed.Config(**cfg), moved, moved)
     assert moved > 0 and gpus.offloaded == {"host": moved + staging}
     assert files.offloaded == {"disk": moved, "host": staging}
     for rk in gpus.pipeline["ranks"]:

@@ -544,11 +544,12 @@ def offload_staging(config: Config, masters: bool = False, bucket_mb: float | No
     return 3 * slot + (4 * cap if masters else 0)
 
 
-def staging_held(config: Config, moved: float, states: float, masters: bool = False) -> int:
+def staging_held(config: Config, moved: float, states: float, masters: bool = False,
+                 bucket_mb: float | None = None) -> int:
     """Bytes of the offloaded optimizer's staging slots when `moved` of the rank's `states` bytes
     are offloaded: `offload_staging`, at most the moved states themselves (the optimizer sizes its
-    slots to the largest chunk it has)."""
-    return int(min(moved, offload_staging(config, masters, states=states)))
+    slots to the largest chunk it has). `bucket_mb`: instead of Config.bucket_mb."""
+    return int(min(moved, offload_staging(config, masters, bucket_mb, states=states)))
 
 
 def offload_tier(device: DeviceSpec, config: Config) -> str:
@@ -615,12 +616,12 @@ def over_budget(config: Config, peak: float, states: float, masters: bool, stage
     staging the offloaded states move through is three chunks (offload_chunk_bytes: at most 2 x
     bucket_mb, not under MIN_CHUNK), at most the states themselves: a smaller bucket_mb (three
     chunks about a quarter of the states) is named only where it at least halves that staging
-    (small shards, where MIN_CHUNK holds it up). ZeRO-3 over more ranks shards what the rank holds (ZeRO-2 on a
-    small model adds more gradient buckets than it shards)."""
+    (small shards, where MIN_CHUNK holds it up). ZeRO-3 over more ranks shards what the rank holds
+    (ZeRO-2 on a small model adds more gradient buckets than it shards)."""
     fixes = []
     held = staging_held(config, states, states, masters) if staged_here else 0
     smaller = states / (24 * 2**20)  # MiB: three chunks of 2 x bucket_mb, about a quarter of the states
-    if held and smaller < config.bucket_mb and min(states, offload_staging(config, masters, smaller, states=states)) < 0.5 * held:
+    if held and smaller < config.bucket_mb and staging_held(config, states, states, masters, smaller) < 0.5 * held:
         fixes.append(f"Config.bucket_mb={smaller:.2g} (now {config.bucket_mb:g}: the staging of the offloaded "
                      f"states takes {held / 2**20:.3g} MiB of the peak)")
     fixes.append("zero=3 over more ranks" if config.zero < 3 else "more ranks")

@@ -379,7 +379,7 @@ def pipeline_report(stages: list[StageProgram], schedule: Schedule, config: Conf
                COMM_BUFFERS: resident[COMM_BUFFERS]}
         as_int = lambda d: {c: int(round(d.get(c, 0))) for c in CATEGORIES}  # noqa: E731
         ranks.append({"position": r, "stages": sorted(mine), "peak_at": walk["at"], "offloaded": int(moved),
-                      "offload_note": note, "staging": staging_held(config, moved, states) if moved else 0,
+                      "offload_note": note, "staging": staging_held(config, moved, states),
                       # the optimizer's own temporaries depend on the device: apply_pipeline adds them
                       "phase_memory": {"step": as_int(step), "optimizer": as_int(opt)},
                       "weights_bytes": int(w_bytes), "trainable_bytes": int(t_bytes),
