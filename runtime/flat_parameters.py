@@ -34,8 +34,9 @@ optimizer steps and keys its state by; its gradient stays in the working precisi
 (a MasterStore: runtime/offloaded_optimizer.py) holds the fp32 master beside Adam's moments and
 rounds the new master into the working shard itself (or, with parameter offload, hands it to the
 working shard's file). The buckets are allocated empty (no pages
-touched) and filled by `fill(store)` once the store exists, one bucket at a time: each master goes
-to the store as soon as it is made, so building the layout never holds the fp32 masters in memory.
+touched) and filled by `fill(store)` once the store exists, one bucket at a time: the store takes
+each master a chunk's piece at a time, so building the layout never holds the fp32 masters (nor
+a bucket's flat fp32 copy) in memory.
 
 Working shards in files (`offload_working`, Config.offload="parameters"/"all", zero 3): the
 working shards' tensors keep their shape but hold no memory; their values live in a
@@ -48,7 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -66,7 +67,8 @@ class MasterStore(Protocol):
 
     def read_master(self, work: torch.Tensor) -> torch.Tensor: ...
 
-    def write_master(self, work: torch.Tensor, value: torch.Tensor) -> None: ...
+    def write_master(self, work: torch.Tensor, value: torch.Tensor | Callable[[int, int], torch.Tensor]) -> None:
+        """`value`: the master, or `value(start, count)` its elements start..start+count (flat order)."""
 
 
 class FlatParameters:
@@ -116,23 +118,25 @@ class FlatParameters:
                                         torch.empty(hi - lo, dtype=work_dtype, device=params[b.names[0]].device))
             self.shards = self.work_shards  # what the optimizer steps; its masters are in the store
         # One bucket at a time: each Parameter is re-pointed (or released) as soon as its bucket
-        # is built, so building the layout never holds a second copy of the model.
+        # is built, so building the layout never holds a second copy of the model. Sharded layouts
+        # copy the Parameters straight into this rank's shard and the working bucket: a full fp32
+        # flat copy of a bucket (two buckets' worth of working bytes) is never made.
         with torch.no_grad():
             for b in buckets if not self.masters_elsewhere else ():
-                flat = self._flatten(b)
                 lo, hi = self._range(b)
                 if self.master:
-                    self.shards.append(flat[lo:hi].clone())
-                    work = flat.to(work_dtype) if zero < 3 else None
+                    self.shards.append(self._values(b, lo, hi - lo))
+                    work = self._values(b, 0, b.padded, dtype=work_dtype) if zero < 3 else None
                     self._add_working(b, work)
-                    self.work_shards.append(work[lo:hi] if work is not None else flat[lo:hi].to(work_dtype))
-                    del flat
+                    self.work_shards.append(work[lo:hi] if work is not None else
+                                            self._values(b, lo, hi - lo, dtype=work_dtype))
                     self._release(b)
                 elif zero >= 3:
                     self.full.append(None)
-                    self.shards.append(flat[lo:hi].clone())
+                    self.shards.append(self._values(b, lo, hi - lo))
                     self._release(b)
                 else:
+                    flat = self._flatten(b)
                     self.full.append(flat)
                     self.shards.append(flat[lo:hi])  # a view: the optimizer updates in place
                     self._point_into(b, flat)
@@ -172,14 +176,7 @@ class FlatParameters:
         one bucket at a time (each bucket's Parameters are released as soon as it is done)."""
         self.store = store
         for k, b in enumerate(self.buckets):
-            flat = self._flatten(b)
-            lo, hi = self._range(b)
-            if self.full[k] is not None:  # zero 1/2: the whole working bucket
-                self.full[k].copy_(flat)
-            else:                         # zero 3: this rank's working shard
-                self._set_working_shard(k, flat[lo:hi])
-            store.write_master(self.work_shards[k], flat[lo:hi])
-            del flat
+            self._write_from_parameters(k)
             self._release(b)
 
     def master_shard(self, k: int) -> torch.Tensor:
@@ -189,12 +186,45 @@ class FlatParameters:
     def _flatten(self, b: Bucket, grads: bool = False) -> torch.Tensor:
         """A new padded flat buffer holding the bucket's parameters' current values (or, with
         `grads`, their .grad)."""
+        return self._values(b, 0, b.padded, grads=grads)
+
+    def _values(self, b: Bucket, start: int, count: int, *, dtype: torch.dtype | None = None,
+                out: torch.Tensor | None = None, grads: bool = False) -> torch.Tensor:
+        """Elements start..start+count of bucket b's flat layout, read from its Parameters (or, with
+        `grads`, their .grad), zero in the padding: a new tensor in `dtype` (default the Parameters'),
+        or written into `out` (which may be a view the Parameters point into: only the padding is
+        zeroed)."""
         p0 = self.params[b.names[0]]
-        flat = torch.zeros(b.padded, dtype=p0.dtype, device=p0.device)
-        for name, off in zip(b.names, b.offsets):
+        if out is None:
+            out = torch.zeros(count, dtype=dtype or p0.dtype, device=p0.device)
+        end, filled = start + count, start
+        for name, shape, off in sorted(zip(b.names, b.shapes, b.offsets), key=lambda e: e[2]):
+            lo, hi = max(off, start), min(off + _numel(shape), end)
+            if lo >= hi:
+                continue
+            out[filled - start:lo - start].zero_()
             t = self.params[name].grad if grads else self.params[name]
-            flat[off:off + t.numel()].copy_(t.reshape(-1))
-        return flat
+            out[lo - start:hi - start].copy_(t.reshape(-1)[lo - off:hi - off])
+            filled = hi
+        out[filled - start:].zero_()
+        return out
+
+    def _write_from_parameters(self, k: int) -> None:
+        """Bucket k's master (here or in the store) and working copy := its Parameters' values,
+        without a full flat copy of the bucket (the store takes the master a chunk's piece at a time)."""
+        b = self.buckets[k]
+        lo, hi = self._range(b)
+        if self.store is not None:
+            self.store.write_master(self.work_shards[k], lambda s, n: self._values(b, lo + s, n))
+        elif self.master or self.full[k] is None:  # a shard of its own, not a view of the full bucket
+            self._values(b, lo, hi - lo, out=self.shards[k])
+        if self.full[k] is not None:   # zero 0-2: the whole (working) bucket
+            self._values(b, 0, b.padded, out=self.full[k])
+        elif self.master:              # zero 3: this rank's working shard
+            if self.files is not None:
+                self._set_working_shard(k, self._values(b, lo, hi - lo, dtype=self.work_dtype))
+            else:
+                self._values(b, lo, hi - lo, out=self.work_shards[k])
 
     def flat_grads(self, k: int) -> torch.Tensor:
         """Bucket k's parameter gradients (.grad, set by the caller) in the bucket's flat layout."""
@@ -444,17 +474,8 @@ class FlatParameters:
     def capture_from_parameters(self) -> None:
         """Re-read the (gathered) Parameters into this rank's shards, e.g. after load_state_dict."""
         with torch.no_grad():
-            for k, b in enumerate(self.buckets):
-                flat = self._flatten(b)
-                lo, hi = self._range(b)
-                if self.store is not None:
-                    self.store.write_master(self.work_shards[k], flat[lo:hi])
-                else:
-                    self.shards[k].copy_(flat[lo:hi])
-                if self.full[k] is not None:
-                    self.full[k].copy_(flat)
-                elif self.master:
-                    self._set_working_shard(k, flat[lo:hi])
+            for k in range(len(self.buckets)):
+                self._write_from_parameters(k)
 
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (same arguments); 2.11 has

@@ -409,13 +409,18 @@ class OffloadedAdam(torch.optim.Optimizer):
             self.swap.write(chunk.file_offset, self._slots[0], chunk.nbytes).result()
             self._on_disk.add(chunk)
 
-    def write_master(self, work: torch.Tensor, value: torch.Tensor) -> None:
-        """masters: set the fp32 master of working tensor `work` (the working copy is the caller's)."""
+    def write_master(self, work: torch.Tensor, value: torch.Tensor | Callable[[int, int], torch.Tensor]) -> None:
+        """masters: set the fp32 master of working tensor `work` (the working copy is the caller's).
+        `value` is the whole master, or `value(start, count)` gives elements start..start+count of
+        it (flat order), asked one chunk's piece at a time, so no full fp32 copy is ever built."""
         self._drain()
-        value = value.reshape(work.shape)
+        if isinstance(value, torch.Tensor):
+            whole = value.reshape(-1)
+            value = lambda start, count: whole[start:start + count]  # noqa: E731 (the same, from a tensor)
         for i, pc in self._where[id(work)]:
             chunk, flat = self._load(i)
-            chunk.view(flat, 0, pc).copy_(pc.of_full(value))
+            dst = chunk.view(flat, 0, pc)
+            dst.copy_(value(pc.start, pc.count).view(dst.shape))
             self._store(chunk)
 
     def read_master(self, work: torch.Tensor) -> torch.Tensor:

@@ -204,3 +204,71 @@ def test_zero_1_2_3_with_master_weights_train_like_the_fp32_weight_layout_and_re
     # to within bf16 rounding.
     assert r0["resumed_zero3"] == r0["zero2"]["losses"][-1]
     assert abs(r0["resumed_zero0"] - r0["zero2"]["losses"][-1]) <= 2e-3 * abs(r0["zero2"]["losses"][-1])
+
+
+_LAYOUT_PEAK = r"""
+import json, sys
+import torch
+from fxspeed.ir import Bucket
+from fxspeed.runtime.flat_parameters import FlatParameters
+
+def kb(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+class PieceStore:  # a MasterStore that keeps only a checksum of the master, as a file would keep it
+    def __init__(self):
+        self.sum, self.largest = 0.0, 0
+    def write_master(self, work, value):
+        for s in range(0, work.numel(), 1 << 18):
+            piece = value(s, min(1 << 18, work.numel() - s))
+            self.sum += float(piece.double().sum())
+            self.largest = max(self.largest, piece.numel())
+
+torch.manual_seed(0)
+shapes = [(2048, 2048), (2048,), (2048, 2048), (3000, 1000), (7,)]
+params = {f"p{i}": torch.nn.Parameter(torch.randn(s)) for i, s in enumerate(shapes)}
+expected = sum(float(p.double().sum()) for p in params.values())
+offsets, off = [], 0
+for s in shapes:
+    offsets.append(off)
+    off += torch.Size(s).numel()
+bucket = Bucket(0, list(params), shapes, offsets, off, off + 1)  # one bucket, one padding element
+elsewhere = sys.argv[1] == "elsewhere"
+base = kb("VmRSS")
+open("/proc/self/clear_refs", "w").write("5")
+flat = FlatParameters(params, [bucket], rank=0, world=1, zero=1, group=None, work_dtype=torch.bfloat16,
+                      masters_elsewhere=elsewhere)
+store = PieceStore()
+if elsewhere:
+    flat.fill(store)
+grown = kb("VmHWM") - base
+master = store.sum if elsewhere else float(flat.shards[0].double().sum())
+print(json.dumps({"grown": grown, "numel": off, "master_sum": master, "expected_sum": expected,
+                  "largest_piece": store.largest, "working_pad": float(flat.full[0][-1])}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset")
+@pytest.mark.parametrize("where", ["here", "elsewhere"])
+def test_laying_out_master_weights_never_builds_a_full_fp32_copy_of_a_bucket(where: str) -> None:
+    """The layout is built from the Parameters (held by the caller, in the baseline) straight into
+    the fp32 master shard and the bf16 working bucket; a padded fp32 flat copy of the bucket made on
+    the way was 1.5x the bytes kept here (2x in the offload store's layout: working copy only)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _LAYOUT_PEAK, where], env=env, capture_output=True, text=True,
+                         check=True, timeout=120)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    kept = r["numel"] * (2 if where == "elsewhere" else 2 + 4)  # bf16 working bucket (+ fp32 master here)
+    assert r["grown"] < kept * 1.15 + 8e6, f"building the layout peaked {r['grown'] / 1e6:.1f} MB above the " \
+                                          f"Parameters; it keeps {kept / 1e6:.1f} MB"
+    assert r["master_sum"] == pytest.approx(r["expected_sum"], rel=1e-12, abs=1e-6)
+    assert r["working_pad"] == 0.0
+    if where == "elsewhere":
+        assert 0 < r["largest_piece"] <= 1 << 18  # asked a piece at a time, never the whole shard
