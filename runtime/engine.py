@@ -386,10 +386,13 @@ class Engine:
                 # train_step returns while the updated weights are still being gathered into the
                 # module's Parameters: a direct call (a validation loss) read a mix of old and new
                 # weights, and `torch.save(model.state_dict())` could save one. Both wait for them
-                # first, as eval_step and engine.state_dict() do.
-                self._wait_hook = [self.model.register_forward_pre_hook(_WaitForGathers(self)),
-                                   self.model.register_state_dict_pre_hook(_WaitForGathers(self, state_dict=True))]
-                self._module_state.ignore(self._wait_hook[0])  # the engine's own hook: no new trace for it
+                # first, as eval_step and engine.state_dict() do. Every submodule too: `model.encoder(x)`
+                # or `model.head.state_dict()` read the same buckets (a check of a flag once waited).
+                self._wait_hook = []
+                for m in self.model.modules():
+                    forward = m.register_forward_pre_hook(_WaitForGathers(self))
+                    self._module_state.ignore(forward)  # the engine's own hook: no new trace for it
+                    self._wait_hook += [forward, m.register_state_dict_pre_hook(_WaitForGathers(self, state_dict=True))]
         else:
             tensors = [p for p in self._unique if p.requires_grad]
         self._owned = [p for p in self._unique if p.requires_grad]

@@ -12,8 +12,8 @@
                   stages, losses and state equal eager's
     repointed_zero12 ZeRO-1/2 fp32: Parameters re-pointed by `p.data = t` (vector_to_parameters)
                   train from the new values as eager does (the buckets kept the old ones)
-    raced_write_zero12 ZeRO-1/2 fp32: the module called right after train_step gives eager's output
-                  (it waits for the step's gathers, as its state_dict() does); an in-place write after engine.synchronize() trains as eager;
+    raced_write_zero12 ZeRO-1/2 fp32: the module (or a submodule) called right after train_step gives eager's
+                  output (it waits for the step's gathers, as its state_dict() does); an in-place write after engine.synchronize() trains as eager;
                   one while the step's gathers are in flight is refused at the next step (not by a
                   load_state_dict that replaces it); a deepcopy or pickle of the module is called as any module
     nan_one_rank  Config(nan_check="skip"): a NaN in rank 1's local batch only skips the step on
@@ -156,6 +156,15 @@ def raced_write_zero12() -> str:
                            f"eager {eager}")
             if engine._flat.in_flight:  # (the mix above shows only when a gather lands late: a race)
                 out.append(f"zero={zero} step {step}: the module was called with the step's gathers in flight")
+            engine.train_step(*local_batch((a, b)))
+            opt.zero_grad()
+            ref(a, b).backward()
+            opt.step()
+            with torch.no_grad():  # a submodule called on its own right after the step waits too
+                direct, eager = model.l(a), ref.l(a)
+            if engine._flat.in_flight or not torch.allclose(direct, eager, atol=1e-6):
+                out.append(f"zero={zero} step {step}: a submodule called right after train_step read the weights "
+                           f"with the step's gathers in flight (max diff {float((direct - eager).abs().max()):.2e})")
             engine.train_step(*local_batch((a, b)))
             opt.zero_grad()
             ref(a, b).backward()
