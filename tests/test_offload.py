@@ -609,3 +609,28 @@ def test_every_offload_tier_is_accepted_under_tensor_parallelism():
     fxspeed.Config(tensor=2, zero=3, precision="bf16", offload="all", nvme_path="/tmp").check_supported()
     with pytest.raises(ConfigError, match="zero=3"):
         fxspeed.Config(tensor=2, zero=1, precision="bf16", offload="parameters", nvme_path="/tmp").check_supported()
+
+
+def test_in_backward_the_plan_counts_the_working_shards_of_the_buckets_in_use_not_four_buckets_of_them(
+        tmp_path: Path) -> None:
+    """Parameter offload: a fetch's buffer dies with its gather and the next bucket's is read ahead;
+    the two written back after the step are read again by forward (runtime/offloaded_parameters.py).
+    The step's peak, late in backward, had counted four buckets' shards on top of those in use."""
+    from fxspeed.planner.estimate import gradient_buckets, trace_costs
+    from fxspeed.devices import normalize_devices
+
+    cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=4, n_embd=256)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    x = torch.randint(0, 256, (2, 8))
+    config = fxspeed.Config(zero=3, precision="bf16", optimizer="adam", offload="all", nvme_path=str(tmp_path),
+                            bucket_mb=0.5)
+    plan = fxspeed.plan(model, 2, config, example_inputs=(x, x))
+    costs, _, _ = trace_costs(model, (x, x), {}, config=config, devices=normalize_devices(2))
+    sizes = gradient_buckets(costs, config.bucket_mb * 2**20)
+    assert len(sizes) >= 6
+    shard = max(sizes) / 2
+    # the bucket being computed and the one read ahead, halved by ZeRO-3 (before: 4 x shard)
+    assert plan.phase_memory["step"]["parameters"] <= 2 * shard + 1
+    # after the step the shards go back through the files: two writes in flight and one filling
+    assert plan.phase_memory["optimizer"]["parameters"] >= 3 * shard

@@ -509,15 +509,39 @@ def masters_in_file(costs: GraphCosts, config: Config) -> bool:
     return config.offloads_optimizer and costs.master_bytes > 0
 
 
-def resident_parameters(costs: GraphCosts, config: Config, dp: int) -> float:
+def resident_parameters(costs: GraphCosts, config: Config, dp: int, made: float | None = None) -> float:
     """Parameter bytes a rank holds between uses: its ZeRO shard of every bucket, or with
     parameter offload (runtime/offloaded_parameters.py) the shards in flight: the one being
-    gathered, the one read ahead, and two written back after the step."""
+    gathered, the one read ahead, and two written back after the step (whose buffers the files
+    keep until forward reads those buckets again).
+
+    `made`: a node of backward that has made this many gradient bytes. Forward has read every
+    bucket, so no write is left there; a fetch's buffer dies with its gather (which copies it
+    into the gathered bucket) and the read ahead is the next bucket's: the shards of the buckets
+    `gathered_at` that node. At the end of backward (nothing left to read ahead) the two written
+    back had been counted on top of four buckets' worth: 30-50% over a measured step
+    (docs/decisions/parameter-offload.md)."""
     mine = costs.param_bytes / dp if config.zero >= 3 else costs.param_bytes
     if not config.offloads_parameters:
         return mine
+    if made is not None and costs.gradient_order:
+        return min(mine, gathered_at(costs, config.bucket_mb * 2**20, made) / dp)
     bucket = max(costs.largest_param, min(config.bucket_mb * 2**20, costs.param_bytes))
     return min(mine, 4 * bucket / dp)
+
+
+def gathered_at(costs: GraphCosts, limit: float, made: float) -> float:
+    """Bytes of the (ZeRO-3) buckets whose parameters a node of backward that has made `made`
+    gradient bytes works on: the bucket those gradients fill and the next one, fetched ahead.
+    Where `made` ends a bucket, either bucket may be the one in use, so both pairs count."""
+    sizes = gradient_buckets(costs, limit)
+    best, start = 0.0, 0.0
+    for k, size in enumerate(sizes):
+        end = start + size
+        if start <= made <= end or (k == len(sizes) - 1 and made > end):
+            best = max(best, size + (sizes[k + 1] if k + 1 < len(sizes) else 0.0))
+        start = end
+    return best
 
 
 def partition_states(costs: GraphCosts, config: Config, dp: int) -> tuple[float, float]:
@@ -656,7 +680,7 @@ def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, 
     dp, z = n_devices, config.zero
     shard = lambda b, stage: b / dp if z >= stage else b  # noqa: E731
     step = dict(graph_live)
-    step[PARAMETERS] = resident_parameters(costs, config, dp)
+    step[PARAMETERS] = resident_parameters(costs, config, dp, made if in_backward else None)
     step[GRADIENTS] = shard(step.get(GRADIENTS, 0), 2)
     states, masters = partition_states(costs, config, dp)
     step[OPTIMIZER_STATES] = resident_optimizer_states(config, states, offloaded, masters_in_file(costs, config),
