@@ -508,6 +508,29 @@ def test_gradient_buckets_in_flight_hold_no_more_than_backward_has_made_so_far()
     assert front == [(0, {"a": 9}), (4, {"a": 7}), (8, {"a": 2})]
 
 
+def test_zero0_counts_its_persistent_buckets_beyond_the_gradients_made_not_two_buckets_everywhere() -> None:
+    """ZeRO-0 flattens each bucket into a persistent buffer (reuse_grad_buckets) that the rank holds
+    all step; the planned program holds each gradient from when it is made. Two buckets in flight
+    had been counted everywhere: short by the rest at backward's start, one bucket over at its end
+    (19M GPT, fp32, 2 ranks, offload="optimizer": 251.7 MB planned, 214-216 measured)."""
+    from fxspeed.ir import COMM_BUFFERS
+    from fxspeed.planner.estimate import buckets_not_made, gradient_buckets, trace_costs
+    from fxspeed.devices import normalize_devices
+
+    model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=256))
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    config = fxspeed.Config(zero=0, bucket_mb=0.5)
+    costs, _, _ = trace_costs(model, (ids, ids), {}, config=config, devices=normalize_devices(2))
+    sizes = gradient_buckets(costs, 0.5 * 2**20)
+    assert len(sizes) >= 6 and sizes[-1] < max(sizes)
+    assert buckets_not_made(costs, 0.5 * 2**20, 0.0) == sum(sizes)  # forward: every bucket
+    assert buckets_not_made(costs, 0.5 * 2**20, sizes[0] / 2) == sum(sizes)  # the first one being filled
+    assert buckets_not_made(costs, 0.5 * 2**20, sum(sizes)) == sizes[-1]
+    # a small batch peaks at backward's end: the last bucket beyond every gradient, not the two largest
+    comm = fxspeed.plan(model, 2, config, example_inputs=(ids, ids)).memory(0)[COMM_BUFFERS]
+    assert comm == pytest.approx(sizes[-1], abs=1)
+
+
 def test_a_cpu_add_of_two_dtypes_counts_the_copy_torch_makes_of_the_narrower_operand() -> None:
     """CPU TensorIterator copies a bf16 operand to fp32 before adding it to an fp32 one (a 98 MiB
     add of the tied embedding's two gradients peaked 196 MiB above its inputs)."""

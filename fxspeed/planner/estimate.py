@@ -530,6 +530,33 @@ def resident_parameters(costs: GraphCosts, config: Config, dp: int, made: float 
     return min(mine, 4 * bucket / dp)
 
 
+def persistent_buckets(config: Config) -> bool:
+    """Whether ZeRO-0's reduced buckets are persistent buffers (passes/parallel/reduce_gradients.py:
+    reuse_grad_buckets, where the gradients are reduced in their own dtype, fp32 at ZeRO-0)."""
+    return config.reduce_dtype in ("auto", "fp32") and config.pipeline == 1
+
+
+def buckets_not_made(costs: GraphCosts, limit: float, made: float) -> float:
+    """ZeRO-0's persistent buckets beyond the planned program's gradients at a node that has made
+    `made` gradient bytes: the program holds each gradient from when
+    it is made, the rank every bucket throughout, and a bucket's gradients die once flattened into
+    it. So the buckets not begun and the one being filled, whole (its gradients are the program's
+    until the flatten): every bucket before backward, the last one at its end. Two buckets, as
+    counted before, had been 77 MB short at backward's start and 40 MB over at its end (19M GPT,
+    fp32, 2 ranks, offload="optimizer": plan 251.7 MB vs 214-216 measured)."""
+    sizes = gradient_buckets(costs, limit)
+    if not sizes:
+        return max(0.0, (costs.grad_bytes or costs.trainable_bytes) - made)
+    start = 0.0
+    for size in sizes:
+        if made <= start + size:
+            break
+        start += size
+    else:
+        start -= sizes[-1]
+    return sum(sizes) - start
+
+
 def gathered_at(costs: GraphCosts, limit: float, made: float) -> float:
     """Bytes of the (ZeRO-3) buckets whose parameters a node of backward that has made `made`
     gradient bytes works on: the bucket those gradients fill and the next one, fetched ahead.
@@ -687,12 +714,16 @@ def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, 
                                                        staged_here) + masters
     comm = 0.0
     pair = two_buckets(costs, config.bucket_mb * 2**20)
-    if dp > 1 and in_backward:
+    if dp > 1 and z == 0 and persistent_buckets(config):
+        # ZeRO-0 reduces into persistent buckets (persistent-gradient-buckets-for-zero0.md), there
+        # in forward too: the planned program's gradients (per parameter, every one made so far:
+        # ZeRO-0 keeps them) stand for the buckets already flattened, the rest are counted here
+        comm = buckets_not_made(costs, config.bucket_mb * 2**20, graph_live.get(GRADIENTS, 0.0))
+    elif dp > 1 and in_backward:
         # Double-buffered gradient buckets. The planned program holds gradients per parameter (it
         # is planned before the distributed passes); with several replicas a bucket's gradients
         # stay full-size until the bucket is complete, and its reduction stages the next one.
-        # ZeRO-0 reduces into persistent buckets that exist from backward's start
-        # (persistent-gradient-buckets-for-zero0.md); the others' hold what has been made.
+        # The others' hold what has been made.
         comm = pair if z == 0 or made is None else min(pair, made)
     if z >= 3 and (dp > 1 or config.offloads_parameters):  # (one rank with parameter offload "gathers" from files)
         # two gathered parameter buckets in flight (the gradient buckets' parameters, in the
