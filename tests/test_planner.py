@@ -486,6 +486,50 @@ def test_two_buckets_in_flight_are_the_two_largest_not_the_largest_twice() -> No
     assert two_buckets(costs, 25 * mib) == 50 * mib and two_buckets(costs, 200 * mib) == 2 * 148 * mib
 
 
+def test_a_bucket_stepped_inside_backward_is_planned_with_its_shards_own_gradient_beside_the_reduced_buckets() -> None:
+    """fxspeed::step_buckets gives the optimizer this rank's shard of a reduced bucket as a tensor
+    of its own, in the dtype of what it steps (FlatParameters.set_grads), while the program still
+    holds the reduced bucket and the next one is in flight. Under bf16 master weights that is the
+    fp32 master's gradient, one working bucket at two ranks, which the plan did not count: bf16
+    ZeRO-1 (GPT 19M, 2 gloo ranks, 2 x 8 tokens) peaked at 247 MB measured, 209 planned (ZeRO-2:
+    237 vs 199)."""
+    from fxspeed.ir import BACKWARD, COMM_BUFFERS, FORWARD
+    from fxspeed.planner.estimate import GraphCosts, bucket_step_copy, step_peak, step_phase
+
+    mib = 2**20
+    # bf16 gradients in buckets of 30 and 20 MiB (bucket_mb=25), stepped inside backward; fp32 masters
+    order = [(10 * mib, "torch.bfloat16")] * 5
+    live = {PARAMETERS: 50 * mib}
+    costs = GraphCosts(step=dict(live), param_bytes=50 * mib, trainable_bytes=50 * mib, largest_param=10 * mib,
+                       largest_trainable=10 * mib, n_params=25 * mib, n_trainable=25 * mib, flops={}, times={},
+                       master_bytes=100 * mib, grad_bytes=50 * mib, stepped_grad_bytes=50 * mib,
+                       gradient_order=order, phase_steps={FORWARD: dict(live), BACKWARD: dict(live)},
+                       backward_front=[(30 * mib, {**live, GRADIENTS: 30 * mib}), (50 * mib, dict(live))])
+    bf16 = {z: fxspeed.Config(zero=z, precision="bf16") for z in (1, 2, 3)}
+    assert bucket_step_copy(costs, bf16[1], 2) == 30 * mib  # 15 Mi bf16 elements: half of them in fp32
+    assert bucket_step_copy(costs, bf16[1], 4) == 15 * mib
+    assert bucket_step_copy(costs, bf16[2], 2) == 30 * mib  # the reduce-scattered bf16 shard upcast
+    # the first bucket is stepped once the second is complete: nothing stepped at 30 MiB made
+    assert bucket_step_copy(costs, bf16[1], 2, made=30 * mib) == 0
+    assert bucket_step_copy(costs, bf16[1], 1) == 0  # one replica: no buckets reduced
+    # the masters in the offloaded optimizer's file: ZeRO-1 copies a working-precision shard, ZeRO-2 none
+    offload = {z: fxspeed.Config(zero=z, precision="bf16", offload="optimizer") for z in (1, 2)}
+    assert bucket_step_copy(costs, offload[1], 2) == 15 * mib and bucket_step_copy(costs, offload[2], 2) == 0
+    fp32 = GraphCosts(**{**costs.__dict__, "gradient_order": [(20 * mib, "torch.float32")] * 5, "master_bytes": 0.0})
+    assert bucket_step_copy(fp32, fxspeed.Config(zero=1), 2) == 20 * mib  # a copy of the shard of a 40 MiB bucket
+    assert bucket_step_copy(fp32, fxspeed.Config(zero=2), 2) == 0  # the reduced shard itself
+    stepped_after = GraphCosts(**{**costs.__dict__, "stepped_grad_bytes": 0.0})
+    assert bucket_step_copy(stepped_after, bf16[1], 2) == 0  # set_grads after the program: the optimizer phase's
+    # The step phase's peak, at backward's end: bf16 weights 50, the copy 30, masters 50 and
+    # moments 100, the two buckets 50 MiB
+    peak = step_peak(costs, bf16[1], 2)
+    assert (peak[GRADIENTS], peak[COMM_BUFFERS], sum(peak.values())) == (30 * mib, 50 * mib, 280 * mib)
+    # ZeRO-3 steps a bucket after the last reader of its gathered weights: the copy (30 MiB) takes
+    # the place of that gathered bucket among the two in flight (the weights' 50 MiB of bf16)
+    end = step_phase(live, costs, bf16[3], 2, made=50 * mib)
+    assert (end[GRADIENTS], end[COMM_BUFFERS], sum(end.values())) == (0, 100 * mib, 275 * mib)
+
+
 def test_gradient_buckets_in_flight_hold_no_more_than_backward_has_made_so_far() -> None:
     """A replica's buckets were counted at backward's peak whatever it had made by then: where
     activations peak at backward's start (a large vocabulary's logits), ZeRO-1/2/3 planned two
