@@ -54,11 +54,14 @@ def main() -> None:
     items = [parse(item, a.tensor) for item in a.zero.split(",")]
     # Warm up once per tensor-parallel degree so that code loaded on first use (tracing
     # machinery, collectives) is not charged to whichever stage happens to run first.
-    for tensor in sorted({t for _, _, t, _ in items}):
+    # And once per precision: the first bf16 matmul of a process adds about 5 MB of RSS that stays
+    # (kernel code and caches loaded on first use, no tensor), which had gone to the first bf16
+    # item (bf16 ZeRO-1, 19M GPT: 7 MB of its 248).
+    for tensor, precision in sorted({(t, p) for _, p, t, _ in items}):
         torch.manual_seed(0)  # the same weights on every rank (else the engine warns that they differ)
         tiny = GPT(GPTConfig.preset("tiny"))
         x = torch.randint(0, 256, (a.batch, 16), generator=torch.Generator().manual_seed(0))  # same on every rank
-        warm = fxspeed.Config(zero=3 if tensor == 1 else 0, optimizer="adam", tensor=tensor)
+        warm = fxspeed.Config(zero=3 if tensor == 1 else 0, optimizer="adam", tensor=tensor, precision=precision)
         fxspeed.compile(tiny, world, warm, example_inputs=(x, x)).train_step(x, x)
         del tiny
         gc.collect()
