@@ -224,6 +224,22 @@ def typed_gradient_buckets(costs: GraphCosts, limit: float) -> list[tuple[float,
     return buckets
 
 
+def flattened_bucket(costs: GraphCosts, limit: float, made: float | None = None) -> float:
+    """One replica with a flat layout (master weights there: its optimizer states offloaded)
+    flattens each complete bucket of gradients (reduce_gradients' cat, no collective) and steps it
+    inside backward: the flat bucket lives beside the gradients it was made from, which the planned
+    program (before that pass) holds per parameter. The largest bucket complete once `made` bytes
+    of gradients are (any, without `made`). 1 rank, GPT 19M bf16 with optimizer offload: the step
+    peaked 54 MB above the plan's 133, a 27 MB bucket of it this."""
+    done, largest = 0.0, 0.0
+    for size in gradient_buckets(costs, limit) if costs.gradient_order else [min(limit, costs.trainable_bytes)]:
+        done += size
+        if made is not None and _whole(done) > made:
+            break
+        largest = max(largest, size)
+    return largest
+
+
 def bucket_step_copy(costs: GraphCosts, config: Config, dp: int, made: float | None = None) -> float:
     """Bytes of the gradient a bucket stepped inside backward over `dp` replicas gets as its own
     tensor (FlatParameters.set_grads, in fxspeed::step_buckets): this rank's shard, in the dtype
@@ -765,6 +781,8 @@ def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, 
             # shard's copy (4/dp bytes an element under master weights) takes the place of that
             # gathered bucket (2 or 4), which the two gathered buckets below hold in flight
             step[GRADIENTS] += bucket_step_copy(costs, config, dp, made)
+    elif dp == 1 and in_backward and costs.master_bytes:
+        comm = flattened_bucket(costs, config.bucket_mb * 2**20, made)
     if z >= 3 and (dp > 1 or config.offloads_parameters):  # (one rank with parameter offload "gathers" from files)
         # two gathered parameter buckets in flight (the gradient buckets' parameters, in the
         # working dtype the gradients have); without a gradient order, the largest parameter twice
