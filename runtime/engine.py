@@ -388,11 +388,15 @@ class Engine:
                 # weights, and `torch.save(model.state_dict())` could save one. Both wait for them
                 # first, as eval_step and engine.state_dict() do. Every submodule too: `model.encoder(x)`
                 # or `model.head.state_dict()` read the same buckets (a check of a flag once waited).
+                # First among the module's hooks: one of the user's registered before compile may
+                # read the weights (torch's weight_norm computes `weight` in a forward pre-hook).
                 self._wait_hook = []
                 for m in self.model.modules():
-                    forward = m.register_forward_pre_hook(_WaitForGathers(self))
+                    forward = m.register_forward_pre_hook(_WaitForGathers(self), prepend=True)
                     self._module_state.ignore(forward)  # the engine's own hook: no new trace for it
-                    self._wait_hook += [forward, m.register_state_dict_pre_hook(_WaitForGathers(self, state_dict=True))]
+                    saved = m.register_state_dict_pre_hook(_WaitForGathers(self, state_dict=True))
+                    m._state_dict_pre_hooks.move_to_end(saved.id, last=False)  # (torch has no prepend= for these)
+                    self._wait_hook += [forward, saved]
         else:
             tensors = [p for p in self._unique if p.requires_grad]
         self._owned = [p for p in self._unique if p.requires_grad]

@@ -13,7 +13,8 @@
     repointed_zero12 ZeRO-1/2 fp32: Parameters re-pointed by `p.data = t` (vector_to_parameters)
                   train from the new values as eager does (the buckets kept the old ones)
     raced_write_zero12 ZeRO-1/2 fp32: the module (or a submodule) called right after train_step gives eager's
-                  output (it waits for the step's gathers, as its state_dict() does); an in-place write after engine.synchronize() trains as eager;
+                  output (it waits for the step's gathers, as its state_dict() does, before the
+                  user's own forward / state_dict pre-hooks run); an in-place write after engine.synchronize() trains as eager;
                   one while the step's gathers are in flight is refused at the next step (not by a
                   load_state_dict that replaces it); a deepcopy or pickle of the module is called as any module
     nan_one_rank  Config(nan_check="skip"): a NaN in rank 1's local batch only skips the step on
@@ -48,6 +49,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,11 +101,15 @@ def zero3_module() -> str:
     return "ok"
 
 
-def _tiny_sgd_pair(zero: int) -> tuple:
-    """Tiny under ZeRO-`zero` on 2 ranks with SGD, its eager twin and optimizer, and a batch."""
+def _tiny_sgd_pair(zero: int, pre_hook: Any = None) -> tuple:
+    """Tiny under ZeRO-`zero` on 2 ranks with SGD, its eager twin and optimizer, and a batch;
+    `pre_hook`: a forward and state_dict pre-hook the user put on `model.l` before compiling."""
     torch.manual_seed(0)
     model = Tiny()
     ref = copy.deepcopy(model)
+    if pre_hook is not None:
+        model.l.register_forward_pre_hook(pre_hook)
+        model.l.register_state_dict_pre_hook(pre_hook)
     a, b = torch.randn(4, 4), torch.randn(4, 4)
     engine = fxspeed.compile(model, 2, fxspeed.Config(zero=zero, optimizer="sgd", lr=0.1),
                              example_inputs=local_batch((a, b)))
@@ -137,6 +143,26 @@ def repointed_zero12() -> str:
     return "; ".join(out) or "ok"
 
 
+class _ReadsWeights:
+    """A forward (and state_dict) pre-hook of the user's that reads its module's weights (torch's weight_norm
+    computes `weight` from them in one): it counts the calls made with the step's gathers in
+    flight. A copy of it (deepcopy, pickle) belongs to no engine."""
+
+    def __init__(self) -> None:
+        self.engine: Any = None
+        self.mid_gather = 0
+
+    def __call__(self, module: torch.nn.Module, *args: Any) -> None:
+        if self.engine is not None and self.engine._flat.in_flight:
+            self.mid_gather += 1
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+
 def raced_write_zero12() -> str:
     """ZeRO-1/2 fp32: train_step returns while the updated weights are still being gathered into
     the buckets the module's Parameters view. Calling the module right after the step waits for
@@ -146,7 +172,11 @@ def raced_write_zero12() -> str:
     next step, naming engine.synchronize()."""
     out = []
     for zero in (1, 2):
-        model, ref, (a, b), engine, opt = _tiny_sgd_pair(zero)
+        # A hook of the user's that reads the submodule's weights (torch's weight_norm computes
+        # `weight` in one) was registered before compile: it runs after the engine's wait, too.
+        hook = _ReadsWeights()
+        model, ref, (a, b), engine, opt = _tiny_sgd_pair(zero, hook)
+        hook.engine = engine
         for step in range(2):
             out += _step_both(engine, ref, opt, (a, b), f"zero={zero} step {step}")
             with torch.no_grad():  # a direct call (a validation loss) right after the step
@@ -165,6 +195,19 @@ def raced_write_zero12() -> str:
             if engine._flat.in_flight or not torch.allclose(direct, eager, atol=1e-6):
                 out.append(f"zero={zero} step {step}: a submodule called right after train_step read the weights "
                            f"with the step's gathers in flight (max diff {float((direct - eager).abs().max()):.2e})")
+            if hook.mid_gather:
+                out.append(f"zero={zero} step {step}: a forward pre-hook the user registered before compile ran "
+                           "before the engine's wait for the step's gathers (it read the weights mid-gather)")
+                hook.mid_gather = 0
+            engine.train_step(*local_batch((a, b)))
+            opt.zero_grad()
+            ref(a, b).backward()
+            opt.step()
+            model.l.state_dict()  # a submodule's state_dict() right after the step: the user's pre-hook too
+            if hook.mid_gather:
+                out.append(f"zero={zero} step {step}: a state_dict pre-hook the user registered before compile ran "
+                           "before the engine's wait for the step's gathers")
+                hook.mid_gather = 0
             engine.train_step(*local_batch((a, b)))
             opt.zero_grad()
             ref(a, b).backward()
