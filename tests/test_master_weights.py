@@ -272,3 +272,60 @@ def test_laying_out_master_weights_never_builds_a_full_fp32_copy_of_a_bucket(whe
     assert r["working_pad"] == 0.0
     if where == "elsewhere":
         assert 0 < r["largest_piece"] <= 1 << 18  # asked a piece at a time, never the whole shard
+
+
+class _PieceStore:
+    """A MasterStore that asks for each master 4 elements at a time (pieces cross Parameters, the
+    gap between them and the padding) and keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.masters: dict[int, torch.Tensor] = {}
+
+    def write_master(self, work: torch.Tensor, value) -> None:  # noqa: ANN001 (a tensor or value(start, count))
+        out = self.masters.setdefault(id(work), torch.full((work.numel(),), float("nan")))
+        for s in range(0, work.numel(), 4):
+            n = min(4, work.numel() - s)
+            out[s:s + n] = value[s:s + n] if isinstance(value, torch.Tensor) else value(s, n)
+
+    def read_master(self, work: torch.Tensor) -> torch.Tensor:
+        return self.masters[id(work)].clone()
+
+
+@pytest.mark.parametrize("elsewhere", [False, True])
+def test_each_ranks_master_and_working_bucket_hold_the_parameters_in_flat_order_whatever_their_strides(
+        elsewhere: bool) -> None:
+    """The layout is read from the Parameters piece by piece (no flat copy of the bucket): a
+    transposed and a channels_last Parameter go in their logical order, the gap between two
+    Parameters and the padding are zero, on each of 3 ranks, and capture_from_parameters
+    (after a load) writes the new values the same way."""
+    from fxspeed.ir import Bucket
+    from fxspeed.runtime.flat_parameters import FlatParameters
+
+    def params(seed: int) -> dict[str, torch.nn.Parameter]:
+        g = torch.Generator().manual_seed(seed)
+        return {"t": torch.nn.Parameter(torch.randn(3, 5, generator=g).t()),
+                "c": torch.nn.Parameter(torch.randn(2, 3, 4, 5, generator=g).to(memory_format=torch.channels_last)),
+                "v": torch.nn.Parameter(torch.randn(7, generator=g))}
+
+    def flat(ps: dict[str, torch.Tensor]) -> torch.Tensor:  # t at 0, a gap of 2, c at 17, v at 137; padded to 147
+        return torch.cat([ps["t"].reshape(-1), torch.zeros(2), ps["c"].reshape(-1), ps["v"].reshape(-1), torch.zeros(3)])
+
+    for rank in range(3):
+        bucket = Bucket(0, ["t", "c", "v"], [(5, 3), (2, 3, 4, 5), (7,)], [0, 17, 137], 144, 147)
+        first = params(0)
+        want = flat({n: p.detach() for n, p in first.items()})
+        layout = FlatParameters(first, [bucket], rank=rank, world=3, zero=1, group=None,
+                                work_dtype=torch.bfloat16, masters_elsewhere=elsewhere)
+        store = _PieceStore()
+        if elsewhere:
+            layout.fill(store)
+        lo, hi = 49 * rank, 49 * (rank + 1)
+        assert torch.equal(layout.master_shard(0), want[lo:hi])
+        assert torch.equal(layout.full[0], want.to(torch.bfloat16))
+        loaded = params(1)  # what a load leaves in the (gathered) Parameters
+        for name, p in layout.params.items():
+            p.data = loaded[name].detach()
+        layout.capture_from_parameters()
+        want = flat({n: p.detach() for n, p in loaded.items()})
+        assert torch.equal(layout.master_shard(0), want[lo:hi])
+        assert torch.equal(layout.full[0], want.to(torch.bfloat16))
