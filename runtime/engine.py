@@ -392,6 +392,8 @@ class Engine:
                 # read the weights (torch's weight_norm computes `weight` in a forward pre-hook).
                 self._wait_hook = []
                 for m in self.model.modules():
+                    if isinstance(m, torch.jit.ScriptModule):
+                        continue  # torch refuses hooks there (a scripted submodule called directly does not wait)
                     forward = m.register_forward_pre_hook(_WaitForGathers(self), prepend=True)
                     self._module_state.ignore(forward)  # the engine's own hook: no new trace for it
                     saved = m.register_state_dict_pre_hook(_WaitForGathers(self, state_dict=True))

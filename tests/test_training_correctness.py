@@ -165,11 +165,13 @@ def test_two_rank_correctness_cases(tmp_path: Path) -> None:
     accum_once: grad_accum under ZeRO-0/1 reduces once per step (the last slice's program, the sum
     of every slice) and equals eager on the global batch; tie_second_name: a tie the forward reaches
     through its second name only (T5's shared / encoder.embed_tokens) under ZeRO-3 and ZeRO-1 bf16
-    trains as eager, comes back whole from state_dict and resumes from a checkpoint exactly."""
+    trains as eager, comes back whole from state_dict and resumes from a checkpoint exactly;
+    scripted_submodule: a torch.jit.script'ed submodule (torch refuses hooks on it) under ZeRO-1/2
+    compiles and trains as eager."""
     proc = _worker("all", tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     for case in ("zero3_module", "repointed_zero12", "raced_write_zero12", "pipeline_batchnorm", "pipeline_shared_block", "nan_one_rank", "eval_global", "layout_dp", "token_mean", "no_decay_zero", "accum_once",
-                 "tie_second_name"):
+                 "tie_second_name", "scripted_submodule"):
         for r in range(2):
             got = (tmp_path / f"{case}_rank{r}.txt").read_text()
             assert got == "ok", f"{case} rank {r}: {got}"
