@@ -204,7 +204,7 @@ class FlatParameters:
                 continue
             out[filled - start:lo - start].zero_()
             t = self.params[name].grad if grads else self.params[name]
-            out[lo - start:hi - start].copy_(t.reshape(-1)[lo - off:hi - off])
+            out[lo - start:hi - start].copy_(_flat_range(t, lo - off, hi - off))
             filled = hi
         out[filled - start:].zero_()
         return out
@@ -503,6 +503,18 @@ def _stamp(p: torch.Tensor) -> tuple[int, int]:
     in-place writes bump it; `.data =` of another 0-size tensor (torch's vector_to_parameters
     given these Parameters) points it at another storage."""
     return p._version, p.untyped_storage().data_ptr()
+
+
+def _flat_range(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Elements a..b of `t` in flat (row-major) order. A non-contiguous tensor (transposed,
+    channels_last) is copied only in the rows of its first dimension that hold them: a store asks
+    for a master one piece at a time, and a whole copy per piece cost a full copy of the
+    Parameter each time (a transposed 4096 x 8192 one took 0.98 s to lay out, 0.11 s contiguous)."""
+    if t.is_contiguous() or t.dim() == 0:
+        return t.reshape(-1)[a:b]
+    row = t[0].numel()
+    r0, r1 = a // row, -(-b // row)
+    return t[r0:r1].reshape(-1)[a - r0 * row:b - r0 * row]
 
 
 def _numel(shape: tuple[int, ...]) -> int:
