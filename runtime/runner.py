@@ -59,7 +59,7 @@ and overhead time per rank, and per-stage compute times.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import time
