@@ -646,3 +646,23 @@ def test_a_fit_point_the_model_refuses_is_said_to_be_the_fits_size_not_the_examp
     x, y = torch.zeros(8, 4, dtype=torch.long), torch.zeros(32, dtype=torch.long)
     with pytest.raises(fxspeed.ConfigError, match=r"at batch=4 \(example: batch=8\) the model refused them"):
         fxspeed.plan(Flat(), 1, example_inputs=(x, y), dynamic={0: {0: "batch"}})
+
+
+def test_gradient_accumulation_plans_the_earlier_slices_gradients_the_step_keeps() -> None:
+    """A step of grad_accum slices keeps the earlier slices' gradients while the next slice runs
+    (ZeRO-0/1 over replicas: their unreduced flat buckets; ZeRO-2/3: the reduced shards). The plan,
+    of one slice's program, counted none: the same at grad_accum=2 as at 1 (GPT 6 x 512, 2 ranks,
+    fp32 ZeRO-1, 2 x 64 tokens a slice: measured 267 MB at grad_accum=1, 447 at 2; planned 268 and 300,
+    now 376)."""
+    from fxspeed.ir import GRADIENTS
+
+    model = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=128))
+    grads = sum(p.numel() * 4 for p in model.parameters())
+
+    def gradients(zero: int, accum: int) -> int:
+        ids = torch.zeros(2 * accum, 16, dtype=torch.long)  # the same slice either way
+        cfg = fxspeed.Config(zero=zero, grad_accum=accum, disable_passes=("step_in_backward", "step_buckets_in_backward"))
+        return fxspeed.plan(model, 2, cfg, example_inputs=(ids, ids)).memory(0)[GRADIENTS]
+
+    for zero, kept in ((0, grads), (1, grads), (2, grads / 2), (3, grads / 2)):
+        assert gradients(zero, 2) - gradients(zero, 1) == pytest.approx(kept, rel=1e-6), zero
