@@ -188,10 +188,7 @@ def raced_write_zero12() -> str:
                            f"eager {eager}")
             if engine._flat.in_flight:  # (the mix above shows only when a gather lands late: a race)
                 out.append(f"zero={zero} step {step}: the module was called with the step's gathers in flight")
-            engine.train_step(*local_batch((a, b)))
-            opt.zero_grad()
-            ref(a, b).backward()
-            opt.step()
+            out += _step_both(engine, ref, opt, (a, b), f"zero={zero} step {step}.1")
             with torch.no_grad():  # a submodule called on its own right after the step waits too
                 direct, eager = model.l(a), ref.l(a)
             if engine._flat.in_flight or not torch.allclose(direct, eager, atol=1e-6):
@@ -201,19 +198,13 @@ def raced_write_zero12() -> str:
                 out.append(f"zero={zero} step {step}: a forward pre-hook the user registered before compile ran "
                            "before the engine's wait for the step's gathers (it read the weights mid-gather)")
                 hook.mid_gather = 0
-            engine.train_step(*local_batch((a, b)))
-            opt.zero_grad()
-            ref(a, b).backward()
-            opt.step()
+            out += _step_both(engine, ref, opt, (a, b), f"zero={zero} step {step}.2")
             model.l.state_dict()  # a submodule's state_dict() right after the step: the user's pre-hook too
             if hook.mid_gather:
                 out.append(f"zero={zero} step {step}: a state_dict pre-hook the user registered before compile ran "
                            "before the engine's wait for the step's gathers")
                 hook.mid_gather = 0
-            engine.train_step(*local_batch((a, b)))
-            opt.zero_grad()
-            ref(a, b).backward()
-            opt.step()
+            out += _step_both(engine, ref, opt, (a, b), f"zero={zero} step {step}.3")
             saved = {k: v.clone() for k, v in model.state_dict().items()}  # torch.save(model.state_dict()) right after
             if engine._flat.in_flight:
                 out.append(f"zero={zero} step {step}: the module's state_dict was read with the step's gathers in flight")
