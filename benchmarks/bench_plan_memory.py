@@ -26,6 +26,8 @@ import dataclasses
 import gc
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,18 +35,14 @@ import torch.distributed as dist
 import fxspeed
 from fxspeed.models import GPT, GPTConfig
 
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from benchmarks.workers.dp_worker import reset_peak, status_kb  # noqa: E402 (after the path)
+
 
 def rss_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := the current RSS
+    return status_kb(field) * 1024
 
 
 def config_of(mode: str, nvme: str | None) -> fxspeed.Config:
