@@ -8,12 +8,13 @@ for compile and for the training steps apart.
 `--mode`: "+"-joined parts: z0..z3 (ZeRO stage), fp32 / bf16 (precision), opt (offload="optimizer"),
 all (offload="all"), gaK (grad_accum=K; --batch is then the whole step's). Models: fxspeed's GPT
 (`--model gpt`) or HF Llama with grouped-query attention (`--model llama`), random init, from
-`--layers`, `--width`, `--vocab`.
+`--layers`, `--width`, `--vocab`. `--meta`: the model is built under `fxspeed.parameters_on_meta()`
+and compile gives it its values one bucket at a time (deferred init).
 
 Measured from outside fxspeed's counters: the kernel's peak RSS (VmHWM) of this process, reset by
 writing "5" to /proc/self/clear_refs once the model is built and again after compile; growth over
 the RSS before compile, plus the model's fp32 parameter bytes (the model sits in that baseline),
-as the suite's memory tests count it. `steady` is the RSS between steps after the last one. The
+as the suite's memory tests count it (with `--meta` the baseline holds no parameters: growth alone). `steady` is the RSS between steps after the last one. The
 plan counts tensors only: on small models the process's own memory (compiled programs, malloc's
 arena: 20-35 MB) shows as a plan below the measured step. Set the MALLOC_ variables, or freed
 tensors stay in glibc's heap and every peak reads high. One JSON line per rank on stdout.
@@ -22,6 +23,7 @@ tensors stay in glibc's heap and every peak reads high. One JSON line per rank o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -91,6 +93,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--nvme", default=None, help="offload directory (exists, same on every rank)")
+    ap.add_argument("--meta", action="store_true", help="build on the meta device; compile materializes it")
     a = ap.parse_args()
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -104,7 +107,8 @@ def main() -> None:
     del tiny
     gc.collect()
 
-    model, hf = build(a)
+    with fxspeed.parameters_on_meta() if a.meta else contextlib.nullcontext():
+        model, hf = build(a)
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
     batch: dict = {"input_ids": ids, "labels": ids} if hf else {}
     args = () if hf else (ids, ids)
@@ -122,10 +126,10 @@ def main() -> None:
     gc.collect()
     steady = rss_bytes("VmRSS")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    model_bytes = 4 * engine.plan.n_params
+    model_bytes = 0 if a.meta else 4 * engine.plan.n_params  # (the fp32 model sits in the baseline)
     plan = engine.plan.peak_memory(rank)
     mb = lambda b: round(b / 1e6, 1)  # noqa: E731
-    print(json.dumps({"rank": rank, "world": world, "mode": a.mode, "model": a.model,
+    print(json.dumps({"rank": rank, "world": world, "mode": a.mode + ("+meta" if a.meta else ""), "model": a.model,
                       "plan_mb": mb(plan), "compile_mb": mb(compiled - base + model_bytes),
                       "step_mb": mb(stepped - base + model_bytes), "steady_mb": mb(steady - base + model_bytes),
                       "plan_over_step": round(plan / (stepped - base + model_bytes), 3),

@@ -12,6 +12,7 @@ from .api import compile, plan, serve  # noqa: A004
 from .compiler.capture import extract_loss
 from .config import Config
 from .devices import PRESETS, DeviceSpec, devices, measured_cpu
+from .runtime.deferred_init import materialize, parameters_on_meta
 from .runtime.engine import Engine
 from .errors import CaptureError, ConfigError, FxspeedError, PassError
 from .planner.plan import Plan
@@ -19,4 +20,5 @@ from .runtime.serving import GenerationError, RequestError
 
 __version__ = "0.1.0"
 __all__ = ["CaptureError", "Config", "ConfigError", "DeviceSpec", "Engine", "FxspeedError", "GenerationError",
-           "PRESETS", "PassError", "Plan", "RequestError", "compile", "devices", "extract_loss", "measured_cpu", "plan", "serve"]
+           "PRESETS", "PassError", "Plan", "RequestError", "compile", "devices", "extract_loss", "materialize",
+           "measured_cpu", "parameters_on_meta", "plan", "serve"]

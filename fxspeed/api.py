@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -14,9 +14,11 @@ from fxspeed.config import Config
 from fxspeed.devices import DeviceSpec, normalize_devices
 from fxspeed.compiler import Compiler
 from fxspeed.mesh import Mesh
+from fxspeed.runtime.deferred_init import DeferredInit, has_meta_tensors
 from fxspeed.runtime.engine import Engine, check_pipeline_config
 from fxspeed.runtime.serving import check_pack_linear
 from fxspeed.errors import ConfigError
+from fxspeed.ir.batch import split_inputs
 from fxspeed.global_state import refuse_autocast
 from fxspeed.planner.plan import Plan
 from fxspeed.planner import plan_model
@@ -52,26 +54,38 @@ def _check_model(model: Any, where: str) -> None:
 
 
 def compile(model: nn.Module, devices: Devices = 1, config: Config | dict | str | None = None, *,  # noqa: A001
-            example_inputs: ExampleInputs, loss_fn: LossFn | None = None) -> Engine:
+            example_inputs: ExampleInputs, loss_fn: LossFn | None = None,
+            init: Callable[[nn.Module], None] | None = None) -> Engine:
     """Compile `model`'s training step for `devices`; returns an Engine.
 
     The example batch is traced (on fake tensors) so the plan is ready at once; batches of
     other shapes are traced when first seen. `example_inputs`: a tuple of forward's positional
     arguments, a dict of its keyword arguments, or an (args tuple, kwargs dict) pair for both (as
     torch.export takes them).
+
+    A model built on the meta device (`with fxspeed.parameters_on_meta():`) is given its values
+    by the engine, one gradient bucket at a time, each rank keeping what its layout keeps (ZeRO's
+    shards): `init(module)` fills a module's own tensors (default: a Hugging Face model's
+    `_init_weights`, else the module's `reset_parameters()`), under a generator seeded from
+    Config.seed (None: 0) and the module's name; `fxspeed.materialize(model, init, seed)` makes the
+    same values eagerly.
     """
     _check_model(model, "compile")
     refuse_autocast("fxspeed.compile")
     cfg = Config.coerce(config)
     cfg.check_supported()
     devs = normalize_devices(devices)
-    if any(p.is_meta for p in model.parameters()):
-        raise ConfigError("compile: the model has parameters on the meta device; materialize it (model.to_empty(...) "
-                          "and initialize) or use fxspeed.plan() which needs no real memory")
     _say_parameters_outside_precision(model, cfg)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     args, kwargs = _split_example(example_inputs, "compile")
+    deferred = None
+    if has_meta_tensors(model):
+        deferred = DeferredInit(model, _device_of(args, kwargs, devs), seed=cfg.seed or 0, init=init)
+    elif init is not None:
+        raise ConfigError(f"compile: init= gives values to a model built on the meta device; {type(model).__name__} "
+                          "holds none there (it has its values already). Drop init=, or build the model under "
+                          "`with fxspeed.parameters_on_meta():`")
     if cfg.pipeline > 1:
         check_pipeline_config(cfg, len(devs))
     analyses = []
@@ -83,9 +97,21 @@ def compile(model: nn.Module, devices: Devices = 1, config: Config | dict | str 
     mesh = Mesh.join(len(devs), cfg.dist_timeout_s, pp=cfg.pipeline, tp=cfg.tensor)
     with torch.inference_mode(False):  # the engine's state made under inference_mode could not be stepped outside it
         engine = Engine(model, devs, cfg, loss_fn, compiler=Compiler(cfg, mesh, loss_fn, analyses=analyses,
-                                                                     device=devs[mesh.rank % len(devs)]), mesh=mesh)
+                                                                     device=devs[mesh.rank % len(devs)]), mesh=mesh,
+                        deferred=deferred)
         engine.compile(args, kwargs)
     return engine
+
+
+def _device_of(args: tuple, kwargs: dict, devs: list) -> torch.device:
+    """Where a meta model's values go: the example batch's device, else the devices' kind (a CUDA
+    rank's current device)."""
+    for t in split_inputs(args, kwargs)[0]:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    if devs[0].kind == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _say_parameters_outside_precision(model: nn.Module, cfg: Config) -> None:

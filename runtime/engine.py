@@ -50,6 +50,7 @@ from fxspeed.mesh import (Mesh, check_agreement, check_same_everywhere, check_sa
 from fxspeed.planner import costs_reader, finish_plan
 from fxspeed.planner.estimate import offload_chunk_bytes, staging_on_device, warn_over_budget
 from fxspeed.planner.plan import Plan
+from fxspeed.runtime.deferred_init import DeferredInit
 from fxspeed.runtime.executor import StepExecutor
 from fxspeed.runtime.flat_parameters import FlatParameters, gather_into
 from fxspeed.runtime.host_memory import release_freed_host_memory
@@ -155,8 +156,13 @@ class Engine:
     """
 
     def __init__(self, model: nn.Module, devices: Sequence[DeviceSpec], config: Config, loss_fn: Any,
-                 compiler: CompilerLike, mesh: Mesh):
+                 compiler: CompilerLike, mesh: Mesh, deferred: DeferredInit | None = None):
+        """`deferred`: `model` was built on the meta device; its values are made as the layout is
+        built (one bucket at a time under ZeRO / master weights)."""
         self.model = model
+        self._deferred = deferred
+        if deferred is not None:
+            deferred.materialize_buffers()
         self.devices = list(devices)
         self.config = config
         self.loss_fn = loss_fn
@@ -189,7 +195,8 @@ class Engine:
         self.scaler: DynamicLossScaler | None = None
         self._activations: ActivationOffload | None = None  # Config.offload="activations"/"all"
         self._link: DeviceLink | None = None  # optimizer / parameter offload from a device: its host tier
-        self._device = next((p.device for p in self._unique), torch.device("cpu"))
+        self._device = deferred.device if deferred is not None else next((p.device for p in self._unique),
+                                                                          torch.device("cpu"))
         self._scale = torch.ones((), dtype=torch.float32, device=self._device)  # the graph's loss_scale input
         if config.precision == "fp16":
             self.scaler = DynamicLossScaler(config.loss_scale or 2.0**16, config.loss_scale_window,
@@ -317,6 +324,7 @@ class Engine:
                     cap.gm, cap.signature, self.mesh.group_name("tp"))
                 self.plan.notes.append(TP_PLAN_NOTE)
         if self._tp is not None:
+            self._materialize_all()  # tensor parallelism slices whole Parameters
             self._apply_tp_layout(cap.signature)
         if train and self.optimizer is None:
             self._setup_state(cap.signature)
@@ -370,7 +378,8 @@ class Engine:
             self._flat = FlatParameters(canonical, sig.buckets, rank=self.dp_rank, world=self.dp_size,
                                         zero=self.config.zero, group=self.mesh.group("dp"),
                                         gather_group=gather_group, work_dtype=work_dtype, masters_elsewhere=elsewhere,
-                                        working_in_files=in_files)
+                                        working_in_files=in_files, device=self._device,
+                                        materialize=self._deferred.materialize if self._deferred else None)
             if in_files:
                 # ZeRO-Infinity's parameter tier: the working shards go to files before anything
                 # writes them (fill), and the programs read them from there by the store's name.
@@ -400,6 +409,7 @@ class Engine:
                     m._state_dict_pre_hooks.move_to_end(saved.id, last=False)  # (torch has no prepend= for these)
                     self._wait_hook += [forward, saved]
         else:
+            self._materialize_all()
             tensors = [p for p in self._unique if p.requires_grad]
         self._owned = [p for p in self._unique if p.requires_grad]
         self._counted = list(self._owned)
@@ -408,8 +418,14 @@ class Engine:
             self.optimizer.working_sink = self._flat.files.write_piece
         if self._flat is not None and self._flat.masters_elsewhere:
             self._flat.fill(self.optimizer)
+        self._materialize_all()  # what no bucket holds: frozen Parameters
         if self._flat is not None and self._flat.released and self._device.type == "cpu":
             release_freed_host_memory()  # the module's fp32 Parameters, now empty
+
+    def _materialize_all(self) -> None:
+        """A model built on the meta device: every tensor still without values gets them now."""
+        if self._deferred is not None and not self._deferred.done:
+            self._deferred.materialize_all()
 
     def _guard_released_module(self, released: list[nn.Parameter], where: str, also: str,
                                partial: Callable[[torch.Tensor], bool] | None = None) -> None:
@@ -479,7 +495,8 @@ class Engine:
         put in place of one (module.weight = nn.Parameter(...), load_state_dict(assign=True))
         would be ignored by the programs, which read the old one. So would a buffer (`m.buf = t`,
         `bn.running_mean = torch.zeros(...)`), while engine.state_dict() showed the new one."""
-        kinds = [(n, p.dtype, p.device) for n, p in self._params.items()]
+        # (a meta Parameter is one deferred init has not given its values yet: where it will be)
+        kinds = [(n, p.dtype, self._device if p.is_meta else p.device) for n, p in self._params.items()]
         if self._kinds is None:
             self._kinds = kinds
         elif kinds != self._kinds:
@@ -715,6 +732,7 @@ class Engine:
                                    analyze=costs_reader(micro_cfg, self.devices[:1]))
         self.programs, self.schedule, self._grad_divisor = cp.stages, cp.schedule, cp.grad_divisor
         self._traced_state = self._python_state(True)
+        self._materialize_all()  # (whole, then each rank drops the stages it does not run)
         if self._tp is not None:  # slice before the other stages' weights are freed (shapes stay full)
             self._tp.apply(self._params, cp.captured.signature.tp_layout)
         mine = {s: self.programs[s] for s in self.stages}

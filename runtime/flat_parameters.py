@@ -75,13 +75,17 @@ class FlatParameters:
     def __init__(self, params: dict[str, nn.Parameter], buckets: list[Bucket], *, rank: int, world: int,
                  zero: int, group: dist.ProcessGroup | None, gather_group: dist.ProcessGroup | None = None,
                  work_dtype: torch.dtype | None = None, masters_elsewhere: bool = False,
-                 working_in_files: bool = False):
+                 working_in_files: bool = False, materialize: Callable[[list[nn.Parameter]], None] | None = None,
+                 device: torch.device | None = None):
         """`gather_group` (same ranks as `group`) carries deferred post-step gathers, so the next
         step's small collectives on `group` do not queue behind them; without it none are deferred.
         `work_dtype`: the program reads working copies in this dtype and the shards are fp32
         masters (zero >= 1). `masters_elsewhere`: the masters live in a MasterStore; call
         `fill(store)` before the first step. `working_in_files` (zero 3 with master weights,
-        parameter offload): the working shards go to files (`offload_working`), on one rank too."""
+        parameter offload): the working shards go to files (`offload_working`), on one rank too.
+        `materialize(params)`: called with each bucket's Parameters just before they are read (a
+        model built on the meta device gets its values one bucket at a time: runtime/deferred_init.py;
+        `device` says where then)."""
         self.params = params  # canonical name -> Parameter (tied aliases resolved by the caller)
         self.buckets = buckets
         # One rank: its shard is the whole bucket, nothing is gathered (zero 3 has no gathers in
@@ -108,14 +112,16 @@ class FlatParameters:
         self._working: dict[str, torch.Tensor] = {}  # canonical name -> view into a working bucket
         self._versions: dict[str, tuple[int, int]] = {}  # released Parameter -> (version, storage) then
         self.store: MasterStore | None = None
+        self._materialize = materialize or (lambda params: None)
+        self.device = device or next(iter(params.values())).device  # given where the Parameters are on meta
         self.masters_elsewhere = masters_elsewhere and self.master
         if self.masters_elsewhere:
             for b in buckets:  # empty: filled by fill(store)
                 lo, hi = self._range(b)
-                work = torch.empty(b.padded, dtype=work_dtype, device=params[b.names[0]].device) if zero < 3 else None
+                work = torch.empty(b.padded, dtype=work_dtype, device=self.device) if zero < 3 else None
                 self._add_working(b, work)
                 self.work_shards.append(work[lo:hi] if work is not None else
-                                        torch.empty(hi - lo, dtype=work_dtype, device=params[b.names[0]].device))
+                                        torch.empty(hi - lo, dtype=work_dtype, device=self.device))
             self.shards = self.work_shards  # what the optimizer steps; its masters are in the store
         # One bucket at a time: each Parameter is re-pointed (or released) as soon as its bucket
         # is built, so building the layout never holds a second copy of the model. Sharded layouts
@@ -123,6 +129,7 @@ class FlatParameters:
         # flat copy of a bucket (two buckets' worth of working bytes) is never made.
         with torch.no_grad():
             for b in buckets if not self.masters_elsewhere else ():
+                self._materialize([params[n] for n in b.names])
                 lo, hi = self._range(b)
                 if self.master:
                     self.shards.append(self._values(b, lo, hi - lo))
@@ -176,6 +183,7 @@ class FlatParameters:
         one bucket at a time (each bucket's Parameters are released as soon as it is done)."""
         self.store = store
         for k, b in enumerate(self.buckets):
+            self._materialize([self.params[n] for n in b.names])
             self._write_from_parameters(k)
             self._release(b)
 

@@ -167,11 +167,12 @@ def test_two_rank_correctness_cases(tmp_path: Path) -> None:
     through its second name only (T5's shared / encoder.embed_tokens) under ZeRO-3 and ZeRO-1 bf16
     trains as eager, comes back whole from state_dict and resumes from a checkpoint exactly;
     scripted_submodule: a torch.jit.script'ed submodule (torch refuses hooks on it) under ZeRO-1/2
-    compiles and trains as eager."""
+    compiles and trains as eager; deferred_init: a GPT built on the meta device, compiled on 2 ranks
+    (ZeRO-2/3, ZeRO-1 bf16), trains as one process from fxspeed.materialize of it."""
     proc = _worker("all", tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     for case in ("zero3_module", "repointed_zero12", "raced_write_zero12", "pipeline_batchnorm", "pipeline_shared_block", "nan_one_rank", "eval_global", "layout_dp", "token_mean", "no_decay_zero", "accum_once",
-                 "tie_second_name", "scripted_submodule"):
+                 "tie_second_name", "scripted_submodule", "deferred_init"):
         for r in range(2):
             got = (tmp_path / f"{case}_rank{r}.txt").read_text()
             assert got == "ok", f"{case} rank {r}: {got}"

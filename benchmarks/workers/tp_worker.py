@@ -57,7 +57,7 @@ def build(a: argparse.Namespace) -> GPT:
                           n_embd=a.width, dropout=a.dropout))
     for block in model.blocks:
         block.attn = SplitQKVAttention(a.width, a.width // 64, a.dropout)
-    model.apply(GPT._init)
+    model.apply(model._init_weights)
     return model
 
 

@@ -917,8 +917,9 @@ def fake_model_state(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[tu
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     made: dict[int, torch.Tensor] = {}
     # Meta parameters beside real ones (the engine's stand-ins for weights a rank holds only part
-    # of) are faked on the real ones' device; an all-meta model (fxspeed.plan) on the CPU.
-    home = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+    # of) are faked on the real ones' device, or the buffers' (a model built under
+    # fxspeed.parameters_on_meta); an all-meta model (fxspeed.plan) on the CPU.
+    home = next((t.device for t in (*model.parameters(), *model.buffers()) if not t.is_meta), torch.device("cpu"))
 
     def fake(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in made:

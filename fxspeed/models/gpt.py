@@ -85,14 +85,17 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(c.n_embd)
         self.head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied
-        self.apply(self._init)
+        self.apply(self._init_weights)
 
-    @staticmethod
-    def _init(m: nn.Module) -> None:
+    def _init_weights(self, m: nn.Module) -> None:
+        """One module's own weights (Hugging Face's name for it: a model built on the meta device
+        is given its values module by module through it, see fxspeed.materialize)."""
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif hasattr(m, "reset_parameters"):  # norms: ones and zeros
+            m.reset_parameters()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         T = idx.shape[1]

@@ -38,6 +38,9 @@
                   the trained weight under both names (it came back 0-size under ZeRO-3), equal
                   to eager; save, load into a fresh engine and one more step equals three
                   uninterrupted steps
+    deferred_init a GPT built on the meta device, ZeRO-2/3 fp32 and ZeRO-1 bf16 on 2 ranks: each rank
+                  makes the values as its layout is built; equals one process's AdamW on the global
+                  batch from fxspeed.materialize of the same model
     no_decay_zero Config.no_weight_decay=("1d",) under ZeRO-0..3 with buckets so small that the
                   flat shards cut Parameters: equals one process's AdamW with the 1-D parameters
                   in a param group with weight_decay=0
@@ -578,7 +581,38 @@ def pipeline_shared_block() -> str:
     return "; ".join(out + state_errors(engine, ref)) or "ok"
 
 
-CASES = {"zero3_module": zero3_module, "pipeline_batchnorm": pipeline_batchnorm,
+def deferred_init() -> str:
+    """A GPT built under fxspeed.parameters_on_meta, compiled on 2 ranks (ZeRO-2 fp32, ZeRO-3 fp32,
+    ZeRO-1 bf16 with master weights): each rank makes the buckets' values as its layout is built;
+    three steps equal one process's AdamW on the global batch from `fxspeed.materialize` of the
+    same meta model (the values are the same on every rank and in every layout)."""
+    from fxspeed.models import GPT, GPTConfig
+
+    out = []
+    cfg = GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=8, dropout=0.0)
+    x = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    for kw in (dict(zero=2), dict(zero=3), dict(zero=1, precision="bf16")):
+        with fxspeed.parameters_on_meta():
+            meta = GPT(cfg)
+        ref = fxspeed.materialize(copy.deepcopy(meta), seed=7)
+        engine = fxspeed.compile(meta, 2, fxspeed.Config(lr=1e-2, eps=1e-3, seed=7, bucket_mb=0.01, **kw),
+                                 example_inputs=local_batch((x, x)))
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3, weight_decay=engine.config.weight_decay)
+        tol = 1e-5 if engine.config.precision == "fp32" else 2e-2
+        for step in range(3):
+            got = engine.train_step(*local_batch((x, x)))
+            opt.zero_grad()
+            want = ref(x, x)
+            want.backward()
+            opt.step()
+            if abs(got - want.item()) > tol * abs(want.item()):
+                out.append(f"{kw} step {step}: {got} != eager {want.item()}")
+        if engine.config.precision == "fp32":
+            out += state_errors(engine, ref, prefix=f"{kw} ")
+    return "; ".join(out) or "ok"
+
+
+CASES = {"zero3_module": zero3_module, "deferred_init": deferred_init, "pipeline_batchnorm": pipeline_batchnorm,
          "pipeline_shared_block": pipeline_shared_block, "repointed_zero12": repointed_zero12, "raced_write_zero12": raced_write_zero12, "token_mean": token_mean, "nan_one_rank": nan_one_rank, "eval_global": eval_global, "layout_dp": layout_dp,
          "no_decay_zero": no_decay_zero, "accum_once": accum_once, "tie_second_name": tie_second_name,
          "scripted_submodule": scripted_submodule}
