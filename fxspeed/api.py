@@ -223,7 +223,8 @@ def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | 
                           "serving runs on one device or tensor-parallel over all of them: give devices=1, or "
                           "devices=N with Config(tensor=N) (no data-parallel replicas or pipeline stages yet)")
     if any(p.is_meta for p in model.parameters()):
-        raise ConfigError("serve: the model has parameters on the meta device; materialize and load it first")
+        raise ConfigError("serve: the model has parameters on the meta device; give it its values first "
+                          "(fxspeed.materialize(model), then load_state_dict of your weights)")
     check_pack_linear(pack_linear)
     if cuda_graphs and (cfg.tensor > 1 or not all(d.kind == "cuda" for d in devs)):
         raise ConfigError(f"serve: cuda_graphs=True needs one CUDA device (devices: {[d.name for d in devs]}, "
