@@ -8,6 +8,7 @@ with them in memory.
     python benchmarks/bench_offload.py --nproc 1 --layers 48 --width 1600 --zero 1 --precision bf16 \
         --batch 1 --seq 64 --modes nvme --rounds 1 --warmup 1 --steps 2 --skip-bandwidth \
         --out big.json   # 1.5B, one process: bf16 working copies, fp32 masters + Adam in the file
+                         # (+ --meta: built on the meta device, so building never holds the fp32 model)
     python benchmarks/bench_offload.py --nproc 1 --layers 48 --width 1600 --zero 3 --precision bf16 \
         --batch 1 --seq 64 --modes nvme,all --rounds 1 --warmup 1 --steps 2 --skip-bandwidth \
         --out big3.json  # the same with the bf16 working shards in files too (ZeRO-Infinity)
@@ -77,7 +78,7 @@ def launch(mode: str, a: argparse.Namespace, out: Path, swap: str) -> list[dict]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}", str(WORKER),
            "--mode", mode, "--layers", str(a.layers), "--width", str(a.width), "--batch", str(a.batch),
            "--seq", str(a.seq), "--zero", str(a.zero), "--precision", a.precision, "--warmup", str(a.warmup), "--steps", str(a.steps),
-           "--nvme-path", swap, "--out", str(out)]
+           "--nvme-path", swap, "--out", str(out)] + (["--meta"] if a.meta else [])
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=a.launch_timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} launch failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -100,6 +101,8 @@ def main() -> None:
     ap.add_argument("--nvme-path", default=None, help="directory for the swap files (default: a temp dir)")
     ap.add_argument("--launch-timeout", type=float, default=3600)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--meta", action="store_true", help="build the model under fxspeed.parameters_on_meta(): compile "
+                    "gives it its values bucket by bucket, never holding the fp32 model (not with --deepspeed)")
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-bandwidth", action="store_true")
     ap.add_argument("--modes", default="plain,nvme",

@@ -12,6 +12,7 @@ kernel's counter, nothing of ours), and VmRSS right after the model is built. Wr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -67,6 +68,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--nvme-path", default="/tmp")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--meta", action="store_true", help="build on the meta device (compile materializes it)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.mode == "ds":
@@ -77,7 +79,10 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=8192, block_size=a.seq, n_layer=a.layers, n_head=a.width // 64, n_embd=a.width))
+    if a.meta and a.mode == "ds":
+        raise SystemExit("--meta: DeepSpeed's engine takes a built model")
+    with fxspeed.parameters_on_meta() if a.meta else contextlib.nullcontext():
+        model = GPT(GPTConfig(vocab_size=8192, block_size=a.seq, n_layer=a.layers, n_head=a.width // 64, n_embd=a.width))
     n_params = sum(p.numel() for p in model.parameters())
     rss_model = status_kb("VmRSS")
     g = torch.Generator().manual_seed(rank)
@@ -104,7 +109,7 @@ def main() -> None:
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         if step >= a.warmup:
             times.append(float(dt))
-    record = {"mode": a.mode, "rank": rank, "world": world, "n_params": n_params, "zero": a.zero,
+    record = {"mode": a.mode, "meta": a.meta, "rank": rank, "world": world, "n_params": n_params, "zero": a.zero,
               "precision": a.precision, "rss_after_compile_kb": rss_compiled,
               "tokens_per_rank": a.batch * a.seq, "step_times_s": times, "losses": losses,
               "rss_after_model_kb": rss_model, "peak_rss_kb": max(peak_build, status_kb("VmHWM")),
