@@ -25,10 +25,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import zlib
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxspeed.errors import ConfigError
 
@@ -42,36 +43,60 @@ def has_meta_tensors(model: nn.Module) -> bool:
 
 
 class DeferredInit:
-    """The meta tensors of `model` and how to give them values on `device`.
+    """The meta tensors of `model` and how to give them values on `device`, as if
+    `model.apply(init)` ran (children before parents) with each module's call under its own seed.
 
-    `materialize(params)` gives values to the modules holding those Parameters (each module once,
-    all its own meta tensors together); `materialize_all()` to every module still holding meta
-    tensors. The Parameter objects stay the same (only `.data` changes): the engine keys its
-    layout, hooks and optimizer on them."""
+    A probe first runs every module's init with the meta tensors in place and the writes skipped,
+    to see what each writes: its own tensors, or a child's (transformers' GPT-2 rescales `c_proj`
+    from its attention and MLP modules). The modules whose inits write a tensor, and those holding
+    it, are one group, made together: `materialize(params)` makes the groups of those Parameters,
+    `materialize_all()` the rest. The Parameter objects stay the same (only their memory changes):
+    the engine keys its layout, hooks and optimizer on them."""
 
     def __init__(self, model: nn.Module, device: torch.device | str, seed: int = 0, init: InitFn | None = None):
         self.model, self.device, self.seed, self.init = model, torch.device(device), seed, init
-        self._name = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
-        self._order = {id(m): i for i, m in enumerate(model.modules())}
-        self._made: set[int] = set()  # ids of the tensors given memory here
-        self._pending: dict[int, nn.Module] = {}  # id(module) -> module holding meta tensors of its own
-        self._owners: dict[int, list[nn.Module]] = {}  # id(Parameter) -> the modules holding it, in module order
-        for m in model.modules():
-            own = [t for t in (*m._parameters.values(), *m._buffers.values()) if t is not None and t.is_meta]
-            if own:
-                self._pending[id(m)] = m
-                for p in m._parameters.values():
-                    if p is not None and p.is_meta:
-                        self._owners.setdefault(id(p), []).append(m)
         self._hf_init = getattr(model, "_init_weights", None) if init is None else None
-        missing = [m for m in self._pending.values() if self._init_of(m) is None]
-        if missing:
-            m = missing[0]
+        self._name = {id(m): name for name, m in reversed(list(model.named_modules(remove_duplicate=False)))}
+        self._post = _post_order(model)  # model.apply's order: a module after its children
+        self._made: set[int] = set()  # ids of the tensors given memory here
+        self._tensors = {id(t): t for m in self._post for t in _own(m)}
+        meta = {i for i, t in self._tensors.items() if t.is_meta}
+        # what each init writes (probed), and the groups: union of a module's init with the tensors it writes
+        self._writes: dict[int, set[int]] = {}
+        parent: dict[int, int] = {i: i for i in meta}
+
+        def find(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        for m in self._post:
+            fn = self._init_of(m)
+            if fn is None:
+                continue
+            wrote = self._probe(m, fn) & meta
+            if wrote:
+                self._writes[id(m)] = wrote
+                first = find(next(iter(wrote)))
+                for i in wrote:
+                    parent[find(i)] = first
+            for t in _own(m):  # a module's own meta tensors go with it (made together, checked together)
+                if id(t) in meta and wrote:
+                    parent[find(id(t))] = find(next(iter(wrote)))
+        untouched = [i for i in meta if not any(i in w for w in self._writes.values())]
+        if untouched:
+            holder = next(m for m in self._post if any(id(t) == untouched[0] for t in _own(m)))
             raise ConfigError(
-                f"{self._where(m)} holds tensors on the meta device and has no reset_parameters() to give them values"
-                f"{f' (and {len(missing) - 1} more modules)' if len(missing) > 1 else ''}. Pass "
+                f"{self._where(holder)} holds tensors on the meta device that no init gives values to"
+                f"{f' ({len(untouched)} tensors in all)' if len(untouched) > 1 else ''}: it has no reset_parameters()"
+                f"{' and the init given does not write them' if init is not None else ''}. Pass "
                 "fxspeed.compile(..., init=fn), where fn(module) fills the module's own parameters and buffers "
-                "(recurse=False), or build the model with real weights")
+                "(it is called on every module, children first, as model.apply(fn) would), or build the model "
+                "with real weights" + (_LOST_BUFFER if any(any(i == id(b) for b in self._buffers()) for i in untouched)
+                                       else ""))
+        self._group_of = {i: find(i) for i in meta}
+        self._pending = set(self._group_of.values())  # group roots not made yet
 
     def _where(self, m: nn.Module) -> str:
         name = self._name[id(m)]
@@ -90,84 +115,138 @@ class DeferredInit:
         reset = getattr(m, "reset_parameters", None)
         return (lambda module: reset()) if callable(reset) else None
 
+    def _probe(self, m: nn.Module, fn: InitFn) -> set[int]:
+        """ids of the tensors `fn(m)` writes, found by running it with every write skipped. An init
+        that cannot run on meta tensors (reads a value) is taken to write all of m's subtree."""
+        probe = _WriteProbe()
+        try:
+            with probe, torch.no_grad():
+                fn(m)
+        except Exception as e:  # noqa: BLE001 (any failure: fall back to the widest group)
+            log.debug("fxspeed: probing the init of %s failed (%s); its subtree is made as one group", self._where(m), e)
+            return {id(t) for sub in m.modules() for t in _own(sub)}
+        return probe.written
+
     def materialize_buffers(self) -> None:
-        """Modules holding meta buffers, now: the programs read buffers whole from the first step
+        """The groups holding meta buffers, now: the programs read buffers whole from the first step
         (and they are small)."""
-        for m in [m for m in self._pending.values() if any(b is not None and b.is_meta for b in m._buffers.values())]:
-            self._materialize(m)
+        for m in self._post:
+            for t in m._buffers.values():
+                if t is not None and id(t) in self._group_of:
+                    self._make(self._group_of[id(t)])
 
     def materialize(self, params: Iterable[torch.Tensor]) -> None:
-        """Values for `params` (and the rest of their modules' own meta tensors)."""
+        """Values for `params` (and the rest of their groups)."""
         for p in params:
-            for m in self._owners.get(id(p), ()):
-                self._materialize(m)
+            if id(p) in self._group_of:
+                self._make(self._group_of[id(p)])
 
     def materialize_all(self) -> None:
-        for m in list(self._pending.values()):
-            self._materialize(m)
+        for g in list(self._pending):
+            self._make(g)
 
-    def _materialize(self, m: nn.Module) -> None:
-        """m and every module sharing a Parameter with it (a tied embedding and head), in module
-        order: a tied weight ends with its last holder's init whatever asked for it first."""
-        if id(m) not in self._pending:
+    def _make(self, group: int) -> None:
+        if group not in self._pending:
             return
-        group, todo = {id(m): m}, [m]
-        while todo:
-            for p in todo.pop()._parameters.values():
-                for o in self._owners.get(id(p), ()) if p is not None else ():
-                    if id(o) in self._pending and id(o) not in group:
-                        group[id(o)] = o
-                        todo.append(o)
-        made: list[tuple[str, torch.Tensor, bool]] = []  # (name, tensor, is a buffer)
-        for o in group.values():
-            del self._pending[id(o)]
-            made += self._allocate(o)
-        for o in sorted(group.values(), key=lambda o: self._order[id(o)]):
-            self._run_init(o)
-        unset = [(full, buffer) for full, t, buffer in made if t.is_floating_point() and bool(torch.isnan(t).any())]
+        self._pending.discard(group)
+        made = [i for i, g in self._group_of.items() if g == group]
+        for i in made:
+            _allocate(self._tensors[i], self.device)
+            self._made.add(i)
+        runs = [m for m in self._post if self._writes.get(id(m), set()) & set(made)]
+        for m in runs:
+            self._run_init(m)
+        unset = [i for i in made if self._tensors[i].is_floating_point() and bool(torch.isnan(self._tensors[i]).any())]
         if unset:
+            names = {id(t): (f"{self._name[id(m)]}.{n}" if self._name[id(m)] else n, n in m._buffers)
+                     for m in self._post for d in (m._parameters, m._buffers) for n, t in d.items() if t is not None}
             raise ConfigError(
-                f"the init of {type(self.model).__name__} left {', '.join(n for n, _ in unset[:5])} unset (NaN where it gave no "
-                "value). Pass fxspeed.compile(..., init=fn) / fxspeed.materialize(..., init=fn) with an fn(module) "
-                "that fills every parameter and buffer the module holds itself, or build the model with real weights"
-                + (" (a buffer computed in __init__, such as rotary frequencies, is lost on the meta device: build "
-                   "with `with fxspeed.parameters_on_meta():` to keep buffers real)" if any(b for _, b in unset) else ""))
-
-    def _allocate(self, m: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
-        """m's own meta tensors get memory on the device, NaN where floating point (to tell what the
-        init left unset)."""
-        name, made = self._name[id(m)], []
-        with torch.no_grad():
-            for buffer, d in ((False, m._parameters), (True, m._buffers)):
-                for n, t in d.items():
-                    if t is None or not t.is_meta:
-                        continue
-                    # (`.data =` cannot move a tensor off meta; the swap keeps the Python object, so
-                    # ties and the engine's references to it hold)
-                    new = torch.empty_like(t, device=self.device)
-                    torch.utils.swap_tensors(t, nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new)
-                    if t.is_floating_point():
-                        t.fill_(float("nan"))
-                    made.append((f"{name}.{n}" if name else n, t, buffer))
-                    self._made.add(id(t))
-        return made
+                f"the init of {type(self.model).__name__} left {', '.join(names[i][0] for i in unset[:5])} unset (NaN "
+                "where it gave no value). Pass fxspeed.compile(..., init=fn) / fxspeed.materialize(..., init=fn) with "
+                "an fn(module) that fills every parameter and buffer the module holds itself, or build the model with "
+                "real weights" + (_LOST_BUFFER if any(names[i][1] for i in unset) else ""))
 
     def _run_init(self, m: nn.Module) -> None:
-        """m's init under its own generator. Tensors of m that were real before (not made here) keep
-        their values: the init fills a module's tensors all together."""
-        name = self._name[id(m)]
-        kept = [(t, t.detach().clone()) for t in (*m._parameters.values(), *m._buffers.values())
-                if t is not None and id(t) not in self._made and t.numel()]
-        for t in (m, *m._parameters.values(), *m._buffers.values()):
+        """m's init under its own generator. What it writes that was real before (not made here)
+        keeps its value; a tensor it writes that is still meta (another group's) is not written."""
+        kept = [(t, t.detach().clone()) for i in self._writes_all(m)
+                if id(t := self._tensors.get(i, _NONE)) not in self._made and t is not _NONE and not t.is_meta
+                and t.numel()]
+        for t in (m, *_own(m)):
             # transformers skips what it flagged as initialized: a flag set while on meta would leave
             # the new memory unset
-            if t is not None and hasattr(t, "_is_hf_initialized"):
+            if hasattr(t, "_is_hf_initialized"):
                 del t._is_hf_initialized
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), torch.no_grad():
-            torch.manual_seed(module_seed(self.seed, name))
+            torch.manual_seed(module_seed(self.seed, self._name[id(m)]))
             self._init_of(m)(m)
             for t, value in kept:
                 t.copy_(value)
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [b for m in self._post for b in m._buffers.values() if b is not None]
+
+    def _writes_all(self, m: nn.Module) -> set[int]:
+        return self._writes.get(id(m), set()) | {id(t) for t in _own(m)}
+
+
+_NONE = torch.empty(0)
+_LOST_BUFFER = (" (a buffer computed in __init__, such as rotary frequencies, is lost on the meta device: build with "
+                "`with fxspeed.parameters_on_meta():` to keep buffers real)")
+
+
+def _own(m: nn.Module) -> list[torch.Tensor]:
+    return [t for d in (m._parameters, m._buffers) for t in d.values() if t is not None]
+
+
+def _post_order(model: nn.Module) -> list[nn.Module]:
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        for c in m.children():
+            visit(c)
+        out.append(m)
+
+    visit(model)
+    return out
+
+
+def _allocate(t: torch.Tensor, device: torch.device) -> None:
+    """Memory on `device` for meta tensor t, NaN where floating point (to tell what the init left
+    unset). `.data =` cannot move a tensor off meta; the swap keeps the Python object, so ties and
+    the engine's references to it hold."""
+    new = torch.empty_like(t, device=device)
+    if new.is_floating_point():
+        new.fill_(float("nan"))
+    torch.utils.swap_tensors(t, nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new)
+
+
+class _WriteProbe(TorchDispatchMode):
+    """Records the tensors ops write (by the Python object the init handed in, or a view's base)
+    and skips every write, so a probe changes nothing and draws no random numbers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not func._schema.is_mutable:
+            return func(*args, **kwargs)
+        out = []
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = args[i] if i < len(args) else kwargs.get(a.name)
+                if isinstance(v, torch.Tensor):
+                    out.append(v)
+                    while v is not None:
+                        self.written.add(id(v))
+                        v = v._base
+        return out[0] if len(out) == 1 else tuple(out)
 
 
 def module_seed(seed: int, name: str) -> int:

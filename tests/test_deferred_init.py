@@ -73,15 +73,31 @@ class _TiedPair(nn.Module):
         self.block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
 
 
+def _parent_rescales(m: nn.Module) -> None:
+    """An init with a parent-level rule, as transformers' GPT-2 rescales c_proj from its attention
+    module: the Sequential redraws its last Linear's weight after that Linear's own init."""
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.LayerNorm):
+        m.reset_parameters()
+    elif isinstance(m, nn.Sequential):
+        nn.init.normal_(m[2].weight, std=0.5)
+
+
 @settings(max_examples=15, deadline=None)
-@given(st.permutations(list(range(8))), st.integers(0, 2**31 - 1))
-def test_values_are_the_same_whatever_order_the_buckets_ask_for_the_parameters_in(order: list[int], seed: int) -> None:
+@given(st.permutations(list(range(8))), st.integers(0, 2**31 - 1), st.sampled_from([None, _parent_rescales]))
+def test_values_are_the_same_whatever_order_the_buckets_ask_for_the_parameters_in(order: list[int], seed: int,
+                                                                                  init: object) -> None:
     with fxspeed.parameters_on_meta():
         model = _TiedPair()
-    whole = fxspeed.materialize(copy.deepcopy(model), seed=seed)
+    whole = fxspeed.materialize(copy.deepcopy(model), init=init, seed=seed)
+    if init is not None:  # the parent's rule came after the Linear's own, wherever it was asked from
+        assert float(whole.block[2].weight.detach().std()) > 0.2
     params = list(model.parameters())
     assert len(params) == 8
-    deferred = DeferredInit(model, "cpu", seed)
+    deferred = DeferredInit(model, "cpu", seed, init)
     for i in order:
         deferred.materialize([params[i]])
     assert deferred.done and model.head.weight is model.emb.weight  # still tied
@@ -114,6 +130,19 @@ def test_a_hugging_face_llama_built_with_parameters_on_meta_keeps_its_rotary_buf
         assert got == pytest.approx(want.item(), rel=1e-6)
 
 
+def test_transformers_gpt2_gets_its_parent_level_rescaled_residual_projections() -> None:
+    """GPT-2's init redraws each c_proj from its attention / MLP module (std 0.02 / sqrt(2 n_layer)):
+    modules holding no tensors of their own still run their init, after their children's."""
+    transformers = pytest.importorskip("transformers")
+    with fxspeed.parameters_on_meta():
+        meta = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=8, n_head=2,
+                                                                    n_positions=32))
+    model = fxspeed.materialize(meta)
+    assert 0.003 < float(model.transformer.h[0].attn.c_proj.weight.detach().std()) < 0.007  # 0.02 / 4
+    assert 0.017 < float(model.transformer.h[0].attn.c_attn.weight.detach().std()) < 0.023
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
 class _OwnScale(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -130,8 +159,13 @@ def test_a_module_with_no_way_to_initialize_it_is_named_and_an_init_that_misses_
     with pytest.raises(ConfigError, match=r"_OwnScale \(the root module\) holds tensors on the meta device.*init=fn"):
         fxspeed.compile(model, 1, example_inputs=(torch.ones(2, 3),))
     # an init that fills the Linear only: `scale` would be uninitialized memory, trained on
-    with pytest.raises(ConfigError, match=r"left scale unset"):
+    with pytest.raises(ConfigError, match=r"_OwnScale \(the root module\) holds tensors on the meta device that no "
+                                          r"init gives values to.*init given does not write them"):
         fxspeed.materialize(model, init=lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None)
+    # one that fills part of it
+    with pytest.raises(ConfigError, match=r"left scale unset \(NaN where it gave no value\)"):
+        fxspeed.materialize(model, init=lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else
+                            torch.nn.init.ones_(m.scale[:2]))
     # a buffer computed in __init__ is gone under torch.device("meta"): said, with the way out
     with torch.device("meta"):
         norm = nn.BatchNorm1d(3)
