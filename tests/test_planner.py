@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import json
 
 import pytest
@@ -604,6 +606,12 @@ def test_zero0_counts_its_persistent_buckets_beyond_the_gradients_made_not_two_b
     # a small batch peaks at backward's end: the last bucket beyond every gradient, not the two largest
     comm = fxspeed.plan(model, 2, config, example_inputs=(ids, ids)).memory(0)[COMM_BUFFERS]
     assert comm == pytest.approx(sizes[-1], abs=1)
+    # a model given in bf16, reduced in bf16: its own dtype, so persistent buckets too (were two in flight)
+    low = fxspeed.Config(zero=0, bucket_mb=0.5, reduce_dtype="bf16")
+    model16 = copy.deepcopy(model).bfloat16()
+    costs16, _, _ = trace_costs(model16, (ids, ids), {}, config=low, devices=normalize_devices(2))
+    comm16 = fxspeed.plan(model16, 2, low, example_inputs=(ids, ids)).memory(0)[COMM_BUFFERS]
+    assert comm16 == pytest.approx(gradient_buckets(costs16, 0.5 * 2**20)[-1], abs=1)
 
 
 def test_a_cpu_add_of_two_dtypes_counts_the_copy_torch_makes_of_the_narrower_operand() -> None:

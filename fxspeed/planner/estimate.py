@@ -592,10 +592,14 @@ def resident_parameters(costs: GraphCosts, config: Config, dp: int, made: float 
     return min(mine, 4 * bucket / dp)
 
 
-def persistent_buckets(config: Config) -> bool:
+def persistent_buckets(config: Config, costs: GraphCosts) -> bool:
     """Whether ZeRO-0's reduced buckets are persistent buffers (passes/parallel/reduce_gradients.py:
-    reuse_grad_buckets, where the gradients are reduced in their own dtype, fp32 at ZeRO-0)."""
-    return config.reduce_dtype in ("auto", "fp32") and config.pipeline == 1
+    reuse_grad_buckets, where the gradients are reduced in their own dtype: reduce_dtype "auto" /
+    "fp32", or the dtype the gradients have, as a model given in bf16 with reduce_dtype="bf16")."""
+    if config.pipeline != 1:
+        return False
+    reduced = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}.get(config.reduce_dtype)
+    return reduced is None or bool(costs.gradient_order) and all(d == reduced for _, d in costs.gradient_order)
 
 
 def buckets_not_made(costs: GraphCosts, limit: float, made: float) -> float:
@@ -776,7 +780,7 @@ def step_phase(graph_live: dict[str, float], costs: GraphCosts, config: Config, 
                                                        staged_here) + masters
     comm = 0.0
     pair = two_buckets(costs, config.bucket_mb * 2**20)
-    if dp > 1 and z == 0 and persistent_buckets(config):
+    if dp > 1 and z == 0 and persistent_buckets(config, costs):
         # ZeRO-0 reduces into persistent buckets (persistent-gradient-buckets-for-zero0.md), there
         # in forward too: the planned program's gradients (per parameter, every one made so far:
         # ZeRO-0 keeps them) stand for the buckets already flattened, the rest are counted here
