@@ -115,6 +115,11 @@ class _WaitForGathers:
         self._state_dict = state.get("state_dict", False)
 
 
+def _remove_handles(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
+
+
 def _restart(name: str) -> str:
     """What to do once the ranks are out of step, after `name` failed on one of them."""
     if name in ("generate", "stream"):
@@ -408,6 +413,8 @@ class Engine:
                     saved = m.register_state_dict_pre_hook(_WaitForGathers(self, state_dict=True))
                     m._state_dict_pre_hooks.move_to_end(saved.id, last=False)  # (torch has no prepend= for these)
                     self._wait_hook += [forward, saved]
+                # a dropped engine takes them off (they would stay on every submodule as no-ops)
+                weakref.finalize(self, _remove_handles, list(self._wait_hook))
         else:
             self._materialize_all()
             tensors = [p for p in self._unique if p.requires_grad]

@@ -155,7 +155,7 @@ def test_two_rank_correctness_cases(tmp_path: Path) -> None:
     or ZeRO-1 bf16 names the engine and the way out, and `engine.gathered()` makes it usable; a
     write to its 0-size Parameters outside gathered() is said; repointed_zero12: `p.data = t`
     under ZeRO-1/2 trains from the new values; raced_write_zero12: under ZeRO-1/2 the module (or a submodule) called right
-    after train_step waits for the step's gathers (before the user's own pre-hooks), an in-place write after engine.synchronize() trains as eager, one racing the step's in-flight gathers is refused, a deepcopy or pickle of the module is called as any module; pipeline_batchnorm: BatchNorm's statistics under a
+    after train_step waits for the step's gathers (before the user's own pre-hooks), an in-place write after engine.synchronize() trains as eager, one racing the step's in-flight gathers is refused, a deepcopy or pickle of the module is called as any module, a dropped engine takes its hooks off; pipeline_batchnorm: BatchNorm's statistics under a
     pipeline equal eager's over the micro-batches; pipeline_shared_block: ALBERT's one block in
     four slots trains under a pipeline as eager; nan_one_rank: a NaN on one rank's batch skips the step on
     both; eval_global: eval_step returns the global mean on every rank; layout_dp: channels_last/transposed gradients under DP x ZeRO-1/2 equal one process;

@@ -52,6 +52,7 @@ every case in one launch; tests/workers/common.py run_cases, shared with tensor_
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import pickle
 from typing import Any
@@ -249,6 +250,16 @@ def raced_write_zero12() -> str:
         except FxspeedError as e:
             if "l.weight" not in str(e) or "engine.synchronize()" not in str(e):
                 out.append(f"zero={zero}: unexpected error: {e}")
+        # a dropped engine takes its wait hooks off the module (they stayed, as no-ops, on every submodule)
+        engine.synchronize()
+        hook.engine = None
+        del engine, opt
+        gc.collect()
+        left = [f"{name or 'root'}" for name, m in model.named_modules()
+                for h in (*m._forward_pre_hooks.values(), *m._state_dict_pre_hooks.values())
+                if type(h).__name__ == "_WaitForGathers"]
+        if left:
+            out.append(f"zero={zero}: a dropped engine left its wait hooks on {left[:4]}")
     return "; ".join(out) or "ok"
 
 
