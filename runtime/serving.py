@@ -66,6 +66,7 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.global_state import no_autocast
@@ -670,7 +671,7 @@ class ServingLoop:
         with torch.no_grad(), (full_weights() if full_weights is not None else contextlib.nullcontext()):
             for i, (p, o) in enumerate(zip(prompts, outs)):
                 out = eager(torch.tensor([p + o], device=self.device))
-                ref = (out if isinstance(out, torch.Tensor) else out["logits"])[0, len(p) - 1:len(p) + new - 1].float()
+                ref = eager_logits(out)[0, len(p) - 1:len(p) + new - 1].float()
                 err = (got[i].to(ref.device) - ref).abs().max().item()
                 tol = (5e-2 if low_precision else 1e-3) * (1.0 + ref.abs().max().item())
                 if not err <= tol:
@@ -1101,6 +1102,22 @@ def _sample(logits: torch.Tensor, r: _Request) -> int:
     return int(torch.multinomial(probs, 1, generator=r.generator).item())
 
 
+def eager_logits(out: Any) -> torch.Tensor:
+    """The logits in a model's eager output, the one the serving program keeps of its outputs
+    (fxspeed/compiler/capture_inference.py): the "logits" entry of a Hugging Face ModelOutput or
+    a dict, else the first tensor. A nanoGPT-style `(logits, loss)` tuple failed serve's check
+    with a TypeError (it read out["logits"]) though its program was right."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "keys") and "logits" in out.keys():
+        return out["logits"]
+    first = next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+    if first is None:
+        raise ConfigError(f"serve: the model's forward returned {type(out).__name__} with no tensor in it; a served "
+                          "model returns its logits (a tensor, a (logits, ...) tuple, or an output with .logits)")
+    return first
+
+
 def fed_tokens(prompt: int, max_new: int) -> int:
     """Positions (and cache slots) a request takes: its prompt and every new token but the last,
     which is sampled and returned, never fed."""
@@ -1211,17 +1228,24 @@ def _reads_sliding_window(cls: type) -> bool:
 _RECURRENT_MODEL_TYPES = ("recurrent_gemma", "mamba", "mamba2", "falcon_mamba", "xlstm")
 
 
+def model_vocab(model: nn.Module) -> int | None:
+    """The model's vocabulary size: its config's vocab_size, else its input embedding's rows;
+    None where neither says."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is None:
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        vocab = emb.num_embeddings if emb is not None else None
+    return vocab
+
+
 def model_limits(model: nn.Module) -> tuple[int, int, str]:
     """(vocab size, context length, what that length is: for an error message) from the model's
     config (Hugging Face or fxspeed's GPT)."""
     cfg = getattr(model, "config", None)
-    vocab = getattr(cfg, "vocab_size", None)
+    vocab = model_vocab(model)
     ctx = None
     for name in ("max_position_embeddings", "n_positions", "block_size", "n_ctx", "max_seq_len"):
         ctx = ctx or getattr(cfg, name, None)
-    if vocab is None:
-        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        vocab = emb.num_embeddings if emb is not None else None
     attn_config = getattr(cfg, "attn_config", None)
     if getattr(cfg, "model_type", None) == "bloom" or getattr(attn_config, "alibi", False):
         # the real reason, before any context-length message (BLOOM has no context length at all)

@@ -191,6 +191,59 @@ def test_a_torch_compiled_model_is_served_as_its_original_module_with_its_tokens
     assert engine.generate([PROMPTS[0]], max_new_tokens=4) == [ref]
 
 
+class _LogitsAndLoss(torch.nn.Module):
+    """nanoGPT's forward: (logits, loss), the loss None without targets."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.gpt, self.config = gpt, gpt.config
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.gpt(idx), None
+
+
+def test_a_model_returning_logits_and_a_loss_is_served_with_its_greedy_tokens():
+    """serve's check against the eager forward read out["logits"] of any output that was not a
+    tensor: a nanoGPT-style (logits, None) tuple failed serve with `TypeError: tuple indices must
+    be integers or slices, not str`, though its program (the first output) was right (h61)."""
+    model = _LogitsAndLoss(_gpt())
+    engine = fxspeed.serve(model, token_budget=4, max_batch=2, block_size=4, cache_tokens=32)
+    ref = list(PROMPTS[0])
+    with torch.no_grad():
+        for _ in range(4):
+            ref.append(int(model(torch.tensor([ref]))[0][0, -1].argmax()))
+    assert engine.generate([PROMPTS[0]], max_new_tokens=4) == [ref[len(PROMPTS[0]):]]
+
+
+def test_a_base_model_without_its_language_model_head_is_refused_naming_the_causal_lm_class():
+    """A LlamaModel (hidden states, no LM head) was served with the argmax over its hidden units as
+    the next tokens, without an error (before that, serve failed with KeyError: 'logits'); a
+    forward whose first output is as wide as the hidden size, not the vocabulary, likewise (h61)."""
+    from fxspeed.compiler.capture_inference import compile_inference
+    from fxspeed.errors import CaptureError
+
+    torch.manual_seed(0)
+    base = transformers.LlamaModel(transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=V, max_position_embeddings=64, attn_implementation="sdpa")).eval()
+    with pytest.raises(CaptureError, match="LlamaModel returns no logits .*last_hidden_state.*ForCausalLM"):
+        compile_inference(base, 8, config=fxspeed.Config())
+
+    class HiddenFirst(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(V, 16), torch.nn.Linear(16, V)
+            self.config = GPTConfig(vocab_size=V)
+
+        def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.emb(ids)[:, None]  # [B, 1 head, T, 16]
+            h = torch.nn.functional.scaled_dot_product_attention(h, h, h, is_causal=True)[:, 0]
+            return h, self.head(h)
+
+    with pytest.raises(CaptureError, match="output '0' has 16 entries per token but its vocabulary has 96"):
+        compile_inference(HiddenFirst(), 8, config=fxspeed.Config())
+
+
 def test_one_unwrapped_prompt_or_a_batch_tensor_of_prompts_is_refused_saying_how_to_give_them(gpt2_engine):
     """A new user's two likely mistakes (h54): one prompt not wrapped in a list failed as one bad
     request per id ("int 80"), and Hugging Face's 2-D input_ids only as "must be a list"."""

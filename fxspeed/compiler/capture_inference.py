@@ -90,7 +90,7 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     from fxspeed.passes.inference.drop_clones import drop_clones
     from fxspeed.passes.inference.kv_cache import kv_cache
     from fxspeed.passes.inference.pack_linear_weights import pack_linear_weights
-    from fxspeed.runtime.serving import sliding_windows
+    from fxspeed.runtime.serving import model_vocab, sliding_windows
     from fxspeed.passes.inference.select_logits import select_logits
     from fxspeed.passes.graph.upcast_cpu_compute import upcast_cpu_compute, wanted as upcast_wanted
 
@@ -119,6 +119,19 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     if len(shape) != 3 or shape[:2] != (1, tokens):
         raise CaptureError(f"{type(model).__name__}'s output {names[want]!r} has shape {shape}; a served model "
                            f"returns logits [batch, tokens, vocab] (here [1, {tokens}, vocab])")
+    if "logits" not in names:
+        # A Hugging Face base model (LlamaModel: hidden states, no LM head), or a forward whose first
+        # output is not the logits, was served with the argmax of its hidden units as the next token
+        # (h61). An output named logits is taken as it is: some heads are narrower than the
+        # embedding's padded vocabulary (config.unpadded_vocab_size)
+        vocab = model_vocab(model)
+        if cap.out_type is not None:
+            raise CaptureError(f"{type(model).__name__} returns no logits (its outputs: {', '.join(names)}): a base "
+                               "model without its language-model head; serve its ...ForCausalLM class")
+        if vocab is not None and shape[-1] != vocab:
+            raise CaptureError(f"{type(model).__name__}'s output {names[want]!r} has {shape[-1]} entries per token but "
+                               f"its vocabulary has {vocab}; a served model returns next-token logits over its "
+                               "vocabulary, as its first output or one named 'logits'")
     out.args = ((logits,),)
     sig.outputs = [IOSpec("output", "logits")]
     gm.graph.eliminate_dead_code()
