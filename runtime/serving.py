@@ -1095,7 +1095,9 @@ def _sample(logits: torch.Tensor, r: _Request) -> int:
     if r.top_p is not None and r.top_p < 1.0:
         sorted_x, idx = torch.sort(x, descending=True)
         probs = torch.softmax(sorted_x, -1)
-        drop = probs.cumsum(-1) - probs > r.top_p  # keep the smallest prefix whose mass reaches top_p
+        # keep the smallest prefix whose mass reaches top_p: a token goes once the mass before it
+        # does (`>`: two tokens of 0.5 under top_p=0.5 were both kept; Hugging Face keeps one)
+        drop = probs.cumsum(-1) - probs >= r.top_p
         x = x.clone()
         x[idx[drop]] = float("-inf")
     probs = torch.softmax(x, -1).cpu()

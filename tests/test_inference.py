@@ -350,6 +350,17 @@ def test_sampling_is_reproducible_with_a_seed_and_top_k_1_is_greedy(gpt2_engine)
         engine.generate(prompts, temperature=-1.0)
 
 
+def test_top_p_keeps_the_smallest_set_of_tokens_whose_probability_reaches_it():
+    """Two tokens of probability 0.5 under top_p=0.5: the first reaches it, so one is kept (as
+    Hugging Face's TopPLogitsWarper does); both were sampled (h61)."""
+    from fxspeed.runtime.serving import _Request, _sample
+
+    logits = torch.tensor([0.0, 0.0, -30.0, -30.0])
+    drawn = {_sample(logits, _Request(0, [1], 1, frozenset(), 1.0, None, 0.5, torch.Generator().manual_seed(s)))
+             for s in range(64)}
+    assert len(drawn) == 1 and drawn <= {0, 1}, drawn
+
+
 def test_a_tiny_temperature_decodes_greedily_and_any_int_seed_samples(gpt2_engine):
     """temperature=1e-40 divided the logits to inf (softmax: NaN, the whole call failed midway); a
     seed from time.time_ns() overflowed the generator's 64 bits."""
