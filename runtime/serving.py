@@ -536,6 +536,7 @@ class ServingLoop:
         first = self._check_window(compile_bucket(decode if agree is not None else self.buckets[-1],
                                                   pack_linear != "never"))
         self._packable = (first.gm.meta.get("packable_weights", []), first.gm.meta.get("pack_linear_tokens", 0))
+        self._position_tables = first.gm.meta.get("kv_cache_position_tables", ())
         # Where every layer has a sliding window a request keeps `ring` blocks at most, reused in
         # turn: a block's keys are behind every later query's window by the time it is written again
         # Where only some layers slide (Gemma3), those read a block table of their own (kv_cache's
@@ -606,6 +607,16 @@ class ServingLoop:
                 raise FxspeedError(f"serve: the program for {T} tokens lays out the KV cache as "
                                    f"{list(program.kv_layout)} (heads, head_dim, dtype per layer) but the cache holds "
                                    f"{self.cache.layout}; please report this with the model and Config")
+            tables = program.gm.meta.get("kv_cache_position_tables", ())
+            if tables != self._position_tables:
+                # kv_cache reads `w[:T]` of a parameter or buffer at the tokens' positions (a table of
+                # positions, sliced to the row's length in every bucket); a weight sliced to a constant
+                # length that equals this bucket's T matches that form here only, and would be misread
+                raise ConfigError(f"serve: in {T}-token steps {', '.join(tables) or 'no table'} is sliced to the step's "
+                                  f"length and read by position, but in the first program's "
+                                  f"{', '.join(self._position_tables) or 'none'}: the model slices a weight to "
+                                  f"{T} entries, which cannot be told from a table of positions; serve with a "
+                                  "token_budget below that length, or slice that weight otherwise (split, chunk)")
             self.programs[T] = self._bound(program)
             self.stats["compile_s"] += time.perf_counter() - t0
         return self.programs[T]

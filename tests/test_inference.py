@@ -215,6 +215,66 @@ def test_a_model_returning_logits_and_a_loss_is_served_with_its_greedy_tokens():
     assert engine.generate([PROMPTS[0]], max_new_tokens=4) == [ref[len(PROMPTS[0]):]]
 
 
+class _TablesByPosition(torch.nn.Module):
+    """Positions read by slicing tables to the sequence length, as hand-written models do: minGPT's
+    learned `pos_emb[:, :t]` and Meta's Llama rotary `freqs_cis[:seqlen]` (complex, twice the
+    context long)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = GPTConfig(vocab_size=V, block_size=32)
+        self.emb, self.qkv, self.head = torch.nn.Embedding(V, 32), torch.nn.Linear(32, 96), torch.nn.Linear(32, V)
+        self.pos_emb = torch.nn.Parameter(torch.randn(1, 32, 32))
+        angles = torch.outer(torch.arange(64.0), 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8))
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B, t = idx.shape
+        x = self.emb(idx) + self.pos_emb[:, :t, :]
+        q, k, v = self.qkv(x).view(B, t, 3, 4, 8).unbind(2)  # [B, t, heads, head_dim] each
+        rot = self.freqs_cis[:t].view(1, t, 1, 4)
+        q, k = (torch.view_as_real(torch.view_as_complex(y.reshape(B, t, 4, 4, 2)) * rot).flatten(3) for y in (q, k))
+        y = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                             is_causal=True)
+        return self.head(x + y.transpose(1, 2).reshape(B, t, 32))
+
+
+def test_tables_sliced_to_the_sequence_length_are_read_at_each_tokens_position():
+    """`table[:t]` read the rows of positions 0 .. t-1 for every request packed in a step: serve
+    refused such a model ("compiled serving program disagrees with its eager forward", max logit
+    error 0.177 for a Meta-style Llama); kv_cache now reads the rows of the tokens' positions (h61)."""
+    torch.manual_seed(0)
+    model = _TablesByPosition().eval()
+    engine = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
+    prompts, new = PROMPTS[:4], [4, 3, 5, 2]
+    with torch.no_grad():
+        for p, n, out in zip(prompts, new, engine.generate(prompts, max_new_tokens=new)):
+            ref = list(p)
+            for _ in range(n):
+                ref.append(int(model(torch.tensor([ref]))[0, -1].argmax()))
+            assert out == ref[len(p):]
+
+
+def test_a_weight_sliced_to_the_length_of_one_bucket_is_refused_not_read_by_position():
+    """`w[:8]` of a weight is `table[:T]` in the 8-token bucket only: read at the positions there,
+    it would give that bucket wrong tokens, and serve's check runs the largest bucket only."""
+
+    class Cut(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = GPTConfig(vocab_size=V, block_size=32)
+            self.emb, self.w, self.head = torch.nn.Embedding(V, 16), torch.nn.Parameter(torch.randn(16, 16)), \
+                torch.nn.Linear(8, V)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            h = (self.emb(idx) @ self.w[:8].T)[:, None]  # [B, 1 head, t, 8]
+            return self.head(torch.nn.functional.scaled_dot_product_attention(h, h, h, is_causal=True)[:, 0])
+
+    engine = fxspeed.serve(Cut().eval(), token_budget=16, max_batch=2, block_size=4, cache_tokens=64)
+    with pytest.raises(ConfigError, match="in 8-token steps w is sliced to the step's length"):
+        engine.generate([list(range(8))], max_new_tokens=1)
+
+
 def test_a_base_model_without_its_language_model_head_is_refused_naming_the_causal_lm_class():
     """A LlamaModel (hidden states, no LM head) was served with the argmax over its hidden units as
     the next tokens, without an error (before that, serve failed with KeyError: 'logits'); a

@@ -21,7 +21,10 @@ looked through, so the cache holds Hkv heads, not H.
 Positions: a model whose forward takes `position_ids` gets them as the `positions` input
 (capture labels it). A model that makes its own positions with `arange(T)` (fxspeed's GPT) has
 that arange replaced by the `positions` input, which this pass adds; with packed requests
-`arange(T)` would be wrong for every request but the first. Anything else the pass cannot prove
+`arange(T)` would be wrong for every request but the first. So is a parameter or buffer sliced to
+the row's length, `table[:T]` (minGPT's `pos_emb[:, :t]`, Meta's Llama `freqs_cis[:seqlen]`):
+read at the positions instead (`index_select`; not under tensor parallelism, whose weight cuts
+are slices of that form). Anything else the pass cannot prove
 right is refused: an attention that is not causal, an attention op it does not know, an
 `arange(T)` still read after the rewrite next to a `positions` input.
 
@@ -30,6 +33,7 @@ paged attention. Where only some layers slide (Gemma3's local layers between glo
 read their own `slot_mapping` and `block_table` inputs (IOSpec target "window"): a second block
 table, over a second pool of blocks that the runtime keeps as a ring per request.
 
+`gm.meta["kv_cache_position_tables"]`: the parameters/buffers read at the positions that way.
 `gm.meta["kv_cache_layout"]`: per layer (Hkv, D, dtype) — what the runtime allocates and what the
 planner counts as cache bytes per token; `kv_cache_windows` and `kv_cache_groups` (the block
 table each layer reads: "" or "window"), per layer. Reads no options but kv_windows.
@@ -445,3 +449,40 @@ def _thread_positions(gm: fx.GraphModule, ctx: PassContext, T: int, device: torc
                 conv = call(g, aten._to_copy.default, (flat,), {"dtype": r.meta["val"].dtype})
         r.replace_all_uses_with(conv)
         g.erase_node(r)
+    cuts = _position_table_cuts(gm, ctx, T)
+    # which tables: a table read by position is cut in every bucket, so the runtime checks that each
+    # bucket cut the first one's (a weight cut to a constant length equal to one bucket's T is not one)
+    names = {ph: s.target for ph, s in zip([n for n in g.nodes if n.op == "placeholder"], ctx.signature.inputs)}
+    gm.meta["kv_cache_position_tables"] = tuple(sorted({names.get(c.args[0], str(c.args[0].target)) for c in cuts}))
+    for cut in cuts:
+        # table[:T] (Meta's Llama `freqs_cis[:seqlen]`, minGPT's `pos_emb[:, :t]`) holds the rows of
+        # positions 0 .. T-1: the rows of the tokens' positions instead, as for arange(T) above
+        src, dim = cut.args[0], cut.args[1]
+        with g.inserting_before(cut):
+            flat = call(g, aten.view.default, (pos, [T]))
+            rows = call(g, aten.index_select.default, (src, dim, flat))
+        cut.replace_all_uses_with(rows)
+        g.erase_node(cut)
+
+
+def _position_table_cuts(gm: fx.GraphModule, ctx: PassContext, T: int) -> list[fx.Node]:
+    """The slices `w[..., 0:T, ...]` of a parameter or buffer along one dim: a table read by
+    position, in a model that makes its own positions (no position_ids). Under tensor parallelism
+    none: shard_tensors cuts a weight into its ranks' pieces with slices of the same form (rank
+    0's piece of a dim of 2T is `0:T`), and the program's collectives show that it ran."""
+    g = gm.graph
+    if any(n.op == "call_function" and getattr(n.target, "namespace", "") == "_c10d_functional" for n in g.nodes):
+        return []
+    phs = [n for n in g.nodes if n.op == "placeholder"]
+    state = {ph for ph, s in zip(phs, ctx.signature.inputs) if s.kind in ("param", "buffer")}
+    out = []
+    for n in g.nodes:
+        if n.op != "call_function" or n.target != aten.slice.Tensor:
+            continue
+        src, dim, start, end, step = (*n.args, *(None,) * (5 - len(n.args)))[:5]
+        shape = getattr(getattr(src, "meta", {}).get("val"), "shape", ())
+        if (src in state or getattr(src, "op", None) == "get_attr") and isinstance(dim, int) \
+                and start in (0, None) and end == T and step in (1, None) and -len(shape) <= dim < len(shape) \
+                and shape[dim] >= T:
+            out.append(n)
+    return out
