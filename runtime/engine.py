@@ -1875,9 +1875,12 @@ class Engine:
         """The model's full state in its original names and shapes (tied weights under every
         name), loadable into the plain model with `load_state_dict(strict=True)`, on every rank.
         A collective under ZeRO-3, tensor parallelism, master weights (ZeRO-1/2/3 under bf16/fp16)
-        and pipelines (call it on every rank). Without them, as with
-        nn.Module.state_dict(), the tensors alias the live weights: clone them to keep a snapshot."""
-        if self.pipelined or self.config.zero >= 3 or self._tp or (self._flat is not None and self._flat.released):
+        and pipelines (call it on every rank), and then a snapshot: no tensor aliases the live
+        weights or buffers. Without them, as with nn.Module.state_dict(), the tensors alias the
+        live weights: clone them to keep a snapshot."""
+        gathered = (self.pipelined or self.config.zero >= 3 or bool(self._tp)
+                    or (self._flat is not None and self._flat.released))
+        if gathered:
             self._begin_step("engine.state_dict()")  # its collectives would pair with a failed step's
             self._expect_all_ranks("engine.state_dict()")
         local = self._local_state()
@@ -1896,6 +1899,17 @@ class Engine:
             raise FxspeedError(f"engine.state_dict(): {empty[:5]} of {type(self.model).__name__} came back 0-size: "
                                "the engine lost track of where this rank keeps them (a bug in fxspeed; please report "
                                "it with the model). Train with zero<=2 to save this model meanwhile")
+        if gathered:
+            # The gathered weights are copies, but the replicated ones (a tp-sliced model's norms,
+            # a GQA key/value weight kept whole) and buffers were the live tensors: a snapshot kept
+            # for later held the sliced weights of this step and the others of the last step.
+            live = {t.untyped_storage().data_ptr() for t in (*self._unique, *self.model.buffers()) if t.numel()}
+            copies: dict[int, torch.Tensor] = {}  # tied names keep sharing one tensor, as in eager
+            for k, v in out.items():
+                if torch.is_tensor(v) and v.numel() and v.untyped_storage().data_ptr() in live:
+                    if id(v) not in copies:
+                        copies[id(v)] = v.clone()
+                    out[k] = copies[id(v)]
         return out
 
     def _full_targets(self, full: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -233,10 +233,17 @@ def save_and_step(engine: Any, model: torch.nn.Module, ref: torch.nn.Module, bs:
     checkpoint is loaded back into this engine and the step taken again: the same weights."""
     out = os.environ["WORKER_OUT"]
     engine.save(os.path.join(out, f"{tag}_ckpt"))
+    # A state_dict kept for later (the best model so far) is a snapshot under tp: the norms and
+    # biases, replicated over tp, were the live Parameters and moved on with the next step.
+    kept = engine.state_dict()
+    then = {n: t.clone() for n, t in kept.items()}
     per_replica = engine.config.tensor * engine.config.pipeline
     replicas = int(os.environ["WORLD_SIZE"]) // per_replica
     batch = _rows(bs[0], int(os.environ["RANK"]) // per_replica, replicas)
     engine.train_step(*batch)
+    moved = [n for n, t in kept.items() if not torch.equal(t, then[n])]
+    if moved:
+        return f"engine.state_dict() kept before a step changed with it: {moved[:4]} ({len(moved)} of {len(kept)})"
     state = {n: t.clone() for n, t in engine.state_dict().items()}
     if int(os.environ["RANK"]) == 0:
         torch.save(state, os.path.join(out, f"{tag}_after.pt"))
