@@ -484,6 +484,14 @@ class Engine:
         at every exit (a write through `.data` would escape a version check): a copy of this
         rank's shard, and with the masters in the offload file one write of them."""
         self.synchronize()
+        if self._tp or (self._flat is not None and self._flat.released):
+            # Its all-gathers entered on one rank only (`if rank == 0: with engine.gathered():
+            # print(model.generate(...))`) hung every rank until dist_timeout_s, then a raw gloo
+            # timeout: said at once instead.
+            self._begin_step("engine.gathered()")
+            self._expect_all_ranks("engine.gathered()", fix=(
+                "Enter `with engine.gathered():` on every rank (it all-gathers the weights); to use the model on "
+                "one rank only, enter it on every rank and guard what you do inside it with `if rank == 0:`"))
         with self._gathered():
             with self._tp.gathered(write_back=True) if self._tp is not None else contextlib.nullcontext():
                 yield

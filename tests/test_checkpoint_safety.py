@@ -347,12 +347,16 @@ def test_a_collective_called_on_one_rank_only_fails_fast_naming_the_method_and_b
 @pytest.mark.slow
 def test_engine_state_dict_on_one_rank_or_save_and_load_with_other_arguments_fail_fast_and_the_engine_goes_on(
         tmp_path: Path) -> None:
-    """Engine.state_dict meets every rank first (fxspeed.mesh.expect_all_ranks, half of dist_timeout_s)."""
+    """Engine.state_dict, load_state_dict and gathered meet every rank first (fxspeed.mesh.expect_all_ranks,
+    half of dist_timeout_s)."""
     _run("--out", str(tmp_path), "--engine", timeout=400)
     r0 = json.loads((tmp_path / "engine_rank0.json").read_text())
     assert r0["alone"].startswith("FxspeedError: engine.state_dict() is collective: every rank must call it"), r0
     assert r0["alone_s"] < 14, r0  # the engine's dist_timeout_s is 16: a hang would take that long
     assert r0["load_alone"].startswith("FxspeedError: engine.load_state_dict() is collective"), r0
+    # it hung both ranks for dist_timeout_s, then "Timed out waiting 16000ms for send operation"
+    assert r0["gathered_alone"].startswith("FxspeedError: engine.gathered() is collective"), r0
+    assert r0["gathered_alone_s"] < 14, r0
     for r in (0, 1):  # a caught error leaves the ranks in step: state_dict on both, then a step
         rec = json.loads((tmp_path / f"engine_rank{r}.json").read_text())
         assert rec["again"] is True and rec["after"] == "ok", rec

@@ -9,7 +9,8 @@ another name (the store still works). out/rank{r}.json.
 --engine: a ZeRO-3 engine; rank 0 alone calls engine.state_dict() (the user pattern
 `if rank == 0: torch.save(engine.state_dict(), ...)`), rank 1 waits at a barrier. The
 engine calls expect_all_ranks first thing in state_dict(). Then both call state_dict(), rank 0
-alone calls load_state_dict() (the same error), both call save() with a directory per rank and
+alone calls load_state_dict() (the same error), then enters `with engine.gathered():` alone
+(the same error), both call save() with a directory per rank and
 load_state_dict() with states that differ (refused on both), both load and take a step (the
 engine still works). out/engine_rank{r}.json.
 """
@@ -91,6 +92,18 @@ def engine(rank: int) -> dict:
             record["load_alone"] = "no error"
         except Exception as e:  # noqa: BLE001 - the test checks which error it was
             record["load_alone"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    # `with engine.gathered():` entered on one rank only (to print a sample on rank 0): its
+    # all-gathers hung both ranks until dist_timeout_s, then a raw gloo timeout
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            with eng.gathered():
+                pass
+            record["gathered_alone"] = "no error"
+        except Exception as e:  # noqa: BLE001 - the test checks which error it was
+            record["gathered_alone"] = f"{type(e).__name__}: {e}"
+        record["gathered_alone_s"] = time.monotonic() - t0
     dist.barrier()
     # Both ranks call, with different arguments: a directory per rank (a timestamp taken on each),
     # a state that differs on rank 1. Each is refused on every rank before anything is written.
