@@ -81,7 +81,8 @@ class CompilerLike(Protocol):
 
     options: Any  # this rank's PassOptions (the engine reads parameter_store)
 
-    def step(self, model: nn.Module, args: tuple, kwargs: dict, *, train: bool, analyze: Any = None) -> Any: ...
+    def step(self, model: nn.Module, args: tuple, kwargs: dict, *, train: bool, analyze: Any = None,
+             grad_accum_role: str = "whole", bucket_layout: Sequence[Sequence[str]] = ()) -> Any: ...
 
     def program(self, model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, train: bool,
                 positions: Sequence[int] = (), split_points: Sequence[str] | None = None,
@@ -307,9 +308,14 @@ class Engine:
         want_plan = train and self.plan is None
         # ZeRO-3 keeps only shards between steps, tensor parallelism slices; tracing needs the full
         # parameters once.
+        # The flat buffers hold the first program's buckets; a new trace (another batch shape) may
+        # compute the gradients in another order (a tp layout solved for its shapes), so it is
+        # bucketed as they are laid out.
+        layout = [b.names for b in self._flat.buckets] if train and self._flat is not None else []
         with self._full_weights():
             compiled = self.compiler.step(self.model, args, kwargs, train=train, grad_accum_role=role,
-                                          analyze=costs_reader(self.config, self.devices) if want_plan else None)
+                                          analyze=costs_reader(self.config, self.devices) if want_plan else None,
+                                          bucket_layout=layout)
         after = self._python_state(train)
         if after != key[2]:
             warn_python_state_changed(self.model, key[2][0], after[0])

@@ -139,12 +139,13 @@ SLOW_COMPUTE = DeviceSpec("slow-compute", 1e9, {"fp32": 1e8}, 1e9, 1e12, "cpu")
 
 def _compile(model: nn.Module, args: tuple, kwargs: dict, T: int, rank: int = 0,  # noqa: ANN202
              device: DeviceSpec | None = None, fixed: dict | None = None, sequence_parallel: bool = False,
-             fuse: bool = False, zero: int = 0):
+             fuse: bool = False, zero: int = 0, **dp_options: object):
     """`fuse`: run the fusion passes as on a CUDA program (their fused ops run the torch
-    fallback here). `zero` > 0: compiled as the first of 2 data-parallel replicas at that stage."""
+    fallback here). `zero` > 0: compiled as the first of 2 data-parallel replicas at that stage,
+    with `dp_options` (more PassOptions fields)."""
     analysis = PlacementAnalysis([device or devices("cpu")[0]])
     analysis.params = fixed  # placements decided before: taken as they are (the rest replicated)
-    dp = dict(world_size=2, rank=0, zero=zero, group_name="dp") if zero else {}
+    dp = dict(world_size=2, rank=0, zero=zero, group_name="dp", **dp_options) if zero else {}
     opts = PassOptions.single_device(Config(), tp_size=T, tp_rank=rank, tp_group_name="tp",
                                      sequence_parallel=sequence_parallel, fuse_kernels="always" if fuse else "cuda", **dp)
     cs = compile_step(model, args, kwargs, config=Config(), loss_fn=None, options=opts,
@@ -172,6 +173,39 @@ def test_under_zero_1_and_2_every_bucketed_weight_and_tp_slice_is_read_only_afte
             seen.add(spec.kind)
             assert ph.users and all(u.target is wait for u in ph.users), (spec, [str(u.target) for u in ph.users])
     assert seen == {"param", "param_tp"}
+
+
+def test_a_new_batch_shape_under_tp_and_zero_buckets_its_gradients_as_the_engines_flat_buffers_hold_them() -> None:
+    """TP=2 x DP=2 under ZeRO (and master weights) lays out the flat buffers once, from the first
+    program's gradient buckets. A Llama with one key/value head traced again for 1 row (a short
+    last batch, a grad_accum slice) has a tp layout solved for 1 row, whose backward completes the
+    attention gradients later: its buckets came out in another order, and train_step raised "a
+    new batch shape produced a different gradient bucket layout; please report this" (4 ranks,
+    grad_accum=2, ZeRO-2). Given the engine's layout (PassOptions.bucket_layout) the new program
+    buckets them as laid out, each bucket's collective still issued in bucket order."""
+    import transformers
+
+    from fxspeed.runtime.kernels.collectives import exchange_scatter
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=1, intermediate_size=128,
+        vocab_size=128, max_position_embeddings=16, use_cache=False))
+    x = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    small = dict(bucket_bytes=8 * 1024)  # several buckets: a tp slice of a projection is 8 KiB
+    cs, analysis = _compile(model, (), {"input_ids": x, "labels": x}, 2, device=SLOW_COMPUTE, zero=2, **small)
+    first = tuple(tuple(b.names) for b in cs.captured.signature.buckets)
+    one = {"input_ids": x[:1], "labels": x[:1]}
+    alone, _ = _compile(model, (), one, 2, device=SLOW_COMPUTE, zero=2, fixed=analysis.params, **small)
+    assert tuple(tuple(b.names) for b in alone.captured.signature.buckets) != first, "the order no longer differs"
+    again, _ = _compile(model, (), one, 2, device=SLOW_COMPUTE, zero=2, fixed=analysis.params, bucket_layout=first,
+                        **small)
+    buckets = again.captured.signature.buckets
+    assert tuple(tuple(b.names) for b in buckets) == first and len(buckets) > 4, len(buckets)
+    gm = again.captured.gm
+    gm.graph.lint()
+    scatters = [n for n in gm.graph.nodes if n.target in (c10d.reduce_scatter_tensor.default, exchange_scatter)]
+    assert [n.args[0].meta["val"].numel() for n in scatters] == [b.padded for b in buckets]
 
 
 @pytest.mark.parametrize("kind", ["param", "param_tp", "param_shard"])

@@ -47,6 +47,11 @@ class PassOptions:
     zero: int = 0                            # ZeRO stage 0-3
     group_name: str = ""                     # the data-parallel process group's name (collectives' target)
     bucket_bytes: int = bucket_bytes(DEFAULT_BUCKET_MB)  # gradient / parameter bucket limit
+    # the parameter names of each gradient bucket, as the engine laid out its flat buffers at its
+    # first training program (ZeRO, master weights); () at that first one. A later program (a
+    # new batch shape) buckets its gradients the same way, whatever order its trace computes
+    # them in (reduce_gradients): a tp layout solved for other shapes reorders backward.
+    bucket_layout: tuple[tuple[str, ...], ...] = ()
     scatter_via_all_reduce: bool = False     # ZeRO-2/3: all-reduce then keep the slice (gloo)
     gather_via_all_reduce: bool = False      # ZeRO-3: gather by all-reducing zero-padded shards
     # ZeRO-2/3 reduce-scatter and ZeRO-3 gathers as point-to-point exchanges
@@ -118,11 +123,15 @@ class PassOptions:
     kv_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("fp32_modules", "split_points", "positions", "kv_windows"):
+        for name in ("fp32_modules", "split_points", "positions", "kv_windows", "bucket_layout"):
             value = getattr(self, name)
             if isinstance(value, str) or not isinstance(value, (tuple, list)):
                 raise ConfigError(f"PassOptions.{name}={value!r} is invalid; give a sequence")
             object.__setattr__(self, name, tuple(value))
+        if any(isinstance(b, str) or not isinstance(b, (tuple, list)) for b in self.bucket_layout):
+            raise ConfigError(f"PassOptions.bucket_layout={self.bucket_layout!r} is invalid; give a sequence of "
+                              "sequences of parameter names, one per bucket")
+        object.__setattr__(self, "bucket_layout", tuple(tuple(b) for b in self.bucket_layout))
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
         _one_of("zero", self.zero, (0, 1, 2, 3))
@@ -208,7 +217,7 @@ class PassOptions:
         return dataclasses.replace(self, world_size=1, rank=0, zero=0, group_name="", scatter_via_all_reduce=False,
                                    gather_via_all_reduce=False, scatter_via_exchange=False,
                                    gather_via_exchange=False, reuse_grad_buckets=False, grad_accum_role="whole",
-                                   master_weights=False,
+                                   master_weights=False, bucket_layout=(),
                                    parameter_store="", optimizer_store="", activation_store="")
 
     def to_dict(self) -> dict[str, Any]:

@@ -335,13 +335,17 @@ class Compiler:
 
     def step(self, model: nn.Module, args: tuple, kwargs: dict, *, train: bool,
              analyze: Callable[[fx.GraphModule, StepSignature], Any] | None = None,
-             grad_accum_role: str = "whole") -> CompiledStep:
+             grad_accum_role: str = "whole", bucket_layout: Sequence[Sequence[str]] = ()) -> CompiledStep:
         """One-stage program: the joint step graph rewritten for this rank (data parallel, ZeRO).
         Eval programs are compiled without data parallelism. `grad_accum_role`: "local" / "last"
-        for the slices of a step that reduces once (PassOptions.grad_accum_role)."""
+        for the slices of a step that reduces once (PassOptions.grad_accum_role).
+        `bucket_layout`: the gradient buckets' parameter names the engine's flat buffers hold
+        (PassOptions.bucket_layout); () for its first program."""
         options = self.options if train else self.options.local()
         if train and grad_accum_role != "whole":
             options = dataclasses.replace(options, grad_accum_role=grad_accum_role)
+        if train and bucket_layout:
+            options = dataclasses.replace(options, bucket_layout=tuple(tuple(b) for b in bucket_layout))
         return compile_step(model, args, kwargs, config=self.config, loss_fn=self.loss_fn, train=train,
                             options=options, analyze=analyze, analyses=self.analyses)
 

@@ -60,12 +60,13 @@ under master weights with optimizer or parameter offload (`master_weights` on on
 flat layout needs the buckets: each bucket is flattened (cat + pad), no collective.
 
 Buckets hold parameters in the order their gradients are completed, up to `bucket_bytes`,
-and are padded to a multiple of the world size. The mean over ranks comes from seeding
-backward with 1/N (fxspeed.compiler.rewrite.scale_backward_seed), so no extra pass over the
-gradients is needed. The layout goes to `signature.buckets`; outputs become "grad_bucket" entries.
+and are padded to a multiple of the world size; with `bucket_layout` (the engine's flat buffers,
+laid out from its first program) a later program's buckets are those, in that order. The mean
+over ranks comes from seeding backward with 1/N (fxspeed.compiler.rewrite.scale_backward_seed),
+so no extra pass over the gradients is needed. The layout goes to `signature.buckets`; outputs become "grad_bucket" entries.
 
-Options read from ctx.options: world_size, rank, zero, group_name, bucket_bytes, scatter_via_all_reduce,
-scatter_via_exchange, reuse_grad_buckets, grad_accum_role, reduce_dtype
+Options read from ctx.options: world_size, rank, zero, group_name, bucket_bytes, bucket_layout,
+scatter_via_all_reduce, scatter_via_exchange, reuse_grad_buckets, grad_accum_role, reduce_dtype
 ("auto" default, and "fp32": gradients are reduced in their own dtype, which keep_weights_low
 made the working precision under master weights; "bf16"/"fp16" halve the bytes of fp32 ones).
 """
@@ -117,13 +118,21 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
     groups: list[list[int]] = []
     size = limit
-    for _, i in grads:
-        val = outs[i].meta["val"]
-        if size >= limit or kind(i) != kind(groups[-1][-1]):
-            groups.append([])
-            size = 0
-        groups[-1].append(i)
-        size += val.numel() * val.element_size()
+    by_target = {sig.outputs[i].target: i for _, i in grads}
+    if opts.bucket_layout and sorted(n for b in opts.bucket_layout for n in b) == sorted(by_target):
+        # The engine's flat buffers hold these buckets (its first program's): this trace may
+        # complete the gradients in another order (a tp layout solved for another batch shape).
+        # Another set of gradients (forward took another branch) is bucketed afresh below, and
+        # the engine names what changed.
+        groups = [[by_target[n] for n in names] for names in opts.bucket_layout]
+    else:
+        for _, i in grads:
+            val = outs[i].meta["val"]
+            if size >= limit or kind(i) != kind(groups[-1][-1]):
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += val.numel() * val.element_size()
 
     scale = 1.0 if local or scale_backward_seed(gm, sig, 1.0 / world) else 1.0 / world
     # Persistent buffers only where nothing but the flattening writes the reduced bucket.
@@ -134,7 +143,13 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     waits: list[fx.Node] = []
     buckets: list[Bucket] = []
     pending: fx.Node | None = None
+    # Where the previous bucket's nodes end, and the graph position of the latest gradient so far:
+    # a bucket whose gradients are all done before an earlier bucket's (a given layout) is
+    # flattened after that bucket's collective, so that the buckets stay issued in order.
+    stop: fx.Node | None = None
+    frontier = -1
     for k, members in enumerate(groups):
+        tail = stop.prev if stop is not None else None  # the last node made for the previous bucket
         nodes = [outs[i] for i in members]
         shapes = [tuple(int(d) for d in n.meta["val"].shape) for n in nodes]
         numels = [n.meta["val"].numel() for n in nodes]
@@ -144,6 +159,8 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         buckets.append(Bucket(k, [sig.outputs[i].target for i in members], shapes, offsets, total, padded,
                               dtype_name(nodes[0].meta["val"].dtype)))
         last = max(nodes, key=order.__getitem__)
+        anchor = last if order[last] > frontier or tail is None else tail
+        frontier = max(frontier, order[last])
         g = gm.graph
         buf: fx.Node | None = None
         if reuse and (reduce_dtype is None or reduce_dtype == nodes[0].meta["val"].dtype):
@@ -158,7 +175,8 @@ def reduce_gradients(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 acc = last_input = g.placeholder(f"grad_accum_{k}")
             acc.meta["val"] = nodes[0].meta["val"].new_empty(padded)
             added.append(IOSpec("grad_accum", str(k)))
-        with g.inserting_before(last.next):  # keeps the new nodes in creation order
+        stop = anchor.next
+        with g.inserting_before(stop):  # keeps the new nodes in creation order
             # Wait for the previous bucket just before flattening this one: its collective ran
             # behind the backward that produced this bucket's gradients, and once it is waited
             # for (and, under ZeRO-2/3, its shard copied out) its flat buffer is dead, so this
