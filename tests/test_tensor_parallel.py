@@ -19,6 +19,7 @@ ranks' values, to check sharded == unsharded on random models (hypothesis).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import sys
 from pathlib import Path
@@ -206,6 +207,51 @@ def test_a_new_batch_shape_under_tp_and_zero_buckets_its_gradients_as_the_engine
     gm.graph.lint()
     scatters = [n for n in gm.graph.nodes if n.target in (c10d.reduce_scatter_tensor.default, exchange_scatter)]
     assert [n.args[0].meta["val"].numel() for n in scatters] == [b.padded for b in buckets]
+
+
+def test_after_the_tp_rewrite_every_forward_matmul_belongs_to_the_module_of_the_weight_it_reads() -> None:
+    """annotate reads a forward node's module by name (the capture's module_of); shard_tensors
+    builds a new graph whose nodes take new names, some of them other nodes' old ones, so under
+    tp modules landed on the wrong nodes (a Llama's layer-1 q projection and norm read as layer
+    0's o_proj). Pipeline cuts go by module: TP=2 x PP=2 cut the training program inside layer 1
+    (its norm weight on stage 0) and the eval program after layer 1's q_proj matmul, which
+    eval_step then ran on stage 0, whose copy of that weight was freed ("permute(sparse_coo):
+    ... input.dim() = 1", 4 ranks). Now each node made for an old node takes its module."""
+    import transformers
+
+    from fxspeed.compiler.pipelines import compile_program
+    from fxspeed.ir import FORWARD, info
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=1, intermediate_size=128,
+        vocab_size=128, max_position_embeddings=16, use_cache=False))
+    x = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    cfg = Config(tensor=2, pipeline=2, microbatches=2)
+    opts = PassOptions.single_device(cfg, tp_size=2, tp_rank=0, tp_group_name="tp")
+    # slow compute and memory: every matmul, norm and the vocabulary split (the layout the 4 ranks had)
+    slow = dataclasses.replace(devices("cpu")[0], flops={"fp32": 1e8}, mem_bandwidth=1e7)
+    analysis = PlacementAnalysis([slow])
+    cp = compile_program(model, (), {"input_ids": x, "labels": x}, config=cfg, replicas=1, options=opts,
+                         analyses=[analysis.graph_pass])
+    held = [sorted(s.target for s in st.state if s.kind in ("param", "param_tp")) for st in cp.stages]
+    assert cp.stages[1].starts_at == "model.layers.1", cp.stages[1].starts_at
+    assert not [n for n in held[0] if n.startswith("model.layers.1.")], held[0]
+    checked = 0
+    for st in cp.stages:
+        gm = st.forward
+        weight = {ph: spec.target for ph, spec in zip([n for n in gm.graph.nodes if n.op == "placeholder"], st.state)
+                  if spec.kind in ("param", "param_tp")}
+        for n in gm.graph.nodes:
+            if n.op != "call_function" or n.target is not torch.ops.aten.mm.default:
+                continue
+            w = n.args[1]
+            while w.op == "call_function" and w.all_input_nodes:  # t(weight), a cast of it
+                w = w.all_input_nodes[0]
+            if w in weight and weight[w].endswith("proj.weight"):
+                assert info(n).module == weight[w].rpartition(".")[0], (n.name, info(n).module, weight[w])
+                checked += 1
+    assert checked == 2 * 7, checked  # q, k, v, o, gate, up, down in each block
 
 
 @pytest.mark.parametrize("kind", ["param", "param_tp", "param_shard"])

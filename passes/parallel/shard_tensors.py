@@ -237,7 +237,25 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     spec_of = dict(zip(placeholders, sig.inputs))
     new_inputs = list(sig.inputs)
     layout: dict[str, tuple[int, int]] = {}
+    # annotate reads a forward node's module by its name (ctx.module_of, from the capture), but
+    # the nodes of `g` take new names, some of them other nodes' old ones: each module came back
+    # on the wrong nodes (under tp a Llama's layer-1 norm and q projection read as layer 0's,
+    # and the eval program's pipeline cut left layer 1's q_proj on stage 0, which had freed it).
+    # Every node made for an old node takes its module.
+    modules: dict[str, str] = {}
+    made_for: tuple[fx.Node, fx.Node | None] | None = None  # (old node, g's last node before it)
+
+    def take_module() -> None:
+        if made_for is None or made_for[0].name not in ctx.module_of:
+            return
+        for m in reversed(g.nodes):  # the nodes made for it were appended after `made_for[1]`
+            if m is made_for[1]:
+                break
+            modules[m.name] = ctx.module_of[made_for[0].name]
+
     for n in list(old.nodes):
+        take_module()
+        made_for = (n, next(reversed(g.nodes), None))
         if n.op == "placeholder":
             new = g.placeholder(n.name)
             new.meta.update({k: v for k, v in n.meta.items() if k not in (TP_KEY, "fxspeed")})
@@ -312,6 +330,9 @@ def shard_tensors(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         _check_shape(n, new, npl.out, T)
         env[n] = new
         place[n] = npl.out
+    take_module()
+    ctx.module_of.clear()
+    ctx.module_of.update(modules)
     gm.graph = g
     gm.recompile()
     sig.inputs = new_inputs
