@@ -64,6 +64,11 @@ class DeferredInit:
         # what each init writes (probed), and the groups: union of a module's init with the tensors it writes
         self._writes: dict[int, set[int]] = {}
         parent: dict[int, int] = {i: i for i in meta}
+        # the probe names what it saw written by storage: `p.data.normal_()` writes through an alias
+        # that is neither p nor a view of it (transformers 4.x's inits, most hand-written ones)
+        by_storage: dict[int, set[int]] = {}
+        for i, t in self._tensors.items():
+            by_storage.setdefault(_storage_key(t), set()).add(i)
 
         def find(i: int) -> int:
             while parent[i] != i:
@@ -75,7 +80,7 @@ class DeferredInit:
             fn = self._init_of(m)
             if fn is None:
                 continue
-            wrote = self._probe(m, fn) & meta
+            wrote = {i for key in self._probe(m, fn) for i in by_storage.get(key, ())} & meta
             if wrote:
                 self._writes[id(m)] = wrote
                 first = find(next(iter(wrote)))
@@ -89,8 +94,8 @@ class DeferredInit:
             holder = next(m for m in self._post if any(id(t) == untouched[0] for t in _own(m)))
             raise ConfigError(
                 f"{self._where(holder)} holds tensors on the meta device that no init gives values to"
-                f"{f' ({len(untouched)} tensors in all)' if len(untouched) > 1 else ''}: it has no reset_parameters()"
-                f"{' and the init given does not write them' if init is not None else ''}. Pass "
+                f"{f' ({len(untouched)} tensors in all)' if len(untouched) > 1 else ''}: "
+                f"{self._no_init_reason()}. Pass "
                 "fxspeed.compile(..., init=fn), where fn(module) fills the module's own parameters and buffers "
                 "(it is called on every module, children first, as model.apply(fn) would), or build the model "
                 "with real weights" + (_LOST_BUFFER if any(any(i == id(b) for b in self._buffers()) for i in untouched)
@@ -102,6 +107,13 @@ class DeferredInit:
         name = self._name[id(m)]
         return f"{type(self.model).__name__}.{name} ({type(m).__name__})" if name else \
             f"{type(self.model).__name__} (the root module)"
+
+    def _no_init_reason(self) -> str:
+        if self.init is not None:
+            return "the init given does not write them"
+        if self._hf_init is not None:
+            return f"{type(self.model).__name__}._init_weights does not write them"
+        return "it has no reset_parameters()"
 
     @property
     def done(self) -> bool:
@@ -116,15 +128,15 @@ class DeferredInit:
         return (lambda module: reset()) if callable(reset) else None
 
     def _probe(self, m: nn.Module, fn: InitFn) -> set[int]:
-        """ids of the tensors `fn(m)` writes, found by running it with every write skipped. An init
-        that cannot run on meta tensors (reads a value) is taken to write all of m's subtree."""
+        """Storage keys of the tensors `fn(m)` writes, found by running it with every write skipped.
+        An init that cannot run on meta tensors (reads a value) is taken to write all of m's subtree."""
         probe = _WriteProbe()
         try:
-            with probe, torch.no_grad():
+            with probe, _seeing_meta_noop_inits(probe), torch.no_grad():
                 fn(m)
         except Exception as e:  # noqa: BLE001 (any failure: fall back to the widest group)
             log.debug("fxspeed: probing the init of %s failed (%s); its subtree is made as one group", self._where(m), e)
-            return {id(t) for sub in m.modules() for t in _own(sub)}
+            return {_storage_key(t) for sub in m.modules() for t in _own(sub)}
         return probe.written
 
     def materialize_buffers(self) -> None:
@@ -150,10 +162,18 @@ class DeferredInit:
             return
         self._pending.discard(group)
         made = [i for i, g in self._group_of.items() if g == group]
+        # torch's RNNs hold weak references to their Parameters (`_flat_weight_refs`), which
+        # swap_tensors refuses: dropped for the swap and remade after, as RNNBase._apply does
+        mine = set(made)
+        rnns = [m for m in self._post if isinstance(m, nn.RNNBase) and any(id(t) in mine for t in _own(m))]
+        for m in rnns:
+            m._flat_weight_refs = []
         for i in made:
-            _allocate(self._tensors[i], self.device)
+            _allocate(self._tensors[i], self.device, self._name_of_tensor)
             self._made.add(i)
-        runs = [m for m in self._post if self._writes.get(id(m), set()) & set(made)]
+        for m in rnns:
+            m._init_flat_weights()
+        runs = [m for m in self._post if self._writes.get(id(m), set()) & mine]
         for m in runs:
             self._run_init(m)
         unset = [i for i in made if self._tensors[i].is_floating_point() and bool(torch.isnan(self._tensors[i]).any())]
@@ -182,6 +202,14 @@ class DeferredInit:
             self._init_of(m)(m)
             for t, value in kept:
                 t.copy_(value)
+
+    def _name_of_tensor(self, t: torch.Tensor) -> str:
+        for m in self._post:
+            for d in (m._parameters, m._buffers):
+                for n, v in d.items():
+                    if v is t:
+                        return f"{type(self.model).__name__}.{self._name[id(m)] + '.' if self._name[id(m)] else ''}{n}"
+        return f"a tensor of {type(self.model).__name__}"
 
     def _buffers(self) -> list[torch.Tensor]:
         return [b for m in self._post for b in m._buffers.values() if b is not None]
@@ -215,18 +243,35 @@ def _post_order(model: nn.Module) -> list[nn.Module]:
     return out
 
 
-def _allocate(t: torch.Tensor, device: torch.device) -> None:
+def _allocate(t: torch.Tensor, device: torch.device, name_of: Callable[[torch.Tensor], str]) -> None:
     """Memory on `device` for meta tensor t, NaN where floating point (to tell what the init left
     unset). `.data =` cannot move a tensor off meta; the swap keeps the Python object, so ties and
     the engine's references to it hold."""
     new = torch.empty_like(t, device=device)
     if new.is_floating_point():
         new.fill_(float("nan"))
-    torch.utils.swap_tensors(t, nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new)
+    try:
+        torch.utils.swap_tensors(t, nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new)
+    except RuntimeError as e:
+        if "weakref" not in str(e):
+            raise
+        raise ConfigError(f"{name_of(t)} is on the meta device and something holds a weak reference to it (weakref."
+                          "ref), so it cannot be given memory in place (torch.utils.swap_tensors refuses). Drop the "
+                          "weak reference until compile / fxspeed.materialize is done, or build the model with real "
+                          "weights") from e
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """What a tensor, its views and its `.data` alias share (meta tensors too: each has a storage
+    of its own, without memory); the object's id where a tensor type has no storage."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return id(t)
 
 
 class _WriteProbe(TorchDispatchMode):
-    """Records the tensors ops write (by the Python object the init handed in, or a view's base)
+    """Records the storages ops write (the tensor the init handed in, a view of it or its `.data`)
     and skips every write, so a probe changes nothing and draws no random numbers."""
 
     def __init__(self) -> None:
@@ -243,10 +288,47 @@ class _WriteProbe(TorchDispatchMode):
                 v = args[i] if i < len(args) else kwargs.get(a.name)
                 if isinstance(v, torch.Tensor):
                     out.append(v)
-                    while v is not None:
-                        self.written.add(id(v))
-                        v = v._base
+                    self.written.add(_storage_key(v))
         return out[0] if len(out) == 1 else tuple(out)
+
+
+# torch.nn.init functions that return at once on a meta tensor, so no write reaches the probe:
+# (the module, the attribute); _no_grad_trunc_normal_ serves trunc_normal_ however it was imported
+_META_NOOP_INITS = (("torch.nn.init", "_no_grad_trunc_normal_"), ("torch.nn.init", "orthogonal_"),
+                    ("torch.nn.init", "dirac_"), ("torch.nn.init", "sparse_"))
+
+
+@contextlib.contextmanager
+def _seeing_meta_noop_inits(probe: _WriteProbe) -> Iterator[None]:
+    """During a probe, the torch.nn.init functions that skip meta tensors record them as written
+    (also where transformers keeps its own references to them, `TORCH_INIT_FUNCTIONS`)."""
+    import sys
+
+    def recording(original: Callable[..., Any]) -> Callable[..., Any]:
+        def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                probe.written.add(_storage_key(tensor))
+                return tensor
+            return original(tensor, *args, **kwargs)
+        return init
+
+    undo: list[tuple[Any, str, Any]] = []
+    for module, attr in _META_NOOP_INITS:
+        owner = sys.modules[module]
+        undo.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, recording(getattr(owner, attr)))
+    hf = getattr(sys.modules.get("transformers.initialization"), "TORCH_INIT_FUNCTIONS", None)
+    hf_undo = dict(hf) if isinstance(hf, dict) else {}
+    for name in ("trunc_normal_", "orthogonal_", "dirac_", "sparse_"):
+        if name in hf_undo:
+            hf[name] = recording(hf_undo[name])
+    try:
+        yield
+    finally:
+        for owner, attr, original in undo:
+            setattr(owner, attr, original)
+        if hf_undo:
+            hf.update(hf_undo)
 
 
 def module_seed(seed: int, name: str) -> int:

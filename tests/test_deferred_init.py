@@ -220,3 +220,81 @@ def test_laying_out_a_meta_model_under_zero3_holds_this_ranks_half_and_a_bucket_
     assert r["same"] and r["released"]
     kept, bucket = 8 << 22, 4 << 20
     assert r["grown"] < kept + 4 * bucket, f"laying out the meta model peaked {r['grown'] / 1e6:.1f} MB (keeps 33.6)"
+
+
+def _data_idiom_init(m: nn.Module) -> None:
+    """The `.data` idiom of many user inits (and transformers 4.x's `_init_weights`): the write goes
+    through an alias that is neither the Parameter object nor a view of it."""
+    if isinstance(m, nn.Linear):
+        m.weight.data.normal_(0.0, 0.02)
+        m.bias.data.zero_()
+
+
+def _meta_only_noop_init(m: nn.Module) -> None:
+    """torch.nn.init functions that return at once on a meta tensor (trunc_normal_, orthogonal_,
+    dirac_, sparse_): the probe sees no write inside them. transformers' ViT, Swin, DeiT... use
+    trunc_normal_."""
+    if isinstance(m, nn.Linear):
+        nn.init.trunc_normal_(m.weight, std=0.02)
+        nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Conv1d):
+        nn.init.dirac_(m.weight)
+    elif isinstance(m, nn.GRU):
+        for name, p in m.named_parameters():
+            (nn.init.orthogonal_ if name.startswith("weight") else nn.init.zeros_)(p)
+
+
+@pytest.mark.parametrize("init", [_data_idiom_init, _meta_only_noop_init], ids=["data-alias", "meta-noop-init"])
+def test_an_init_writing_through_data_or_an_init_function_that_skips_meta_tensors_is_seen_and_run(init) -> None:
+    with fxspeed.parameters_on_meta():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2), nn.Conv1d(2, 2, 1, bias=False), nn.GRU(2, 2))
+    if init is _data_idiom_init:
+        model = model[:2]
+    eager = copy.deepcopy(model).to_empty(device="cpu")
+    torch.manual_seed(0)
+    eager.apply(init)
+    got = fxspeed.materialize(model, init=init)
+    assert float(got[0].weight.detach().std()) < 0.05 and torch.equal(got[0].bias, torch.zeros(4))
+    for (name, p), q in zip(got.named_parameters(), eager.parameters()):
+        assert p.shape == q.shape and not torch.isnan(p).any(), name
+        if name.startswith("2.") or ".bias" in name:  # dirac_ and zeros_: no draw, so equal to eager
+            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+def test_transformers_vit_whose_init_uses_trunc_normal_is_given_its_values() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.ViTConfig(image_size=8, patch_size=4, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_labels=3)
+    with fxspeed.parameters_on_meta():
+        meta = transformers.ViTForImageClassification(cfg)
+    model = fxspeed.materialize(meta)
+    assert 0.015 < float(model.vit.embeddings.patch_embeddings.projection.weight.detach().std()) < 0.025
+    assert 0.01 < float(model.vit.embeddings.cls_token.detach().abs().max()) < 0.1  # trunc_normal_, std 0.02
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(4, 4, batch_first=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0]).sum()
+
+
+def test_an_lstm_whose_module_holds_weak_references_to_its_parameters_is_materialized_and_runs() -> None:
+    """torch's RNNs keep weakrefs to their Parameters, which swap_tensors refuses (it raised
+    "Cannot swap t1 because it has weakref associated with it"); another holder is named."""
+    with fxspeed.parameters_on_meta():
+        model = _Recurrent()
+    model = fxspeed.materialize(model)
+    assert all(not p.is_meta and not torch.isnan(p).any() for p in model.parameters())
+    assert all(w is getattr(model.rnn, n) for w, n in zip(model.rnn._flat_weights, model.rnn._flat_weights_names))
+    assert torch.isfinite(model(torch.ones(1, 3, 4)))
+    import weakref
+
+    with fxspeed.parameters_on_meta():
+        other = nn.Sequential(nn.Linear(2, 2))
+    keep = weakref.ref(other[0].weight)  # noqa: F841 (held through the call)
+    with pytest.raises(ConfigError, match=r"Sequential\.0\.weight is on the meta device and something holds a weak"):
+        fxspeed.materialize(other)
