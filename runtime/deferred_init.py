@@ -55,7 +55,18 @@ class DeferredInit:
 
     def __init__(self, model: nn.Module, device: torch.device | str, seed: int = 0, init: InitFn | None = None):
         self.model, self.device, self.seed, self.init = model, torch.device(device), seed, init
-        self._hf_init = getattr(model, "_init_weights", None) if init is None else None
+        # the model's own init, per module: a Hugging Face composite (LLaVA's CLIP vision tower and
+        # Llama, an encoder-decoder) inits each sub-model's modules with that sub-model's
+        # `_init_weights`, as transformers' smart_apply does; the root's serves the rest
+        self._hf_owner: dict[int, nn.Module] = {}
+        if init is None and callable(getattr(model, "_init_weights", None)):
+            def own(m: nn.Module, owner: nn.Module) -> None:
+                if m is not model and _is_hf_model(m) and callable(getattr(m, "_init_weights", None)):
+                    owner = m
+                self._hf_owner.setdefault(id(m), owner)
+                for c in m.children():
+                    own(c, owner)
+            own(model, model)
         self._name = {id(m): name for name, m in reversed(list(model.named_modules(remove_duplicate=False)))}
         self._post = _post_order(model)  # model.apply's order: a module after its children
         self._made: set[int] = set()  # ids of the tensors given memory here
@@ -95,7 +106,7 @@ class DeferredInit:
             raise ConfigError(
                 f"{self._where(holder)} holds tensors on the meta device that no init gives values to"
                 f"{f' ({len(untouched)} tensors in all)' if len(untouched) > 1 else ''}: "
-                f"{self._no_init_reason()}. Pass "
+                f"{self._no_init_reason(holder)}. Pass "
                 "fxspeed.compile(..., init=fn), where fn(module) fills the module's own parameters and buffers "
                 "(it is called on every module, children first, as model.apply(fn) would), or build the model "
                 "with real weights" + (_LOST_BUFFER if any(any(i == id(b) for b in self._buffers()) for i in untouched)
@@ -108,11 +119,11 @@ class DeferredInit:
         return f"{type(self.model).__name__}.{name} ({type(m).__name__})" if name else \
             f"{type(self.model).__name__} (the root module)"
 
-    def _no_init_reason(self) -> str:
+    def _no_init_reason(self, holder: nn.Module) -> str:
         if self.init is not None:
             return "the init given does not write them"
-        if self._hf_init is not None:
-            return f"{type(self.model).__name__}._init_weights does not write them"
+        if id(holder) in self._hf_owner:
+            return f"{type(self._hf_owner[id(holder)]).__name__}._init_weights does not write them"
         return "it has no reset_parameters()"
 
     @property
@@ -122,8 +133,8 @@ class DeferredInit:
     def _init_of(self, m: nn.Module) -> InitFn | None:
         if self.init is not None:
             return self.init
-        if self._hf_init is not None:
-            return self._hf_init
+        if id(m) in self._hf_owner:
+            return self._hf_owner[id(m)]._init_weights
         reset = getattr(m, "reset_parameters", None)
         return (lambda module: reset()) if callable(reset) else None
 
@@ -221,6 +232,11 @@ class DeferredInit:
 _NONE = torch.empty(0)
 _LOST_BUFFER = (" (a buffer computed in __init__, such as rotary frequencies, is lost on the meta device: build with "
                 "`with fxspeed.parameters_on_meta():` to keep buffers real)")
+
+
+def _is_hf_model(m: nn.Module) -> bool:
+    """A transformers PreTrainedModel (by name: fxspeed does not import transformers)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(m).__mro__)
 
 
 def _own(m: nn.Module) -> list[torch.Tensor]:

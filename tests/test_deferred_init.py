@@ -298,3 +298,21 @@ def test_an_lstm_whose_module_holds_weak_references_to_its_parameters_is_materia
     keep = weakref.ref(other[0].weight)  # noqa: F841 (held through the call)
     with pytest.raises(ConfigError, match=r"Sequential\.0\.weight is on the meta device and something holds a weak"):
         fxspeed.materialize(other)
+
+
+def test_a_hugging_face_composite_inits_each_sub_model_with_its_own_init_weights() -> None:
+    """LLaVA holds a CLIP vision tower and a Llama, each a PreTrainedModel with its own
+    `_init_weights` (transformers' smart_apply dispatches to it): the root's alone cannot init CLIP's
+    embeddings (it was refused) and would draw CLIP's Linears at Llama's std."""
+    transformers = pytest.importorskip("transformers")
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, image_size=8, patch_size=4, initializer_factor=5.0)
+    text = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    cfg = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=5, vision_feature_layer=-1)
+    with fxspeed.parameters_on_meta():
+        meta = transformers.LlavaForConditionalGeneration(cfg)
+    model = fxspeed.materialize(meta)
+    # CLIP's rule: q_proj std = hidden**-0.5 * (2 * layers)**-0.5 * factor = 0.625; Llama's: 0.02
+    assert 0.5 < float(model.model.vision_tower.encoder.layers[0].self_attn.q_proj.weight.detach().std()) < 0.75
+    assert 0.015 < float(model.model.language_model.layers[0].self_attn.q_proj.weight.detach().std()) < 0.025
