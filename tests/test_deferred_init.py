@@ -174,9 +174,14 @@ def test_a_module_with_no_way_to_initialize_it_is_named_and_an_init_that_misses_
         fxspeed.materialize(norm)
 
 
-def test_init_for_a_model_that_has_its_values_is_refused() -> None:
+def test_init_for_a_model_that_has_its_values_is_refused_by_compile_and_by_materialize() -> None:
     with pytest.raises(ConfigError, match="init= gives values to a model built on the meta device"):
         fxspeed.compile(_OwnScale(), 1, example_inputs=(torch.ones(2, 3),), init=lambda m: None)
+    # materialize ran the init on nothing and returned the model unchanged, in silence
+    with pytest.raises(ConfigError, match=r"materialize: init= .* _OwnScale holds none there.*model.apply\(init\)"):
+        fxspeed.materialize(_OwnScale(), init=lambda m: nn.init.zeros_(m.weight) if isinstance(m, nn.Linear) else None)
+    model = _OwnScale()
+    assert fxspeed.materialize(model) is model  # without init: nothing to do
 
 
 _LAYOUT_PEAK = r"""
