@@ -203,16 +203,21 @@ class DeferredInit:
         kept = [(t, t.detach().clone()) for i in self._writes_all(m)
                 if id(t := self._tensors.get(i, _NONE)) not in self._made and t is not _NONE and not t.is_meta
                 and t.numel()]
-        for t in (m, *_own(m)):
-            # transformers skips what it flagged as initialized: a flag set while on meta would leave
-            # the new memory unset
-            if hasattr(t, "_is_hf_initialized"):
-                del t._is_hf_initialized
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), torch.no_grad():
-            torch.manual_seed(module_seed(self.seed, self._name[id(m)]))
-            self._init_of(m)(m)
-            for t, value in kept:
-                t.copy_(value)
+        # transformers skips what it flagged as initialized: a flag set while on meta would leave
+        # the new memory unset. Put back after: the flag is part of the module state a trace keyed
+        # on (left deleted, every HF model retraced at its first step, gathering ZeRO-3's whole model)
+        flags = [(t, t._is_hf_initialized) for t in (m, *_own(m)) if hasattr(t, "_is_hf_initialized")]
+        for t, _ in flags:
+            del t._is_hf_initialized
+        try:
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), torch.no_grad():
+                torch.manual_seed(module_seed(self.seed, self._name[id(m)]))
+                self._init_of(m)(m)
+                for t, value in kept:
+                    t.copy_(value)
+        finally:
+            for t, flag in flags:
+                t._is_hf_initialized = flag
 
     def _name_of_tensor(self, t: torch.Tensor) -> str:
         for m in self._post:

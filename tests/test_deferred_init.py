@@ -128,6 +128,9 @@ def test_a_hugging_face_llama_built_with_parameters_on_meta_keeps_its_rotary_buf
         want.backward()
         opt.step()
         assert got == pytest.approx(want.item(), rel=1e-6)
+    # one trace: giving the values changed no module state the compile-time trace keyed on
+    # (deleting transformers' `_is_hf_initialized` flags retraced, gathering the ZeRO-3 model whole)
+    assert engine.stats["compiles"] == 1
 
 
 def test_transformers_gpt2_gets_its_parent_level_rescaled_residual_projections() -> None:
