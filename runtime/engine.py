@@ -454,7 +454,11 @@ class Engine:
         owner, leaf = next((m, n) for m in self.model.modules() for n, p in m._parameters.items() if p is released[0])
 
         def refuse(what: str, instead: str) -> None:
-            if partial(owner._parameters[leaf]):  # not inside engine.gathered(), not while tracing
+            # not inside engine.gathered(), not while tracing: then stand-ins of full shape are in
+            # place, or the name is gone (a train capture hides a tied alias the forward does not
+            # read, T5's `shared.weight`)
+            current = owner._parameters.get(leaf)
+            if current is not None and partial(current):
                 raise FxspeedError(
                     f"{name}{what}, but fxspeed's engine holds its parameters {where}: this rank's "
                     f"module does not hold them whole. {instead}")

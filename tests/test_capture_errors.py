@@ -344,3 +344,20 @@ def test_fxspeeds_own_error_raised_inside_the_trace_keeps_its_own_fix_not_rewrit
     except RuntimeError as e:
         err = _capture_error(nn.Linear(2, 2), e)
     assert said in str(err) and "rewrite that line" not in str(err) and "How to fix" not in str(err)
+
+
+def test_a_retrace_of_t5_succeeds_where_the_released_module_guard_is_keyed_on_the_tied_alias_the_trace_hides() -> None:
+    """The guard on a module whose weights the engine holds (ZeRO-3 shards, tensor-parallel
+    slices: multi-rank) reads the guarded Parameter by its owner and name at call time; a train
+    capture hides T5's tied alias `shared.weight`, so a retrace (a new batch shape) raised
+    CaptureError "'weight'" (a KeyError in the hook) under tensor=2. Installed here on one process
+    with the hidden alias as its key."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.0))
+    x = torch.randint(0, 32, (2, 8))
+    engine = fxspeed.compile(model, 1, example_inputs={"input_ids": x, "labels": x, "decoder_input_ids": x})
+    engine._guard_released_module([model.shared.weight], "as slices", "", partial=lambda t: t.shape[0] != 32)
+    short = x[:, :4].contiguous()
+    assert torch.isfinite(torch.tensor(engine.train_step(input_ids=short, labels=short, decoder_input_ids=short)))
