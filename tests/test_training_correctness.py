@@ -216,6 +216,36 @@ def test_a_submodule_the_user_put_in_eval_mode_stays_in_eval_mode_when_training(
     torch.testing.assert_close(engine.state_dict()["bn.running_mean"], ref.bn.running_mean)
 
 
+class NormOverChannels(nn.Module):
+    """BatchNorm over the channels of (batch, time, channels) rows, by transposing in and out (a
+    TCN's or a conformer's layout), and over a transposed 2-D input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn, self.bn2 = nn.BatchNorm1d(16), nn.BatchNorm1d(4)
+        self.l = nn.Linear(16, 4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.bn(h.transpose(1, 2)).transpose(1, 2)
+        out = self.l(h)  # a view of the transposed-back output: the trace's layout decides it
+        return self.bn2(out.flatten(0, 1).t().contiguous().t()).pow(2).mean()
+
+
+def test_batch_norm_over_a_transposed_input_trains_and_evaluates_as_eager() -> None:
+    """ATen's CPU batch norm returns its output contiguous, its fake kernel in the input's strides:
+    the trace viewed the transposed-back output and the first step failed ("view size is not
+    compatible with input tensor's size and stride"), in eval_step too."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(4, 8, 16),) for _ in range(3)]
+    engine, ref, got, want = _train_both(NormOverChannels(), batches)
+    assert got == pytest.approx(want, rel=1e-5)
+    ref.eval()
+    with torch.no_grad():
+        want_eval = float(ref(*batches[0]))
+    assert engine.eval_step(*batches[0]) == pytest.approx(want_eval, rel=1e-5)
+    torch.testing.assert_close(engine.state_dict()["bn.running_var"], ref.bn.running_var)
+
+
 def test_switching_a_module_to_eval_between_steps_is_followed_as_eager_follows_it() -> None:
     torch.manual_seed(0)
     batches = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(4)]

@@ -236,6 +236,7 @@ def capture_step(model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: LossFn
         check_no_fake_constants(model, cap.gm, cap.module_of)
     _widen_loss_targets(cap)
     _certain_dropout_draws_nothing(cap)
+    _batch_norm_outputs_as_traced(cap)
     return cap
 
 
@@ -282,6 +283,50 @@ def _certain_dropout_draws_nothing(cap: CapturedStep) -> None:
                 graph.erase_node(user)
         if not n.users:
             graph.erase_node(n)
+            changed = True
+    if changed:
+        cap.gm.recompile()
+
+
+def _batch_norm_outputs_as_traced(cap: CapturedStep) -> None:
+    """ATen's CPU batch norm writes its output in the input's suggested memory format (contiguous
+    unless channels_last), but its fake kernel keeps the input's strides: `bn(h.transpose(1, 2))`
+    traced as laid out like the transposed input, and a `view` the trace then chose for the
+    transpose back failed at the first step ("view size is not compatible with input tensor's size
+    and stride"). Where the two differ, the output is copied into the layout the trace assumed:
+
+        out = getitem(batch_norm(x, ...), 0)  ->  out = copy(empty_strided(shape, traced), getitem(...))
+    """
+    from torch._prims_common import make_channels_last_strides_for, make_contiguous_strides_for, suggest_memory_format
+
+    from fxspeed.compiler.rewrite import call
+
+    aten = torch.ops.aten
+    norms = {aten._native_batch_norm_legit_functional.default, aten._native_batch_norm_legit.default,
+             aten._native_batch_norm_legit.no_stats, aten._native_batch_norm_legit_no_training.default,
+             aten.native_batch_norm.default}
+    graph, changed = cap.gm.graph, False
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target not in norms or not isinstance(n.args[0], fx.Node):
+            continue
+        x, out = n.args[0].meta.get("val"), n.meta["val"][0]
+        if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or out.numel() <= 1:
+            continue
+        shape = tuple(out.shape)
+        kernel = make_channels_last_strides_for(shape) if suggest_memory_format(x) == torch.channels_last \
+            else make_contiguous_strides_for(shape)
+        if all(a == b for a, b, d in zip(out.stride(), kernel, shape) if d > 1):
+            continue
+        for user in [u for u in n.users if u.target is operator.getitem and u.args[1] == 0]:
+            with graph.inserting_after(user):
+                empty = call(graph, aten.empty_strided.default, (shape, tuple(out.stride())),
+                             {"dtype": out.dtype, "device": out.device})
+            with graph.inserting_after(empty):
+                laid = call(graph, aten.copy.default, (empty, user))
+            user.replace_all_uses_with(laid, delete_user_cb=lambda u: u is not laid)
+            for m in (empty, laid):
+                if n.name in cap.module_of:
+                    cap.module_of[m.name] = cap.module_of[n.name]
             changed = True
     if changed:
         cap.gm.recompile()
