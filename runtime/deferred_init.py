@@ -143,7 +143,8 @@ class DeferredInit:
         An init that cannot run on meta tensors (reads a value) is taken to write all of m's subtree."""
         probe = _WriteProbe()
         try:
-            with probe, _seeing_meta_noop_inits(probe), torch.no_grad():
+            # (fork_rng: an init that draws out of place, torch.randn(...), would move the global generator)
+            with torch.random.fork_rng(devices=[]), probe, _seeing_meta_noop_inits(probe), torch.no_grad():
                 fn(m)
         except Exception as e:  # noqa: BLE001 (any failure: fall back to the widest group)
             log.debug("fxspeed: probing the init of %s failed (%s); its subtree is made as one group", self._where(m), e)
@@ -187,7 +188,8 @@ class DeferredInit:
         runs = [m for m in self._post if self._writes.get(id(m), set()) & mine]
         for m in runs:
             self._run_init(m)
-        unset = [i for i in made if self._tensors[i].is_floating_point() and bool(torch.isnan(self._tensors[i]).any())]
+        unset = [i for i in made if (self._tensors[i].is_floating_point() or self._tensors[i].is_complex())
+                 and bool(torch.isnan(self._tensors[i]).any())]
         if unset:
             names = {id(t): (f"{self._name[id(m)]}.{n}" if self._name[id(m)] else n, n in m._buffers)
                      for m in self._post for d in (m._parameters, m._buffers) for n, t in d.items() if t is not None}
@@ -269,8 +271,9 @@ def _allocate(t: torch.Tensor, device: torch.device, name_of: Callable[[torch.Te
     unset). `.data =` cannot move a tensor off meta; the swap keeps the Python object, so ties and
     the engine's references to it hold."""
     new = torch.empty_like(t, device=device)
-    if new.is_floating_point():
-        new.fill_(float("nan"))
+    # (integers and bools have no value to tell "unset" by: zero, so a part an init leaves is at
+    # least the same on every rank, not whatever the allocator held)
+    new.fill_(float("nan")) if new.is_floating_point() or new.is_complex() else new.zero_()
     try:
         torch.utils.swap_tensors(t, nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new)
     except RuntimeError as e:

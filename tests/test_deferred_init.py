@@ -324,3 +324,31 @@ def test_a_hugging_face_composite_inits_each_sub_model_with_its_own_init_weights
     # CLIP's rule: q_proj std = hidden**-0.5 * (2 * layers)**-0.5 * factor = 0.625; Llama's: 0.02
     assert 0.5 < float(model.model.vision_tower.encoder.layers[0].self_attn.q_proj.weight.detach().std()) < 0.75
     assert 0.015 < float(model.model.language_model.layers[0].self_attn.q_proj.weight.detach().std()) < 0.025
+
+
+class _Counts(nn.Module):
+    """An integer buffer next to a weight: integers have no NaN to tell "unset" by."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(3, 3)
+        self.register_buffer("seen", torch.zeros(5, dtype=torch.long))
+
+
+def test_an_integer_tensor_an_init_leaves_is_zero_not_allocator_garbage_and_the_probe_draws_nothing() -> None:
+    with torch.device("meta"):
+        model = _Counts()
+
+    def init(m: nn.Module) -> None:  # writes the weight and the first count only, and draws out of place
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+        elif isinstance(m, _Counts):
+            m.seen[:1].fill_(7)
+            torch.randn(3)
+
+    torch.manual_seed(11)
+    before = torch.get_rng_state()
+    deferred = DeferredInit(model, "cpu", init=init)
+    assert torch.equal(torch.get_rng_state(), before)  # probing ran every init without moving the generator
+    deferred.materialize_all()
+    assert model.seen.tolist() == [7, 0, 0, 0, 0]
