@@ -246,6 +246,12 @@ class Engine:
                             "building it?); every rank now starts from rank 0's, as DDP and DeepSpeed do",
                             type(model).__name__)
 
+    @property
+    def module(self) -> nn.Module:
+        """The user's model (DeepSpeed's `engine.module`). Under ZeRO-3, master weights or tensor
+        parallelism it holds no whole weights between steps: call it inside `engine.gathered()`."""
+        return self.model
+
     # --- the mesh ----------------------------------------------------------------------------
     @property
     def rank(self) -> int:

@@ -61,6 +61,7 @@ def test_eval_step_returns_the_eval_mode_loss_as_float_and_changes_nothing() -> 
         assert_close_rel(loss, ref(x, y).item(), "eval loss")
     assert model.training, "eval_step must restore the model's mode"
     assert engine.stats["steps"] == 1
+    assert engine.module is model  # DeepSpeed's name for it
 
 
 def test_eval_step_is_deterministic_with_dropout() -> None:
