@@ -14,10 +14,11 @@ seed=...)` makes the same model eagerly (the reference to compare with, or to sa
 not the values an eager build under `torch.manual_seed(seed)` draws (that is one generator
 running through the modules in construction order).
 
-Init functions, per module holding meta tensors: the `init` given; else a Hugging Face model's
-own `_init_weights(module)`; else the module's `reset_parameters()`. Every floating-point tensor
-is filled with NaN before its module's init runs and checked after: a tensor the init left unset
-is an error naming it, never uninitialized memory trained on in silence.
+The values are those of `model.apply(init)` (children before parents), `init` being the one
+given, else a Hugging Face (sub-)model's own `_init_weights(module)`, else each module's
+`reset_parameters()`. Every floating-point tensor is NaN until the inits that write it run and is
+checked after: a tensor an init left unset is an error naming it, never uninitialized memory
+trained on in silence (integer and bool tensors start at zero).
 """
 
 from __future__ import annotations
@@ -70,9 +71,18 @@ class DeferredInit:
         self._name = {id(m): name for name, m in reversed(list(model.named_modules(remove_duplicate=False)))}
         self._post = _post_order(model)  # model.apply's order: a module after its children
         self._made: set[int] = set()  # ids of the tensors given memory here
+        # every tensor by id: (the module holding it, its name there, whether a buffer); a tied one
+        # under its first holder in model.apply's order
+        self._home: dict[int, tuple[nn.Module, str, bool]] = {}
+        for m in self._post:
+            for buffer, d in ((False, m._parameters), (True, m._buffers)):
+                for n, t in d.items():
+                    if t is not None:
+                        self._home.setdefault(id(t), (m, n, buffer))
         self._tensors = {id(t): t for m in self._post for t in _own(m)}
         meta = {i for i, t in self._tensors.items() if t.is_meta}
-        # what each init writes (probed), and the groups: union of a module's init with the tensors it writes
+        # what each init writes (probed: meta tensors and real ones, whose values it keeps), and the
+        # groups: union of the meta tensors a module's init writes with its own
         self._writes: dict[int, set[int]] = {}
         parent: dict[int, int] = {i: i for i in meta}
         # the probe names what it saw written by storage: `p.data.normal_()` writes through an alias
@@ -87,32 +97,40 @@ class DeferredInit:
                 i = parent[i]
             return i
 
+        anchor: dict[int, int] = {}  # id(module) -> a meta tensor its init writes (names its group)
         for m in self._post:
             fn = self._init_of(m)
             if fn is None:
                 continue
-            wrote = {i for key in self._probe(m, fn) for i in by_storage.get(key, ())} & meta
-            if wrote:
-                self._writes[id(m)] = wrote
-                first = find(next(iter(wrote)))
-                for i in wrote:
-                    parent[find(i)] = first
-            for t in _own(m):  # a module's own meta tensors go with it (made together, checked together)
-                if id(t) in meta and wrote:
-                    parent[find(id(t))] = find(next(iter(wrote)))
-        untouched = [i for i in meta if not any(i in w for w in self._writes.values())]
+            written = {i for key in self._probe(m, fn) for i in by_storage.get(key, ())}
+            if not written & meta:
+                continue
+            self._writes[id(m)] = written
+            anchor[id(m)] = next(iter(written & meta))
+            root = find(anchor[id(m)])
+            # its own meta tensors go with it: made together, checked together
+            for i in (written & meta) | {id(t) for t in _own(m) if id(t) in meta}:
+                parent[find(i)] = root
+        written_any = {i for w in self._writes.values() for i in w}
+        untouched = [i for i in self._tensors if i in meta and i not in written_any]  # in apply's order
         if untouched:
-            holder = next(m for m in self._post if any(id(t) == untouched[0] for t in _own(m)))
+            holder = self._home[untouched[0]][0]
             raise ConfigError(
                 f"{self._where(holder)} holds tensors on the meta device that no init gives values to"
                 f"{f' ({len(untouched)} tensors in all)' if len(untouched) > 1 else ''}: "
                 f"{self._no_init_reason(holder)}. Pass "
                 "fxspeed.compile(..., init=fn), where fn(module) fills the module's own parameters and buffers "
                 "(it is called on every module, children first, as model.apply(fn) would), or build the model "
-                "with real weights" + (_LOST_BUFFER if any(any(i == id(b) for b in self._buffers()) for i in untouched)
-                                       else ""))
+                "with real weights" + (_LOST_BUFFER if any(self._home[i][2] for i in untouched) else ""))
         self._group_of = {i: find(i) for i in meta}
-        self._pending = set(self._group_of.values())  # group roots not made yet
+        self._members: dict[int, list[int]] = {}  # group -> its tensors
+        for i, g in self._group_of.items():
+            self._members.setdefault(g, []).append(i)
+        self._runs: dict[int, list[nn.Module]] = {}  # group -> the modules whose inits make it, in apply's order
+        for m in self._post:
+            if id(m) in anchor:
+                self._runs.setdefault(self._group_of[anchor[id(m)]], []).append(m)
+        self._pending = set(self._members)  # groups not made yet
 
     def _where(self, m: nn.Module) -> str:
         name = self._name[id(m)]
@@ -154,10 +172,9 @@ class DeferredInit:
     def materialize_buffers(self) -> None:
         """The groups holding meta buffers, now: the programs read buffers whole from the first step
         (and they are small)."""
-        for m in self._post:
-            for t in m._buffers.values():
-                if t is not None and id(t) in self._group_of:
-                    self._make(self._group_of[id(t)])
+        for i, (_, _, buffer) in self._home.items():
+            if buffer and i in self._group_of:
+                self._make(self._group_of[i])
 
     def materialize(self, params: Iterable[torch.Tensor]) -> None:
         """Values for `params` (and the rest of their groups)."""
@@ -173,38 +190,38 @@ class DeferredInit:
         if group not in self._pending:
             return
         self._pending.discard(group)
-        made = [i for i, g in self._group_of.items() if g == group]
+        made = self._members[group]
         # torch's RNNs hold weak references to their Parameters (`_flat_weight_refs`), which
         # swap_tensors refuses: dropped for the swap and remade after, as RNNBase._apply does
-        mine = set(made)
-        rnns = [m for m in self._post if isinstance(m, nn.RNNBase) and any(id(t) in mine for t in _own(m))]
+        rnns = {id(m): m for m in (self._home[i][0] for i in made) if isinstance(m, nn.RNNBase)}.values()
         for m in rnns:
             m._flat_weight_refs = []
         for i in made:
-            _allocate(self._tensors[i], self.device, self._name_of_tensor)
+            _allocate(self._tensors[i], self.device, f"{type(self.model).__name__}.{self._qualified(i)}")
             self._made.add(i)
         for m in rnns:
             m._init_flat_weights()
-        runs = [m for m in self._post if self._writes.get(id(m), set()) & mine]
-        for m in runs:
+        for m in self._runs.get(group, ()):
             self._run_init(m)
         unset = [i for i in made if (self._tensors[i].is_floating_point() or self._tensors[i].is_complex())
                  and bool(torch.isnan(self._tensors[i]).any())]
         if unset:
-            names = {id(t): (f"{self._name[id(m)]}.{n}" if self._name[id(m)] else n, n in m._buffers)
-                     for m in self._post for d in (m._parameters, m._buffers) for n, t in d.items() if t is not None}
             raise ConfigError(
-                f"the init of {type(self.model).__name__} left {', '.join(names[i][0] for i in unset[:5])} unset (NaN "
-                "where it gave no value). Pass fxspeed.compile(..., init=fn) / fxspeed.materialize(..., init=fn) with "
-                "an fn(module) that fills every parameter and buffer the module holds itself, or build the model with "
-                "real weights" + (_LOST_BUFFER if any(names[i][1] for i in unset) else ""))
+                f"the init of {type(self.model).__name__} left {', '.join(self._qualified(i) for i in unset[:5])} unset "
+                "(NaN where it gave no value). Pass fxspeed.compile(..., init=fn) / fxspeed.materialize(..., init=fn) "
+                "with an fn(module) that fills every parameter and buffer the module holds itself, or build the model "
+                "with real weights" + (_LOST_BUFFER if any(self._home[i][2] for i in unset) else ""))
+
+    def _qualified(self, i: int) -> str:
+        """Tensor i's name in the model ("blocks.0.ln1.weight")."""
+        m, leaf, _ = self._home[i]
+        return f"{self._name[id(m)]}.{leaf}" if self._name[id(m)] else leaf
 
     def _run_init(self, m: nn.Module) -> None:
-        """m's init under its own generator. What it writes that was real before (not made here)
+        """m's init under its own generator. What it holds that was real before (not made here)
         keeps its value; a tensor it writes that is still meta (another group's) is not written."""
-        kept = [(t, t.detach().clone()) for i in self._writes_all(m)
-                if id(t := self._tensors.get(i, _NONE)) not in self._made and t is not _NONE and not t.is_meta
-                and t.numel()]
+        real = [t for t in _own(m) if id(t) not in self._made]
+        kept = [(t, t.detach().clone()) for t in real if not t.is_meta and t.numel()]
         # transformers skips what it flagged as initialized: a flag set while on meta would leave
         # the new memory unset. Put back after: the flag is part of the module state a trace keyed
         # on (left deleted, every HF model retraced at its first step, gathering ZeRO-3's whole model)
@@ -221,22 +238,7 @@ class DeferredInit:
             for t, flag in flags:
                 t._is_hf_initialized = flag
 
-    def _name_of_tensor(self, t: torch.Tensor) -> str:
-        for m in self._post:
-            for d in (m._parameters, m._buffers):
-                for n, v in d.items():
-                    if v is t:
-                        return f"{type(self.model).__name__}.{self._name[id(m)] + '.' if self._name[id(m)] else ''}{n}"
-        return f"a tensor of {type(self.model).__name__}"
 
-    def _buffers(self) -> list[torch.Tensor]:
-        return [b for m in self._post for b in m._buffers.values() if b is not None]
-
-    def _writes_all(self, m: nn.Module) -> set[int]:
-        return self._writes.get(id(m), set()) | {id(t) for t in _own(m)}
-
-
-_NONE = torch.empty(0)
 _LOST_BUFFER = (" (a buffer computed in __init__, such as rotary frequencies, is lost on the meta device: build with "
                 "`with fxspeed.parameters_on_meta():` to keep buffers real)")
 
@@ -266,7 +268,7 @@ def _post_order(model: nn.Module) -> list[nn.Module]:
     return out
 
 
-def _allocate(t: torch.Tensor, device: torch.device, name_of: Callable[[torch.Tensor], str]) -> None:
+def _allocate(t: torch.Tensor, device: torch.device, name: str) -> None:
     """Memory on `device` for meta tensor t, NaN where floating point (to tell what the init left
     unset). `.data =` cannot move a tensor off meta; the swap keeps the Python object, so ties and
     the engine's references to it hold."""
@@ -279,7 +281,7 @@ def _allocate(t: torch.Tensor, device: torch.device, name_of: Callable[[torch.Te
     except RuntimeError as e:
         if "weakref" not in str(e):
             raise
-        raise ConfigError(f"{name_of(t)} is on the meta device and something holds a weak reference to it (weakref."
+        raise ConfigError(f"{name} is on the meta device and something holds a weak reference to it (weakref."
                           "ref), so it cannot be given memory in place (torch.utils.swap_tensors refuses). Drop the "
                           "weak reference until compile / fxspeed.materialize is done, or build the model with real "
                           "weights") from e
