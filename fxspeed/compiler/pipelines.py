@@ -345,7 +345,7 @@ class Compiler:
         if train and grad_accum_role != "whole":
             options = dataclasses.replace(options, grad_accum_role=grad_accum_role)
         if train and bucket_layout:
-            options = dataclasses.replace(options, bucket_layout=tuple(tuple(b) for b in bucket_layout))
+            options = dataclasses.replace(options, bucket_layout=bucket_layout)  # (PassOptions makes it tuples)
         return compile_step(model, args, kwargs, config=self.config, loss_fn=self.loss_fn, train=train,
                             options=options, analyze=analyze, analyses=self.analyses)
 
