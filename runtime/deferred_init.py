@@ -218,9 +218,10 @@ class DeferredInit:
         return f"{self._name[id(m)]}.{leaf}" if self._name[id(m)] else leaf
 
     def _run_init(self, m: nn.Module) -> None:
-        """m's init under its own generator. What it holds that was real before (not made here)
-        keeps its value; a tensor it writes that is still meta (another group's) is not written."""
-        real = [t for t in _own(m) if id(t) not in self._made]
+        """m's init under its own generator. What it writes or holds that was real before (not made
+        here: a weight the user loaded, its own or a child's) keeps its value; a tensor it writes
+        that is still meta (another group's) is not written."""
+        real = [self._tensors[i] for i in self._writes[id(m)] | {id(t) for t in _own(m)} if i not in self._made]
         kept = [(t, t.detach().clone()) for t in real if not t.is_meta and t.numel()]
         # transformers skips what it flagged as initialized: a flag set while on meta would leave
         # the new memory unset. Put back after: the flag is part of the module state a trace keyed

@@ -350,3 +350,22 @@ def test_an_integer_tensor_an_init_leaves_is_zero_not_allocator_garbage_and_the_
     assert torch.equal(torch.get_rng_state(), before)  # probing ran every init without moving the generator
     deferred.materialize_all()
     assert model.seen.tolist() == [7, 0, 0, 0, 0]
+
+
+def test_a_parent_level_init_keeps_a_real_weight_it_writes_in_a_partly_meta_model() -> None:
+    """A weight the user loaded into a child stays as loaded when a parent's init rule writes it
+    together with a meta sibling's (the Sequential redraws both its Linears' weights, as
+    transformers' Decision Transformer rescales every c_proj under a block)."""
+    def init(m: nn.Module) -> None:
+        _parent_rescales(m)
+        if isinstance(m, nn.Sequential):
+            nn.init.normal_(m[0].weight, std=0.5)
+
+    with fxspeed.parameters_on_meta():
+        model = _TiedPair()
+    loaded = nn.Linear(8, 8)  # real: e.g. taken from a checkpoint
+    model.block[2] = loaded
+    want = loaded.weight.detach().clone()
+    fxspeed.materialize(model, init=init)
+    assert torch.equal(model.block[2].weight, want)
+    assert float(model.block[0].weight.detach().std()) > 0.2  # the meta sibling got the parent's rule
