@@ -14,7 +14,7 @@ from fxspeed.config import Config
 from fxspeed.devices import DeviceSpec, normalize_devices
 from fxspeed.compiler import Compiler
 from fxspeed.mesh import Mesh
-from fxspeed.runtime.deferred_init import DeferredInit, has_meta_tensors
+from fxspeed.runtime.deferred_init import DeferredInit, has_meta_tensors, refuse_init_without_meta
 from fxspeed.runtime.engine import Engine, check_pipeline_config
 from fxspeed.runtime.serving import check_pack_linear
 from fxspeed.errors import ConfigError
@@ -79,13 +79,10 @@ def compile(model: nn.Module, devices: Devices = 1, config: Config | dict | str 
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     args, kwargs = _split_example(example_inputs, "compile")
+    refuse_init_without_meta(model, init, "compile")
     deferred = None
     if has_meta_tensors(model):
         deferred = DeferredInit(model, _device_of(args, kwargs, devs), seed=cfg.seed or 0, init=init)
-    elif init is not None:
-        raise ConfigError(f"compile: init= gives values to a model built on the meta device; {type(model).__name__} "
-                          "holds none there (it has its values already). Drop init=, or build the model under "
-                          "`with fxspeed.parameters_on_meta():`")
     if cfg.pipeline > 1:
         check_pipeline_config(cfg, len(devs))
     analyses = []

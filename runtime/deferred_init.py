@@ -363,17 +363,21 @@ def module_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63)
 
 
+def refuse_init_without_meta(model: nn.Module, init: InitFn | None, where: str) -> None:
+    """`init=` for a model with no meta tensors would run on nothing: the user asked for values
+    the model would not get."""
+    if init is not None and not has_meta_tensors(model):
+        raise ConfigError(f"{where}: init= gives values to a model built on the meta device; {type(model).__name__} "
+                          "holds none there (it has its values already). Drop init=, call model.apply(init) to "
+                          "re-initialize a built model, or build it under `with fxspeed.parameters_on_meta():`")
+
+
 def materialize(model: nn.Module, init: InitFn | None = None, seed: int = 0,
                 device: torch.device | str = "cpu") -> nn.Module:
     """Give a model built on the meta device values on `device`, eagerly, in place: the same values
     `fxspeed.compile(model, ..., init=init)` builds with `Config(seed=seed)` (seed None -> 0).
     Returns the model. Without init, a model holding no meta tensors is returned as it is."""
-    if init is not None and not has_meta_tensors(model):
-        # the init would run on nothing: the user asked for values the model would not get
-        raise ConfigError(f"fxspeed.materialize: init= gives values to a model built on the meta device; "
-                          f"{type(model).__name__} holds none there (it has its values already). Drop init=, call "
-                          "model.apply(init) to re-initialize a built model, or build it under "
-                          "`with fxspeed.parameters_on_meta():`")
+    refuse_init_without_meta(model, init, "fxspeed.materialize")
     DeferredInit(model, device, seed, init).materialize_all()
     return model
 
