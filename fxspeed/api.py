@@ -65,7 +65,8 @@ def compile(model: nn.Module, devices: Devices = 1, config: Config | dict | str 
 
     A model built on the meta device (`with fxspeed.parameters_on_meta():`) is given its values
     by the engine, one gradient bucket at a time, each rank keeping what its layout keeps (ZeRO's
-    shards): `init(module)` fills a module's own tensors (default: a Hugging Face model's
+    shards; under tensor parallelism one init group at a time, cut to the rank's slices; under a
+    pipeline the rank's stages' weights only): `init(module)` fills a module's own tensors (default: a Hugging Face model's
     `_init_weights`, else the module's `reset_parameters()`), under a generator seeded from
     Config.seed (None: 0) and the module's name; `fxspeed.materialize(model, init, seed)` makes the
     same values eagerly.

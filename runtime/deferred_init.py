@@ -5,7 +5,8 @@ meta-device init).
     with fxspeed.parameters_on_meta():        # parameters hold no memory; buffers are real
         model = GPT(cfg)
     engine = fxspeed.compile(model, 2, fxspeed.Config(zero=3), example_inputs=...)
-    # each rank built each bucket in turn, kept its shard and dropped the rest
+    # each rank built each bucket in turn, kept its shard and dropped the rest (under tensor
+    # parallelism: each init group, cut to its slices; under a pipeline: its stages' weights only)
 
 Values do not depend on the order buckets are built in, nor on the ranks, the ZeRO stage or the
 layout: each module is initialized by its own init function under a generator seeded from
@@ -176,31 +177,56 @@ class DeferredInit:
             if buffer and i in self._group_of:
                 self._make(self._group_of[i])
 
-    def materialize(self, params: Iterable[torch.Tensor]) -> None:
-        """Values for `params` (and the rest of their groups)."""
+    def materialize(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Values for `params` (and the rest of their groups). Returns the tensors given values by
+        this call (those of the groups made now), so a caller can cut each group down at once
+        (tensor parallelism keeps a slice: the full tensors of one group are alive at a time)."""
+        made: list[torch.Tensor] = []
         for p in params:
             if id(p) in self._group_of:
-                self._make(self._group_of[id(p)])
+                made += self._make(self._group_of[id(p)])
+        return made
 
     def materialize_all(self) -> None:
         for g in list(self._pending):
             self._make(g)
 
-    def _make(self, group: int) -> None:
-        if group not in self._pending:
-            return
-        self._pending.discard(group)
-        made = self._members[group]
-        # torch's RNNs hold weak references to their Parameters (`_flat_weight_refs`), which
-        # swap_tensors refuses: dropped for the swap and remade after, as RNNBase._apply does
-        rnns = {id(m): m for m in (self._home[i][0] for i in made) if isinstance(m, nn.RNNBase)}.values()
+    def release(self, tensors: Iterable[torch.Tensor]) -> None:
+        """`tensors` are never held here (another pipeline stage's weights): a group all of whose
+        tensors are among them is never made, and each of them becomes a 0-size tensor on the
+        device, as the engine leaves the weights it frees. A group that also holds a tensor not
+        released is left as it is: its values are made when asked for (the kept ones need them,
+        and a group's init runs on all of its tensors); the caller frees the released ones after."""
+        gone = {id(t) for t in tensors}
+        for g in [g for g in self._pending if all(i in gone for i in self._members[g])]:
+            self._pending.discard(g)
+            with self._rnn_refs_dropped(self._members[g]):
+                for i in self._members[g]:
+                    t = self._tensors[i]
+                    empty = torch.empty(0, dtype=t.dtype, device=self.device)
+                    torch.utils.swap_tensors(t, nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter)
+                                             else empty)
+
+    @contextlib.contextmanager
+    def _rnn_refs_dropped(self, tensors: list[int]) -> Iterator[None]:
+        """torch's RNNs hold weak references to their Parameters (`_flat_weight_refs`), which
+        swap_tensors refuses: dropped for the swap and remade after, as RNNBase._apply does."""
+        rnns = {id(m): m for m in (self._home[i][0] for i in tensors) if isinstance(m, nn.RNNBase)}.values()
         for m in rnns:
             m._flat_weight_refs = []
-        for i in made:
-            _allocate(self._tensors[i], self.device, f"{type(self.model).__name__}.{self._qualified(i)}")
-            self._made.add(i)
+        yield
         for m in rnns:
             m._init_flat_weights()
+
+    def _make(self, group: int) -> list[torch.Tensor]:
+        if group not in self._pending:
+            return []
+        self._pending.discard(group)
+        made = self._members[group]
+        with self._rnn_refs_dropped(made):
+            for i in made:
+                _allocate(self._tensors[i], self.device, f"{type(self.model).__name__}.{self._qualified(i)}")
+                self._made.add(i)
         for m in self._runs.get(group, ()):
             self._run_init(m)
         unset = [i for i in made if (self._tensors[i].is_floating_point() or self._tensors[i].is_complex())
@@ -211,6 +237,7 @@ class DeferredInit:
                 "(NaN where it gave no value). Pass fxspeed.compile(..., init=fn) / fxspeed.materialize(..., init=fn) "
                 "with an fn(module) that fills every parameter and buffer the module holds itself, or build the model "
                 "with real weights" + (_LOST_BUFFER if any(self._home[i][2] for i in unset) else ""))
+        return [self._tensors[i] for i in made]
 
     def _qualified(self, i: int) -> str:
         """Tensor i's name in the model ("blocks.0.ln1.weight")."""

@@ -223,6 +223,7 @@ class Engine:
         self._runtime: PipelineRuntime | None = None
         self._eval_runtime: PipelineRuntime | None = None
         self._freed_shapes: dict[int, tuple[int, ...]] = {}
+        self._holders: dict[int, set[int]] = {}  # id(Parameter) -> the pipeline positions whose stages read it
         self._requires_grad: list[tuple[str, bool]] | None = None  # at compile, by name
         self._release_hook: Any = None  # set when this rank's module holds 0-size Parameters
         self._wait_hook: Any = None  # ZeRO-1/2: a direct call or state_dict() of the module waits for the step's gathers
@@ -341,8 +342,10 @@ class Engine:
                     cap.gm, cap.signature, self.mesh.group_name("tp"))
                 self.plan.notes.append(TP_PLAN_NOTE)
         if self._tp is not None:
-            self._materialize_all()  # tensor parallelism slices whole Parameters
+            # a model built on meta: each sliced Parameter's init group is made whole and cut at once
             self._apply_tp_layout(cap.signature)
+            if not (train and self.optimizer is None):
+                self._materialize_all()  # (else _setup_state makes the rest, bucket by bucket under ZeRO)
         if train and self.optimizer is None:
             self._setup_state(cap.signature)
         elif train and self._flat is not None and _layout(cap.signature.buckets) != _layout(self._flat.buckets):
@@ -445,6 +448,10 @@ class Engine:
         """A model built on the meta device: every tensor still without values gets them now."""
         if self._deferred is not None and not self._deferred.done:
             self._deferred.materialize_all()
+
+    def _making(self) -> Callable[[list[nn.Parameter]], list[torch.Tensor]] | None:
+        """A model built on the meta device: what gives Parameters (and their init groups) values."""
+        return self._deferred.materialize if self._deferred is not None and not self._deferred.done else None
 
     def _guard_released_module(self, released: list[nn.Parameter], where: str, also: str,
                                partial: Callable[[torch.Tensor], bool] | None = None) -> None:
@@ -763,9 +770,15 @@ class Engine:
                                    analyze=costs_reader(micro_cfg, self.devices[:1]))
         self.programs, self.schedule, self._grad_divisor = cp.stages, cp.schedule, cp.grad_divisor
         self._traced_state = self._python_state(True)
-        self._materialize_all()  # (whole, then each rank drops the stages it does not run)
-        if self._tp is not None:  # slice before the other stages' weights are freed (shapes stay full)
-            self._tp.apply(self._params, cp.captured.signature.tp_layout)
+        # A model built on meta: this rank makes only the weights its stages read (and what shares
+        # an init group with them); the other stages' stay on meta until freed, never made.
+        self._holders = self._pipeline_holders()
+        held = self._held_here()
+        if self._tp is not None:  # this rank's stages' weights only: the others are freed (shapes stay full)
+            self._tp.apply(self._params, {n: v for n, v in cp.captured.signature.tp_layout.items()
+                                          if id(self._params[n]) in held}, make=self._making())
+        if self._deferred is not None:
+            self._deferred.materialize([p for p in self._unique if id(p) in held])
         mine = {s: self.programs[s] for s in self.stages}
         self._pipeline_draws_random = graphs_draw_random(*[g for p in mine.values() for g in (
             p.forward, p.backward, p.backward_input, p.backward_weight)])
@@ -804,19 +817,9 @@ class Engine:
         per-stage gradient buckets over the replicas, and the optimizer."""
         position = self.position
         by_id: dict[int, nn.Parameter] = {id(p): p for p in self._params.values()}
-        holders: dict[int, set[int]] = {}  # parameter -> pipeline positions holding it
-        for prog in self.programs:
-            r = self.schedule.placement[prog.stage]
-            for name in prog.names():
-                if name in self._params:
-                    holders.setdefault(id(self._params[name]), set()).add(r)
-        mine = {pid for pid, rs in holders.items() if position in rs}
-        # A weight no stage reads (forward never uses it) has no gradient and no stage: the first
-        # position keeps it, untrained as in eager, so state_dict and checkpoints still hold it
-        # (every rank freed it, and state_dict returned it 0-size)
+        holders = self._holders
+        mine = self._held_here()
         unused = {pid for pid in by_id if pid not in holders}
-        if position == 0:
-            mine |= unused
         self._owned = [p for pid, p in by_id.items() if pid in mine and pid not in unused and p.requires_grad]
         # A weight read by several positions (tied): a group per replica over the positions
         # holding it, created on every rank in the same order.
@@ -840,7 +843,11 @@ class Engine:
                     # the full shape (a tp-sliced weight of another stage leaves the tp layout: this
                     # rank never gathers or loads it)
                     self._freed_shapes[pid] = (self._tp.forget(p) if self._tp is not None else None) or tuple(p.shape)
-                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            if self._deferred is not None:  # never made here: 0-size on the device, as the freed ones below
+                self._deferred.release([by_id[pid] for pid in self._freed_shapes])
+            for pid in self._freed_shapes:
+                p = by_id[pid]
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         if self._freed_shapes:
             self._guard_released_module([by_id[pid] for pid in self._freed_shapes], "on other pipeline stages' ranks", "")
         tensors: list[torch.Tensor] = list(self._owned)
@@ -851,6 +858,26 @@ class Engine:
                                         group=self.mesh.group("dp"))
             tensors = self._flat.optimizer_tensors()
         self._build_optimizer(tensors)
+
+    def _pipeline_holders(self) -> dict[int, set[int]]:
+        """id(Parameter) -> the pipeline positions whose stages read it."""
+        holders: dict[int, set[int]] = {}
+        for prog in self.programs:
+            r = self.schedule.placement[prog.stage]
+            for name in prog.names():
+                if name in self._params:
+                    holders.setdefault(id(self._params[name]), set()).add(r)
+        return holders
+
+    def _held_here(self) -> set[int]:
+        """The ids of the Parameters this rank keeps: those its stages read. A weight no stage
+        reads (forward never uses it) has no gradient and no stage: the first position keeps it,
+        untrained as in eager, so state_dict and checkpoints still hold it (every rank freed it,
+        and state_dict returned it 0-size)."""
+        mine = {pid for pid, rs in self._holders.items() if self.position in rs}
+        if self.position == 0:
+            mine |= {id(p) for p in self._unique if id(p) not in self._holders}
+        return mine
 
     def _pipeline_buckets(self, tied: set[int]) -> list[Bucket]:
         """One bucket per stage of this rank (its weights no other position holds), reduced at the
@@ -898,7 +925,7 @@ class Engine:
         sliced Parameter as that same slice (never as a full "param" input), the first one included
         (a tied weight fed under two names, one sliced and one whole, would be bound wrongly)."""
         if not self._tp:
-            self._tp.apply(self._params, sig.tp_layout)
+            self._tp.apply(self._params, sig.tp_layout, make=self._making())
             if self._tp:
                 p, _, _, full = next(iter(self._tp.layout.values()))
                 self._guard_released_module([p], f"as slices over the {self.mesh.tp} tensor-parallel ranks",

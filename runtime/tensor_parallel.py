@@ -18,7 +18,7 @@ all-reduces them), so the clip norm counts them on the group's first rank only.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -68,18 +68,29 @@ class TensorParallelParameters:
     def __bool__(self) -> bool:
         return bool(self.layout)
 
-    def apply(self, params: dict[str, nn.Parameter], layout: dict[str, tuple[int, int]]) -> None:
-        """Cut each Parameter in `layout` to this rank's slice (once; later programs reuse it)."""
+    def apply(self, params: dict[str, nn.Parameter], layout: dict[str, tuple[int, int]],
+              make: Callable[[list[nn.Parameter]], list[torch.Tensor]] | None = None) -> None:
+        """Cut each Parameter in `layout` to this rank's slice (once; later programs reuse it).
+
+        `make` (a model built on the meta device: DeferredInit.materialize): gives a Parameter's
+        init group its full values and returns the tensors it made; each is cut as soon as its
+        group is made, so the full tensors of one group are alive at a time, never the model's."""
+        entry = {id(params[name]): (dim, blocks) for name, (dim, blocks) in layout.items()}
         cut_on_cpu = False
-        for name, (dim, blocks) in layout.items():
+        for name in layout:
             p = params[name]
             if id(p) in self.layout:
                 continue
-            full_shape = tuple(p.shape)
-            with torch.no_grad():
-                p.data = take_slice(p.data, dim, blocks, self.rank, self.size)
-            self.layout[id(p)] = (p, dim, blocks, full_shape)
-            cut_on_cpu |= p.device.type == "cpu"
+            made = make([p]) if make is not None else []
+            for t in (p, *made):
+                if id(t) not in entry or id(t) in self.layout:
+                    continue  # (a tensor of the group that stays whole, or cut already)
+                dim, blocks = entry[id(t)]
+                full_shape = tuple(t.shape)
+                with torch.no_grad():
+                    t.data = take_slice(t.data, dim, blocks, self.rank, self.size)
+                self.layout[id(t)] = (t, dim, blocks, full_shape)
+                cut_on_cpu |= t.device.type == "cpu"
         if cut_on_cpu:
             release_freed_host_memory()
 

@@ -227,6 +227,71 @@ def test_laying_out_a_meta_model_under_zero3_holds_this_ranks_half_and_a_bucket_
     assert r["grown"] < kept + 4 * bucket, f"laying out the meta model peaked {r['grown'] / 1e6:.1f} MB (keeps 33.6)"
 
 
+_TP_LAYOUT_PEAK = r"""
+import json
+import torch, torch.nn as nn
+import fxspeed
+from fxspeed.runtime.deferred_init import DeferredInit
+from fxspeed.runtime.tensor_parallel import TensorParallelParameters, take_slice
+
+def kb(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+with fxspeed.parameters_on_meta():
+    model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(16)])  # 64 MB in fp32
+params = {n: p for n, p in model.named_parameters()}
+layout = {n: (k % 2, 1) for k, n in enumerate(params)}  # column- and row-parallel in turn
+deferred = DeferredInit(model, "cpu", seed=5)
+base = kb("VmRSS")
+open("/proc/self/clear_refs", "w").write("5")
+tp = TensorParallelParameters(None, 0, 2)
+tp.apply(params, layout, make=deferred.materialize)
+grown = kb("VmHWM") - base
+whole = fxspeed.materialize(nn.Sequential(*[nn.Linear(1024, 1024, bias=False, device="meta") for _ in range(16)]), seed=5)
+same = all(torch.equal(p, take_slice(w.weight.detach(), layout[n][0], 1, 0, 2)) for (n, p), w in zip(params.items(), whole))
+print(json.dumps({"grown": grown, "same": same, "done": deferred.done}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset")
+def test_laying_out_a_meta_model_under_tensor_parallelism_cuts_each_group_as_it_is_made_never_the_whole_model() -> None:
+    """Rank 0 of 2 under tensor=2 keeps half of every weight of a 64 MB model: each init group is
+    made whole (its init draws the full tensor, so the values are fxspeed.materialize's) and cut
+    to this rank's slice at once, so it peaks at its half and a group or two (44 MB measured; made
+    all at once and then sliced, as the engine did: 75)."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _TP_LAYOUT_PEAK], env=env, capture_output=True, text=True,
+                         check=True, timeout=120)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["same"] and r["done"]
+    kept, group = 8 << 22, 4 << 20
+    assert r["grown"] < kept + 4 * group, f"laying out the meta model peaked {r['grown'] / 1e6:.1f} MB (keeps 33.6)"
+
+
+def test_weights_another_stage_holds_are_never_made_and_the_rest_keep_their_values() -> None:
+    """A pipeline rank releases the weights of the stages it does not run: an init group made of
+    them only is never made (0-size on the device, as the engine frees them); a group that also
+    holds a kept tensor is made whole when asked for, with fxspeed.materialize's values."""
+    with fxspeed.parameters_on_meta():
+        model = _TiedPair()
+    whole = dict(fxspeed.materialize(copy.deepcopy(model), init=_parent_rescales, seed=4).named_parameters())
+    deferred = DeferredInit(model, "cpu", 4, _parent_rescales)
+    # block.0 is a group of its own; block.2's weight shares its group with its (kept) bias
+    released = [model.block[0].weight, model.block[0].bias, model.block[2].weight]
+    deferred.release(released)
+    assert all(not t.is_meta and t.numel() == 0 and isinstance(t, nn.Parameter) for t in released[:2])
+    assert model.block[2].weight.is_meta and not deferred.done
+    made = deferred.materialize([model.block[2].bias])
+    assert {id(t) for t in made} == {id(model.block[2].weight), id(model.block[2].bias)}
+    deferred.materialize_all()
+    assert deferred.done and model.block[0].weight.numel() == 0  # not made by materialize_all either
+    for name, p in model.named_parameters():
+        if not name.startswith("block.0."):
+            torch.testing.assert_close(p, whole[name], rtol=0, atol=0, msg=name)
+
+
 def _data_idiom_init(m: nn.Module) -> None:
     """The `.data` idiom of many user inits (and transformers 4.x's `_init_weights`): the write goes
     through an alias that is neither the Parameter object nor a view of it."""

@@ -38,9 +38,11 @@
                   the trained weight under both names (it came back 0-size under ZeRO-3), equal
                   to eager; save, load into a fresh engine and one more step equals three
                   uninterrupted steps
-    deferred_init a GPT built on the meta device, ZeRO-2/3 fp32 and ZeRO-1 bf16 on 2 ranks: each rank
-                  makes the values as its layout is built; equals one process's AdamW on the global
-                  batch from fxspeed.materialize of the same model
+    deferred_init a GPT built on the meta device, ZeRO-2/3 fp32, ZeRO-1 bf16, tensor=2 and pipeline=2
+                  on 2 ranks: each rank makes the values as its layout is built (under tensor=2 one
+                  init group whole at a time, then its slice; under pipeline=2 its stages' only);
+                  equals one process's AdamW on the global batch from fxspeed.materialize of the
+                  same model
     no_decay_zero Config.no_weight_decay=("1d",) under ZeRO-0..3 with buckets so small that the
                   flat shards cut Parameters: equals one process's AdamW with the 1-D parameters
                   in a param group with weight_decay=0
@@ -592,26 +594,85 @@ def pipeline_shared_block() -> str:
     return "; ".join(out + state_errors(engine, ref)) or "ok"
 
 
-def deferred_init() -> str:
+class _PeakMade:
+    """While inside: the most bytes the model's Parameters held at once right after deferred
+    init made a group (the group still whole), and the ids of every tensor it made."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.peak, self.made = model, 0, set()
+
+    def __enter__(self) -> "_PeakMade":
+        from fxspeed.runtime.deferred_init import DeferredInit
+
+        self._original = original = DeferredInit._make
+
+        def make(deferred: DeferredInit, group: int) -> Any:
+            if group in deferred._pending:
+                self.made |= set(deferred._members[group])  # (tensor ids)
+            out = original(deferred, group)
+            held = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.model.parameters()
+                    if not p.is_meta}
+            self.peak = max(self.peak, sum(held.values()))
+            return out
+
+        DeferredInit._make = make
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from fxspeed.runtime.deferred_init import DeferredInit
+
+        DeferredInit._make = self._original
+
+
+DEFERRED_LAYOUTS: tuple[dict, ...] = (dict(zero=2), dict(zero=3), dict(zero=1, precision="bf16"), dict(tensor=2),
+                                     dict(pipeline=2, microbatches=2))
+
+
+def deferred_init(layouts: tuple[dict, ...] = DEFERRED_LAYOUTS) -> str:
     """A GPT built under fxspeed.parameters_on_meta, compiled on 2 ranks (ZeRO-2 fp32, ZeRO-3 fp32,
-    ZeRO-1 bf16 with master weights): each rank makes the buckets' values as its layout is built;
-    three steps equal one process's AdamW on the global batch from `fxspeed.materialize` of the
-    same meta model (the values are the same on every rank and in every layout)."""
+    ZeRO-1 bf16 with master weights, tensor=2, pipeline=2): each rank makes the buckets' values as
+    its layout is built; three steps equal one process's AdamW on the global batch from
+    `fxspeed.materialize` of the same meta model (the values are the same on every rank and in
+    every layout). Under tensor=2 each init group is made whole and cut to this rank's slice at
+    once, so the rank never holds the whole model (it made every Parameter whole first, then
+    sliced: its peak was the whole model); under pipeline=2 a rank makes only its stages' weights
+    (it made every stage's, then freed the others')."""
     from fxspeed.models import GPT, GPTConfig
 
     out = []
     cfg = GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=8, dropout=0.0)
     x = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
-    for kw in (dict(zero=2), dict(zero=3), dict(zero=1, precision="bf16")):
+    # slow compute: the planner finds sharding this small GPT cheaper than keeping it whole
+    slow = fxspeed.DeviceSpec("slow-compute", 1e9, {"fp32": 1e8}, 1e9, 1e12, "cpu")
+    world = int(os.environ["WORLD_SIZE"])
+    for kw in layouts:
         with fxspeed.parameters_on_meta():
             meta = GPT(cfg)
         ref = fxspeed.materialize(copy.deepcopy(meta), seed=7)
-        engine = fxspeed.compile(meta, 2, fxspeed.Config(lr=1e-2, eps=1e-3, seed=7, bucket_mb=0.01, **kw),
-                                 example_inputs=local_batch((x, x)))
+        whole = sum(p.numel() * 4 for p in ref.parameters())
+        # no replicas under tensor=2 / pipeline=2: every rank passes the global batch
+        batch = (x, x) if "tensor" in kw or "pipeline" in kw else local_batch((x, x))
+        with _PeakMade(meta) as seen:
+            engine = fxspeed.compile(meta, [slow] * world if "tensor" in kw else world,
+                                     fxspeed.Config(lr=1e-2, eps=1e-3, seed=7, bucket_mb=0.01, **kw),
+                                     example_inputs=batch)
+        if "tensor" in kw:
+            if not engine._tp:
+                out.append(f"{kw}: the planner sliced no Parameter (the test's layout)")
+            if seen.peak > 0.75 * whole:
+                out.append(f"{kw}: laying out the meta model held {seen.peak} bytes at once; the model is {whole}")
+        if "pipeline" in kw:
+            made_elsewhere = sorted(engine._canonical[pid] for pid in engine._freed_shapes if pid in seen.made)
+            if not engine._freed_shapes or made_elsewhere:
+                out.append(f"{kw}: made other stages' weights {made_elsewhere[:4]} (freed {len(engine._freed_shapes)})")
+            if seen.peak > 0.75 * whole:
+                out.append(f"{kw}: laying out the meta model held {seen.peak} bytes at once; the model is {whole}")
+        if os.environ.get("DEFERRED_DEBUG"):
+            print(kw, "peak", seen.peak, "whole", whole, flush=True)
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3, weight_decay=engine.config.weight_decay)
         tol = 1e-5 if engine.config.precision == "fp32" else 2e-2
         for step in range(3):
-            got = engine.train_step(*local_batch((x, x)))
+            got = engine.train_step(*batch)
             opt.zero_grad()
             want = ref(x, x)
             want.backward()
