@@ -9,7 +9,12 @@ for compile and for the training steps apart.
 all (offload="all"), gaK (grad_accum=K; --batch is then the whole step's). Models: fxspeed's GPT
 (`--model gpt`) or HF Llama with grouped-query attention (`--model llama`), random init, from
 `--layers`, `--width`, `--vocab`. `--meta`: the model is built under `fxspeed.parameters_on_meta()`
-and compile gives it its values one bucket at a time (deferred init).
+and compile gives it its values one bucket at a time (deferred init); `--tensor T` / `--pipeline P`
+(micro-batches: `--batch`) lay it out over tensor-parallel ranks / pipeline stages, where from meta
+each rank makes one init group whole at a time and keeps its slice / makes its stages' weights only:
+
+    MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=65536 OMP_NUM_THREADS=1 \\
+        python -m fxspeed run -n 2 benchmarks/bench_plan_memory.py --mode z0+fp32 --tensor 2 --meta
 
 Measured from outside fxspeed's counters: the kernel's peak RSS (VmHWM) of this process, reset by
 writing "5" to /proc/self/clear_refs once the model is built and again after compile; growth over
@@ -94,10 +99,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--nvme", default=None, help="offload directory (exists, same on every rank)")
     ap.add_argument("--meta", action="store_true", help="build on the meta device; compile materializes it")
+    ap.add_argument("--tensor", type=int, default=1, help="Config.tensor (tensor-parallel ranks)")
+    ap.add_argument("--pipeline", type=int, default=1, help="Config.pipeline (stages; micro-batches: --batch)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     config = config_of(a.mode, a.nvme)
+    if a.tensor > 1 or a.pipeline > 1:
+        config = dataclasses.replace(config, tensor=a.tensor, pipeline=a.pipeline,
+                                     microbatches=a.batch if a.pipeline > 1 else config.microbatches)
     # Code loaded on first use (tracing, collectives, the first bf16 matmul) is not the plan's.
     torch.manual_seed(0)
     tiny = GPT(GPTConfig.preset("tiny"))
@@ -112,6 +122,8 @@ def main() -> None:
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
     batch: dict = {"input_ids": ids, "labels": ids} if hf else {}
     args = () if hf else (ids, ids)
+    # (the fp32 model sits in the baseline; under pipeline / tensor parallelism too: every rank built it whole)
+    model_bytes = sum(4 * p.numel() for p in model.parameters() if not p.is_meta)
     if dist.is_initialized():
         dist.barrier()
     base = rss_bytes("VmRSS")
@@ -126,10 +138,11 @@ def main() -> None:
     gc.collect()
     steady = rss_bytes("VmRSS")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    model_bytes = 0 if a.meta else 4 * engine.plan.n_params  # (the fp32 model sits in the baseline)
     plan = engine.plan.peak_memory(rank)
     mb = lambda b: round(b / 1e6, 1)  # noqa: E731
-    print(json.dumps({"rank": rank, "world": world, "mode": a.mode + ("+meta" if a.meta else ""), "model": a.model,
+    layout = "".join(f"+{k}{n}" for k, n in (("tp", a.tensor), ("pp", a.pipeline)) if n > 1)
+    print(json.dumps({"rank": rank, "world": world, "mode": a.mode + layout + ("+meta" if a.meta else ""),
+                      "model": a.model,
                       "plan_mb": mb(plan), "compile_mb": mb(compiled - base + model_bytes),
                       "step_mb": mb(stepped - base + model_bytes), "steady_mb": mb(steady - base + model_bytes),
                       "plan_over_step": round(plan / (stepped - base + model_bytes), 3),
