@@ -168,7 +168,9 @@ def test_two_rank_correctness_cases(tmp_path: Path) -> None:
     trains as eager, comes back whole from state_dict and resumes from a checkpoint exactly;
     scripted_submodule: a torch.jit.script'ed submodule (torch refuses hooks on it) under ZeRO-1/2
     compiles and trains as eager; deferred_init: a GPT built on the meta device, compiled on 2 ranks
-    (ZeRO-2/3, ZeRO-1 bf16), trains as one process from fxspeed.materialize of it."""
+    (ZeRO-2/3, ZeRO-1 bf16, tensor=2, pipeline=2), trains as one process from fxspeed.materialize of
+    it, a tp rank never holding the whole model at once and a pipeline rank never making another
+    stage's weights."""
     proc = _worker("all", tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     for case in ("zero3_module", "repointed_zero12", "raced_write_zero12", "pipeline_batchnorm", "pipeline_shared_block", "nan_one_rank", "eval_global", "layout_dp", "token_mean", "no_decay_zero", "accum_once",
