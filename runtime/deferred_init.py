@@ -52,7 +52,8 @@ class DeferredInit:
     to see what each writes: its own tensors, or a child's (transformers' GPT-2 rescales `c_proj`
     from its attention and MLP modules). The modules whose inits write a tensor, and those holding
     it, are one group, made together: `materialize(params)` makes the groups of those Parameters,
-    `materialize_all()` the rest. The Parameter objects stay the same (only their memory changes):
+    `materialize_all()` the rest, and `release(tensors)` drops the groups made of tensors this
+    rank never holds (another pipeline stage's). The Parameter objects stay the same (only their memory changes):
     the engine keys its layout, hooks and optimizer on them."""
 
     def __init__(self, model: nn.Module, device: torch.device | str, seed: int = 0, init: InitFn | None = None):
