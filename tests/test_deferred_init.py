@@ -184,13 +184,11 @@ def test_init_for_a_model_that_has_its_values_is_refused_by_compile_and_by_mater
     assert fxspeed.materialize(model) is model  # without init: nothing to do
 
 
-_LAYOUT_PEAK = r"""
-import json, sys
+_PEAK_PREAMBLE = r"""
+import json
 import torch, torch.nn as nn
 import fxspeed
-from fxspeed.ir import Bucket
 from fxspeed.runtime.deferred_init import DeferredInit
-from fxspeed.runtime.flat_parameters import FlatParameters
 
 def kb(field):
     for line in open("/proc/self/status"):
@@ -200,14 +198,33 @@ def kb(field):
 with fxspeed.parameters_on_meta():
     model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(16)])  # 64 MB in fp32
 params = {n: p for n, p in model.named_parameters()}
-buckets = [Bucket(k, [n], [(1024, 1024)], [0], 1 << 20, 1 << 20) for k, n in enumerate(params)]
+
+def eager_twin():  # (after the peak is read: the same model made eagerly)
+    return fxspeed.materialize(nn.Sequential(*[nn.Linear(1024, 1024, bias=False, device="meta") for _ in range(16)]), seed=5)
+
 deferred = DeferredInit(model, "cpu", seed=5)
 base = kb("VmRSS")
 open("/proc/self/clear_refs", "w").write("5")
+"""
+
+
+def _layout_peak(script: str) -> dict:
+    """Runs `script` after the preamble in a fresh process (its own peak RSS); its last line is JSON."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _PEAK_PREAMBLE + script], env=env, capture_output=True, text=True,
+                         check=True, timeout=120)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+_LAYOUT_PEAK = r"""
+from fxspeed.ir import Bucket
+from fxspeed.runtime.flat_parameters import FlatParameters
+
+buckets = [Bucket(k, [n], [(1024, 1024)], [0], 1 << 20, 1 << 20) for k, n in enumerate(params)]
 flat = FlatParameters(params, buckets, rank=0, world=2, zero=3, group=None, materialize=deferred.materialize,
                       device=torch.device("cpu"))
 grown = kb("VmHWM") - base
-whole = fxspeed.materialize(nn.Sequential(*[nn.Linear(1024, 1024, bias=False, device="meta") for _ in range(16)]), seed=5)
+whole = eager_twin()
 same = all(torch.equal(s, w.weight.reshape(-1)[: 1 << 19]) for s, w in zip(flat.shards, whole))
 print(json.dumps({"grown": grown, "same": same, "released": all(p.numel() == 0 for p in params.values())}))
 """
@@ -218,38 +235,20 @@ def test_laying_out_a_meta_model_under_zero3_holds_this_ranks_half_and_a_bucket_
     """Rank 0 of 2 under ZeRO-3 keeps half of a 64 MB model: it makes each bucket's values just
     before reading them and releases them at once, so it peaks at its half and a few buckets (43 MB
     measured; all at once: 74)."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", _LAYOUT_PEAK], env=env, capture_output=True, text=True,
-                         check=True, timeout=120)
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = _layout_peak(_LAYOUT_PEAK)
     assert r["same"] and r["released"]
     kept, bucket = 8 << 22, 4 << 20
     assert r["grown"] < kept + 4 * bucket, f"laying out the meta model peaked {r['grown'] / 1e6:.1f} MB (keeps 33.6)"
 
 
 _TP_LAYOUT_PEAK = r"""
-import json
-import torch, torch.nn as nn
-import fxspeed
-from fxspeed.runtime.deferred_init import DeferredInit
 from fxspeed.runtime.tensor_parallel import TensorParallelParameters, take_slice
 
-def kb(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-
-with fxspeed.parameters_on_meta():
-    model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(16)])  # 64 MB in fp32
-params = {n: p for n, p in model.named_parameters()}
 layout = {n: (k % 2, 1) for k, n in enumerate(params)}  # column- and row-parallel in turn
-deferred = DeferredInit(model, "cpu", seed=5)
-base = kb("VmRSS")
-open("/proc/self/clear_refs", "w").write("5")
 tp = TensorParallelParameters(None, 0, 2)
 tp.apply(params, layout, make=deferred.materialize)
 grown = kb("VmHWM") - base
-whole = fxspeed.materialize(nn.Sequential(*[nn.Linear(1024, 1024, bias=False, device="meta") for _ in range(16)]), seed=5)
+whole = eager_twin()
 same = all(torch.equal(p, take_slice(w.weight.detach(), layout[n][0], 1, 0, 2)) for (n, p), w in zip(params.items(), whole))
 print(json.dumps({"grown": grown, "same": same, "done": deferred.done}))
 """
@@ -261,10 +260,7 @@ def test_laying_out_a_meta_model_under_tensor_parallelism_cuts_each_group_as_it_
     made whole (its init draws the full tensor, so the values are fxspeed.materialize's) and cut
     to this rank's slice at once, so it peaks at its half and a group or two (44 MB measured; made
     all at once and then sliced, as the engine did: 75)."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", _TP_LAYOUT_PEAK], env=env, capture_output=True, text=True,
-                         check=True, timeout=120)
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = _layout_peak(_TP_LAYOUT_PEAK)
     assert r["same"] and r["done"]
     kept, group = 8 << 22, 4 << 20
     assert r["grown"] < kept + 4 * group, f"laying out the meta model peaked {r['grown'] / 1e6:.1f} MB (keeps 33.6)"
