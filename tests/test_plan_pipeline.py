@@ -104,6 +104,11 @@ def test_two_pipelines_of_two_stages_lay_ranks_out_as_the_mesh_does() -> None:
     assert plan.rank_memory[0] == plan.rank_memory[2] and plan.rank_memory[1] == plan.rank_memory[3]
     assert plan.rank_memory[0] != plan.rank_memory[1]
     assert "rank 2: dp 1, pp 0, tp 0" in plan.summary() and "rank 3: dp 1, pp 1, tp 0" in plan.mesh
+    # The stage table names each stage's pipeline position, not a rank: ranks 1 and 3 run stage 1
+    # here, ranks 2 and 6 at tensor=2 x pipeline=2 x 2 replicas, where it said "rank 1" (a tp rank
+    # of position 0).
+    assert "stage  position" in plan.summary() and "stage  rank" not in plan.summary()
+    assert [st["position"] for st in plan.pipeline["stages"]] == [0, 1]
     one = fxspeed.plan(meta_gpt(), 2, fxspeed.Config(pipeline=2, microbatches=2), example_inputs=batch())
     # ZeRO-1 halves the optimizer states over the 2 replicas of a stage
     assert 2 * plan.memory(0)["optimizer_states"] == one.memory(0)["optimizer_states"]

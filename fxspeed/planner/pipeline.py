@@ -399,7 +399,9 @@ def pipeline_report(stages: list[StageProgram], schedule: Schedule, config: Conf
         tb = float(sum(st.trainable.values()))
         peak = ranks[rank]["phase_memory"]["step"]
         pred = p.predicted
-        out_stages.append({"stage": p.stage, "rank": rank, "modules": p.modules, "params": int(pred.get("params", 0)),
+        # "rank" is the pipeline position (kept under that name for existing readers): the global
+        # ranks running it are every (replica, tp rank) at that position, in plan.mesh's table.
+        out_stages.append({"stage": p.stage, "rank": rank, "position": rank, "modules": p.modules, "params": int(pred.get("params", 0)),
                            "forward_s": pred.get("forward", 0.0),
                            "backward_s": pred.get("backward_input", 0.0) + pred.get("backward_weight", 0.0),
                            "memory_bytes": {"parameters": pb, "gradients": tb,

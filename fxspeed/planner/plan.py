@@ -172,14 +172,14 @@ class Plan:
             lines += ["", f"pipeline: {pp['stages_n']} stages, schedule {pp['schedule']}, {pp['microbatches']} "
                       f"micro-batches, {pp['replicas']} replica(s); simulated bubble {pp['bubble']:.3f}, "
                       f"step {pp['step_s'] * 1e3:,.2f} ms (costs of one micro-batch)",
-                      f"  {'stage':<6}{'rank':>5}{'params':>16}{'fwd ms':>9}{'bwd ms':>9}{'weights+grads+opt':>19}"
+                      f"  {'stage':<6}{'position':>9}{'params':>16}{'fwd ms':>9}{'bwd ms':>9}{'weights+grads+opt':>19}"
                       f"{'act peak':>11}  modules"]
             for st in pp["stages"]:
                 m = st["memory_bytes"]
                 w = m["parameters"] + m["gradients"] + m["optimizer_states"]
                 mods = st["modules"]
                 shown = ", ".join(mods if len(mods) <= 4 else [mods[0], mods[1], "...", mods[-1]])
-                lines.append(f"  {st['stage']:<6}{st['rank']:>5}{st['params']:>16,}{st['forward_s'] * 1e3:9.2f}"
+                lines.append(f"  {st['stage']:<6}{st.get('position', st['rank']):>9}{st['params']:>16,}{st['forward_s'] * 1e3:9.2f}"
                              f"{st['backward_s'] * 1e3:9.2f}{gb(w):>19}{size(m['activations'], 11)}  {shown}")
             for rk in ranks:
                 phase = rk.get("peak_phase", "step")
