@@ -777,6 +777,8 @@ class Engine:
         if self._tp is not None:  # this rank's stages' weights only: the others are freed (shapes stay full)
             self._tp.apply(self._params, {n: v for n, v in cp.captured.signature.tp_layout.items()
                                           if id(self._params[n]) in held}, make=self._making())
+            if not cp.captured.signature.tp_layout:  # (a pipeline said nothing: 8 ranks of a small model ran tp=2 whole)
+                self._say_unsharded()
         if self._deferred is not None:
             self._deferred.materialize([p for p in self._unique if id(p) in held])
         mine = {s: self.programs[s] for s in self.stages}
@@ -920,6 +922,19 @@ class Engine:
                 self._counted_buckets.append(k)
         return buckets
 
+    def _say_unsharded(self) -> None:
+        """Warn once that tensor=T slices nothing: the tp ranks would compute the same thing."""
+        if self._tp_unsharded_said:
+            return
+        self._tp_unsharded_said = True
+        log.warning("fxspeed: tensor=%d: the planner sharded none of %s's parameters (at these sizes keeping "
+                    "every weight whole on each tp rank was cheaper than the collectives sharding needs), so "
+                    "the %d tp ranks compute the same thing. Use them for data parallelism (tensor=1) with "
+                    "this model, or a wider one for tensor parallelism (to test the sharded layout on a small "
+                    "model, pass devices= a DeviceSpec with low flops and mem_bandwidth: the planner "
+                    "then finds sharding cheaper)", self.mesh.tp,
+                    type(self.model).__name__, self.mesh.tp)
+
     def _apply_tp_layout(self, sig: StepSignature) -> None:
         """The first program's tp layout slices the Parameters; every later program must read each
         sliced Parameter as that same slice (never as a full "param" input), the first one included
@@ -931,15 +946,8 @@ class Engine:
                 self._guard_released_module([p], f"as slices over the {self.mesh.tp} tensor-parallel ranks",
                                             " or wrap the call in `with engine.gathered():` (on every rank)",
                                             partial=lambda t: tuple(t.shape) != full)
-            if not sig.tp_layout and not self._tp_unsharded_said:
-                self._tp_unsharded_said = True
-                log.warning("fxspeed: tensor=%d: the planner sharded none of %s's parameters (at these sizes keeping "
-                            "every weight whole on each tp rank was cheaper than the collectives sharding needs), so "
-                            "the %d tp ranks compute the same thing. Use them for data parallelism (tensor=1) with "
-                            "this model, or a wider one for tensor parallelism (to test the sharded layout on a small "
-                            "model, pass devices= a DeviceSpec with low flops and mem_bandwidth: the planner "
-                            "then finds sharding cheaper)", self.mesh.tp,
-                            type(self.model).__name__, self.mesh.tp)
+            if not sig.tp_layout:
+                self._say_unsharded()
         have = {id(p): (d, b) for p, d, b, _ in self._tp.layout.values()}
         for spec in sig.inputs:
             if spec.kind not in ("param", "param_tp"):

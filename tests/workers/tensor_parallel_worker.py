@@ -36,6 +36,7 @@ eagerly on the same batches: relative error <= 1e-5.
 
     tiny_unsharded  a model too small to shard (2 x 8 wide): the solver keeps every weight whole and
              the engine warns that the tp ranks compute the same thing (it said nothing)
+    tiny_unsharded_pp  the same under TP=2 x PP=2 (the pipeline's engine said nothing)
 
 Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt and exits 0 (`--case all`:
 every case in one launch; tests/workers/common.py run_cases, shared with correctness_worker).
@@ -635,7 +636,7 @@ def gpt_offload_tiers() -> str:
                           for t in ("optimizer", "parameters", "all")}, resume=True)
 
 
-def tiny_unsharded() -> str:
+def tiny_unsharded(pipeline: int = 1) -> str:
     import logging
 
     class Keep(logging.Handler):
@@ -648,12 +649,12 @@ def tiny_unsharded() -> str:
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
-    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    x = torch.randn(4, 8)
     keep = Keep()
     logging.getLogger("fxspeed").addHandler(keep)
     try:
-        engine = fxspeed.compile(model, 2, fxspeed.Config(tensor=2), example_inputs=(x,),
-                                 loss_fn=lambda out, x: torch.nn.functional.mse_loss(out, y))
+        engine = fxspeed.compile(model, 2 * pipeline, fxspeed.Config(tensor=2, pipeline=pipeline, microbatches=pipeline),
+                                 example_inputs=(x,), loss_fn=lambda out, x: out.pow(2).mean())
         engine.train_step(x)
     finally:
         logging.getLogger("fxspeed").removeHandler(keep)
@@ -661,11 +662,17 @@ def tiny_unsharded() -> str:
     return "ok" if len(said) == 1 else f"warnings: {keep.said}"
 
 
+def tiny_unsharded_pp() -> str:
+    """The same under TP=2 x PP=2: the pipeline's engine said nothing (8 ranks of a 64-wide GPT at
+    tensor=2 ran every weight whole, silently)."""
+    return tiny_unsharded(pipeline=2)
+
+
 CASES = {"gpt": gpt, "gpt_dropout": gpt_dropout, "gpt2_dropout": gpt2_dropout, "gpt_bf16": gpt_bf16, "gpt_dp_bf16_offload": gpt_dp_bf16_offload,
          "gpt_offload_tiers": gpt_offload_tiers, "gpt_dp_bf16": gpt_dp_bf16, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
          "gpt_dp_zero3": gpt_dp_zero3, "gpt_pp": gpt_pp, "t5": t5, "gpt_sp": gpt_sp, "gpt_dropout_sp": gpt_dropout_sp, "llama_sp": llama_sp,
          "gpt_pp_zero1": gpt_pp_zero1, "gpt_pp_sp_zero1": gpt_pp_sp_zero1, "tiny_unsharded": tiny_unsharded,
-         "uneven_heads": uneven_heads}
+         "tiny_unsharded_pp": tiny_unsharded_pp, "uneven_heads": uneven_heads}
 
 
 if __name__ == "__main__":
