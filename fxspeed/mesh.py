@@ -413,7 +413,9 @@ class Mesh:
     >>> mesh.group("dp"), mesh.ranks("pp")   # this rank's replica group; its pipeline's ranks
     """
 
-    def __init__(self, ctx: DistContext, pp: int = 1, tp: int = 1):
+    def __init__(self, ctx: DistContext, pp: int = 1, tp: int = 1, timeout_s: float | None = None):
+        """`timeout_s`: how long a collective on the groups made here (dp, pp, tp and new_group's)
+        may wait (Config.dist_timeout_s); None: torch's default for new groups (30 min on gloo)."""
         world = ctx.world
         if pp < 1 or tp < 1 or world % (pp * tp):
             raise ConfigError(f"devices={world} is not a multiple of Config.pipeline x Config.tensor = {pp} x {tp} = "
@@ -422,6 +424,7 @@ class Mesh:
         self.ctx = ctx
         self.pp, self.tp, self.dp = pp, tp, world // (pp * tp)
         self.rank, self.world = ctx.rank, world
+        self._timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
         self._device_mesh = None
         self._groups: dict[str, Any] = {}
         if ctx.active:
@@ -430,7 +433,7 @@ class Mesh:
     @classmethod
     def join(cls, n_devices: int, timeout_s: float = 300.0, *, pp: int = 1, tp: int = 1) -> "Mesh":
         """Join (or initialize) the process group for `n_devices` ranks and lay them out."""
-        return cls(join(n_devices, timeout_s), pp=pp, tp=tp)
+        return cls(join(n_devices, timeout_s), pp=pp, tp=tp, timeout_s=timeout_s)
 
     # --- layout --------------------------------------------------------------------------------
     @property
@@ -473,7 +476,7 @@ class Mesh:
         """A new group over `ranks` (collective: every rank calls it, in the same order)."""
         if not self.active:
             return None
-        return dist.new_group(sorted(ranks), backend=dist.get_backend(self.ctx.group))
+        return dist.new_group(sorted(ranks), backend=dist.get_backend(self.ctx.group), timeout=self._timeout)
 
     def new_group_along(self, dim: str) -> Any:
         """A second group of this rank's `dim` slice (e.g. for collectives that must not queue
@@ -482,7 +485,8 @@ class Mesh:
         if not self.active:
             return None
         slices = sorted({tuple(self.ranks(dim, g)) for g in range(self.world)})
-        mine, _ = dist.new_subgroups_by_enumeration([list(r) for r in slices], backend=dist.get_backend(self.ctx.group))
+        mine, _ = dist.new_subgroups_by_enumeration([list(r) for r in slices], backend=dist.get_backend(self.ctx.group),
+                                                    timeout=self._timeout)
         return mine
 
     def describe(self) -> str:
@@ -502,12 +506,24 @@ class Mesh:
         backend = dist.get_backend(self.ctx.group)
         device_type = "cuda" if backend == "nccl" else "cpu"
         layout = torch.arange(self.world).reshape(self.dp, self.pp, self.tp)
-        self._device_mesh = DeviceMesh(device_type, layout, mesh_dim_names=DIMS)
+        if self._timeout is None:
+            self._device_mesh = DeviceMesh(device_type, layout, mesh_dim_names=DIMS)
+            for dim in DIMS:
+                self._groups[dim] = (self.ctx.group if self.shape[dim] == self.world
+                                     else self._device_mesh.get_group(dim))
+            return
+        # The groups are made here, with Config.dist_timeout_s: DeviceMesh makes its own with torch's
+        # default for new groups (30 min on gloo), so a rank missing from a tp, pp or dp collective
+        # (8 ranks, dist_timeout_s=5) held its peers there for 30 min instead of failing at 5 s.
         for dim in DIMS:
             if self.shape[dim] == self.world:
                 self._groups[dim] = self.ctx.group
-            else:
-                self._groups[dim] = self._device_mesh.get_group(dim)
+                continue
+            slices = sorted({tuple(self.ranks(dim, g)) for g in range(self.world)})
+            self._groups[dim], _ = dist.new_subgroups_by_enumeration(
+                [list(r) for r in slices], timeout=self._timeout, backend=backend)
+        self._device_mesh = DeviceMesh.from_group([self._groups[d] for d in DIMS], device_type, mesh=layout,
+                                                  mesh_dim_names=DIMS)
 
     @property
     def device_mesh(self) -> Any:

@@ -37,6 +37,8 @@ eagerly on the same batches: relative error <= 1e-5.
     tiny_unsharded  a model too small to shard (2 x 8 wide): the solver keeps every weight whole and
              the engine warns that the tp ranks compute the same thing (it said nothing)
     tiny_unsharded_pp  the same under TP=2 x PP=2 (the pipeline's engine said nothing)
+    subgroup_timeout  (4 ranks, last: it leaves a tp group timed out) the mesh's groups hold the
+             layout's ranks; a rank alone in a tp all-reduce fails at the mesh's timeout
 
 Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt and exits 0 (`--case all`:
 every case in one launch; tests/workers/common.py run_cases, shared with correctness_worker).
@@ -668,11 +670,46 @@ def tiny_unsharded_pp() -> str:
     return tiny_unsharded(pipeline=2)
 
 
+def subgroup_timeout() -> str:
+    """The mesh's tp, dp and pp groups hold the ranks the layout names, and a rank alone in a tp
+    collective fails at the mesh's timeout (Config.dist_timeout_s), not at torch's default for new
+    groups: DeviceMesh made them with 30 min on gloo, so 8 ranks at dist_timeout_s=5 waited there
+    for 30 min (here rank 1's all-reduce returned when rank 0 joined 6 s later)."""
+    import time
+
+    from fxspeed.mesh import Mesh
+
+    if not dist.is_initialized():  # (first in its launch: the world group keeps a long timeout)
+        Mesh.join(int(os.environ["WORLD_SIZE"]), 300.0)
+    rank = dist.get_rank()
+    mesh = Mesh.join(dist.get_world_size(), 2.0, tp=2)
+    for dim in ("dp", "pp", "tp"):
+        if sorted(dist.get_process_group_ranks(mesh.group(dim))) != mesh.ranks(dim):
+            return f"the {dim} group holds {dist.get_process_group_ranks(mesh.group(dim))}, the layout {mesh.ranks(dim)}"
+    if mesh.device_mesh.get_group("tp") is not mesh.group("tp"):
+        return "device_mesh's tp group is not the mesh's"
+    said, start = "ok", time.monotonic()
+    if rank in (0, 1):
+        if rank == 0:
+            time.sleep(6.0)
+        try:
+            dist.all_reduce(torch.ones(1), group=mesh.group("tp"))
+            if rank == 1:
+                said = f"rank 1's all-reduce alone returned after {time.monotonic() - start:.1f}s, no timeout"
+        except RuntimeError:  # gloo's timeout (rank 1); rank 0 arrives at a pair that gave up
+            waited = time.monotonic() - start
+            if rank == 1 and waited > 5.0:
+                said = f"rank 1's all-reduce alone failed after {waited:.1f}s, the mesh's timeout is 2 s"
+    dist.barrier()
+    return said
+
+
 CASES = {"gpt": gpt, "gpt_dropout": gpt_dropout, "gpt2_dropout": gpt2_dropout, "gpt_bf16": gpt_bf16, "gpt_dp_bf16_offload": gpt_dp_bf16_offload,
          "gpt_offload_tiers": gpt_offload_tiers, "gpt_dp_bf16": gpt_dp_bf16, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
          "gpt_dp_zero3": gpt_dp_zero3, "gpt_pp": gpt_pp, "t5": t5, "gpt_sp": gpt_sp, "gpt_dropout_sp": gpt_dropout_sp, "llama_sp": llama_sp,
          "gpt_pp_zero1": gpt_pp_zero1, "gpt_pp_sp_zero1": gpt_pp_sp_zero1, "tiny_unsharded": tiny_unsharded,
-         "tiny_unsharded_pp": tiny_unsharded_pp, "uneven_heads": uneven_heads}
+         "tiny_unsharded_pp": tiny_unsharded_pp, "uneven_heads": uneven_heads,
+         "subgroup_timeout": subgroup_timeout}
 
 
 if __name__ == "__main__":
