@@ -1152,7 +1152,10 @@ class Engine:
         if self._half_stepped:
             raise FxspeedError(self._half_stepped + "; load a checkpoint with engine.load (weights and optimizer states) "
                                "to train on")
-        self._check_replica_batch("train_step", args, kwargs)
+        # Inside _failure_said: under tp or pp the replica check is a step's first collective, where a
+        # rank whose peer left (its script ended a step early) got gloo's bare error and no out-of-step note.
+        with self._failure_said("train_step", self.dist.active):
+            self._check_replica_batch("train_step", args, kwargs)
         if self.scaler is not None:
             self._scale.copy_(self.scaler.scale)
         if isinstance(self.optimizer, OffloadedAdam):
@@ -1751,9 +1754,9 @@ class Engine:
         are gathered) and pipelines: call it on every rank."""
         self._begin_step("eval_step")
         refuse_autocast("engine.eval_step")
-        self._check_replica_batch("eval_step", args, kwargs)
         self._check_parameters_not_replaced()
         with self._failure_said("eval_step", self.dist.active):
+            self._check_replica_batch("eval_step", args, kwargs)
             return self._eval_step(args, kwargs)
 
     def _eval_step(self, args: tuple, kwargs: dict) -> Any:

@@ -88,15 +88,19 @@ def test_ranks_that_disagree_or_a_batch_that_cannot_be_split_raise_a_config_erro
 
 
 
-def test_a_rank_whose_loader_ran_one_batch_longer_is_told_the_other_finished_in_seconds(tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", ["longer", "longer_tp"])
+def test_a_rank_whose_loader_ran_one_batch_longer_is_told_the_other_finished_in_seconds(
+        case: str, tmp_path: Path) -> None:
     """Rank 1 ends its script after 2 steps, rank 0 starts a third: rank 0 waited in the step's
     collective to dist_timeout_s (300 s; the exit barrier, a gloo collective, could pair with
-    it), and its error said only that another rank left."""
-    proc, wall = fxspeed_run(2, "longer", tmp_path)
+    it), and its error said only that another rank left. Under tensor=2 the step's first
+    collective, the tp ranks' batch check, ran outside the step's failure handling: rank 0 got
+    gloo's bare "Connection closed by peer" (a RuntimeError, no FxspeedError)."""
+    proc, wall = fxspeed_run(2, case, tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert wall < DEADLINE_S, f"took {wall:.0f} s"
-    r0 = (tmp_path / "longer_rank0.txt").read_text()
+    r0 = (tmp_path / f"{case}_rank0.txt").read_text()
     assert "rank(s) [1] had ended their script without an error" in r0, r0
     assert "while this rank ran train_step 3: the ranks ran different numbers of steps" in r0, r0
 

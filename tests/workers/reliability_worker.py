@@ -9,6 +9,7 @@
     midserve   the same for tensor-parallel serving: rank 1's generate fails inside a step (injected)
                while rank 0 is in the step's collectives
     longer     rank 0 runs one step more than rank 1, whose script ends: rank 0's FxspeedError says so
+    longer_tp  the same under tensor=2 (the step's first collective is the tp ranks' batch check)
     model      rank 1 builds a different model      -> ConfigError at compile on every rank
     config     rank 1 passes a different Config      -> ConfigError at compile on every rank
     devices    the ranks pass DeviceSpecs of different bandwidth (a rate measured per rank) -> ConfigError
@@ -50,10 +51,10 @@ def main() -> None:
     os.environ.setdefault("FXSPEED_BACKEND", "gloo")
     torch.set_num_threads(1)
     cases = a.case.split(",")
-    if not (cases in (["raise"], ["exit"], ["sys_exit"], ["midstep"], ["midserve"], ["longer"]) or set(cases) <= {"model", "config", "devices", "indivisible", "shapes",
+    if not (cases in (["raise"], ["exit"], ["sys_exit"], ["midstep"], ["midserve"], ["longer"], ["longer_tp"]) or set(cases) <= {"model", "config", "devices", "indivisible", "shapes",
                                                                                        "buffer", "frozen", "attribute",
                                                                                        "branch"}):
-        ap.error(f"--case {a.case}: raise, exit, sys_exit, midstep, midserve, longer, or some of model, config, devices, indivisible, shapes, buffer, "
+        ap.error(f"--case {a.case}: raise, exit, sys_exit, midstep, midserve, longer, longer_tp, or some of model, config, devices, indivisible, shapes, buffer, "
                  "frozen, attribute, branch")
     for case in cases:
         run(case, a.out)
@@ -111,11 +112,15 @@ def run(case: str, out: str | None) -> None:
         print(f"rank {rank}: trained {len(batches) - 1} steps without rank 1 in {time.time() - t0:.1f} s", flush=True)
         raise SystemExit(0)
 
-    if case == "longer":  # rank 0's loader holds one batch more: it starts a step rank 1 never joins
-        engine = fxspeed.compile(model, world, cfg, example_inputs=example)
+    if case in ("longer", "longer_tp"):  # rank 0's loader holds one batch more: it starts a step rank 1 never joins
+        if case == "longer_tp":  # the step's first collective is the tp ranks' batch check
+            cfg, mine = fxspeed.Config(tensor=world, lr=1e-2), (lambda b: b)
+        else:
+            mine = local_batch
+        engine = fxspeed.compile(model, world, cfg, example_inputs=mine(batches[0]))
         try:
             for b in batches[:3 if rank == 0 else 2]:
-                engine.train_step(*local_batch(b))
+                engine.train_step(*mine(b))
             msg = "no error"
         except FxspeedError as e:
             msg = f"FxspeedError: {e}"
