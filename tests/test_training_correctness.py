@@ -163,7 +163,7 @@ def test_two_rank_correctness_cases(tmp_path: Path) -> None:
     unevenly (one rank's all -100) gives one process's steps on the global batch; no_decay_zero:
     Config.no_weight_decay under ZeRO-0..3 (shards cutting Parameters) equals torch param groups;
     accum_once: grad_accum under ZeRO-0/1 reduces once per step (the last slice's program, the sum
-    of every slice) and equals eager on the global batch; tie_second_name: a tie the forward reaches
+    of every slice) and equals eager on the global batch, a slice's own buckets dead before the next runs; tie_second_name: a tie the forward reaches
     through its second name only (T5's shared / encoder.embed_tokens) under ZeRO-3 and ZeRO-1 bf16
     trains as eager, comes back whole from state_dict and resumes from a checkpoint exactly;
     scripted_submodule: a torch.jit.script'ed submodule (torch refuses hooks on it) under ZeRO-1/2

@@ -32,7 +32,8 @@
     accum_once    Config.grad_accum=2/3 under ZeRO-0/1 (fp32; ZeRO-1 bf16 with master weights too):
                   only the step's last slice's program holds collectives, it reduces the sum of
                   every slice, and three steps equal one process's eager AdamW on the global
-                  batch (the mean of the slices' means)
+                  batch (the mean of the slices' means); under ZeRO-1 a slice's own flat buckets
+                  are dead before the next slice runs (the engine sums its own copies)
     tie_second_name a weight tied under two names whose forward reaches it through the second only
                   (T5's shared / encoder.embed_tokens), ZeRO-3 and ZeRO-1 bf16: state_dict gives
                   the trained weight under both names (it came back 0-size under ZeRO-3), equal
@@ -61,6 +62,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import fxspeed
 from fxspeed.data import local_batch
@@ -412,6 +414,21 @@ def accum_once() -> str:
         engine = fxspeed.compile(model, 2, fxspeed.Config(lr=0.05, zero=zero, grad_accum=k, precision=precision,
                                                           bucket_mb=0.002), example_inputs=lb)
         opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.0)
+        # A slice's own flat buckets are dead once the step has summed them (the engine keeps its
+        # copies): alive through the next slice's run they were a second copy of the accumulated
+        # gradients at the step's peak.
+        held: list[int] = []
+        mine: list[StorageWeakRef] = []
+        run = engine._run_stepping
+
+        def watched(ex, batch, run=run, held=held, mine=mine):
+            held.append(sum(not r.expired() for r in mine))
+            mine.clear()
+            res = run(ex, batch)
+            mine.extend(StorageWeakRef(t.untyped_storage()) for t in res.grad_buckets.values())
+            return res
+
+        engine._run_stepping = watched
         for _ in range(3):
             engine.train_step(*lb)
             opt.zero_grad()
@@ -420,6 +437,9 @@ def accum_once() -> str:
             opt.step()
         kinds = {key[3]: sum("reduce" in str(n.target) for n in ex.program.gm.graph.nodes)
                  for key, ex in engine._executors.items() if key[0] and key[3] != "whole"}
+        if zero == 1 and any(held[i] for i in range(len(held)) if i % k):  # (ZeRO-0's are persistent buffers)
+            out.append(f"zero={zero} k={k}: a slice's own gradient buckets still alive while the next slice runs "
+                       f"(per run: {held})")
         if kinds.get("local", -1) != 0 or kinds.get("last", 0) == 0:
             out.append(f"zero={zero} k={k}: collectives per program role {kinds}")
         if precision == "fp32":
