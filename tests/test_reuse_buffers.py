@@ -88,3 +88,22 @@ def test_a_buffer_the_program_returns_keeps_its_own_memory() -> None:
 
     out = run_pass(make_fx(f)(torch.randn(4)))
     assert not [n for n in out.graph.nodes if n.target is aten.empty.memory_format]
+
+
+def test_a_buffer_only_read_by_an_in_place_op_is_dead_there_for_the_next_buffer() -> None:
+    """ZeRO-2's gloo reduce-scatter adds the rank's own chunk of the flat bucket into the received
+    sum in place (`recv.add_(bucket[:n])`) and steps the sum after the next bucket is flattened:
+    the add_'s result is `recv`, not the bucket, so the next bucket reuses the workspace."""
+
+    def f(x: torch.Tensor, acc: torch.Tensor) -> tuple[torch.Tensor]:
+        a = torch.cat([x, x])
+        r = acc.add_(a[:4])       # reads a; r is acc
+        b = torch.cat([x * 2, x])
+        return (r * b.sum(),)     # r is read after b is made
+
+    x, acc = torch.randn(4), torch.randn(4)
+    want = f(x, acc.clone())[0]
+    out = run_pass(make_fx(f)(x, acc.clone()))
+    assert [n.target for n in out.graph.nodes].count(aten.cat.out) == 2
+    assert len([n for n in out.graph.nodes if n.target is aten.empty.memory_format]) == 1
+    assert torch.equal(out(x, acc.clone())[0], want)
