@@ -131,6 +131,26 @@ def test_a_loss_fn_that_does_not_take_a_keyword_batch_is_told_how_it_is_called()
            "argument 'idx')" in msg and "unsupported construct" not in msg
 
 
+def test_a_batch_dict_given_as_one_positional_argument_is_told_to_be_unpacked_as_keywords() -> None:
+    """train_step(batch) with a Hugging Face style dict: forward's first parameter got the whole
+    dict and failed inside the model (ViT: "'dict' object has no attribute 'dtype'" at a
+    transformers line, with "rewrite that line" as the fix)."""
+    class KeywordBatch(nn.Linear):
+        def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+            return nn.functional.cross_entropy(super().forward(pixel_values.flatten(1)), labels)
+
+    batch = {"pixel_values": torch.randn(4, 8), "labels": torch.randint(0, 3, (4,))}
+    engine = fxspeed.compile(KeywordBatch(8, 3), 1, example_inputs=batch)
+    for call in (lambda: engine.train_step(batch), lambda: engine.eval_step(batch),
+                 lambda: fxspeed.compile(KeywordBatch(8, 3), 1, example_inputs=(batch,))):
+        with pytest.raises(fxspeed.CaptureError) as info:
+            call()
+        msg = str(info.value)
+        assert "KeywordBatch.forward's `pixel_values` received the whole batch dict (keys pixel_values, labels)" in msg
+        assert "engine.train_step(**batch)" in msg and "unsupported construct" not in msg
+    assert engine.train_step(**batch) > 0
+
+
 def test_a_float64_batch_into_float32_weights_is_refused_at_capture_as_eager_refuses_it() -> None:
     """Fake tensors' addmm does not check dtypes: the step traced, then failed when it ran (on
     several ranks as "the ranks are out of step", though every rank failed alike)."""

@@ -454,7 +454,8 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs:
         raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes one clear error
         if not (train and not unroll_rnns and _is_rnn_export_limit(model, e)):
-            known = (_signature_mismatch(model, args, kwargs, e, train)
+            known = (_batch_dict_as_positional(model, args, e, train)
+                     or _signature_mismatch(model, args, kwargs, e, train)
                      or _loss_fn_mismatch(model, loss_fn, args, kwargs, e, train)
                      or (_known_capture_error(model, wrapper, tensors, e) if train else None)
                      or _gradient_in_forward(model, grad_calls, train))
@@ -706,6 +707,36 @@ def _signature_mismatch(model: nn.Module, args: tuple, kwargs: dict, e: BaseExce
         "y, which loss_fn(out, x, y) then receives), or wrap the model in a module whose forward(x, y) returns "
         "the loss, e.g. loss_fn(self.model(x), y), and compile that without loss_fn.",
     )
+
+
+def _batch_dict_as_positional(model: nn.Module, args: tuple, e: BaseException, train: bool = True
+                              ) -> CaptureError | None:
+    """A batch dict given as one positional argument (`train_step(batch)`, `example_inputs=(batch,)`)
+    whose keys are all forward's parameter names: forward's first parameter got the whole dict and
+    failed somewhere inside the model ("'dict' object has no attribute 'dtype'" at a transformers
+    line), far from the cause. Only read after a failure, so a forward that takes a dict is untouched."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    names = list(sig.parameters)
+    positional = [n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for i, a in enumerate(args):
+        if not (isinstance(a, dict) and a and all(isinstance(k, str) and k in names for k in a)):
+            continue
+        name = type(model).__name__
+        param = positional[i] if i < len(positional) else f"args[{i}]"
+        keys = ", ".join(a)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return CaptureError(
+            f"cannot capture the {'training' if train else 'eval'} step of {name}: {name}.forward's `{param}` "
+            f"received the whole batch dict (keys {keys}), given as positional argument {i}; fxspeed calls the model "
+            f"as {name}(*args, **kwargs) with the batch as given, and forward failed on the dict ({reason}). How to "
+            "fix: pass the dict's entries as keyword arguments, engine.train_step(**batch) and "
+            "engine.eval_step(**batch), and compile with example_inputs=batch (a dict is taken as forward's "
+            "keyword arguments), not (batch,)."
+        )
+    return None
 
 
 def _call_refused(f: Callable, args: tuple, kwargs: dict, e: BaseException
