@@ -422,6 +422,9 @@ _OTHER_NAMES = {
     "precision": ("mixed_precision", "dtype", "bf16", "fp16", "amp"),
     "offload": ("offload_optimizer", "offload_param", "cpu_offload"),
     "warmup_steps": ("warmup", "num_warmup_steps", "lr_warmup_steps"),
+    # DeepSpeed's "scheduler" is the lr's; by letters it is nearest the pipeline's `schedule`
+    "lr_schedule": ("scheduler", "lr_scheduler", "lr_scheduler_type", "scheduler_type"),
+    "total_steps": ("total_num_steps", "max_steps", "num_training_steps", "train_steps"),
     "seed": ("random_seed",),
 }
 _KEY_FOR = {alias: key for key, aliases in _OTHER_NAMES.items() for alias in aliases}

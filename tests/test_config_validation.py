@@ -381,7 +381,10 @@ def test_a_misspelt_keyword_to_config_is_a_config_error_naming_the_closest_key()
         Config(zer0=3)
     # another library's name for a key is mapped, not matched by letters ('sequence_parallel' was offered)
     for other, ours in (("tensor_parallel", "tensor"), ("clip_grad_norm", "grad_clip"), ("micro_batches", "microbatches"),
-                        ("gradient_accumulation_steps", "grad_accum"), ("zero_stage", "zero")):
+                        ("gradient_accumulation_steps", "grad_accum"), ("zero_stage", "zero"),
+                        # DeepSpeed's / HF Trainer's lr scheduler: 'schedule' (the pipeline's) was offered
+                        ("scheduler", "lr_schedule"), ("lr_scheduler", "lr_schedule"),
+                        ("total_num_steps", "total_steps"), ("max_steps", "total_steps")):
         with pytest.raises(ConfigError, match=rf"did you mean '{ours}' for '{other}'\?"):
             Config(**{other: 2})
     with pytest.raises(ConfigError, match="unknown Config key"):
