@@ -103,7 +103,10 @@ EXITED_KEY = "fxspeed/exited/"  # + rank: this rank's script ended without an er
 FAILED_KEY = "fxspeed/failed/"  # + rank: what failed mid-step there (read by peers' errors)
 
 
-def note_failure_for_peers(what: str) -> None:
+IN_TURN = "\x01"  # leads a FAILED_KEY value: that rank's step failed because a peer's had (a collective)
+
+
+def note_failure_for_peers(what: str, in_turn: bool = False) -> None:
     """A step failed on this rank while its peers were in (or will run) the step's collectives:
     the ranks are out of step for good. Say what failed where the peers' errors can read it, and
     skip the exit meeting, so that this process ends as soon as its script does and a peer
@@ -113,7 +116,7 @@ def note_failure_for_peers(what: str) -> None:
     and goes on keeps its peers waiting until it ends.)"""
     if not dist.is_available() or not dist.is_initialized():
         return
-    _tell_peers(FAILED_KEY, what[:400])
+    _tell_peers(FAILED_KEY, (IN_TURN if in_turn else "") + what[:400])
     _failed.append(RuntimeError(what))  # no exit meeting: the peers are not coming
 
 
@@ -384,11 +387,11 @@ def expect_all_ranks(name: str, timeout_s: float = 10.0, group: Any = None, fix:
                 pass
 
 
-def peers_gone() -> tuple[list[tuple[int, str]], list[int]]:
+def peers_gone() -> tuple[list[tuple[int, str, bool]], list[int]]:
     """What the other ranks said as they left, read without waiting, for the error of a
-    collective that failed because they are gone: (rank, what failed there) from FAILED_KEY,
-    and the ranks whose script ended without an error (EXITED_KEY). Empty where the store
-    cannot be read."""
+    collective that failed because they are gone: (rank, what failed there, whether it failed
+    in turn: its own collective failed because of another rank) from FAILED_KEY, and the ranks
+    whose script ended without an error (EXITED_KEY). Empty where the store cannot be read."""
     if not dist.is_available() or not dist.is_initialized():
         return [], []
     from torch.distributed import distributed_c10d
@@ -396,7 +399,8 @@ def peers_gone() -> tuple[list[tuple[int, str]], list[int]]:
     try:
         store = distributed_c10d._get_default_store()
         others = [r for r in range(dist.get_world_size()) if r != dist.get_rank()]
-        failed = [(r, store.get(f"{FAILED_KEY}{r}").decode()) for r in others if store.check([f"{FAILED_KEY}{r}"])]
+        said = [(r, store.get(f"{FAILED_KEY}{r}").decode()) for r in others if store.check([f"{FAILED_KEY}{r}"])]
+        failed = [(r, what.removeprefix(IN_TURN), what.startswith(IN_TURN)) for r, what in said]
         return failed, [r for r in others if store.check([f"{EXITED_KEY}{r}"])]
     except Exception:  # noqa: BLE001 - a diagnostic for an error message; the store may be gone too
         return [], []

@@ -1237,12 +1237,20 @@ class Engine:
         # (the step's number where it counts steps: a generate or stream call has none)
         nth = f"{name} {self.stats['steps'] + 1}" if name in ("train_step", "eval_step") else name
         here = f"while this rank ran {nth}"
-        if failed:
+        # A rank that failed on its own (it raised, or called a collective alone) or ended is the
+        # cause; one whose collective failed because of it only failed in turn, and naming it first
+        # sent the user to a rank with nothing to fix (8 ranks, one calling state_dict() alone:
+        # most said "because rank 0 failed: Connection closed by peer").
+        causes = [(r, what) for r, what, in_turn in failed if not in_turn]
+        in_turn = [r for r, _, later in failed if later]
+        also = f" (rank(s) {in_turn} failed in turn)" if in_turn and (causes or exited) else ""
+        if causes or (failed and not exited):
+            named = causes or [(r, what) for r, what, _ in failed]
             self._out_of_step = (f"a collective of {name} failed on rank {self.rank} because "
-                                 + "; ".join(f"rank {r} failed: {what}" for r, what in failed))
+                                 + "; ".join(f"rank {r} failed: {what}" for r, what in named) + also)
         elif exited:
             self._out_of_step = (f"a collective of {name} failed on rank {self.rank}: rank(s) {exited} had ended their "
-                                 f"script without an error (finished, or sys.exit(0)) {here}: {uneven}")
+                                 f"script without an error (finished, or sys.exit(0)) {here}{also}: {uneven}")
         elif "closed by peer" in str(e) or "reset by peer" in str(e):
             self._out_of_step = (f"a collective of {name} failed on rank {self.rank}: another rank's process left "
                                  f"without a failure said (its script ended or called destroy_process_group, or it was "
@@ -1255,7 +1263,9 @@ class Engine:
         else:
             self._out_of_step = (f"{name} failed on rank {self.rank} ({type(e).__name__}: {first}) while the other "
                                  "ranks ran, or will run, the step's collectives, so the ranks are out of step")
-        note_failure_for_peers(f"{nth} raised {type(e).__name__}: {first}")
+        # in turn: a peer had failed or left first (a timeout alone may be this rank's own doing)
+        note_failure_for_peers(f"{nth} raised {type(e).__name__}: {first}", in_turn=bool(
+            failed or exited or "closed by peer" in str(e) or "reset by peer" in str(e)))
         return FxspeedError(f"{self._out_of_step}. {_restart(name)}")
 
     def _check_replica_batch(self, name: str, args: tuple, kwargs: dict) -> None:

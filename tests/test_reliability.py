@@ -136,3 +136,32 @@ def test_a_serving_step_that_fails_on_one_tensor_parallel_rank_is_said_on_every_
     assert r0[0].startswith("FxspeedError: a collective of generate failed on rank 0 because rank 1 failed: "
                             "generate raised RuntimeError: injected step failure"), r0
     assert r0[1].startswith("FxspeedError: generate: a collective of generate failed on rank 0"), r0
+
+
+def test_a_peer_that_failed_only_because_another_left_is_not_named_as_the_cause(monkeypatch) -> None:
+    """8 ranks, rank 5 calling state_dict() alone: most ranks' errors said "because rank 0 failed:
+    Connection closed by peer", rank 0 having failed only in turn. The rank that failed on its own
+    is the cause; the ones that failed in turn are named after it, and this rank's own note says it
+    failed in turn when a peer had failed first."""
+    import types
+
+    from fxspeed.runtime import engine as engine_module
+
+    notes: list[tuple[str, bool]] = []
+    monkeypatch.setattr(engine_module, "peers_gone", lambda: (
+        [(0, "train_step 4 raised RuntimeError: Connection closed by peer", True),
+         (5, "its script raised ConfigError: engine.state_dict() was called on rank 5 only", False)], []))
+    monkeypatch.setattr(engine_module, "note_failure_for_peers", lambda what, in_turn=False: notes.append((what, in_turn)))
+    stub = types.SimpleNamespace(stats={"steps": 3}, rank=2, _out_of_step=None)
+    err = engine_module.Engine._failed_mid_step(stub, "train_step", RuntimeError("[gloo] Connection closed by peer"))
+    said = str(err)
+    assert "rank 5 failed: its script raised ConfigError" in said and "rank 0 failed:" not in said, said
+    assert "rank(s) [0] failed in turn" in said, said
+    assert notes and notes[0][1] is True  # this rank failed in turn too: its peers do not blame it
+
+    # every rank that said anything failed in turn, and one ended its script: the ended one is the cause
+    notes.clear()
+    monkeypatch.setattr(engine_module, "peers_gone", lambda: (
+        [(0, "train_step 4 raised RuntimeError: Connection closed by peer", True)], [7]))
+    said = str(engine_module.Engine._failed_mid_step(stub, "train_step", RuntimeError("[gloo] Connection closed by peer")))
+    assert "rank(s) [7] had ended their script" in said and "rank 0 failed:" not in said, said
