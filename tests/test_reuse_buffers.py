@@ -107,3 +107,16 @@ def test_a_buffer_only_read_by_an_in_place_op_is_dead_there_for_the_next_buffer(
     assert [n.target for n in out.graph.nodes].count(aten.cat.out) == 2
     assert len([n for n in out.graph.nodes if n.target is aten.empty.memory_format]) == 1
     assert torch.equal(out(x, acc.clone())[0], want)
+
+
+def test_an_argument_reaching_an_aliasing_op_outside_its_schema_arguments_is_taken_as_aliased() -> None:
+    """Liveness reads which arguments an op's result aliases off the schema; a node reaching the op
+    some other way (nested deeper than a list argument) is assumed aliased, never dead early."""
+    from fxspeed.passes.memory.reuse_buffers import _aliases
+
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    plain = g.call_function(torch.ops.aten.add_.Tensor, (w, x))  # x only read: the result is w's memory
+    nested = g.call_function(torch.ops.aten.cat.out, ([[x]],), {"out": w})  # x where the schema does not look
+    assert not _aliases(plain, x) and _aliases(plain, w)
+    assert _aliases(nested, x)

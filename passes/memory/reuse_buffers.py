@@ -154,17 +154,19 @@ def _aliases(u: fx.Node, a: fx.Node) -> bool:
             returned |= set(r.alias_info.before_set) | set(r.alias_info.after_set)
     if not returned:
         return False
+    found = False
     for i, arg in enumerate(schema.arguments):
         given = u.args[i] if i < len(u.args) and not arg.kwarg_only else u.kwargs.get(arg.name)
         if not _passes(given, a):
             continue
+        found = True
         info = arg.alias_info
         if info is None:
             continue  # read only: the result is not `a`'s memory
         sets = set(info.before_set) | set(info.after_set)
         if "*" in sets or "*" in returned or sets & returned:
             return True
-    return False
+    return not found  # `a` reached the op some other way than the schema's arguments: assume a view
 
 
 def _passes(given: object, a: fx.Node) -> bool:
