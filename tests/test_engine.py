@@ -316,3 +316,23 @@ def test_grad_norm_is_the_global_norm_before_clipping_as_clip_grad_norm_returns_
     unclipped = fxspeed.compile(build_model("gpt"), 1, fxspeed.Config(), example_inputs=(x, y))
     unclipped.train_step(x, y)
     assert unclipped.grad_norm() is None  # not computed without Config.grad_clip
+
+
+def test_a_dropped_engine_leaves_no_traced_graph_alive() -> None:
+    """torch's make_fx kept the last trace's nodes in a module global, so the last compiled
+    program's graph and its fake tensors outlived the engine until the next trace."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    x, y = batch()
+    gc.collect()
+    before = weakref.WeakSet(o for o in gc.get_objects() if isinstance(o, torch.fx.Graph))  # (other tests')
+    engine = fxspeed.compile(Classifier(), 1, fxspeed.Config(lr=1e-2), example_inputs=(x, y))
+    engine.train_step(x, y)
+    graphs = [weakref.ref(o) for o in gc.get_objects() if isinstance(o, torch.fx.Graph) and o not in before]
+    assert graphs, "the engine's program has a graph"
+    del engine
+    gc.collect()
+    alive = sum(r() is not None for r in graphs)
+    assert alive == 0, f"{alive} traced graph(s) outlived their engine"

@@ -462,6 +462,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, fargs: tuple, fkwargs:
             raise (known or _capture_error(model, e, train)) from e
         retry_unrolled = True  # below, once the model is restored
     finally:
+        _forget_torch_trace_nodes()
         for owner, params in saved.values():  # restore, in the original order
             owner._parameters.clear()
             owner._parameters.update(params)
@@ -707,6 +708,18 @@ def _signature_mismatch(model: nn.Module, args: tuple, kwargs: dict, e: BaseExce
         "y, which loss_fn(out, x, y) then receives), or wrap the model in a module whose forward(x, y) returns "
         "the loss, e.g. loss_fn(self.model(x), y), and compile that without loss_fn.",
     )
+
+
+def _forget_torch_trace_nodes() -> None:
+    """torch's make_fx keeps the last trace's nodes in a module global (for torch.export's fake
+    tensor leak check, read right after its own trace): it held the last compiled program's graph
+    and fake tensors after its engine was dropped (1,654 nodes and ~2,300 fake tensors, ~19 MB, for
+    an 18M HF Llama), until the next trace."""
+    from torch.fx.experimental import proxy_tensor
+
+    nodes = getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", None)
+    if isinstance(nodes, dict):
+        nodes.clear()
 
 
 def _batch_dict_as_positional(model: nn.Module, args: tuple, e: BaseException, train: bool = True
