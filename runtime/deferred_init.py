@@ -204,9 +204,8 @@ class DeferredInit:
             with self._rnn_refs_dropped(self._members[g]):
                 for i in self._members[g]:
                     t = self._tensors[i]
-                    empty = torch.empty(0, dtype=t.dtype, device=self.device)
-                    torch.utils.swap_tensors(t, nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter)
-                                             else empty)
+                    _swap_in(t, torch.empty(0, dtype=t.dtype, device=self.device),
+                             f"{type(self.model).__name__}.{self._qualified(i)}")
 
     @contextlib.contextmanager
     def _rnn_refs_dropped(self, tensors: list[int]) -> Iterator[None]:
@@ -305,6 +304,11 @@ def _allocate(t: torch.Tensor, device: torch.device, name: str) -> None:
     # (integers and bools have no value to tell "unset" by: zero, so a part an init leaves is at
     # least the same on every rank, not whatever the allocator held)
     new.fill_(float("nan")) if new.is_floating_point() or new.is_complex() else new.zero_()
+    _swap_in(t, new, name)
+
+
+def _swap_in(t: torch.Tensor, new: torch.Tensor, name: str) -> None:
+    """`new`'s memory into meta tensor t, in place (a Parameter stays a Parameter)."""
     try:
         torch.utils.swap_tensors(t, nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new)
     except RuntimeError as e:
