@@ -483,14 +483,14 @@ class Mesh:
         return dist.new_group(sorted(ranks), backend=dist.get_backend(self.ctx.group), timeout=self._timeout)
 
     def new_group_along(self, dim: str) -> Any:
-        """A second group of this rank's `dim` slice (e.g. for collectives that must not queue
-        behind the first's). Collective over the world: every rank makes one group per slice, in
-        the same order (torch requires it), and keeps its own; with one slice it is new_group."""
+        """A new group of this rank's `dim` slice, with the mesh's timeout: the mesh's own group
+        along `dim`, or a second one (for collectives that must not queue behind the first's).
+        Collective over the world: every rank makes one group per slice, in the same order (torch
+        requires it), and keeps its own; with one slice it is new_group."""
         if not self.active:
             return None
-        slices = sorted({tuple(self.ranks(dim, g)) for g in range(self.world)})
-        mine, _ = dist.new_subgroups_by_enumeration([list(r) for r in slices], backend=dist.get_backend(self.ctx.group),
-                                                    timeout=self._timeout)
+        mine, _ = dist.new_subgroups_by_enumeration(self._slices(dim), timeout=self._timeout,
+                                                    backend=dist.get_backend(self.ctx.group))
         return mine
 
     def describe(self) -> str:
@@ -502,30 +502,23 @@ class Mesh:
             lines.append(f"  rank {g}: dp {c['dp']}, pp {c['pp']}, tp {c['tp']}")
         return "\n".join(lines)
 
+    def _slices(self, dim: str) -> list[list[int]]:
+        """Every `dim` slice of the mesh once, in order (the same list on every rank, as torch's
+        collective group creation requires)."""
+        return [list(r) for r in sorted({tuple(self.ranks(dim, g)) for g in range(self.world)})]
+
     def _make_groups(self) -> None:
+        # The groups are made here, with Config.dist_timeout_s: DeviceMesh makes its own with torch's
+        # default for new groups (30 min on gloo), so a rank missing from a tp, pp or dp collective
+        # (8 ranks, dist_timeout_s=5) held its peers there for 30 min instead of failing at 5 s.
         # A dimension spanning every rank uses the default group itself: the functional
         # collectives the passes insert name it, and a copy would be one more communicator.
         from torch.distributed.device_mesh import DeviceMesh
 
-        backend = dist.get_backend(self.ctx.group)
-        device_type = "cuda" if backend == "nccl" else "cpu"
-        layout = torch.arange(self.world).reshape(self.dp, self.pp, self.tp)
-        if self._timeout is None:
-            self._device_mesh = DeviceMesh(device_type, layout, mesh_dim_names=DIMS)
-            for dim in DIMS:
-                self._groups[dim] = (self.ctx.group if self.shape[dim] == self.world
-                                     else self._device_mesh.get_group(dim))
-            return
-        # The groups are made here, with Config.dist_timeout_s: DeviceMesh makes its own with torch's
-        # default for new groups (30 min on gloo), so a rank missing from a tp, pp or dp collective
-        # (8 ranks, dist_timeout_s=5) held its peers there for 30 min instead of failing at 5 s.
         for dim in DIMS:
-            if self.shape[dim] == self.world:
-                self._groups[dim] = self.ctx.group
-                continue
-            slices = sorted({tuple(self.ranks(dim, g)) for g in range(self.world)})
-            self._groups[dim], _ = dist.new_subgroups_by_enumeration(
-                [list(r) for r in slices], timeout=self._timeout, backend=backend)
+            self._groups[dim] = self.ctx.group if self.shape[dim] == self.world else self.new_group_along(dim)
+        device_type = "cuda" if dist.get_backend(self.ctx.group) == "nccl" else "cpu"
+        layout = torch.arange(self.world).reshape(self.dp, self.pp, self.tp)
         self._device_mesh = DeviceMesh.from_group([self._groups[d] for d in DIMS], device_type, mesh=layout,
                                                   mesh_dim_names=DIMS)
 
