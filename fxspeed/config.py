@@ -146,7 +146,9 @@ class Config:
     loss_scale_backoff: float = 0.5  # fp16: multiply the scale by this on overflow
     loss_scale_growth: float = 2.0
     bucket_mb: float = DEFAULT_BUCKET_MB  # gradient / parameter bucket size for collectives, in MiB
-    dist_timeout_s: float = 300.0  # a collective waiting longer than this fails (names the group)
+    # A collective waiting longer than this fails (names the group). The world group is shared by the
+    # engines of a process: the latest compile's value governs it (docs/architecture.md, the mesh).
+    dist_timeout_s: float = 300.0
     disable_passes: tuple[str, ...] = ()  # pass names (graph or program passes) not to run
     seed: int | None = None
     # Non-finite loss or gradients at a step: "off" (eager's behaviour, costs nothing), "skip"

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import hashlib
 import os
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -30,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from fxspeed.errors import ConfigError, FxspeedError
+from fxspeed.errors import ConfigError, FxspeedError, warn_user
 from fxspeed.ir.batch import batch_digest
 
 
@@ -60,12 +62,15 @@ def join(n_devices: int, timeout_s: float) -> DistContext:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        _world_timeout_s[:] = [timeout_s]
         # The group is ours: end it at exit as a script would (NCCL warns about a group left
         # undestroyed, and its communicators were torn down in no order)
         atexit.register(_destroy_at_exit)
         sys.excepthook = _note_failure(sys.excepthook)
         sys.exit = _noting_exit(sys.exit)
         dist.destroy_process_group = _noting_destroy(dist.destroy_process_group)
+    elif _world_timeout_s and _world_timeout_s[0] != timeout_s:
+        _retime_world(timeout_s)
     world = dist.get_world_size()
     if world != n_devices:
         raise ConfigError(f"devices={n_devices} but the process group has {world} ranks; pass devices={world} "
@@ -75,6 +80,48 @@ def join(n_devices: int, timeout_s: float) -> DistContext:
 
 
 _failed: list[BaseException] = []  # an uncaught exception ends this process (sys.excepthook)
+
+# The world group's timeout, in seconds, while it is the group `join` initialized (empty when the
+# script initialized it: that group keeps the script's timeout, fxspeed leaves it alone).
+_world_timeout_s: list[float] = []
+# The active meshes alive in this process (engines hold theirs), for _retime_world's warning.
+_meshes: "weakref.WeakSet[Mesh]" = weakref.WeakSet()
+
+
+def _retime_world(timeout_s: float) -> None:
+    """A later compile's Config.dist_timeout_s governs the world group too. Its dp/pp/tp groups
+    are new, made with the new timeout, but the world group (a dimension spanning every rank, the
+    rank-agreement checks) is the one the first compile initialized, and it kept the first's: an
+    engine compiled later at 2 s waited 300 s on world collectives. The group is shared, so an
+    engine still alive with another timeout is warned about: its world collectives change too."""
+    from torch.distributed import distributed_c10d
+
+    old = _world_timeout_s[0]
+    # Private, but the one way to retime a live group: present in torch 2.13 and in 2.4-era source
+    # alike (the same body); a torch without it gets the warning below, and the old timeout.
+    set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
+    try:
+        if set_timeout is None:
+            raise AttributeError("torch.distributed.distributed_c10d._set_pg_timeout is gone")
+        set_timeout(timedelta(seconds=timeout_s), dist.group.WORLD)
+    except (AttributeError, TypeError, RuntimeError, ValueError) as e:
+        warn_user(f"fxspeed: Config.dist_timeout_s={timeout_s} does not apply to the world process group, which an "
+                  f"earlier compile initialized with dist_timeout_s={old} ({type(e).__name__}: {e}); collectives over "
+                  "every rank keep that timeout. Pass the same Config.dist_timeout_s to every engine of a process, or "
+                  "initialize the group yourself (torch.distributed.init_process_group(timeout=...)) before compiling")
+        return
+    _world_timeout_s[:] = [timeout_s]
+    others = sorted({m.timeout_s for m in _meshes if m.timeout_s not in (None, timeout_s)})
+    if others:
+        gc.collect()  # an engine dropped but not yet collected (a reference cycle) is not alive
+        others = sorted({m.timeout_s for m in _meshes if m.timeout_s not in (None, timeout_s)})
+    if others:
+        warn_user(f"fxspeed: Config.dist_timeout_s={timeout_s} now governs the world process group, which every engine "
+                  f"in this process shares: an engine compiled earlier with dist_timeout_s="
+                  f"{' or '.join(map(str, others))} is still alive, and its collectives over every rank (plain data "
+                  f"parallelism's gradient reductions, the rank-agreement checks) now time out at {timeout_s} s (its "
+                  "own tp/pp/dp groups keep theirs). Pass the same Config.dist_timeout_s to every engine of a process, "
+                  "or drop the earlier engine first")
 
 
 def _noting_exit(exit_fn: Any) -> Any:
@@ -146,6 +193,7 @@ def _noting_destroy(destroy_fn: Any) -> Any:
     def noted(group: Any = None) -> None:
         if group is None or group is dist.group.WORLD:
             _announce_exit()
+            _world_timeout_s.clear()  # a group the script initializes next is the script's
         destroy_fn(group)
     return noted
 
@@ -419,7 +467,8 @@ class Mesh:
 
     def __init__(self, ctx: DistContext, pp: int = 1, tp: int = 1, timeout_s: float | None = None):
         """`timeout_s`: how long a collective on the groups made here (dp, pp, tp and new_group's)
-        may wait (Config.dist_timeout_s); None: torch's default for new groups (30 min on gloo)."""
+        may wait (Config.dist_timeout_s); None: torch's default for new groups (30 min on gloo).
+        (The world group's timeout is `join`'s: the latest compile's.)"""
         world = ctx.world
         if pp < 1 or tp < 1 or world % (pp * tp):
             raise ConfigError(f"devices={world} is not a multiple of Config.pipeline x Config.tensor = {pp} x {tp} = "
@@ -428,11 +477,13 @@ class Mesh:
         self.ctx = ctx
         self.pp, self.tp, self.dp = pp, tp, world // (pp * tp)
         self.rank, self.world = ctx.rank, world
+        self.timeout_s = timeout_s
         self._timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
         self._device_mesh = None
         self._groups: dict[str, Any] = {}
         if ctx.active:
             self._make_groups()
+            _meshes.add(self)
 
     @classmethod
     def join(cls, n_devices: int, timeout_s: float = 300.0, *, pp: int = 1, tp: int = 1) -> "Mesh":

@@ -124,8 +124,8 @@ def test_four_ranks_as_tp4_as_tp2_x_two_replicas_and_as_tp2_x_pp2_match_one_proc
     GPT-2, BERT and T5 run at TP=2 only (the 2-rank test): at TP=4 they checked what the GPT and
     Llama runs here check (one head per rank; T5's attention is kept whole by the solver at these
     sizes either way) and cost 127 of this launch's ~360 CPU-seconds. Then a model too small to
-    shard under TP=2 x PP=2 is warned about, and the mesh's groups time out at its timeout (last:
-    it leaves a tp group that gave up)."""
+    shard under TP=2 x PP=2 is warned about, and the mesh's groups time out at its timeout, the
+    world group at the latest mesh's (last: it leaves a tp group that gave up)."""
     run_cases_on(4, ("gpt", "llama", "gpt_dp", "gpt_dp_zero2", "gpt_dp_zero3", "gpt_pp",
                      "gpt_dp_bf16", "gpt_dp_bf16_offload", "gpt_offload_tiers", "tiny_unsharded_pp",
                      "subgroup_timeout"), tmp_path, timeout=900)

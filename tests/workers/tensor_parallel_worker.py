@@ -49,6 +49,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -670,12 +671,21 @@ def tiny_unsharded_pp() -> str:
     return tiny_unsharded(pipeline=2)
 
 
+def world_timeout() -> timedelta:
+    """The world group's collective timeout (gloo's, as torch keeps it)."""
+    return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+
+
 def subgroup_timeout() -> str:
     """The mesh's tp, dp and pp groups hold the ranks the layout names, and a rank alone in a tp
     collective fails at the mesh's timeout (Config.dist_timeout_s), not at torch's default for new
     groups: DeviceMesh made them with 30 min on gloo, so 8 ranks at dist_timeout_s=5 waited there
-    for 30 min (here rank 1's all-reduce returned when rank 0 joined 6 s later)."""
+    for 30 min (here rank 1's all-reduce returned when rank 0 joined 6 s later). The world group,
+    which fxspeed initialized at an earlier compile's 300 s, takes each later compile's timeout
+    too (it kept the first's: a later engine at 2 s waited 300 s on world collectives), and a
+    compile that changes it under a live engine warns."""
     import time
+    import warnings
 
     from fxspeed.mesh import Mesh
 
@@ -683,6 +693,18 @@ def subgroup_timeout() -> str:
         Mesh.join(int(os.environ["WORLD_SIZE"]), 300.0)
     rank = dist.get_rank()
     mesh = Mesh.join(dist.get_world_size(), 2.0, tp=2)
+    if world_timeout() != timedelta(seconds=2):
+        return f"the world group's timeout is {world_timeout()} after a Mesh at 2 s"
+    # A later engine at 300 s: the world group takes it (the barrier below waits for rank 0's 6 s
+    # sleep), and `mesh`, alive at 2 s, is warned about; its tp group keeps 2 s.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Mesh.join(dist.get_world_size(), 300.0)
+    if world_timeout() != timedelta(seconds=300):
+        return f"the world group's timeout is {world_timeout()} after a Mesh at 300 s"
+    said = [str(w.message) for w in caught if "dist_timeout_s" in str(w.message)]
+    if len(said) != 1 or "2.0" not in said[0]:
+        return f"warnings at a timeout changed under a live engine: {said}"
     for dim in ("dp", "pp", "tp"):
         if sorted(dist.get_process_group_ranks(mesh.group(dim))) != mesh.ranks(dim):
             return f"the {dim} group holds {dist.get_process_group_ranks(mesh.group(dim))}, the layout {mesh.ranks(dim)}"
