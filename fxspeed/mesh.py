@@ -89,11 +89,12 @@ _meshes: "weakref.WeakSet[Mesh]" = weakref.WeakSet()
 
 
 def _retime_world(timeout_s: float) -> None:
-    """A later compile's Config.dist_timeout_s governs the world group too. Its dp/pp/tp groups
-    are new, made with the new timeout, but the world group (a dimension spanning every rank, the
-    rank-agreement checks) is the one the first compile initialized, and it kept the first's: an
-    engine compiled later at 2 s waited 300 s on world collectives. The group is shared, so an
-    engine still alive with another timeout is warned about: its world collectives change too."""
+    """A later compile's Config.dist_timeout_s governs the world group too. That compile's
+    dp/pp/tp groups are new, made at its timeout, but the world group (a dimension spanning every
+    rank, the rank-agreement checks) is the one the first compile initialized, and it kept the
+    first's: an engine compiled later at 2 s waited 300 s on world collectives. The group is
+    shared, so an engine still alive at another timeout is warned about: its world collectives
+    change too."""
     from torch.distributed import distributed_c10d
 
     old = _world_timeout_s[0]
