@@ -532,6 +532,31 @@ def test_a_bucket_stepped_inside_backward_is_planned_with_its_shards_own_gradien
     assert (end[GRADIENTS], end[COMM_BUFFERS], sum(end.values())) == (0, 100 * mib, 275 * mib)
 
 
+def test_a_zero2_bucket_flatten_is_planned_with_its_full_gradients_beside_the_workspace_they_are_copied_into() -> None:
+    """At a complete bucket's `cat` over several replicas its gradients are still full-size and
+    the flat buffer they go into is live too; under ZeRO-2/3 that buffer is reuse_buffers'
+    workspace, as large as the largest bucket from the first flatten on. The plan capped the
+    buckets in flight at the bytes made (one copy of the first bucket, which the planned
+    gradients count at 1/dp): fp32 ZeRO-2, HF Llama 18M on 2 ranks, 11 MB over the plan there."""
+    from fxspeed.ir import BACKWARD, COMM_BUFFERS, FORWARD
+    from fxspeed.planner.estimate import GraphCosts, step_phase
+
+    mib = 2**20
+    order = [(10 * mib, "torch.float32")] * 3 + [(40 * mib, "torch.float32")]  # buckets of 30 and 40 MiB
+    live = {PARAMETERS: 70 * mib, GRADIENTS: 30 * mib}
+    costs = GraphCosts(step=dict(live), param_bytes=70 * mib, trainable_bytes=70 * mib, largest_param=40 * mib,
+                       largest_trainable=40 * mib, n_params=0, n_trainable=0, flops={}, times={},
+                       grad_bytes=70 * mib, gradient_order=order, phase_steps={FORWARD: dict(live), BACKWARD: dict(live)})
+    z2, z1 = fxspeed.Config(zero=2), fxspeed.Config(zero=1)
+    assert step_phase(live, costs, z2, 2, made=20 * mib)[COMM_BUFFERS] == 20 * mib  # the first bucket filling
+    # complete: its 30 MiB of gradients (15 of them counted as the rank's shard) and the 40 MiB workspace
+    assert step_phase(live, costs, z2, 2, made=30 * mib)[COMM_BUFFERS] == (30 + 40 - 15) * mib
+    assert step_phase(live, costs, z2, 4, made=30 * mib)[COMM_BUFFERS] == (30 + 40 - 7.5) * mib
+    # ZeRO-1 flattens into a fresh bucket; the planned gradients hold the whole bucket: one more copy
+    assert step_phase(live, costs, z1, 2, made=30 * mib)[COMM_BUFFERS] == 30 * mib
+    assert step_phase(live, costs, z2, 2, made=70 * mib)[COMM_BUFFERS] == 70 * mib  # both: the two in flight
+
+
 def test_one_replica_with_offloaded_master_weights_plans_the_flat_bucket_beside_its_gradients() -> None:
     """One rank keeps a flat layout when its optimizer states are offloaded under bf16 (masters in
     the file): reduce_gradients flattens each complete bucket of gradients (cat, no collective)
