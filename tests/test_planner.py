@@ -534,8 +534,9 @@ def test_a_bucket_stepped_inside_backward_is_planned_with_its_shards_own_gradien
 
 def test_a_zero2_bucket_flatten_is_planned_with_its_full_gradients_beside_the_workspace_they_are_copied_into() -> None:
     """At a complete bucket's `cat` over several replicas its gradients are still full-size and
-    the flat buffer they go into is live too; under ZeRO-2/3 that buffer is reuse_buffers'
-    workspace, as large as the largest bucket from the first flatten on. The plan capped the
+    the flat buffer they go into is live too; under ZeRO-2 that buffer is reuse_buffers'
+    workspace, as large as the largest bucket from the first flatten on (ZeRO-3 shares it with
+    the gathered parameter buckets it counts already). The plan capped the
     buckets in flight at the bytes made (one copy of the first bucket, which the planned
     gradients count at 1/dp): fp32 ZeRO-2, HF Llama 18M on 2 ranks, 11 MB over the plan there."""
     from fxspeed.ir import BACKWARD, COMM_BUFFERS, FORWARD
@@ -554,7 +555,9 @@ def test_a_zero2_bucket_flatten_is_planned_with_its_full_gradients_beside_the_wo
     assert step_phase(live, costs, z2, 4, made=30 * mib)[COMM_BUFFERS] == (30 + 40 - 7.5) * mib
     # ZeRO-1 flattens into a fresh bucket; the planned gradients hold the whole bucket: one more copy
     assert step_phase(live, costs, z1, 2, made=30 * mib)[COMM_BUFFERS] == 30 * mib
-    assert step_phase(live, costs, z2, 2, made=70 * mib)[COMM_BUFFERS] == 70 * mib  # both: the two in flight
+    # both complete: the last one's flatten (40 + 40 - 20) and no longer the first's
+    assert step_phase(live, costs, z2, 2, made=70 * mib)[COMM_BUFFERS] == 70 * mib
+    assert step_phase(live, costs, fxspeed.Config(zero=3), 2, made=30 * mib)[COMM_BUFFERS] == (30 + 70) * mib
 
 
 def test_one_replica_with_offloaded_master_weights_plans_the_flat_bucket_beside_its_gradients() -> None:

@@ -253,28 +253,27 @@ def flattened_bucket(costs: GraphCosts, limit: float, made: float | None = None)
 
 
 def flatten_transient(costs: GraphCosts, config: Config, dp: int, made: float) -> float:
-    """Communication-buffer bytes while reduce_gradients flattens a complete bucket (its `cat`)
-    over `dp` replicas, once backward has made `made` gradient bytes: the bucket's gradients,
-    still full-size, and the flat buffer they are copied into are live at once. The planned
-    program's gradients count that bucket as the rank keeps it (a 1/dp shard under ZeRO-2/3,
-    whole under ZeRO-1), so the rest is counted here. Under ZeRO-2/3 the flat buffer is
-    reuse_buffers' workspace, allocated at the first bucket's flatten with the size of the
-    largest bucket it will hold; under ZeRO-1 a fresh buffer of the bucket's size (which
-    `min(two buckets, made)` covers already). The largest over the buckets complete by then.
-    Without it, fp32 ZeRO-2 on 2 ranks (HF Llama 18M, buckets of 27.7, 28.3 and 16.7 MB) peaked
-    11 MB over the plan at the first bucket's flatten (the workspace's allocation)."""
+    """Communication-buffer bytes while ZeRO-2's reduce_gradients flattens a complete bucket (its
+    `cat`) over `dp` replicas, once backward has made `made` gradient bytes: the last bucket
+    complete by then, whose gradients are still full-size, and reuse_buffers' workspace they are
+    copied into (allocated at the first bucket's flatten with the size of the largest bucket it
+    will hold) are live at once. The planned program's gradients count that bucket as the rank's
+    1/dp shard, so the rest is counted here. `min(two buckets, made)` alone capped the first
+    bucket's flatten at the bytes made, one copy: fp32 ZeRO-2 on 2 ranks (HF Llama 18M, buckets of
+    27.7, 28.3 and 16.7 MB) peaked 11 MB over the plan at the workspace's allocation. Not ZeRO-1:
+    its planned gradients hold the whole bucket and the cap's copy is its fresh flat buffer. Not
+    ZeRO-3: the workspace is shared with the gathered parameter buckets, which step_phase counts
+    (its plan was over the live tensors at the peak already)."""
     buckets = gradient_buckets(costs, config.bucket_mb * 2**20)
-    if not buckets:
+    if config.zero != 2 or not buckets:
         return 0.0
-    workspace = max(buckets) if config.zero >= 2 else 0.0
-    largest, complete = 0.0, 0.0
+    last, complete = 0.0, 0.0
     for nbytes in buckets:
         complete += nbytes
         if made < _whole(complete):
             break
-        kept = nbytes / dp if config.zero >= 2 else nbytes  # in the planned program's gradients
-        largest = max(largest, nbytes + max(nbytes, workspace) - kept)
-    return largest
+        last = nbytes
+    return last + max(buckets) - last / dp if last else 0.0
 
 
 def bucket_step_copy(costs: GraphCosts, config: Config, dp: int, made: float | None = None) -> float:
