@@ -28,7 +28,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxspeed.compiler.annotate import make_annotate_pass
-from fxspeed.compiler.capture import CapturedStep, LossFn, capture_step
+from fxspeed.compiler.capture import (CapturedStep, LossFn, capture_step, forget_stale_graph_sources,
+                                     graph_source_keys)
 from fxspeed.compiler.options import PassOptions, derive_options, frees_gradients_in_backward
 from fxspeed.compiler.pass_manager import DistributedProgram, PassContext, PassManager, PassRecord
 from fxspeed.compiler.rewrite import scale_backward_seed
@@ -346,8 +347,11 @@ class Compiler:
             options = dataclasses.replace(options, grad_accum_role=grad_accum_role)
         if train and bucket_layout:
             options = dataclasses.replace(options, bucket_layout=bucket_layout)  # (PassOptions makes it tuples)
-        return compile_step(model, args, kwargs, config=self.config, loss_fn=self.loss_fn, train=train,
-                            options=options, analyze=analyze, analyses=self.analyses)
+        before = graph_source_keys()
+        compiled = compile_step(model, args, kwargs, config=self.config, loss_fn=self.loss_fn, train=train,
+                                options=options, analyze=analyze, analyses=self.analyses)
+        forget_stale_graph_sources(before, compiled.captured.gm)  # the passes' intermediate programs'
+        return compiled
 
     def inference(self, model: nn.Module, tokens: int, pack: bool = True) -> Any:
         """The serving program for one packed row of `tokens` tokens, with the paged KV cache
