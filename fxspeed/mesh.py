@@ -18,6 +18,7 @@ CUDA, gloo on CPU), or uses the default group when the script already initialize
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import gc
 import hashlib
@@ -27,7 +28,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -618,6 +619,49 @@ def share_generators(mesh: Mesh, device: torch.device) -> None:
         torch.set_rng_state(t[:states[0].numel()].clone())
         if device.type == "cuda":
             torch.cuda.set_rng_state(t[states[0].numel():].clone(), device)
+
+
+def stream_seed(dp: int, pp: int) -> int:
+    """The seed replica `dp` at pipeline position `pp` draws a step's random numbers from: one
+    number drawn from torch's default (CPU) generator, mixed with the two coordinates.
+
+    Every rank draws it, so ranks seeded alike stay in step whatever their programs draw, and a
+    checkpoint's generator states resume the same streams. Tensor-parallel ranks (the same dp and
+    pp, generators shared first) get the same seed."""
+    drawn = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    mixed = hashlib.blake2b(f"fxspeed-stream:{drawn}:{dp}:{pp}".encode(), digest_size=8).digest()
+    return int.from_bytes(mixed, "little") & (2**63 - 1)
+
+
+@contextlib.contextmanager
+def own_stream(mesh: Mesh, device: torch.device) -> Iterator[None]:
+    """Run a step's random ops (dropout) on this replica's and pipeline position's own stream.
+
+    Ranks seeded alike (as every script must seed them for equal initial weights) hold generators
+    in one state: data-parallel replicas then drew the same dropout masks for their different
+    rows, and each pipeline position the masks of the position before it (a stage of blocks
+    repeating the first stage's blocks' masks). Inside, torch's default CPU generator (and
+    `device`'s, on CUDA) is seeded with `stream_seed(dp, pp)`; the states are put back after, so
+    the user's generators move by one draw per step on every rank, whatever the step drew. On one
+    replica of one stage (one process, tensor parallelism alone) nothing changes: the step draws
+    from torch's generators as eager does."""
+    if not mesh.active or mesh.dp * mesh.pp == 1:
+        yield
+        return
+    c = mesh.coords()
+    seed = stream_seed(c["dp"], c["pp"])
+    cuda = device.type == "cuda"
+    cpu_state = torch.get_rng_state()
+    device_state = torch.cuda.get_rng_state(device) if cuda else None
+    torch.default_generator.manual_seed(seed)
+    if cuda:  # this device's generator only (torch.manual_seed would reseed every visible device)
+        torch.cuda.default_generators[torch.device(device).index or torch.cuda.current_device()].manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if cuda:
+            torch.cuda.set_rng_state(device_state, device)
 
 
 def _check_dim(dim: str) -> str:

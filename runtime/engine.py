@@ -45,7 +45,7 @@ from fxspeed.ir.program import graphs_draw_random
 from fxspeed.ir.batch import batch_digest, describe_input_key, input_key, split_batch, split_inputs, tensor_leaves
 from fxspeed.ir.schedule import GATHER, B, F, I, RECV_B, RECV_F, SEND_F, STEP, W, Action, Schedule
 from fxspeed.mesh import (Mesh, check_agreement, check_same_everywhere, check_same_in_replica, check_same_model,
-                          broadcast_into, share_generators, start_alike,
+                          broadcast_into, own_stream, share_generators, start_alike,
                           comm_device, expect_all_ranks, fingerprint, note_failure_for_peers, peers_gone)
 from fxspeed.planner import costs_reader, finish_plan
 from fxspeed.planner.estimate import offload_chunk_bytes, staging_on_device, warn_over_budget
@@ -1297,30 +1297,34 @@ class Engine:
             self._in_backward.begin()
         once = self._accumulates_locally()
         self._accumulated.clear()  # (the programs' grad_accum inputs read this dict at each run)
-        for i, (a, kw) in enumerate(split_batch(args, kwargs, k, key="grad_accum")):
-            role = "whole" if not once else "last" if i == k - 1 else "local"
-            ex = self._executor(a, kw, train=True, role=role)
-            if i == 0 and ex.draws_random:
-                share_generators(self.mesh, self._device)
-            defer = ex.program.signature.waits_for_parameters
-            if not defer:
-                self.synchronize()
-            out = self._run_stepping(ex, tensor_leaves(a, kw))
-            total = out.loss if total is None else total + out.loss
-            _accumulate(grads, out.grads)
-            if role == "local":  # unreduced flat buckets (maybe in workspaces the next slice reuses)
-                _accumulate(self._accumulated, {n: t.clone() if n not in self._accumulated else t
-                                                for n, t in out.grad_buckets.items()})
-            elif role == "last":  # every slice's buckets, reduced once
-                buckets = out.grad_buckets
-            else:
-                # Reduced buckets may be persistent buffers the next slice overwrites: copy them.
-                _accumulate(buckets, out.grad_buckets if k == 1 else {n: t.clone() for n, t in out.grad_buckets.items()})
-            # The accumulated dicts now hold the only references this step needs. Dropped before
-            # the next slice runs: `out` kept this slice's own buckets (already cloned above) alive
-            # through it, a second copy of the accumulated gradients beside them (GPT 19M, fp32
-            # ZeRO-1, grad_accum=2 on 2 ranks: 78 MB over the plan at the step's peak).
-            del out
+        # Random ops draw from this replica's own stream (fxspeed.mesh.own_stream), every slice
+        with contextlib.ExitStack() as streams:
+            for i, (a, kw) in enumerate(split_batch(args, kwargs, k, key="grad_accum")):
+                role = "whole" if not once else "last" if i == k - 1 else "local"
+                ex = self._executor(a, kw, train=True, role=role)
+                if i == 0 and ex.draws_random:
+                    share_generators(self.mesh, self._device)
+                    streams.enter_context(own_stream(self.mesh, self._device))
+                defer = ex.program.signature.waits_for_parameters
+                if not defer:
+                    self.synchronize()
+                out = self._run_stepping(ex, tensor_leaves(a, kw))
+                total = out.loss if total is None else total + out.loss
+                _accumulate(grads, out.grads)
+                if role == "local":  # unreduced flat buckets (maybe in workspaces the next slice reuses)
+                    _accumulate(self._accumulated, {n: t.clone() if n not in self._accumulated else t
+                                                    for n, t in out.grad_buckets.items()})
+                elif role == "last":  # every slice's buckets, reduced once
+                    buckets = out.grad_buckets
+                else:
+                    # Reduced buckets may be persistent buffers the next slice overwrites: copy them.
+                    _accumulate(buckets, out.grad_buckets if k == 1 else
+                                {n: t.clone() for n, t in out.grad_buckets.items()})
+                # The accumulated dicts now hold the only references this step needs. Dropped before
+                # the next slice runs: `out` kept this slice's own buckets (already cloned above) alive
+                # through it, a second copy of the accumulated gradients beside them (GPT 19M, fp32
+                # ZeRO-1, grad_accum=2 on 2 ranks: 78 MB over the plan at the step's peak).
+                del out
         self._accumulated.clear()
         self._broadcast_buffers(ex.updated_buffers)
         self.synchronize()  # a no-op when the program waited; the optimizer must not race a gather
@@ -1411,7 +1415,9 @@ class Engine:
         # ZeRO-3: the schedule's GATHER/RELEASE actions make each stage's weights whole only while
         # it computes (passes/program/gather_stage_weights.py); without them, for the whole schedule.
         per_stage = any(a.kind == GATHER for a in actions)
-        with self._gathered() if not per_stage else self._stage_weights_released():
+        # Each position's random ops on its own stream (seeded alike, a stage drew the previous one's masks)
+        stream = own_stream(self.mesh, self._device) if self._pipeline_draws_random else contextlib.nullcontext()
+        with stream, self._gathered() if not per_stage else self._stage_weights_released():
             loss, grads = self._runtime.run(actions, micro, on_reduce=self._reduce_stage if self._flat else None,
                                             on_weights=self._stage_weights if per_stage else None)
         self._broadcast_buffers(self._runtime.updated_buffers())  # (over this stage's replicas)
@@ -1780,7 +1786,7 @@ class Engine:
         if ex.draws_random:
             share_generators(self.mesh, self._device)
         self.synchronize()
-        with self._gathered():
+        with own_stream(self.mesh, self._device) if ex.draws_random else contextlib.nullcontext(), self._gathered():
             out = ex.run(tensor_leaves(args, kwargs))
         if out.loss is not None:
             loss = out.loss.detach().float().clone()

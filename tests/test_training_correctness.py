@@ -170,7 +170,9 @@ def test_two_rank_correctness_cases(tmp_path: Path) -> None:
     compiles and trains as eager; deferred_init: a GPT built on the meta device, compiled on 2 ranks
     (ZeRO-2/3, ZeRO-1 bf16, tensor=2, pipeline=2), trains as one process from fxspeed.materialize of
     it, a tp rank never holding the whole model at once and a pipeline rank never making another
-    stage's weights."""
+    stage's weights; dropout_replicas / dropout_stages: replicas and pipeline stages seeded alike
+    draw their dropout masks from streams of their own (they drew the same masks), and train as
+    eager with those masks."""
     proc = _worker("all", tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     for case in ("zero3_module", "repointed_zero12", "raced_write_zero12", "pipeline_batchnorm", "pipeline_shared_block", "nan_one_rank", "eval_global", "layout_dp", "token_mean", "no_decay_zero", "accum_once",

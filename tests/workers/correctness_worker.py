@@ -47,6 +47,12 @@
     no_decay_zero Config.no_weight_decay=("1d",) under ZeRO-0..3 with buckets so small that the
                   flat shards cut Parameters: equals one process's AdamW with the 1-D parameters
                   in a param group with weight_decay=0
+    dropout_replicas GPT with dropout on 2 replicas (ZeRO-3), every rank seeded alike: each replica
+                  draws from its own stream (fxspeed.mesh.stream_seed(replica, 0)); equals eager's
+                  SGD over the two replicas' rows drawn so
+    dropout_stages pipeline=2, a dropout mask kept per stage: each stage draws from its own stream
+                  (the second stage repeated the first's masks); masks, losses and weights equal
+                  eager's with those masks
 
 Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt and exits 0 (`--case all`:
 every case in one launch; tests/workers/common.py run_cases, shared with tensor_parallel_worker).
@@ -704,10 +710,155 @@ def deferred_init(layouts: tuple[dict, ...] = DEFERRED_LAYOUTS) -> str:
     return "; ".join(out) or "ok"
 
 
+def _dropout_model(name: str) -> torch.nn.Module:
+    """fxspeed's GPT with dropout 0.1 (embeddings, attention probabilities, MLP), or GPT-2 with
+    Hugging Face's default dropouts (0.1 on embeddings, attention and residuals)."""
+    torch.manual_seed(0)
+    if name == "gpt":
+        from fxspeed.models import GPT, GPTConfig
+
+        return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
+    import transformers
+
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                                                n_positions=16, use_cache=False))
+
+
+def dropout_replicas() -> str:
+    """Dropout under data parallelism (GPT, ZeRO-3; GPT-2's dropouts at TP=2 x DP=2 in
+    tensor_parallel_worker's gpt2_dropout_dp): replica d draws its masks from
+    its own stream (torch's generator seeded with fxspeed.mesh.stream_seed(d, 0), drawn from the
+    state every rank holds): three steps equal eager's over the two replicas' rows drawn so, and
+    the user's generator moves by that one draw per step. Every rank is seeded alike (as
+    scripts are, for equal initial weights): both replicas drew the same masks for their
+    different rows."""
+    from fxspeed.mesh import stream_seed
+
+    out = []
+    for name, zero in (("gpt", 3),):
+        model = _dropout_model(name)
+        ref = copy.deepcopy(model)
+        g = torch.Generator().manual_seed(2)
+        batches = []
+        for _ in range(3):
+            x, y = torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)
+            batches.append((x, y) if name == "gpt" else {"input_ids": x, "labels": y})
+        # SGD: Adam turns float noise on the key bias's exactly-zero gradient into +-lr steps
+        engine = fxspeed.compile(model, 2, fxspeed.Config(zero=zero, optimizer="sgd", lr=0.1, bucket_mb=0.01),
+                                 example_inputs=local_batch(batches[0]))
+        opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step, b in enumerate(batches):
+            before = torch.get_rng_state()
+            lb = local_batch(b)
+            got = engine.train_step(**lb) if name == "gpt2" else engine.train_step(*lb)
+            after = torch.get_rng_state()
+            seeds = []
+            for d in range(2):
+                torch.set_rng_state(before)
+                seeds.append(stream_seed(d, 0))
+            if not torch.equal(torch.get_rng_state(), after):
+                out.append(f"{name} step {step}: the user's generator moved by more than one draw")
+            want = 0.0
+            for d in range(2):
+                torch.manual_seed(seeds[d])
+                rows = local_batch(b, d, 2)
+                loss = (ref(**rows).loss if name == "gpt2" else ref(*rows)) / 2
+                loss.backward()
+                want += loss.item()
+            opt.step()
+            opt.zero_grad()
+            torch.set_rng_state(after)
+            if abs(got - want) > 1e-5 * abs(want):
+                out.append(f"{name} zero={zero} step {step}: {got} != eager {want} over the replicas' own streams")
+        out += state_errors(engine, ref, f"{name} zero={zero} ")
+    return "; ".join(out) or "ok"
+
+
+class _MaskedBlock(torch.nn.Module):
+    """A block that keeps its last dropout mask in a buffer (the step writes it), or multiplies
+    by `given` masks (the eager reference), one per call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.register_buffer("mask", torch.zeros(4, 16))
+        self.given: list | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.given.pop(0) if self.given else torch.nn.functional.dropout(torch.ones_like(x), 0.5, self.training)
+        self.mask = m
+        return torch.tanh(self.lin(x)) * m
+
+
+class _MaskedStack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_MaskedBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def dropout_stages() -> str:
+    """Dropout under pipeline=2 (2 micro-batches, one block a stage, ranks seeded alike): stage s
+    draws its masks from its own stream (fxspeed.mesh.stream_seed(0, s)), micro-batch after
+    micro-batch; both stages drew the same masks (block 1 repeated block 0's). The masks each
+    stage kept, the losses and the weights equal eager's with those masks (backward reuses the
+    forward's masks)."""
+    from fxspeed.mesh import stream_seed
+
+    torch.manual_seed(0)
+    model = _MaskedStack()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+    engine = fxspeed.compile(model, 2, fxspeed.Config(pipeline=2, microbatches=2, split_points=("blocks.1",),
+                                                      optimizer="sgd", lr=0.1), example_inputs=(x, y))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    out = []
+    for step in range(2):
+        before = torch.get_rng_state()
+        got = engine.train_step(x, y)
+        after = torch.get_rng_state()
+        masks = []
+        for s in range(2):
+            torch.set_rng_state(before)
+            torch.manual_seed(stream_seed(0, s))
+            masks.append([torch.nn.functional.dropout(torch.ones(4, 16), 0.5) for _ in range(2)])
+        torch.set_rng_state(after)
+        if torch.equal(masks[0][1], masks[1][1]):
+            out.append("the reference streams of the two stages drew the same masks")
+        kept = engine.state_dict()
+        for s in range(2):
+            if not torch.equal(kept[f"blocks.{s}.mask"], masks[s][1]):
+                same = torch.equal(kept[f"blocks.{s}.mask"], kept[f"blocks.{1 - s}.mask"])
+                out.append(f"step {step}: stage {s}'s last mask is not its stream's"
+                           + (" (it equals the other stage's)" if same else ""))
+        for s in range(2):
+            ref.blocks[s].given = list(masks[s])
+        want = 0.0
+        for xm, ym in zip(x.chunk(2), y.chunk(2)):
+            loss = ref(xm, ym) / 2
+            loss.backward()
+            want += loss.item()
+        opt.step()
+        opt.zero_grad()
+        if abs(got - want) > 1e-5 * abs(want):
+            out.append(f"step {step}: {got} != eager {want} with the stages' masks")
+    state = engine.state_dict()
+    for name, p in ref.named_parameters():
+        if not torch.allclose(state[name], p, atol=1e-5):
+            out.append(f"{name} differs from eager's")
+    return "; ".join(out) or "ok"
+
+
 CASES = {"zero3_module": zero3_module, "deferred_init": deferred_init, "pipeline_batchnorm": pipeline_batchnorm,
          "pipeline_shared_block": pipeline_shared_block, "repointed_zero12": repointed_zero12, "raced_write_zero12": raced_write_zero12, "token_mean": token_mean, "nan_one_rank": nan_one_rank, "eval_global": eval_global, "layout_dp": layout_dp,
          "no_decay_zero": no_decay_zero, "accum_once": accum_once, "tie_second_name": tie_second_name,
-         "scripted_submodule": scripted_submodule}
+         "scripted_submodule": scripted_submodule, "dropout_replicas": dropout_replicas,
+         "dropout_stages": dropout_stages}
 
 
 if __name__ == "__main__":

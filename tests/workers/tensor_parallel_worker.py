@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 import fxspeed
 from fxspeed.errors import ConfigError, FxspeedError
+from fxspeed.mesh import stream_seed
 from fxspeed.models import GPT, GPTConfig
 from tests.workers.common import key_bias_masked, run_cases
 
@@ -141,7 +142,10 @@ def _call(model: torch.nn.Module, b: object) -> torch.Tensor:
     return out if torch.is_tensor(out) else out.loss
 
 
-def _eager(model: torch.nn.Module, bs: list, config: fxspeed.Config) -> list[float]:
+def _eager(model: torch.nn.Module, bs: list, config: fxspeed.Config, replicas: int = 1) -> list[float]:
+    """Eager steps on the global batches `bs`. `replicas` > 1: each replica's rows drawn from its
+    own stream, as the engine draws them (fxspeed.mesh.stream_seed(replica, 0), taken from the
+    generator's state before the step; the generator moves by that one draw)."""
     if config.optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=getattr(config, "momentum", 0.0),
                               weight_decay=config.weight_decay)
@@ -150,7 +154,19 @@ def _eager(model: torch.nn.Module, bs: list, config: fxspeed.Config) -> list[flo
                                 weight_decay=config.weight_decay)
     losses = []
     for b in bs:
-        loss = _call(model, b)
+        if replicas == 1:
+            loss = _call(model, b)
+        else:
+            before, seeds = torch.get_rng_state(), []
+            for d in range(replicas):
+                torch.set_rng_state(before)
+                seeds.append(stream_seed(d, 0))
+            after = torch.get_rng_state()
+            loss = 0.0
+            for d in range(replicas):
+                torch.manual_seed(seeds[d])
+                loss = loss + _call(model, _rows(b, d, replicas)) / replicas
+            torch.set_rng_state(after)
         loss.backward()
         if config.grad_clip is not None:
             # The norm in float64: torch's fp32 CPU vector_norm of the 2048 x 256 embedding gradient
@@ -441,6 +457,35 @@ def gpt_dp() -> str:
     return parity("gpt", fxspeed.Config(tensor=2, **CLIPPED))
 
 
+def gpt2_dropout_dp() -> str:
+    """TP=2 x DP=WORLD_SIZE/2 (ZeRO-1, clipping) with Hugging Face GPT-2's dropouts: a replica's
+    tp ranks draw one process's masks (one tp rank's generator moved apart first), each replica
+    from its own stream; equals eager's steps over the replicas' rows with those streams (both
+    replicas drew the same masks before each drew its own)."""
+    config = fxspeed.Config(tensor=2, zero=1, **CLIPPED)
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    replicas, replica = world // 2, rank // 2
+    model = build("gpt2_dropout")
+    ref = copy.deepcopy(model)
+    bs = batches("gpt2_dropout", ignored=False)
+    rng = torch.get_rng_state()
+    if rank % 2:
+        torch.rand(rank * 7)
+    engine = fxspeed.compile(model, world, config, example_inputs=_rows(bs[0], replica, replicas))
+    got = [engine.train_step(**_rows(b, replica, replicas)) for b in bs]
+    torch.set_rng_state(rng)
+    want = _eager(ref, bs, config, replicas)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if abs(g - w) > 1e-5 * abs(w):
+            return f"step {i} loss {g} != eager {w} over the replicas' own streams"
+    state = engine.state_dict()
+    for n, p in ref.named_parameters():
+        err = _rel(_masked(n, state[n]), _masked(n, p.detach()))
+        if err > 1e-5:
+            return f"parameter {n} after {STEPS} steps: relative error {err:.2e}"
+    return "ok"
+
+
 def gpt_dp_zero2() -> str:
     """TP=2 x DP=WORLD_SIZE/2 with ZeRO-2 (flat shards of tp slices; the clip norm counts each
     element once over dp x tp)."""
@@ -726,7 +771,7 @@ def subgroup_timeout() -> str:
     return said
 
 
-CASES = {"gpt": gpt, "gpt_dropout": gpt_dropout, "gpt2_dropout": gpt2_dropout, "gpt_bf16": gpt_bf16, "gpt_dp_bf16_offload": gpt_dp_bf16_offload,
+CASES = {"gpt": gpt, "gpt_dropout": gpt_dropout, "gpt2_dropout_dp": gpt2_dropout_dp, "gpt2_dropout": gpt2_dropout, "gpt_bf16": gpt_bf16, "gpt_dp_bf16_offload": gpt_dp_bf16_offload,
          "gpt_offload_tiers": gpt_offload_tiers, "gpt_dp_bf16": gpt_dp_bf16, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
          "gpt_dp_zero3": gpt_dp_zero3, "gpt_pp": gpt_pp, "t5": t5, "gpt_sp": gpt_sp, "gpt_dropout_sp": gpt_dropout_sp, "llama_sp": llama_sp,
          "gpt_pp_zero1": gpt_pp_zero1, "gpt_pp_sp_zero1": gpt_pp_sp_zero1, "tiny_unsharded": tiny_unsharded,
