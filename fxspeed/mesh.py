@@ -598,53 +598,72 @@ def check_same_in_replica(mesh: Mesh, what: str, value: str, fix: str) -> None:
                           f"replica ({mesh.describe().splitlines()[0]}). {fix}")
 
 
-def share_generators(mesh: Mesh, device: torch.device) -> None:
+def module_generators(model: torch.nn.Module) -> list[torch.Generator]:
+    """The torch.Generators `model`'s modules hold as attributes (`self.gen`), each once: a step
+    draws from them as traced, beside torch's default generators."""
+    seen: dict[int, torch.Generator] = {}
+    for m in model.modules():
+        for v in m.__dict__.values():
+            if isinstance(v, torch.Generator):
+                seen.setdefault(id(v), v)
+    return list(seen.values())
+
+
+def share_generators(mesh: Mesh, device: torch.device, held: Sequence[torch.Generator] = ()) -> None:
     """Give every tensor-parallel rank the random generator states of its group's first rank.
 
     Random ops under tensor parallelism draw on every tp rank what one device would draw
     (dropout: the whole mask, each rank keeping its piece), so the tp ranks' generators must be
     in one state. A script may leave them apart: seeded by rank, or drawing on one rank only
     (rank 0 sampling a batch it then broadcasts). One broadcast of the CPU generator's state (and
-    `device`'s, on CUDA) over the tp group; replicas keep their own."""
+    `device`'s, on CUDA), and of the generators the model holds (`held`, module_generators: one
+    seeded by rank drew other masks for a replicated activation on each tp rank), over the tp
+    group; replicas keep their own."""
     if not mesh.active or mesh.tp == 1:
         return
     group = mesh.group("tp")
     states = [torch.get_rng_state()]
     if device.type == "cuda":
         states.append(torch.cuda.get_rng_state(device))
+    states += [g.get_state() for g in held]
     t = torch.cat(states).to(comm_device(group))
     dist.broadcast(t, src=mesh.ranks("tp")[0], group=group)
     if mesh.coords()["tp"] != 0:
-        t = t.cpu()
-        torch.set_rng_state(t[:states[0].numel()].clone())
+        parts = t.cpu().split([s.numel() for s in states])
+        torch.set_rng_state(parts[0].clone())
         if device.type == "cuda":
-            torch.cuda.set_rng_state(t[states[0].numel():].clone(), device)
+            torch.cuda.set_rng_state(parts[1].clone(), device)
+        for g, part in zip(held, parts[len(parts) - len(held):]):
+            g.set_state(part.clone())
 
 
-def stream_seed(dp: int, pp: int) -> int:
+def stream_seed(dp: int, pp: int, generator: torch.Generator | None = None) -> int:
     """The seed replica `dp` at pipeline position `pp` draws a step's random numbers from: one
-    number drawn from torch's default (CPU) generator, mixed with the two coordinates.
+    number drawn from `generator` (default: torch's default CPU generator), mixed with the two
+    coordinates.
 
     Every rank draws it, so ranks seeded alike stay in step whatever their programs draw, and a
     checkpoint's generator states resume the same streams. Tensor-parallel ranks (the same dp and
     pp, generators shared first) get the same seed."""
-    drawn = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    where = generator.device if generator is not None else torch.device("cpu")
+    drawn = int(torch.randint(0, 2**62, (), dtype=torch.int64, generator=generator, device=where))
     mixed = hashlib.blake2b(f"fxspeed-stream:{drawn}:{dp}:{pp}".encode(), digest_size=8).digest()
     return int.from_bytes(mixed, "little") & (2**63 - 1)
 
 
 @contextlib.contextmanager
-def own_stream(mesh: Mesh, device: torch.device) -> Iterator[None]:
+def own_stream(mesh: Mesh, device: torch.device, held: Sequence[torch.Generator] = ()) -> Iterator[None]:
     """Run a step's random ops (dropout) on this replica's and pipeline position's own stream.
 
     Ranks seeded alike (as every script must seed them for equal initial weights) hold generators
     in one state: data-parallel replicas then drew the same dropout masks for their different
     rows, and each pipeline position the masks of the position before it (a stage of blocks
     repeating the first stage's blocks' masks). Inside, torch's default CPU generator (and
-    `device`'s, on CUDA) is seeded with `stream_seed(dp, pp)`; the states are put back after, so
-    the user's generators move by one draw per step on every rank, whatever the step drew. On one
-    replica of one stage (one process, tensor parallelism alone) nothing changes: the step draws
-    from torch's generators as eager does."""
+    `device`'s, on CUDA) is seeded with `stream_seed(dp, pp)`, and each generator the model holds
+    (`held`) with `stream_seed(dp, pp, g)`; the states are put back after, so each generator moves
+    by one draw per step on every rank, whatever the step drew. On one replica of one stage (one
+    process, tensor parallelism alone) nothing changes: the step draws from the generators as
+    eager does."""
     if not mesh.active or mesh.dp * mesh.pp == 1:
         yield
         return
@@ -653,15 +672,21 @@ def own_stream(mesh: Mesh, device: torch.device) -> Iterator[None]:
     cuda = device.type == "cuda"
     cpu_state = torch.get_rng_state()
     device_state = torch.cuda.get_rng_state(device) if cuda else None
+    own = [stream_seed(c["dp"], c["pp"], g) for g in held]
+    held_states = [g.get_state() for g in held]
     torch.default_generator.manual_seed(seed)
     if cuda:  # this device's generator only (torch.manual_seed would reseed every visible device)
         torch.cuda.default_generators[torch.device(device).index or torch.cuda.current_device()].manual_seed(seed)
+    for g, s in zip(held, own):
+        g.manual_seed(s)
     try:
         yield
     finally:
         torch.set_rng_state(cpu_state)
         if cuda:
             torch.cuda.set_rng_state(device_state, device)
+        for g, state in zip(held, held_states):
+            g.set_state(state)
 
 
 def _check_dim(dim: str) -> str:

@@ -45,7 +45,7 @@ from fxspeed.ir.program import graphs_draw_random
 from fxspeed.ir.batch import batch_digest, describe_input_key, input_key, split_batch, split_inputs, tensor_leaves
 from fxspeed.ir.schedule import GATHER, B, F, I, RECV_B, RECV_F, SEND_F, STEP, W, Action, Schedule
 from fxspeed.mesh import (Mesh, check_agreement, check_same_everywhere, check_same_in_replica, check_same_model,
-                          broadcast_into, own_stream, share_generators, start_alike,
+                          broadcast_into, module_generators, own_stream, share_generators, start_alike,
                           comm_device, expect_all_ranks, fingerprint, note_failure_for_peers, peers_gone)
 from fxspeed.planner import costs_reader, finish_plan
 from fxspeed.planner.estimate import offload_chunk_bytes, staging_on_device, warn_over_budget
@@ -1303,8 +1303,9 @@ class Engine:
                 role = "whole" if not once else "last" if i == k - 1 else "local"
                 ex = self._executor(a, kw, train=True, role=role)
                 if i == 0 and ex.draws_random:
-                    share_generators(self.mesh, self._device)
-                    streams.enter_context(own_stream(self.mesh, self._device))
+                    held = module_generators(self.model)
+                    share_generators(self.mesh, self._device, held)
+                    streams.enter_context(own_stream(self.mesh, self._device, held))
                 defer = ex.program.signature.waits_for_parameters
                 if not defer:
                     self.synchronize()
@@ -1407,8 +1408,9 @@ class Engine:
         if self.dist.active:
             self._check_step_everywhere(("pipeline", True, input_key(args, kwargs)))
         self._compile_pipeline(args, kwargs)
+        held = module_generators(self.model) if self._pipeline_draws_random else []
         if self._pipeline_draws_random:
-            share_generators(self.mesh, self._device)
+            share_generators(self.mesh, self._device, held)
         micro = [tensor_leaves(a, kw) for a, kw in split_batch(args, kwargs, self.M)]
         actions = self.schedule.actions[self.position]
         t0 = time.perf_counter()
@@ -1416,7 +1418,7 @@ class Engine:
         # it computes (passes/program/gather_stage_weights.py); without them, for the whole schedule.
         per_stage = any(a.kind == GATHER for a in actions)
         # Each position's random ops on its own stream (seeded alike, a stage drew the previous one's masks)
-        stream = own_stream(self.mesh, self._device) if self._pipeline_draws_random else contextlib.nullcontext()
+        stream = own_stream(self.mesh, self._device, held) if self._pipeline_draws_random else contextlib.nullcontext()
         with stream, self._gathered() if not per_stage else self._stage_weights_released():
             loss, grads = self._runtime.run(actions, micro, on_reduce=self._reduce_stage if self._flat else None,
                                             on_weights=self._stage_weights if per_stage else None)
@@ -1783,10 +1785,11 @@ class Engine:
         if self.pipelined:
             return self._pipeline_eval(args, kwargs)
         ex = self._executor(args, kwargs, train=False)
+        held = module_generators(self.model) if ex.draws_random else []
         if ex.draws_random:
-            share_generators(self.mesh, self._device)
+            share_generators(self.mesh, self._device, held)
         self.synchronize()
-        with own_stream(self.mesh, self._device) if ex.draws_random else contextlib.nullcontext(), self._gathered():
+        with own_stream(self.mesh, self._device, held) if ex.draws_random else contextlib.nullcontext(), self._gathered():
             out = ex.run(tensor_leaves(args, kwargs))
         if out.loss is not None:
             loss = out.loss.detach().float().clone()

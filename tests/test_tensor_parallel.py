@@ -51,13 +51,15 @@ def test_two_tensor_parallel_ranks_match_one_process_for_gpt_gpt2_llama_bert_and
     gradient, so Adam's float noise on it is left out of the comparison), bf16, and GPT and Llama
     with sequence parallelism (parity, and Megatron's all-gathers and reduce-scatters counted);
     dropout (GPT, and GPT-2 with Hugging Face's default dropouts; GPT with sequence parallelism):
-    eager's masks under the same seed, though one tp rank's generator was moved apart first;
+    eager's masks under the same seed, though one tp rank's generator was moved apart first (and a
+    generator the module holds, seeded by rank: the tp ranks draw from the first one's, held_generator);
     a model too small to shard is warned about (tiny_unsharded); heads that do not split over 2
     ranks (GPT-2 with 3, Llama with 6 query / 3 key/value) train like one process, with a warning
     (uneven_heads).
     (The offload tiers run in the 4-rank launch, at TP=2 x DP=2: a superset of TP=2 on one replica.)"""
     run_cases_on(2, ("gpt", "gpt2", "llama", "bert", "t5", "gpt_bf16", "gpt_sp", "llama_sp", "gpt_dropout",
-                     "gpt2_dropout", "gpt_dropout_sp", "tiny_unsharded", "uneven_heads"), tmp_path, timeout=900)
+                     "gpt2_dropout", "gpt_dropout_sp", "held_generator", "tiny_unsharded", "uneven_heads"), tmp_path,
+                 timeout=900)
     # The TP=2 checkpoint loads on one device, optimizer states included: the next step agrees.
     assert_checkpoint_resumes_on_one_device(tmp_path, "gpt")
     assert_bf16_trains_like_one_bf16_process(tmp_path)

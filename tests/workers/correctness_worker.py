@@ -49,7 +49,7 @@
                   in a param group with weight_decay=0
     dropout_replicas GPT with dropout on 2 replicas (ZeRO-3), every rank seeded alike: each replica
                   draws from its own stream (fxspeed.mesh.stream_seed(replica, 0)); equals eager's
-                  SGD over the two replicas' rows drawn so
+                  SGD over the two replicas' rows drawn so; a generator a module holds too
     dropout_stages pipeline=2, a dropout mask kept per stage: each stage draws from its own stream
                   (the second stage repeated the first's masks); masks, losses and weights equal
                   eager's with those masks
@@ -771,7 +771,49 @@ def dropout_replicas() -> str:
             if abs(got - want) > 1e-5 * abs(want):
                 out.append(f"{name} zero={zero} step {step}: {got} != eager {want} over the replicas' own streams")
         out += state_errors(engine, ref, f"{name} zero={zero} ")
+    out += _held_generator_replicas()
     return "; ".join(out) or "ok"
+
+
+class _HeldGenerator(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.gen = torch.Generator().manual_seed(7)  # alike on every rank
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.nn.functional.mse_loss(h * (torch.rand(h.shape, generator=self.gen) > 0.5), y)
+
+
+def _held_generator_replicas() -> list[str]:
+    """A generator the module holds, seeded alike, on 2 replicas given the same rows: each replica
+    draws from its own stream of it (stream_seed(d, 0, gen)); both drew the same numbers."""
+    from fxspeed.mesh import stream_seed
+
+    torch.manual_seed(0)
+    model = _HeldGenerator()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    engine = fxspeed.compile(model, 2, fxspeed.Config(optimizer="sgd", lr=0.1), example_inputs=(x, y))
+    opt, out = torch.optim.SGD(ref.parameters(), lr=0.1), []
+    for step in range(2):
+        before = ref.gen.get_state()
+        got = engine.train_step(x, y)
+        want = 0.0
+        for d in range(2):
+            ref.gen.set_state(before)
+            ref.gen.manual_seed(stream_seed(d, 0, ref.gen))
+            loss = ref(x, y) / 2
+            loss.backward()
+            want += loss.item()
+        opt.step()
+        opt.zero_grad()
+        ref.gen.set_state(before)
+        stream_seed(0, 0, ref.gen)  # the module's generator moves by that one draw per step
+        if abs(got - want) > 1e-5 * abs(want):
+            out.append(f"held generator step {step}: {got} != eager {want} over the replicas' own streams")
+    return out + state_errors(engine, ref, "held generator ")
 
 
 class _MaskedBlock(torch.nn.Module):

@@ -345,6 +345,43 @@ def gpt_dropout() -> str:
     return parity("gpt_dropout", check=heads)
 
 
+class _HeldGeneratorMLP(torch.nn.Module):
+    """An MLP whose output (replicated under tp: after the row-parallel all-reduce) is masked with
+    numbers from a generator the module holds, seeded here by rank (a script seeding per rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.proj = torch.nn.Linear(D, 4 * D), torch.nn.Linear(4 * D, D)
+        self.gen = torch.Generator().manual_seed(100 + int(os.environ["RANK"]))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.proj(torch.relu(self.fc(x)))
+        keep = torch.rand(h.shape, generator=self.gen) > 0.5
+        return torch.nn.functional.mse_loss(h * keep, y)
+
+
+def held_generator() -> str:
+    """A torch.Generator the module holds, seeded by rank, at TP=2: the tp ranks draw from the
+    first rank's state, as one process would (each drew from its own: the loss was the mean of two
+    masks' losses and the replicated activations differed between the ranks, silently)."""
+    torch.manual_seed(0)
+    model = _HeldGeneratorMLP()
+    ref = copy.deepcopy(model)
+    ref.gen.manual_seed(100)  # rank 0's
+    g = torch.Generator().manual_seed(1)
+    bs = [(torch.randn(16, D, generator=g), torch.randn(16, D, generator=g)) for _ in range(3)]
+    config = fxspeed.Config(tensor=2, optimizer="sgd", lr=0.1)
+    engine = fxspeed.compile(model, 2, config, example_inputs=bs[0])
+    if engine.plan.tp_placements.get("fc.weight") in (None, "R"):
+        return f"the MLP is not sharded: {engine.plan.tp_placements}"
+    got = [engine.train_step(*b) for b in bs]
+    want = _eager(ref, bs, config)
+    for i, (a, w) in enumerate(zip(got, want)):
+        if abs(a - w) > 1e-5 * abs(w):
+            return f"step {i} loss {a} != eager {w} with rank 0's generator"
+    return "ok"
+
+
 def gpt2_dropout() -> str:
     return parity("gpt2_dropout")
 
@@ -771,7 +808,7 @@ def subgroup_timeout() -> str:
     return said
 
 
-CASES = {"gpt": gpt, "gpt_dropout": gpt_dropout, "gpt2_dropout_dp": gpt2_dropout_dp, "gpt2_dropout": gpt2_dropout, "gpt_bf16": gpt_bf16, "gpt_dp_bf16_offload": gpt_dp_bf16_offload,
+CASES = {"gpt": gpt, "gpt_dropout": gpt_dropout, "gpt2_dropout_dp": gpt2_dropout_dp, "held_generator": held_generator, "gpt2_dropout": gpt2_dropout, "gpt_bf16": gpt_bf16, "gpt_dp_bf16_offload": gpt_dp_bf16_offload,
          "gpt_offload_tiers": gpt_offload_tiers, "gpt_dp_bf16": gpt_dp_bf16, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
          "gpt_dp_zero3": gpt_dp_zero3, "gpt_pp": gpt_pp, "t5": t5, "gpt_sp": gpt_sp, "gpt_dropout_sp": gpt_dropout_sp, "llama_sp": llama_sp,
          "gpt_pp_zero1": gpt_pp_zero1, "gpt_pp_sp_zero1": gpt_pp_sp_zero1, "tiny_unsharded": tiny_unsharded,
