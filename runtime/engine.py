@@ -515,6 +515,7 @@ class Engine:
             self._expect_all_ranks("engine.gathered()", fix=(
                 "Enter `with engine.gathered():` on every rank (it all-gathers the weights); to use the model on "
                 "one rank only, enter it on every rank and guard what you do inside it with `if rank == 0:`"))
+        self._check_tp_slices_untouched()
         with self._gathered():
             with self._tp.gathered(write_back=True) if self._tp is not None else contextlib.nullcontext():
                 yield
@@ -546,6 +547,7 @@ class Engine:
                                "Convert the model before compiling (for mixed precision use Config.precision), or "
                                "compile a new engine")
         self._check_flat_layout_untouched()
+        self._check_tp_slices_untouched()
         for what, bound, current, how, fix in (
                 ("Parameter(s)", self._params, self.model.named_parameters(remove_duplicate=False),
                  "module.weight = nn.Parameter(...), load_state_dict(assign=True)",
@@ -581,6 +583,24 @@ class Engine:
                 f"holds 0-size placeholders for them (the engine keeps them {self._flat_where()}), so the write "
                 "changed nothing and the engine's weights are as they were. Write inside `with "
                 "engine.gathered():` (on every rank; the writes are taken into the engine at its exit), or use "
+                "engine.load_state_dict(state)")
+
+    def _check_tp_slices_untouched(self) -> None:
+        """Under tensor parallelism (without ZeRO's flat layout, which checks its own) the module
+        holds this rank's slice of each sliced weight. A whole weight assigned by hand (`p.data =
+        t`) is cut to this rank's slice; any other shape is refused, naming the parameter."""
+        if not self._tp or self._flat is not None:
+            return
+        other = self._tp.adopt_reassigned()
+        if other:
+            names = {id(p): n for n, p in self._params.items()}
+            p = other[0]
+            raise FxspeedError(
+                f"{type(self.model).__name__}'s parameter(s) {[names.get(id(q), '?') for q in other[:5]]} hold tensors "
+                f"of another shape than at compile ({names.get(id(p), '?')}: {tuple(p.shape)}); under tensor "
+                f"parallelism this rank's module holds its slice {self._tp.slice_shape(p)} of the whole "
+                f"{self._tp.full_shape(p)} weight. Write whole weights inside `with engine.gathered():` (on every "
+                "rank), assign the whole tensor (`p.data = t`, cut to this rank's slice at the next step), or use "
                 "engine.load_state_dict(state)")
 
     def _flat_where(self) -> str:
@@ -1930,6 +1950,7 @@ class Engine:
         """The parameters this rank holds (full tensors, canonical names; gathered under ZeRO-3)
         and the buffers."""
         self.synchronize()
+        self._check_tp_slices_untouched()  # (a whole weight assigned by hand: this rank's slice of it)
         held = self._owned if self.pipelined else self._unique
         out: dict[str, torch.Tensor] = {}
         if self._flat is not None and self._flat.released:

@@ -109,6 +109,24 @@ class TensorParallelParameters:
         pieces = self.size // split_of(blocks)[1]
         return tuple(n // pieces if d == dim else n for d, n in enumerate(full))
 
+    def adopt_reassigned(self) -> list[nn.Parameter]:
+        """Sliced Parameters given another tensor outside `gathered()` (`p.data = t`: weights
+        loaded by hand). One of the full shape is cut to this rank's slice, as `gathered()`'s
+        write-back would take it (the programs read the slice's shape: a whole weight failed
+        inside the step with a bare reshape error and left the ranks out of step); the
+        Parameters holding any other shape are returned."""
+        other = []
+        for p, dim, blocks, full in self.layout.values():
+            shape = tuple(p.shape)
+            if shape == self.slice_shape(p):
+                continue
+            if shape == full:
+                with torch.no_grad():
+                    p.data = take_slice(p.data, dim, blocks, self.rank, self.size)
+            else:
+                other.append(p)
+        return other
+
     def full_shape(self, p: torch.Tensor) -> tuple[int, ...] | None:
         e = self.layout.get(id(p))
         return e[3] if e else None

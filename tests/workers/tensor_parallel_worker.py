@@ -58,6 +58,7 @@ import torch.distributed as dist
 import fxspeed
 from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.mesh import stream_seed
+from fxspeed.runtime.tensor_parallel import take_slice
 from fxspeed.models import GPT, GPTConfig
 from tests.workers.common import key_bias_masked, run_cases
 
@@ -308,6 +309,24 @@ def gpt() -> str:
             return f"{name} halved inside engine.gathered() is not halved in engine.state_dict()"
         with engine.gathered(), torch.no_grad():
             dict(model.named_parameters())[name].copy_(before)
+        # weights loaded by hand outside gathered(): `p.data = whole` is cut to this rank's slice
+        # (the step failed with a bare reshape error and left the ranks out of step for good); a
+        # tensor of another shape is refused before the step, naming the parameter
+        p = dict(model.named_parameters())[name]
+        mine = p.data
+        p.data = before * 0.25
+        if not torch.equal(engine.state_dict()[name], before * 0.25) or p.shape == before.shape:
+            return f"{name} assigned whole through .data is not taken as this rank's slice"
+        p.data = before[:3].clone()
+        try:
+            engine.state_dict()
+            return "a parameter given a tensor of another shape through .data was not refused"
+        except FxspeedError as e:
+            if name not in str(e) or "engine.gathered()" not in str(e):
+                return f"unclear refusal of a re-shaped parameter: {e}"
+        with torch.no_grad():
+            mine.copy_(take_slice(before, 0, 1, dist.get_rank(), T))
+        p.data = mine
         # the module holds slices: called directly it computed with half the weights, and its
         # state_dict() was a checkpoint of slices, silently; both refused (gathered() allows it)
         for what, call, hint in (("called", lambda: model(*bs[0]), "engine.gathered()"),
