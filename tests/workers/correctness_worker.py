@@ -52,7 +52,8 @@
                   SGD over the two replicas' rows drawn so; a generator a module holds too
     dropout_stages pipeline=2, a dropout mask kept per stage: each stage draws from its own stream
                   (the second stage repeated the first's masks); masks, losses and weights equal
-                  eager's with those masks
+                  eager's with those masks; the ranks' generators stay in step (a batch sampled
+                  from torch's generator on every rank is the same on both stages)
 
 Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt and exits 0 (`--case all`:
 every case in one launch; tests/workers/common.py run_cases, shared with tensor_parallel_worker).
@@ -893,6 +894,19 @@ def dropout_stages() -> str:
     for name, p in ref.named_parameters():
         if not torch.allclose(state[name], p, atol=1e-5):
             out.append(f"{name} differs from eager's")
+    # Stages drawing different counts (GPT: the embeddings' dropout on the first only) left the
+    # ranks' generators apart, so a script sampling each batch from torch's generator on every
+    # rank passed different batches to the two stages: "ranks disagree on the batch" at step 1
+    model = _dropout_model("gpt")
+    def batch() -> tuple:
+        x = torch.randint(0, 64, (4, 16))
+        return x, torch.roll(x, 1, 1)
+    engine = fxspeed.compile(model, 2, fxspeed.Config(pipeline=2, microbatches=2), example_inputs=batch())
+    try:
+        for _ in range(2):
+            engine.train_step(*batch())
+    except FxspeedError as e:
+        out.append(f"batches drawn from torch's generator on each rank after a pipeline step with dropout: {e}")
     return "; ".join(out) or "ok"
 
 
