@@ -804,6 +804,10 @@ class Engine:
         mine = {s: self.programs[s] for s in self.stages}
         self._pipeline_draws_random = graphs_draw_random(*[g for p in mine.values() for g in (
             p.forward, p.backward, p.backward_input, p.backward_weight)])
+        # Any stage's: every rank of the pipeline then takes its own stream and moves the user's
+        # generators by one draw (one stage without dropout kept its generator apart from the others')
+        self._pipeline_any_draws = graphs_draw_random(*[g for p in self.programs for g in (
+            p.forward, p.backward, p.backward_input, p.backward_weight)])
         moves = self.config.offloads_activations and any(p.offload_saved for p in mine.values())
         self._runtime = PipelineRuntime(mine, self.M, self._bind, group=self.mesh.group("pp"), peers=self.pipe_ranks,
                                         device=self._device, activations=self._activation_store() if moves else None)
@@ -1428,7 +1432,7 @@ class Engine:
         if self.dist.active:
             self._check_step_everywhere(("pipeline", True, input_key(args, kwargs)))
         self._compile_pipeline(args, kwargs)
-        held = module_generators(self.model) if self._pipeline_draws_random else []
+        held = module_generators(self.model) if self._pipeline_any_draws else []
         if self._pipeline_draws_random:
             share_generators(self.mesh, self._device, held)
         micro = [tensor_leaves(a, kw) for a, kw in split_batch(args, kwargs, self.M)]
@@ -1438,7 +1442,7 @@ class Engine:
         # it computes (passes/program/gather_stage_weights.py); without them, for the whole schedule.
         per_stage = any(a.kind == GATHER for a in actions)
         # Each position's random ops on its own stream (seeded alike, a stage drew the previous one's masks)
-        stream = own_stream(self.mesh, self._device, held) if self._pipeline_draws_random else contextlib.nullcontext()
+        stream = own_stream(self.mesh, self._device, held) if self._pipeline_any_draws else contextlib.nullcontext()
         with stream, self._gathered() if not per_stage else self._stage_weights_released():
             loss, grads = self._runtime.run(actions, micro, on_reduce=self._reduce_stage if self._flat else None,
                                             on_weights=self._stage_weights if per_stage else None)
