@@ -72,7 +72,7 @@ from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.global_state import no_autocast
 from fxspeed.ir import IOSpec
 from fxspeed.ir.program import WINDOW_GROUP, InferenceProgram
-from fxspeed.runtime.kernels.packed_linear import PACKED_KINDS, PackedWeights, packing_pays, weight_stamps
+from fxspeed.runtime.kernels.packed_linear import COPY_KINDS, PackedWeights, packing_pays, weight_stamps
 from fxspeed.runtime.kernels.direct_calls import direct_calls
 
 log = logging.getLogger("fxspeed")
@@ -378,7 +378,7 @@ class _Bound:
                 self.args.append(None)
             elif s.kind == "kv_cache":
                 self.args.append(cache.tensors[s.target])
-            elif s.kind in PACKED_KINDS:
+            elif s.kind in COPY_KINDS:
                 self.args.append(packed.get(s, bind))
             else:
                 self.args.append(bind(s))
@@ -476,7 +476,8 @@ class ServingLoop:
         captured as CUDA graphs on a CUDA device; None: on a CUDA device without tensor
         parallelism. True on another device runs the fixed-shape steps without capture.
         `compile_bucket(T, pack)`: bucket T's program, its linear weights packed for oneDNN where
-        the pack_linear_weights pass applies (CPU buckets of a few tokens) if `pack`.
+        the pack_linear_weights pass applies (CPU buckets of a few tokens) if `pack`, else read by
+        ATen's GEMM, [out, in] ones through [in, out] copies (its fast layout at a few rows).
         `pack_linear`: "auto" times both ways on the model's weights before compiling each such
         bucket and packs where that is faster (`pack_probe` keeps the seconds); "always"; "never".
         `prefix_caching`: a request's first full blocks that are in the cache already (another
@@ -552,7 +553,7 @@ class ServingLoop:
         self._stamps: Any = None
         # what the first program reads besides the packed copies (which refresh() follows): the
         # same list at every call, whatever buckets are compiled later
-        read = [s for s in first.signature.inputs if s.kind not in (*PER_STEP, "kv_cache", *PACKED_KINDS)]
+        read = [s for s in first.signature.inputs if s.kind not in (*PER_STEP, "kv_cache", *COPY_KINDS)]
         self._stamped = [t for t in map(bind, read) if isinstance(t, torch.Tensor)] if self.prefix_caching else []
         self._bytes_per_token = {g: first.kv_bytes_per_token(g) for g in self.rings}
         window_ring = self.rings.get(WINDOW_GROUP) or 0

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fxspeed
-from fxspeed.runtime.kernels.packed_linear import LINEAR, PACKED_KINDS, available
+from fxspeed.runtime.kernels.packed_linear import LINEAR, PACKED_KINDS, TRANSPOSED_KIND, available
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -131,8 +131,20 @@ def test_with_pack_linear_auto_each_small_bucket_packs_only_where_its_probe_meas
     assert sorted(auto._serving.programs) == [1, 2, 4, 8] and sorted(r for r, _ in asked) == [1, 2, 4]
     assert all(n == 2 * 4 + 1 for _, n in asked)  # every linear weight the pass would pack, the head included
     for T, bound in auto._serving.programs.items():
-        packed_inputs = [s for s in bound.program.signature.inputs if s.kind in PACKED_KINDS]
+        inputs = bound.program.signature.inputs
+        packed_inputs = [s for s in inputs if s.kind in PACKED_KINDS]
         assert bool(packed_inputs) == (T != 1), T  # 8: the first program, packed without a probe
+        # ATen's GEMM reads the tied head [out, in] through a contiguous [in, out] copy (a row times
+        # it streams the weight; through t() it ran dot products at ~60% of the bandwidth), the
+        # Conv1D weights ([in, out] already) as they are
+        copies = [i for i, s in enumerate(inputs) if s.kind == TRANSPOSED_KIND]
+        assert [inputs[i].target for i in copies] == (["transformer.wte.weight"] if T == 1 else []), T
+        if T == 1:
+            assert bound.args[copies[0]].shape == (32, V) and bound.args[copies[0]].is_contiguous()
+            assert _params_read_by_products(bound.program.gm, inputs) == [f"transformer.h.{i}.{m}.weight"
+                                                                          for i in range(2) for m in
+                                                                          ("attn.c_attn", "attn.c_proj",
+                                                                           "mlp.c_fc", "mlp.c_proj")]
     assert set(auto._serving.pack_probe) == {1, 2, 4}
 
 
@@ -159,11 +171,13 @@ def test_the_packing_probe_times_both_ways_on_the_first_weights_up_to_its_byte_b
         fxspeed.serve(_hf("gpt2"), pack_linear="sometimes")
 
 
-def test_weights_changed_after_serve_are_packed_again_before_the_next_generate(caplog):
+@pytest.mark.parametrize("pack_linear", ["always", "never"])
+def test_weights_changed_after_serve_are_packed_again_before_the_next_generate(caplog, pack_linear):
     """An optimizer step or load_state_dict writes the Parameters in place: the packed copies
-    must follow (the programs of larger buckets read the Parameters themselves)."""
+    must follow (the programs of larger buckets read the Parameters themselves); so must the
+    [in, out] copies ATen's GEMM reads without packing (every nn.Linear weight of a Llama)."""
     model = _hf("llama")
-    packed = fxspeed.serve(model, **SMALL)
+    packed = fxspeed.serve(model, **{**SMALL, "pack_linear": pack_linear})
     before = packed.generate(PROMPTS, max_new_tokens=NEW)
     torch.manual_seed(1)
     other = _hf("llama")

@@ -355,13 +355,13 @@ class Compiler:
 
     def inference(self, model: nn.Module, tokens: int, pack: bool = True) -> Any:
         """The serving program for one packed row of `tokens` tokens, with the paged KV cache
-        (fxspeed/compiler/capture_inference.py); `pack=False`: its linears read the parameters
-        (pack_linear_weights off for this bucket)."""
+        (fxspeed/compiler/capture_inference.py); `pack=False`: its linears run through ATen's GEMM,
+        over [in, out] copies of the [out, in] weights where pack_linear_weights applies."""
         from fxspeed.compiler.capture_inference import compile_inference
 
         options = self.options.local()
         if not pack:
-            options = dataclasses.replace(options, pack_linear_tokens=0)
+            options = dataclasses.replace(options, linear_copies="transposed")
         return compile_inference(model, tokens, config=self.config, options=options, analyses=self.analyses)
 
     def program(self, model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, train: bool,

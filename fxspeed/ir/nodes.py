@@ -73,7 +73,9 @@ class IOSpec:
              "block_table", "query_index", "query_pos", "logits_index" (per serving step),
              "kv_cache" (target "<layer>.k" / "<layer>.v"; the paged cache, written in place),
              "packed_weight" / "packed_weight_t" (target: parameter name; the parameter [out, in] /
-             transposed, in oneDNN's packed layout: passes/inference/pack_linear_weights.py)
+             transposed, in oneDNN's packed layout: passes/inference/pack_linear_weights.py),
+             "transposed_weight" (target: parameter name; the [out, in] parameter as a contiguous
+             [in, out] copy, read by ATen's GEMM in the same pass's other mode)
     outputs: "buffer_update", "loss", "output", "grad", "grad_bucket" (target: bucket index;
              the reduced flat bucket, or this rank's shard of it under ZeRO-2/3)
     `target` is the parameter/buffer name (user's original name) or the input's position.

@@ -33,8 +33,8 @@ import torch.fx as fx
 
 from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
 from fxspeed.compiler.rewrite import call
-from fxspeed.ir import IOSpec
-from fxspeed.runtime.kernels.packed_linear import LINEAR, available
+from fxspeed.ir import IOSpec, StepSignature
+from fxspeed.runtime.kernels.packed_linear import LINEAR, TRANSPOSED_KIND, available
 
 aten = torch.ops.aten
 WEIGHT_KINDS = ("param", "param_tp")
@@ -61,6 +61,8 @@ def pack_linear_weights(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     gm.meta["pack_linear_tokens"] = limit
     if tokens > limit:
         return PassResult(gm, modified=False)
+    if ctx.options.linear_copies == "transposed":
+        return _read_transposed_copies(gm, sig, spec_of, found)
     packed: dict[tuple[fx.Node, bool], fx.Node] = {}
     new_specs: list[IOSpec] = []
     last = placeholders[-1]
@@ -81,6 +83,40 @@ def pack_linear_weights(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if weight is not param and not weight.users:
             g.erase_node(weight)
     # parameters only the rewritten products read are inputs no longer
+    unread = {ph for ph in placeholders if spec_of[ph].kind in WEIGHT_KINDS and not ph.users}
+    for ph in unread:
+        g.erase_node(ph)
+    sig.inputs = [spec_of[n] for n in placeholders if n not in unread] + new_specs
+    return PassResult(gm, modified=True)
+
+
+def _read_transposed_copies(gm: fx.GraphModule, sig: StepSignature, spec_of: dict[fx.Node, IOSpec],
+                            found: list[tuple[fx.Node, fx.Node, bool, fx.Node, fx.Node | None]]) -> PassResult:
+    """linear_copies="transposed": every product over `t(P)` of an [out, in] parameter reads a
+    contiguous [in, out] copy of it instead (a new input of kind "transposed_weight"), so ATen's
+    GEMM streams rows of the weight, not dot products over them (1.6x faster at a row on the dev
+    box: runtime/kernels/packed_linear.transposed). Products over an [in, out] parameter (Conv1D)
+    already read that layout and stay."""
+    g = gm.graph
+    placeholders = list(spec_of)
+    copies: dict[fx.Node, fx.Node] = {}
+    new_specs: list[IOSpec] = []
+    last = placeholders[-1]
+    for node, param, transposed, _x, _bias in found:
+        if transposed:
+            continue
+        if param not in copies:
+            with g.inserting_after(last):
+                ph = g.placeholder(f"{param.name}_transposed")
+            ph.meta["val"] = param.meta["val"].t()  # [in, out]; the runtime's copy is contiguous
+            copies[param] = last = ph
+            new_specs.append(IOSpec(TRANSPOSED_KIND, spec_of[param].target))
+        weight = node.args[-1]
+        node.args = (*node.args[:-1], copies[param])
+        if not weight.users:
+            g.erase_node(weight)
+    if not copies:
+        return PassResult(gm, modified=False)
     unread = {ph for ph in placeholders if spec_of[ph].kind in WEIGHT_KINDS and not ph.users}
     for ph in unread:
         g.erase_node(ph)
