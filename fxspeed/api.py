@@ -205,7 +205,9 @@ def serve(model: nn.Module, devices: Devices = 1, config: Config | dict | str | 
     for oneDNN or through ATen's GEMM, whichever a probe pass over the model's weights measures
     faster on this machine ("auto": timed when each such bucket is first used, except the first
     program serve compiles; tensor-parallel ranks may choose differently, which changes rounding
-    only); "always" / "never" force it.
+    only; a bucket that does not pack reads [in, out] copies of the [out, in] weights, ATen's
+    fast layout at a few rows); "always" packs; "never" reads the model's own weights (no copy
+    beside them: the least memory).
     `prefix_caching`: a request whose first tokens fill cache blocks another request (or an
     earlier call) already computed reads them instead of computing them again (a shared system
     prompt, a chat's earlier turns); blocks no request holds stay cached until their room is

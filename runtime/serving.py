@@ -462,7 +462,7 @@ class _Static:
 class ServingLoop:
     """Continuous batching for one Engine (see the module docstring)."""
 
-    def __init__(self, compile_bucket: Callable[[int, bool], InferenceProgram], bind: Callable[[IOSpec], torch.Tensor],
+    def __init__(self, compile_bucket: Callable[[int, str], InferenceProgram], bind: Callable[[IOSpec], torch.Tensor],
                  *, vocab_size: int, max_context: int, device: torch.device, token_budget: int = 256,
                  context_limit: str = "",
                  max_batch: int = 16, block_size: int = 16, cache_tokens: int | None = None,
@@ -475,11 +475,13 @@ class ServingLoop:
         `cuda_graphs`: the buckets up to the decode bucket run at fixed shapes (`_Static`),
         captured as CUDA graphs on a CUDA device; None: on a CUDA device without tensor
         parallelism. True on another device runs the fixed-shape steps without capture.
-        `compile_bucket(T, pack)`: bucket T's program, its linear weights packed for oneDNN where
-        the pack_linear_weights pass applies (CPU buckets of a few tokens) if `pack`, else read by
-        ATen's GEMM, [out, in] ones through [in, out] copies (its fast layout at a few rows).
+        `compile_bucket(T, copies)`: bucket T's program; where the pack_linear_weights pass applies
+        (CPU buckets of a few tokens) its linears read `copies` of the weights: "packed" for oneDNN,
+        "transposed" (ATen's GEMM, [out, in] weights through [in, out] copies: its fast layout at a
+        few rows) or "none" (the Parameters themselves).
         `pack_linear`: "auto" times both ways on the model's weights before compiling each such
-        bucket and packs where that is faster (`pack_probe` keeps the seconds); "always"; "never".
+        bucket and packs where that is faster, else reads transposed copies (`pack_probe` keeps
+        the seconds); "always" packs; "never" holds no copy beside the model's weights.
         `prefix_caching`: a request's first full blocks that are in the cache already (another
         request's same prompt start, or its own before a preemption) are read, not computed again;
         on where no layer has a sliding window (a window layer needs the keys before the first
@@ -535,7 +537,7 @@ class ServingLoop:
         # Not probed: it is compiled before any weight list exists (the largest bucket, usually past
         # pack_linear_tokens; under tp the decode bucket), so it packs wherever the pass applies.
         first = self._check_window(compile_bucket(decode if agree is not None else self.buckets[-1],
-                                                  pack_linear != "never"))
+                                                  "none" if pack_linear == "never" else "packed"))
         self._packable = (first.gm.meta.get("packable_weights", []), first.gm.meta.get("pack_linear_tokens", 0))
         self._position_tables = first.gm.meta.get("kv_cache_position_tables", ())
         # Where every layer has a sliding window a request keeps `ring` blocks at most, reused in
@@ -600,7 +602,7 @@ class ServingLoop:
         """The bound program of bucket T, compiled on first use."""
         if T not in self.programs:
             t0 = time.perf_counter()
-            program = self._check_window(self._compile(T, self._packs(T)))
+            program = self._check_window(self._compile(T, self._copies(T)))
             if list(program.kv_layout) != self.cache.layout or \
                     program.layer_groups() != self.cache.groups:
                 # Every bucket writes the same cache: under tensor parallelism its heads must be
@@ -622,16 +624,19 @@ class ServingLoop:
             self.stats["compile_s"] += time.perf_counter() - t0
         return self.programs[T]
 
-    def _packs(self, T: int) -> bool:
-        """Whether bucket T is compiled with packed linear weights (see __init__'s pack_linear)."""
+    def _copies(self, T: int) -> str:
+        """The weight copies bucket T's linears read (see __init__'s pack_linear and
+        Compiler.inference): "never" holds none beside the model's weights."""
         specs, limit = self._packable
-        if self.pack_linear != "auto" or not specs or T > limit:
-            return self.pack_linear != "never"
+        if self.pack_linear == "never":
+            return "none"
+        if self.pack_linear == "always" or not specs or T > limit:
+            return "packed"
         packs, packed_s, gemm_s = packing_pays(specs, T, self._bind, self.packed.rows)
         self.pack_probe[T] = (packed_s, gemm_s)
         log.info("fxspeed: serve: the %d-token bucket's linears %s (a probe pass: packed %.2f ms, GEMM %.2f ms)",
                  T, "read packed weights" if packs else "run through the GEMM", packed_s * 1e3, gemm_s * 1e3)
-        return packs
+        return "packed" if packs else "transposed"
 
     def blocks_held(self, positions: int, group: str = "") -> int:
         """Cache blocks a request holds in `group`'s pool once it has fed `positions` tokens: one

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fxspeed
-from fxspeed.runtime.kernels.packed_linear import LINEAR, PACKED_KINDS, TRANSPOSED_KIND, available
+from fxspeed.runtime.kernels.packed_linear import COPY_KINDS, LINEAR, PACKED_KINDS, TRANSPOSED_KIND, available
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -109,6 +109,11 @@ def test_a_bucket_above_pack_linear_tokens_reads_the_parameters_and_the_plan_cou
     assert engine._serving.packed.nbytes() == expected
     plain = fxspeed.serve(model, config=UNPACKED, token_budget=256, max_batch=2, block_size=16, cache_tokens=128)
     assert plain.plan.packed_weight_bytes == 0
+    # pack_linear="never": no copy beside the model's weights, not even the GEMM's [in, out] ones
+    never = fxspeed.serve(model, token_budget=256, max_batch=2, block_size=16, cache_tokens=128, pack_linear="never")
+    never.generate([[1, 2, 3], [4, 5]], max_new_tokens=3)
+    assert never.plan.packed_weight_bytes == 0 and never._serving.packed.nbytes() == 0
+    assert not [s for b in never._serving.programs.values() for s in b.program.signature.inputs if s.kind in COPY_KINDS]
 
 
 def test_with_pack_linear_auto_each_small_bucket_packs_only_where_its_probe_measured_packing_faster(monkeypatch):
@@ -171,11 +176,14 @@ def test_the_packing_probe_times_both_ways_on_the_first_weights_up_to_its_byte_b
         fxspeed.serve(_hf("gpt2"), pack_linear="sometimes")
 
 
-@pytest.mark.parametrize("pack_linear", ["always", "never"])
-def test_weights_changed_after_serve_are_packed_again_before_the_next_generate(caplog, pack_linear):
+@pytest.mark.parametrize("pack_linear", ["always", "auto"])
+def test_weights_changed_after_serve_are_packed_again_before_the_next_generate(caplog, monkeypatch, pack_linear):
     """An optimizer step or load_state_dict writes the Parameters in place: the packed copies
     must follow (the programs of larger buckets read the Parameters themselves); so must the
-    [in, out] copies ATen's GEMM reads without packing (every nn.Linear weight of a Llama)."""
+    [in, out] copies ATen's GEMM reads where the probe chose it (every nn.Linear weight of a Llama)."""
+    import fxspeed.runtime.serving as serving
+
+    monkeypatch.setattr(serving, "packing_pays", lambda specs, rows, bind, layout_rows: (False, 2e-3, 1e-3))
     model = _hf("llama")
     packed = fxspeed.serve(model, **{**SMALL, "pack_linear": pack_linear})
     before = packed.generate(PROMPTS, max_new_tokens=NEW)
@@ -187,7 +195,8 @@ def test_weights_changed_after_serve_are_packed_again_before_the_next_generate(c
     model.load_state_dict(other.state_dict())
     with caplog.at_level("INFO", logger="fxspeed"):
         _same_generation(packed, fxspeed.serve(model, config=UNPACKED, **SMALL))
-    assert "packed 15 weights again" in caplog.text
+    # auto: the first bucket (8 tokens, not probed) packed, the probed ones read [in, out] copies
+    assert f"packed {15 if pack_linear == 'always' else 30} weights again" in caplog.text
     assert packed.generate(PROMPTS, max_new_tokens=NEW) != before  # the new weights, not the old copies
 
 

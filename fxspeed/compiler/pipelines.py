@@ -353,15 +353,19 @@ class Compiler:
         forget_stale_graph_sources(before, compiled.captured.gm)  # the passes' intermediate programs'
         return compiled
 
-    def inference(self, model: nn.Module, tokens: int, pack: bool = True) -> Any:
+    def inference(self, model: nn.Module, tokens: int, copies: str = "packed") -> Any:
         """The serving program for one packed row of `tokens` tokens, with the paged KV cache
-        (fxspeed/compiler/capture_inference.py); `pack=False`: its linears run through ATen's GEMM,
-        over [in, out] copies of the [out, in] weights where pack_linear_weights applies."""
+        (fxspeed/compiler/capture_inference.py). Where pack_linear_weights applies its linears read
+        `copies` of the weights: "packed" (oneDNN's layout), "transposed" (ATen's GEMM over [in, out]
+        copies of the [out, in] weights) or "none" (the Parameters themselves: no memory beside
+        the model's, serve(pack_linear="never"))."""
         from fxspeed.compiler.capture_inference import compile_inference
 
         options = self.options.local()
-        if not pack:
-            options = dataclasses.replace(options, linear_copies="transposed")
+        if copies == "none":
+            options = dataclasses.replace(options, pack_linear_tokens=0)
+        elif copies != "packed":
+            options = dataclasses.replace(options, linear_copies=copies)
         return compile_inference(model, tokens, config=self.config, options=options, analyses=self.analyses)
 
     def program(self, model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, train: bool,
