@@ -561,6 +561,18 @@ def _two_stages(model_class: type, y_shape: tuple[int, ...]) -> tuple:
     return engine, ref, torch.optim.SGD(ref.parameters(), lr=0.1), batch
 
 
+def _eager_two_micro_batches(ref: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One eager step over the batch's two halves in turn (a pipeline's 2 micro-batches): the loss."""
+    want = 0.0
+    for xm, ym in zip(x.chunk(2), y.chunk(2)):
+        loss = ref(xm, ym) / 2
+        loss.backward()
+        want += loss.item()
+    opt.step()
+    opt.zero_grad()
+    return want
+
+
 def pipeline_batchnorm() -> str:
     """BatchNorm under pipeline=2 x 2 micro-batches (was refused: "pipeline parallelism does not
     support buffer updates yet"): each stage writes its running statistics after every micro-
@@ -570,13 +582,7 @@ def pipeline_batchnorm() -> str:
     out = []
     for step in range(3):
         got = engine.train_step(x, y)
-        want = 0.0
-        for xm, ym in zip(x.chunk(2), y.chunk(2)):
-            loss = ref(xm, ym) / 2
-            loss.backward()
-            want += loss.item()
-        opt.step()
-        opt.zero_grad()
+        want = _eager_two_micro_batches(ref, opt, x, y)
         if abs(got - want) > 1e-5 * abs(want):
             out.append(f"step {step}: {got} != eager {want}")
     state = engine.state_dict()
@@ -893,13 +899,7 @@ def dropout_stages() -> str:
                            + (" (it equals the other stage's)" if same else ""))
         for s in range(2):
             ref.blocks[s].given = list(masks[s])
-        want = 0.0
-        for xm, ym in zip(x.chunk(2), y.chunk(2)):
-            loss = ref(xm, ym) / 2
-            loss.backward()
-            want += loss.item()
-        opt.step()
-        opt.zero_grad()
+        want = _eager_two_micro_batches(ref, opt, x, y)
         if abs(got - want) > 1e-5 * abs(want):
             out.append(f"step {step}: {got} != eager {want} with the stages' masks")
     state = engine.state_dict()
