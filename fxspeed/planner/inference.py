@@ -52,6 +52,10 @@ class InferencePlan:
     # copies of the linear weights pre-packed for oneDNN (CPU decode buckets;
     # passes/inference/pack_linear_weights.py), held beside the model's own
     packed_weight_bytes: int = 0
+    # with serve(pack_linear="auto"): the [in, out] copies of the [out, in] linear weights that
+    # small buckets the probe runs through ATen's GEMM read, held beside the packed ones (an upper
+    # bound: a machine where every small bucket packs holds none)
+    gemm_copy_bytes: int = 0
     # the cache a request of the full context holds, in tokens of every layer's keys and values:
     # the context, or less where layers have a sliding window (the serving loop reuses their blocks
     # behind it; where only some layers slide, this is their bytes and the global layers' together)
@@ -74,7 +78,9 @@ class InferencePlan:
             f"inference plan: {self.model} on {self.device}{per}",
             f"  weights            {self.parameters / 1e6:.2f}M parameters, {self.weight_bytes / mb:.1f} MiB"
             + (f" + {self.packed_weight_bytes / mb:.1f} MiB packed for the decode buckets"
-               if self.packed_weight_bytes else ""),
+               if self.packed_weight_bytes else "")
+            + (f" + up to {self.gemm_copy_bytes / mb:.1f} MiB of [in, out] copies (buckets the probe runs "
+               "through ATen's GEMM)" if self.gemm_copy_bytes else ""),
             f"  KV cache           {self.kv_bytes_per_token} bytes/token ({self.layers} layers, keys + values)",
             f"  cache allocated    {self.cache_tokens} tokens ({self.cache_bytes / mb:.1f} MiB) in blocks of "
             f"{self.block_size}"
@@ -111,7 +117,9 @@ def plan_inference(model: nn.Module, program: Any, serving: Any, device: DeviceS
     wbytes = sum(p.numel() * p.element_size() for p in unique.values())
     kvb = program.kv_bytes_per_token()
     packed = int(program.gm.meta.get("packed_weight_bytes", 0))
-    free = device.memory * (1 - WORKSPACE_FRACTION) - wbytes - packed
+    # (a bucket packs or reads these; "auto" may do both in different buckets: both held)
+    gemm = int(program.gm.meta.get("transposed_copy_bytes", 0)) if packed and serving.pack_linear == "auto" else 0
+    free = device.memory * (1 - WORKSPACE_FRACTION) - wbytes - packed - gemm
     max_tokens = max(int(free // kvb), 0) if kvb else 0
     ctx = serving.max_context
     dtype = {"bf16": "bf16", "fp16": "fp16"}.get(config.precision, "fp32")
@@ -135,7 +143,8 @@ def plan_inference(model: nn.Module, program: Any, serving: Any, device: DeviceS
                          max_batch_at_context=max_tokens // held if held else 0, held_at_context=min(held, ctx),
                          token_budget=serving.token_budget,
                          block_size=serving.block_size, predicted_tokens_per_s=pred, tensor=tensor,
-                         tp_collectives_per_step=len(collectives), packed_weight_bytes=packed)
+                         tp_collectives_per_step=len(collectives), packed_weight_bytes=packed,
+                         gemm_copy_bytes=gemm)
 
 
 def _tp_collectives(gm: Any, tokens: int) -> list[tuple[bool, float]]:

@@ -17,8 +17,9 @@ transpose) and whose bias, if any, is a 1-D vector of the output size are rewrit
 
 Runs in programs on the CPU of at most `pack_linear_tokens` tokens (the decode buckets; at a
 full prefill bucket MKL is as fast, so those keep reading the parameters). In a larger CPU
-program it still records the bytes it would pack (`gm.meta["packed_weight_bytes"]`), so the
-inference plan, made from the first (largest) bucket, counts the copies the decode buckets hold,
+program it still records the bytes it would pack (`gm.meta["packed_weight_bytes"]`, and
+`["transposed_copy_bytes"]` for the GEMM's copies), so the inference plan, made from the first
+(largest) bucket, counts the copies the decode buckets hold,
 and the weights with their limit (`gm.meta["packable_weights"]`, `["pack_linear_tokens"]`), which
 the serving loop times both ways before it compiles a small bucket with packing or without
 (`pack_linear_tokens` 0 for that bucket): which is faster depends on the machine.
@@ -55,6 +56,8 @@ def pack_linear_weights(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     # one packed copy per (parameter, orientation), however many products read it
     unique = {(m[1], m[2]): m[1] for m in found}
     gm.meta["packed_weight_bytes"] = sum(p.meta["val"].numel() * 4 for p in unique.values())
+    # and the [in, out] copies of the [out, in] ones, held where the probe picks ATen's GEMM
+    gm.meta["transposed_copy_bytes"] = sum(p.meta["val"].numel() * 4 for (p, t) in unique if not t)
     # what the serving loop times before it compiles a bucket with or without packing
     gm.meta["packable_weights"] = [IOSpec("packed_weight_t" if t else "packed_weight", spec_of[p].target)
                                    for p, t in unique]
