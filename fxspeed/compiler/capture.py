@@ -722,12 +722,17 @@ def _forget_torch_trace_nodes() -> None:
         nodes.clear()
 
 
-def graph_source_keys() -> set[str]:
-    """The generated-code keys torch.fx holds now (see forget_stale_graph_sources)."""
+def _fx_source_cache() -> dict | None:
+    """torch.fx's module-global cache of generated GraphModule sources (private: None if gone)."""
     from torch.fx import graph_module
 
     cache = getattr(getattr(graph_module, "_loader", None), "eval_cache", None)
-    return set(cache) if isinstance(cache, dict) else set()
+    return cache if isinstance(cache, dict) else None
+
+
+def graph_source_keys() -> set[str]:
+    """The generated-code keys torch.fx holds now (see forget_stale_graph_sources)."""
+    return set(_fx_source_cache() or ())
 
 
 def forget_stale_graph_sources(before: set[str], keep: fx.GraphModule) -> None:
@@ -739,10 +744,8 @@ def forget_stale_graph_sources(before: set[str], keep: fx.GraphModule) -> None:
     their lines."""
     import linecache
 
-    from torch.fx import graph_module
-
-    cache = getattr(getattr(graph_module, "_loader", None), "eval_cache", None)
-    if not isinstance(cache, dict):
+    cache = _fx_source_cache()
+    if cache is None:
         return
     live = {type(m).forward.__code__.co_filename for m in keep.modules() if isinstance(m, fx.GraphModule)}
     for key in set(cache) - before - live:

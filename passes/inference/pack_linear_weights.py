@@ -85,12 +85,19 @@ def pack_linear_weights(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         g.erase_node(node)
         if weight is not param and not weight.users:
             g.erase_node(weight)
-    # parameters only the rewritten products read are inputs no longer
+    _drop_unread_parameters(g, sig, spec_of, new_specs)
+    return PassResult(gm, modified=True)
+
+
+def _drop_unread_parameters(g: fx.Graph, sig: StepSignature, spec_of: dict[fx.Node, IOSpec],
+                            new_specs: list[IOSpec]) -> None:
+    """Parameters only the rewritten products read are inputs no longer; the copies' inputs
+    (`new_specs`, placeholders added after the others) follow the rest."""
+    placeholders = list(spec_of)
     unread = {ph for ph in placeholders if spec_of[ph].kind in WEIGHT_KINDS and not ph.users}
     for ph in unread:
         g.erase_node(ph)
     sig.inputs = [spec_of[n] for n in placeholders if n not in unread] + new_specs
-    return PassResult(gm, modified=True)
 
 
 def _read_transposed_copies(gm: fx.GraphModule, sig: StepSignature, spec_of: dict[fx.Node, IOSpec],
@@ -101,10 +108,9 @@ def _read_transposed_copies(gm: fx.GraphModule, sig: StepSignature, spec_of: dic
     box: runtime/kernels/packed_linear.transposed). Products over an [in, out] parameter (Conv1D)
     already read that layout and stay."""
     g = gm.graph
-    placeholders = list(spec_of)
     copies: dict[fx.Node, fx.Node] = {}
     new_specs: list[IOSpec] = []
-    last = placeholders[-1]
+    last = list(spec_of)[-1]
     for node, param, transposed, _x, _bias in found:
         if transposed:
             continue
@@ -120,10 +126,7 @@ def _read_transposed_copies(gm: fx.GraphModule, sig: StepSignature, spec_of: dic
             g.erase_node(weight)
     if not copies:
         return PassResult(gm, modified=False)
-    unread = {ph for ph in placeholders if spec_of[ph].kind in WEIGHT_KINDS and not ph.users}
-    for ph in unread:
-        g.erase_node(ph)
-    sig.inputs = [spec_of[n] for n in placeholders if n not in unread] + new_specs
+    _drop_unread_parameters(g, sig, spec_of, new_specs)
     return PassResult(gm, modified=True)
 
 
