@@ -64,9 +64,26 @@ def _warm_up() -> None:
     model = GPT(GPTConfig.preset("tiny"))
     x = torch.randint(0, 256, (2, 16))
     fxspeed.compile(model, 1, fxspeed.Config(zero=0, optimizer="adam"), example_inputs=(x, x)).train_step(x, x)
+    _warm_up_hugging_face()
+    import fxspeed.runtime.checkpoint  # noqa: F401 - torch.distributed.checkpoint: every rank that saves
     import gc
 
     gc.collect()
+
+
+def _warm_up_hugging_face() -> None:
+    """Import transformers and the model classes the workers build: about a third of the forked
+    launches (tensor-parallel, pipeline, serving, correctness) build a Hugging Face GPT-2, Llama,
+    BERT or T5 in every rank, and importing transformers and a model's modules (modeling_utils,
+    masking_utils, generation, ...) cost each such rank about 2 CPU-seconds of its own, 3.7 s of
+    the 2-rank tensor-parallel launch's import time per rank on a loaded machine. Without
+    transformers installed the workers that need it fail in the rank as before."""
+    try:
+        import transformers
+    except ImportError:
+        return
+    for name in ("GPT2LMHeadModel", "LlamaForCausalLM", "BertForMaskedLM", "T5ForConditionalGeneration"):
+        getattr(transformers, name)  # the lazy module imports the model's modules here
 
 
 def _ranks_can_run_backward() -> bool:
