@@ -75,9 +75,9 @@ def _warm_up_hugging_face() -> None:
     """Import transformers and the model classes the workers build: about a third of the forked
     launches (tensor-parallel, pipeline, serving, correctness) build a Hugging Face GPT-2, Llama,
     BERT or T5 in every rank, and importing transformers and a model's modules (modeling_utils,
-    masking_utils, generation, ...) cost each such rank about 2 CPU-seconds of its own, 3.7 s of
-    the 2-rank tensor-parallel launch's import time per rank on a loaded machine. Without
-    transformers installed the workers that need it fail in the rank as before."""
+    masking_utils, generation, ...) cost each such rank about 1.5 CPU-seconds of its own (a forked
+    child building and compiling a tiny GPT-2: 2.3-3.0 CPU-s from a server without them, 1.0-1.5
+    with). Without transformers installed the workers that need it fail in the rank as before."""
     try:
         import transformers
     except ImportError:
