@@ -181,6 +181,21 @@ def test_a_prompt_of_integer_ids_in_any_container_is_served_and_one_of_floats_bo
     assert "max_new_tokens must be an int" in str(engine.generate([[1, 2]], max_new_tokens=True, on_error="return")[0])
 
 
+def test_serving_programs_leave_only_their_own_generated_source_in_torch_fx_s_cache():
+    """Every bucket's program is compiled through passes that each regenerate its code, and
+    torch.fx keeps every generated source: only the sources of the programs the engine holds stay."""
+    from torch.fx import graph_module
+
+    model = _gpt()
+    before = set(graph_module._loader.eval_cache)
+    engine = fxspeed.serve(model, token_budget=8, max_batch=2, block_size=4, cache_tokens=32)
+    engine.generate([[1, 2, 3, 4, 5]], max_new_tokens=2)  # a prefill and a decode bucket
+    added = set(graph_module._loader.eval_cache) - before
+    bound = [getattr(b, "bound", b) for b in engine._serving.programs.values()]
+    kept = {type(gm).forward.__code__.co_filename for b in bound for gm in (b.program.gm, b.run)}  # (run: the
+    assert len(bound) >= 2 and added <= kept, (len(added), len(kept))  # direct calls' copy of the program)
+
+
 def test_a_torch_compiled_model_is_served_as_its_original_module_with_its_tokens():
     """serve read the token arguments from OptimizedModule.forward's (*args, **kwargs) and refused
     the model as taking no token ids (h54); fxspeed.compile already traced `_orig_mod`."""

@@ -367,6 +367,20 @@ def test_accumulate_gradients_rewrites_only_the_stages_of_the_given_positions():
     assert not cp.stages[0].grads_into and cp.stages[1].grads_into
 
 
+def test_a_pipeline_eval_program_leaves_only_its_stage_programs_sources_in_torch_fx_s_cache():
+    """torch.fx keeps the source of every GraphModule it generated code for, never freed; each
+    pass recompiles: only the stage programs a compile returns keep theirs (train and eval alike)."""
+    from torch.fx import graph_module
+
+    model, batch = tiny_gpt_batch()
+    before = set(graph_module._loader.eval_cache)
+    cp = compile_program(model, batch, {}, config=Config(pipeline=2, microbatches=2), replicas=1, train=False)
+    added = set(graph_module._loader.eval_cache) - before
+    kept = {type(g).forward.__code__.co_filename for p in cp.stages
+            for g in (p.forward, p.backward, p.backward_input, p.backward_weight) if g is not None}
+    assert added <= kept, (len(added), len(kept))
+
+
 @pytest.mark.parametrize("disabled", ["accumulate_gradients", "split_backward"])
 def test_a_disabled_program_pass_is_skipped_and_recorded_as_skipped(disabled: str):
     cp, _ = pipeline_program(schedule="zb", disable_passes=(disabled,))

@@ -735,19 +735,22 @@ def graph_source_keys() -> set[str]:
     return set(_fx_source_cache() or ())
 
 
-def forget_stale_graph_sources(before: set[str], keep: fx.GraphModule) -> None:
+def forget_stale_graph_sources(before: set[str], *keep: fx.GraphModule | None) -> None:
     """torch.fx keeps the Python source of every GraphModule it ever generated code for, in a
     module global (for linecache and tracebacks), never freed: each pass that rewrites the program
     recompiles it, so a compile left ten sources of the program's stages behind (1.3 MB for an 18M
-    HF Llama's 1,600 nodes), and every new batch signature ten more. Drops the ones made since
-    `before` except those of `keep` and its GraphModule submodules, whose tracebacks still show
-    their lines."""
+    HF Llama's 1,600 nodes), and every new batch signature ten more; serve, two dozen for its
+    first two buckets. Drops the ones made since `before` except those of the programs in `keep`
+    (None: none) and their GraphModule submodules, whose tracebacks still show their lines.
+    Called by each compile entry point (compile_step, compile_program, compile_inference) on
+    what it returns."""
     import linecache
 
     cache = _fx_source_cache()
     if cache is None:
         return
-    live = {type(m).forward.__code__.co_filename for m in keep.modules() if isinstance(m, fx.GraphModule)}
+    live = {type(m).forward.__code__.co_filename for gm in keep if gm is not None
+            for m in gm.modules() if isinstance(m, fx.GraphModule)}
     for key in set(cache) - before - live:
         del cache[key]
         linecache.cache.pop(key, None)

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from fxspeed.compiler.annotate import make_annotate_pass
-from fxspeed.compiler.capture import capture_step, check_no_fake_constants
+from fxspeed.compiler.capture import capture_step, check_no_fake_constants, forget_stale_graph_sources, graph_source_keys
 from fxspeed.compiler.rewrite import wanted_on
 from fxspeed.compiler.options import PassOptions
 from fxspeed.compiler.pass_manager import PassContext, PassManager
@@ -99,6 +99,7 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
         opts = dataclasses.replace(opts, kv_windows=windows)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     args, kwargs, kinds = _inputs(model, tokens, device)
+    sources = graph_source_keys()
     t0 = time.perf_counter()
     # constants checked after the passes: the kv_cache pass may drop a cached mask's only reader
     cap = capture_step(model, args, kwargs, train=False, check_constants=False)
@@ -158,6 +159,7 @@ def compile_inference(model: nn.Module, tokens: int, *, config: Config, options:
     gm = pm.ensure("annotate", pm.run(gm, ctx), ctx)
     check_no_fake_constants(model, gm, cap.module_of)
     t2 = time.perf_counter()
+    forget_stale_graph_sources(sources, gm)  # the passes' intermediate programs' (a dozen per bucket)
     return InferenceProgram(gm=gm, signature=sig, tokens=tokens, kv_layout=list(gm.meta["kv_cache_layout"]),
                             selects_logits=bool(gm.meta.get("selects_logits")), window=gm.meta.get("kv_cache_window"),
                             kv_windows=tuple(gm.meta.get("kv_cache_windows", ())),

@@ -92,6 +92,7 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
 
     opts = PassOptions.coerce(options, config)
     _check_derived(opts, config, ("precision", "fp32_modules", "reduce_dtype"))
+    sources = graph_source_keys()
     t0 = time.perf_counter()
     cap = capture_step(model, args, kwargs, loss_fn=loss_fn, train=train)
     t1 = time.perf_counter()
@@ -173,6 +174,7 @@ def compile_step(model: nn.Module, args: tuple, kwargs: dict, *, config: Config,
     t2 = time.perf_counter()
     log.info("fxspeed: captured %s %s step: %d nodes in %.2fs, passes %.2fs", type(model).__name__,
              "training" if train else "eval", len(gm.graph.nodes), t1 - t0, t2 - t1)
+    forget_stale_graph_sources(sources, gm)  # the passes' intermediate programs' (and the planner's copy's)
     return CompiledStep(cap, records, t1 - t0, t2 - t1, costs)
 
 
@@ -290,6 +292,7 @@ def compile_program(model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, 
     if split_points is not None:
         changes["split_points"] = tuple(split_points)
     opts = dataclasses.replace(opts, **changes)
+    sources = graph_source_keys()
     compiled = compile_step(model, micro_args, micro_kwargs, config=micro_config(config), loss_fn=loss_fn,
                             train=train, options=opts.local(), analyze=analyze, analyses=analyses)
     cap = compiled.captured
@@ -312,6 +315,9 @@ def compile_program(model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, 
                         f"{list(config.disable_passes)})")
     log.info("fxspeed: %d stage programs, schedule %s: program passes %.2fs", len(program.stages),
              program.schedule.name, time.perf_counter() - t0)
+    # the stage programs' sources stay; the joint graph's (cut into them) and the passes' go
+    forget_stale_graph_sources(sources, *(g for p in program.stages for g in (p.forward, p.backward, p.backward_input,
+                                                                              p.backward_weight)))
     return CompiledProgram(cap, program.stages, program.schedule, compiled.records + pm.records, compiled.costs,
                            divisor)
 
@@ -347,11 +353,8 @@ class Compiler:
             options = dataclasses.replace(options, grad_accum_role=grad_accum_role)
         if train and bucket_layout:
             options = dataclasses.replace(options, bucket_layout=bucket_layout)  # (PassOptions makes it tuples)
-        before = graph_source_keys()
-        compiled = compile_step(model, args, kwargs, config=self.config, loss_fn=self.loss_fn, train=train,
-                                options=options, analyze=analyze, analyses=self.analyses)
-        forget_stale_graph_sources(before, compiled.captured.gm)  # the passes' intermediate programs'
-        return compiled
+        return compile_step(model, args, kwargs, config=self.config, loss_fn=self.loss_fn, train=train,
+                            options=options, analyze=analyze, analyses=self.analyses)
 
     def inference(self, model: nn.Module, tokens: int, copies: str = "packed") -> Any:
         """The serving program for one packed row of `tokens` tokens, with the paged KV cache
