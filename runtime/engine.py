@@ -357,6 +357,10 @@ class Engine:
                 self._activation_store().reserve(cap.signature.offloaded_activations)
         ex = StepExecutor(Program(cap.gm, cap.signature, train=train, out_spec=cap.out_spec, out_type=cap.out_type),
                           functools.partial(self._bind, working=working))
+        # Found once per program, not by a walk over every module at each step that draws: a
+        # generator put in the place of one (module.gen = torch.Generator()) changes the step key
+        # (runtime/python_state.py), so the step is traced again and this is read again.
+        ex.held_generators = module_generators(self.model) if ex.draws_random else []
         self._executors[key] = ex
         self._count_compile()
         return ex
@@ -808,6 +812,9 @@ class Engine:
         # generators by one draw (one stage without dropout kept its generator apart from the others')
         self._pipeline_any_draws = graphs_draw_random(*[g for p in self.programs for g in (
             p.forward, p.backward, p.backward_input, p.backward_weight)])
+        # found once (see _executor): a generator put in another's place after this compile is
+        # refused at the next step (the pipeline's Python-state check), never silently missed
+        self._pipeline_held = module_generators(self.model) if self._pipeline_any_draws else []
         moves = self.config.offloads_activations and any(p.offload_saved for p in mine.values())
         self._runtime = PipelineRuntime(mine, self.M, self._bind, group=self.mesh.group("pp"), peers=self.pipe_ranks,
                                         device=self._device, activations=self._activation_store() if moves else None)
@@ -1327,9 +1334,8 @@ class Engine:
                 role = "whole" if not once else "last" if i == k - 1 else "local"
                 ex = self._executor(a, kw, train=True, role=role)
                 if i == 0 and ex.draws_random:
-                    held = module_generators(self.model)
-                    share_generators(self.mesh, self._device, held)
-                    streams.enter_context(own_stream(self.mesh, self._device, held))
+                    share_generators(self.mesh, self._device, ex.held_generators)
+                    streams.enter_context(own_stream(self.mesh, self._device, ex.held_generators))
                 defer = ex.program.signature.waits_for_parameters
                 if not defer:
                     self.synchronize()
@@ -1432,7 +1438,7 @@ class Engine:
         if self.dist.active:
             self._check_step_everywhere(("pipeline", True, input_key(args, kwargs)))
         self._compile_pipeline(args, kwargs)
-        held = module_generators(self.model) if self._pipeline_any_draws else []
+        held = self._pipeline_held
         if self._pipeline_draws_random:
             share_generators(self.mesh, self._device, held)
         micro = [tensor_leaves(a, kw) for a, kw in split_batch(args, kwargs, self.M)]
@@ -1809,7 +1815,7 @@ class Engine:
         if self.pipelined:
             return self._pipeline_eval(args, kwargs)
         ex = self._executor(args, kwargs, train=False)
-        held = module_generators(self.model) if ex.draws_random else []
+        held = ex.held_generators
         if ex.draws_random:
             share_generators(self.mesh, self._device, held)
         self.synchronize()

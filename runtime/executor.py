@@ -35,6 +35,9 @@ class StepExecutor:
         object whose `current()` gives it at each run (values that change between steps)."""
         self.program = program
         self.draws_random = graphs_draw_random(program.gm)  # dropout: tp ranks share generator states
+        # the generators the model's modules hold (`self.gen`), found once by whoever made the
+        # program (the engine, where it draws): one put in another's place retraces the step
+        self.held_generators: list[torch.Generator] = []
         sig = program.signature
         self._fixed: list[torch.Tensor | None] = []
         self._batch_slots: list[int] = []

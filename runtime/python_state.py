@@ -11,7 +11,9 @@ would:
   them (`Cond.flag = False`, or `m.flag = False` over a class-level `flag = True`);
 - the module-level globals its forward reads by name (`MODE = "fast"; ... if MODE == ...`);
 - the identity of each plain tensor attribute (not a buffer: traced as a constant, so
-  replacing it must retrace; writing into it in place needs not), of each callable attribute
+  replacing it must retrace; writing into it in place needs not), of each torch.Generator
+  attribute (the program draws from the traced object; seeding it in place needs no retrace),
+  of each callable attribute
   (`self.act = F.relu`, a patched `forward`), of each hook (the module's and the global ones: a
   trace runs them once) and of each child module (a parameter-free child swapped for another);
 - numbers, strings, None, enums, dtypes, devices and numpy scalars are compared by value;
@@ -73,8 +75,11 @@ def _frozen(v: Any) -> Any:
 
 def _held_by_identity(v: Any) -> bool:
     """A value a trace bakes in by what it is, not by a number: a plain tensor attribute (a
-    traced constant) or a callable (`self.act = F.relu`, a patched `forward`, a hook)."""
-    return isinstance(v, torch.Tensor) or (callable(v) and not isinstance(v, (nn.Module, type)))
+    traced constant), a torch.Generator (`self.gen`: the program draws from that object, so one
+    put in its place must retrace) or a callable (`self.act = F.relu`, a patched `forward`, a
+    hook)."""
+    return (isinstance(v, (torch.Tensor, torch.Generator))
+            or (callable(v) and not isinstance(v, (nn.Module, type))))
 
 
 def function_scalars(fn: Any) -> tuple:

@@ -576,6 +576,10 @@ def test_hooks_added_or_removed_after_compile_retrace_and_state_forward_keeps_fo
         h.remove()
     ref.calls[0] = model.calls[0]
     assert engine.train_step(x) == pytest.approx(float(ref(x)), rel=1e-6)
+    if model.gen is not None:  # a generator put in the traced one's place: retraced, drawn from as eager
+        model.gen, ref.gen = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+        ref.calls[0] = model.calls[0]
+        assert engine.train_step(x) == pytest.approx(float(ref(x)), rel=1e-6)
     model.ema = torch.zeros(())  # replaced, not written: the program would read the old one
     with pytest.raises(fxspeed.FxspeedError, match=r"buffer\(s\) \['ema'\] were replaced"):
         engine.train_step(x)
