@@ -222,6 +222,8 @@ class Engine:
         self._key: tuple | None = None
         self._runtime: PipelineRuntime | None = None
         self._eval_runtime: PipelineRuntime | None = None
+        # the pipeline eval program's random draws: (held generators, this rank's stages draw, any stage draws)
+        self._eval_draws: tuple[list[torch.Generator], bool, bool] = ([], False, False)
         self._freed_shapes: dict[int, tuple[int, ...]] = {}
         self._holders: dict[int, set[int]] = {}  # id(Parameter) -> the pipeline positions whose stages read it
         self._requires_grad: list[tuple[str, bool]] | None = None  # at compile, by name
@@ -1841,7 +1843,15 @@ class Engine:
             self._eval_runtime = self._compile_pipeline_eval(args, kwargs)
         micro = [tensor_leaves(a, kw) for a, kw in split_batch(args, kwargs, self.M)]
         actions = [a for a in self.schedule.actions[self.position] if a.kind in (F, SEND_F, RECV_F)]
-        with self._gathered():
+        # Random ops as in the train step (an eval trace turns dropout modules off, but F.dropout's
+        # training=True default, torch.rand and held generators still draw): the tp ranks share
+        # the generators, and every position takes its own stream when any stage draws, so the
+        # stages neither repeat each other's numbers nor leave the ranks' generators apart
+        held, here, anywhere = self._eval_draws
+        if here:
+            share_generators(self.mesh, self._device, held)
+        stream = own_stream(self.mesh, self._device, held) if anywhere else contextlib.nullcontext()
+        with stream, self._gathered():
             loss, _ = self._eval_runtime.run(actions + [Action(STEP)], micro, forward_only=True)
         return self._global_mean(loss)
 
@@ -1858,6 +1868,9 @@ class Engine:
             raise ConfigError(f"eval_step under pipeline parallelism needs a loss: {type(self.model).__name__} "
                               "returns no loss for this batch; pass targets or compile with loss_fn=")
         mine = {s: cp.stages[s] for s in self.stages}
+        anywhere = graphs_draw_random(*[p.forward for p in cp.stages])
+        self._eval_draws = (module_generators(self.model) if anywhere else [],
+                            graphs_draw_random(*[p.forward for p in mine.values()]), anywhere)
         return PipelineRuntime(mine, self.M, self._bind, group=self.mesh.group("pp"), peers=self.pipe_ranks,
                                device=self._device)
 

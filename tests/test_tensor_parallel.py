@@ -118,7 +118,8 @@ def test_four_ranks_as_tp4_as_tp2_x_two_replicas_and_as_tp2_x_pp2_match_one_proc
     """TP=4 on fxspeed's GPT (one head per rank; 4 processes on 2 cores) and on Llama with 2
     key/value heads for 4 query heads (fewer key/value heads than ranks), then TP=2 x DP=2 with
     ZeRO-0, ZeRO-2 and ZeRO-3 (clipping), then TP=2 x PP=2 with two micro-batches (the tied
-    embedding/head sliced by vocabulary rows on both ends of the pipeline, eval_step), GPT-2 with
+    embedding/head sliced by vocabulary rows on both ends of the pipeline, eval_step; eval_step of a
+    model drawing in eval mode, its tp ranks seeded by rank, returns one loss on every rank), GPT-2 with
     its dropouts at TP=2 x DP=2 (one process's masks on a replica's tp ranks, each replica its own
     stream), in the same launch; the ZeRO-3 and the pipeline checkpoints resume on one device; bf16 TP=2 x DP=2
     with ZeRO-1 keeps bf16 working copies of the tp slices and fp32 masters in the dp partition,
@@ -129,7 +130,7 @@ def test_four_ranks_as_tp4_as_tp2_x_two_replicas_and_as_tp2_x_pp2_match_one_proc
     sizes either way) and cost 127 of this launch's ~360 CPU-seconds. Then a model too small to
     shard under TP=2 x PP=2 is warned about, and the mesh's groups time out at its timeout, the
     world group at the latest mesh's (last: it leaves a tp group that gave up)."""
-    run_cases_on(4, ("gpt", "llama", "gpt_dp", "gpt_dp_zero2", "gpt_dp_zero3", "gpt_pp", "gpt2_dropout_dp",
+    run_cases_on(4, ("gpt", "llama", "gpt_dp", "gpt_dp_zero2", "gpt_dp_zero3", "gpt_pp", "eval_draws_pp", "gpt2_dropout_dp",
                      "gpt_dp_bf16", "gpt_dp_bf16_offload", "gpt_offload_tiers", "tiny_unsharded_pp",
                      "subgroup_timeout"), tmp_path, timeout=900)
     assert_checkpoint_resumes_on_one_device(tmp_path, "gpt_dp_zero3")

@@ -920,6 +920,13 @@ def dropout_stages() -> str:
             engine.train_step(*batch())
     except FxspeedError as e:
         out.append(f"batches drawn from torch's generator on each rank after a pipeline step with dropout: {e}")
+    # eval_step too: F.dropout draws in eval mode (training=True by default), on the first stage
+    # only; eval ran without the stages' own streams, so the ranks' generators came apart there
+    try:
+        for _ in range(2):
+            engine.eval_step(*batch())
+    except FxspeedError as e:
+        out.append(f"batches drawn from torch's generator on each rank after a pipeline eval_step that draws: {e}")
     return "; ".join(out) or "ok"
 
 

@@ -26,6 +26,8 @@ eagerly on the same batches: relative error <= 1e-5.
              all-gathers / reduce-scatters counted
     gpt_pp   GPT at TP=2 x PP=2 (x DP=WORLD_SIZE/4), two micro-batches, clipping; eval_step, checkpoint
     gpt_pp_zero1  the same with ZeRO-1 (3D with 8 ranks)
+    eval_draws_pp  (4 ranks) eval_step at TP=2 x PP=2 of a model drawing in eval mode (F.dropout), tp
+             ranks seeded by rank: every rank returns the loss of ranks seeded alike
     gpt_bf16 GPT under Config(precision="bf16"): losses and weights for the test to compare with one
              bf16 process (tests/test_tensor_parallel.py)
     gpt_dp_bf16  the same at TP=2 x DP=WORLD_SIZE/2 with ZeRO-1: master weights per tp slice
@@ -582,6 +584,52 @@ def gpt_pp() -> str:
     return parity("gpt", fxspeed.Config(tensor=2, pipeline=2, microbatches=_micro(), **CLIPPED), then)
 
 
+class _EvalDrawsBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.proj = torch.nn.Linear(D, 4 * D), torch.nn.Linear(4 * D, D)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        # F.dropout's training=True default: it draws in eval mode too (a dropout module would not)
+        return h + torch.nn.functional.dropout(self.proj(torch.relu(self.fc(h))), 0.5)
+
+
+class _EvalDrawsStack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_EvalDrawsBlock(), _EvalDrawsBlock()])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def eval_draws_pp() -> str:
+    """eval_step at TP=2 x PP=2 of a model that draws in eval mode, on a replicated activation
+    (after the row-parallel all-reduce), with the tp ranks' generators seeded by rank: the tp
+    ranks share their first rank's generator and the positions take their own streams, as in the
+    train step, so every rank returns the loss the ranks seeded alike return (each tp rank
+    returned another loss: 2.3367 / 2.3874)."""
+    torch.manual_seed(0)
+    model = _EvalDrawsStack()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 8, D, generator=g), torch.randn(4, 8, D, generator=g)
+    slow = [fxspeed.DeviceSpec("slow", 1e10, {"fp32": 1e6}, 1e6, 1e12, "cpu")] * 4  # the MLPs get sharded
+    engine = fxspeed.compile(model, slow, fxspeed.Config(tensor=2, pipeline=2, microbatches=2,
+                                                         split_points=("blocks.1",)), example_inputs=(x, y))
+    if not str(engine.plan.tp_placements.get("blocks.0.fc.weight")).startswith("S"):
+        return f"the MLP is not sharded: {engine.plan.tp_placements}"
+    rank = int(os.environ["RANK"])
+    losses = []
+    for apart in (False, True):
+        torch.manual_seed(99 + rank if apart and rank % 2 else 5)  # (tp rank 0 of each stage: 5)
+        losses.append(engine.eval_step(x, y))
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, losses)
+    return "ok" if len({v for ls in every for v in ls}) == 1 else f"eval losses per rank (alike, apart): {every}"
+
+
 def _micro() -> int:
     """Micro-batches for TP=2 x PP=2: the 2 rows of each replica's batch (1 with 2 replicas)."""
     return max(1, 8 // int(os.environ["WORLD_SIZE"]))
@@ -829,7 +877,7 @@ def subgroup_timeout() -> str:
 
 CASES = {"gpt": gpt, "gpt_dropout": gpt_dropout, "gpt2_dropout_dp": gpt2_dropout_dp, "held_generator": held_generator, "gpt2_dropout": gpt2_dropout, "gpt_bf16": gpt_bf16, "gpt_dp_bf16_offload": gpt_dp_bf16_offload,
          "gpt_offload_tiers": gpt_offload_tiers, "gpt_dp_bf16": gpt_dp_bf16, "gpt2": gpt2, "llama": llama, "bert": bert, "gpt_dp": gpt_dp, "gpt_dp_zero2": gpt_dp_zero2,
-         "gpt_dp_zero3": gpt_dp_zero3, "gpt_pp": gpt_pp, "t5": t5, "gpt_sp": gpt_sp, "gpt_dropout_sp": gpt_dropout_sp, "llama_sp": llama_sp,
+         "gpt_dp_zero3": gpt_dp_zero3, "gpt_pp": gpt_pp, "eval_draws_pp": eval_draws_pp, "t5": t5, "gpt_sp": gpt_sp, "gpt_dropout_sp": gpt_dropout_sp, "llama_sp": llama_sp,
          "gpt_pp_zero1": gpt_pp_zero1, "gpt_pp_sp_zero1": gpt_pp_sp_zero1, "tiny_unsharded": tiny_unsharded,
          "tiny_unsharded_pp": tiny_unsharded_pp, "uneven_heads": uneven_heads,
          "subgroup_timeout": subgroup_timeout}
