@@ -19,17 +19,16 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
-# id(Parameter) -> (a weak reference to it, what to do with a source that does not fit)
-_FIX: dict[int, tuple[Any, Callable[[nn.Parameter, torch.Tensor], torch.Tensor]]] = {}
+_FIX = "_fxspeed_copy_fix"  # the instance attribute holding what to do (deepcopy and pickle drop it)
 
 
 class HeldElsewhere(nn.Parameter):
     """A Parameter whose values the engine holds elsewhere (see the module docstring)."""
 
     def copy_(self, src: Any, non_blocking: bool = False) -> torch.Tensor:  # type: ignore[override]
-        entry = _FIX.get(id(self))
-        if entry is not None and entry[0]() is self and isinstance(src, torch.Tensor) and not _fits(src, self):
-            src = entry[1](self, src)
+        fix = self.__dict__.get(_FIX)
+        if fix is not None and isinstance(src, torch.Tensor) and not _fits(src, self):
+            src = fix(self, src)
         return super().copy_(src, non_blocking)
 
     def __repr__(self) -> str:  # as an nn.Parameter's (not "Parameter(HeldElsewhere(...))")
@@ -47,13 +46,35 @@ def _fits(src: torch.Tensor, dst: torch.Tensor) -> bool:
         return False
 
 
-def guard_copies(params: Iterable[nn.Parameter], fix: Callable[[nn.Parameter, torch.Tensor], torch.Tensor]) -> None:
-    """copy_ of a source that does not fit into one of `params` calls `fix(p, src)`, which returns
-    what to copy instead or raises. A Parameter of the user's own subclass keeps torch's error."""
-    for i in [i for i, (ref, _) in _FIX.items() if ref() is None]:
-        del _FIX[i]
+class _Fix:
+    """The engine's method, held weakly (a Parameter outlives a dropped engine with its model):
+    once the engine is gone, copy_ is torch's again."""
+
+    def __init__(self, method: Callable[..., torch.Tensor], kwargs: dict[str, Any]) -> None:
+        self.method, self.kwargs = weakref.WeakMethod(method), kwargs
+
+    def __call__(self, p: nn.Parameter, src: torch.Tensor) -> torch.Tensor:
+        method = self.method()
+        return src if method is None else method(p, src, **self.kwargs)
+
+
+def guard_copies(params: Iterable[nn.Parameter], method: Callable[..., torch.Tensor], **kwargs: Any) -> None:
+    """copy_ of a source that does not fit into one of `params` calls `method(p, src, **kwargs)`
+    (a bound method, held weakly), which returns what to copy instead or raises. A Parameter of
+    the user's own subclass keeps torch's error. (No weak reference to the Parameters: deferred
+    init swaps meta Parameters for real ones in place, which torch refuses for one weakly held.)"""
+    fix = _Fix(method, kwargs)
     for p in params:
         if type(p) is nn.Parameter:
             p.__class__ = HeldElsewhere
         if isinstance(p, HeldElsewhere):
-            _FIX[id(p)] = (weakref.ref(p), fix)
+            p.__dict__[_FIX] = fix
+
+
+def same_kind(t: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    """A Parameter of `data` to swap into `t` (torch.utils.swap_tensors swaps the classes and
+    attributes too): a guarded one stays guarded."""
+    new = (HeldElsewhere if isinstance(t, HeldElsewhere) else nn.Parameter)(data, t.requires_grad)
+    if isinstance(t, HeldElsewhere) and _FIX in t.__dict__:
+        new.__dict__[_FIX] = t.__dict__[_FIX]
+    return new

@@ -468,7 +468,7 @@ class Engine:
         compute the wrong thing silently. Say why, and what works; `p.copy_(whole)` into one of
         `released` too (runtime/copy_guard.py), where under tensor parallelism alone a whole
         weight is cut to this rank's slice, as `p.data = whole` is at the next step."""
-        guard_copies(released, functools.partial(self._copy_into_held, where=where, also=also))
+        guard_copies(released, self._copy_into_held, where=where, also=also)
         if not released or self._release_hook is not None:
             return
         partial = partial or (lambda t: t.numel() == 0)
