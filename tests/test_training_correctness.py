@@ -172,7 +172,8 @@ def test_two_rank_correctness_cases(tmp_path: Path) -> None:
     it, a tp rank never holding the whole model at once and a pipeline rank never making another
     stage's weights; dropout_replicas / dropout_stages: replicas and pipeline stages seeded alike
     draw their dropout masks from streams of their own (they drew the same masks), and train as
-    eager with those masks."""
+    eager with those masks; a pipeline eval_step that draws keeps the ranks' generators in step,
+    and a generator put on a module after a pipeline compiled is refused."""
     proc = _worker("all", tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     for case in ("zero3_module", "repointed_zero12", "raced_write_zero12", "pipeline_batchnorm", "pipeline_shared_block", "nan_one_rank", "eval_global", "layout_dp", "token_mean", "no_decay_zero", "accum_once",

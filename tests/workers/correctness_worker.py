@@ -934,6 +934,15 @@ def dropout_stages() -> str:
             engine.eval_step(*batch())
     except FxspeedError as e:
         out.append(f"batches drawn from torch's generator on each rank after a pipeline eval_step that draws: {e}")
+    # a generator put on a module after compile: the stages draw from the ones they traced, and
+    # cannot be traced again (found once per program, as the train step's are: runtime/engine.py)
+    model.a.gen = torch.Generator()
+    try:
+        engine.train_step(*batch())
+        out.append("a generator put on a module after the pipeline was compiled was not refused")
+    except FxspeedError as e:
+        if "changed after the pipeline was compiled" not in str(e):
+            out.append(f"unclear refusal of a generator put on a module after compile: {e}")
     return "; ".join(out) or "ok"
 
 
