@@ -177,7 +177,7 @@ def test_two_rank_correctness_cases(tmp_path: Path) -> None:
     proc = _worker("all", tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     for case in ("zero3_module", "repointed_zero12", "raced_write_zero12", "pipeline_batchnorm", "pipeline_shared_block", "nan_one_rank", "eval_global", "layout_dp", "token_mean", "no_decay_zero", "accum_once",
-                 "tie_second_name", "scripted_submodule", "deferred_init"):
+                 "tie_second_name", "scripted_submodule", "deferred_init", "dropout_replicas", "dropout_stages"):
         for r in range(2):
             got = (tmp_path / f"{case}_rank{r}.txt").read_text()
             assert got == "ok", f"{case} rank {r}: {got}"
