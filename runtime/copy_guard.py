@@ -32,7 +32,8 @@ class HeldElsewhere(nn.Parameter):
         return super().copy_(src, non_blocking)
 
     def __repr__(self) -> str:  # as an nn.Parameter's (not "Parameter(HeldElsewhere(...))")
-        return "Parameter containing:\n" + torch.Tensor._make_subclass(torch.Tensor, self.detach(), self.requires_grad).__repr__()
+        plain = torch.Tensor._make_subclass(torch.Tensor, self.detach(), self.requires_grad)
+        return "Parameter containing:\n" + plain.__repr__()
 
     def __reduce_ex__(self, proto: int) -> Any:  # pickled as a plain nn.Parameter
         return nn.Parameter(self.data, self.requires_grad).__reduce_ex__(proto)

@@ -38,7 +38,8 @@ import torch
 import torch.nn as nn
 
 from fxspeed.compiler.annotate import make_annotate_pass
-from fxspeed.compiler.capture import capture_step, check_no_fake_constants, forget_stale_graph_sources, graph_source_keys
+from fxspeed.compiler.capture import (capture_step, check_no_fake_constants, forget_stale_graph_sources,
+                                     graph_source_keys)
 from fxspeed.compiler.rewrite import wanted_on
 from fxspeed.compiler.options import PassOptions
 from fxspeed.compiler.pass_manager import PassContext, PassManager
