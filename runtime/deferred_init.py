@@ -34,7 +34,6 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxspeed.errors import ConfigError
-from fxspeed.runtime.copy_guard import same_kind
 
 log = logging.getLogger("fxspeed")
 
@@ -311,7 +310,7 @@ def _allocate(t: torch.Tensor, device: torch.device, name: str) -> None:
 def _swap_in(t: torch.Tensor, new: torch.Tensor, name: str) -> None:
     """`new`'s memory into meta tensor t, in place (a Parameter stays a Parameter)."""
     try:
-        torch.utils.swap_tensors(t, same_kind(t, new) if isinstance(t, nn.Parameter) else new)
+        torch.utils.swap_tensors(t, nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new)
     except RuntimeError as e:
         if "weakref" not in str(e):
             raise

@@ -50,7 +50,6 @@ from fxspeed.mesh import (Mesh, check_agreement, check_same_everywhere, check_sa
 from fxspeed.planner import costs_reader, finish_plan
 from fxspeed.planner.estimate import offload_chunk_bytes, staging_on_device, warn_over_budget
 from fxspeed.planner.plan import Plan
-from fxspeed.runtime.copy_guard import guard_copies
 from fxspeed.runtime.deferred_init import DeferredInit
 from fxspeed.runtime.executor import StepExecutor
 from fxspeed.runtime.flat_parameters import FlatParameters, gather_into
@@ -465,10 +464,7 @@ class Engine:
         """The user's module holds 0-size Parameters where this rank does not keep the weight
         (or, under tensor parallelism, this rank's slice: `partial` tells a Parameter that is not
         whole); calling it would fail deep inside an op ("'weight' must be 2-D") or, with a slice,
-        compute the wrong thing silently. Say why, and what works; `p.copy_(whole)` into one of
-        `released` too (runtime/copy_guard.py), where under tensor parallelism alone a whole
-        weight is cut to this rank's slice, as `p.data = whole` is at the next step."""
-        guard_copies(released, self._copy_into_held, where=where, also=also)
+        compute the wrong thing silently. Say why, and what works."""
         if not released or self._release_hook is not None:
             return
         partial = partial or (lambda t: t.numel() == 0)
@@ -503,23 +499,6 @@ class Engine:
                     "rank, with the same full state) or engine.load(path)")),
         ]
         self._module_state.ignore(self._release_hook[0])  # the engine's own hook: no new trace for it
-
-    def _copy_into_held(self, p: nn.Parameter, src: torch.Tensor, where: str, also: str) -> torch.Tensor:
-        """What `p.copy_(src)` copies when `src` does not fit the tensor this rank's module holds
-        for `p` (guard_copies): this rank's slice of a whole weight under tensor parallelism
-        alone (ZeRO or master weights hold the values in their own buffers); else an error."""
-        full = self._tp.full_shape(p) if self._tp else None
-        if full is not None and tuple(src.shape) == full and self._flat is None:
-            return self._tp.slice_of(p, src)
-        name = next((n for n, q in self._params.items() if q is p), "?")
-        held = (f"its slice {tuple(p.shape)} of the whole {full}" if full is not None and p.numel()
-                else f"a {tuple(p.shape)} placeholder")
-        gathered = "write them inside `with engine.gathered():` (on every rank), " if also else ""
-        raise FxspeedError(
-            f"{type(self.model).__name__}'s parameter {name} was given a {tuple(src.shape)} tensor by copy_, but "
-            f"fxspeed's engine holds its parameters {where}: this rank's module holds {held}. To load whole weights "
-            f"by hand, {gathered}or use engine.load_state_dict(state) (collective: call it on every rank, with the "
-            "same full state) or engine.load(path)")
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -997,8 +976,7 @@ class Engine:
             self._tp.apply(self._params, sig.tp_layout, make=self._making())
             if self._tp:
                 p, _, _, full = next(iter(self._tp.layout.values()))
-                sliced = [q for q, _, _, _ in self._tp.layout.values()]  # (p first: the hooks' module)
-                self._guard_released_module(sliced, f"as slices over the {self.mesh.tp} tensor-parallel ranks",
+                self._guard_released_module([p], f"as slices over the {self.mesh.tp} tensor-parallel ranks",
                                             " or wrap the call in `with engine.gathered():` (on every rank)",
                                             partial=lambda t: tuple(t.shape) != full)
             if not sig.tp_layout:

@@ -109,11 +109,6 @@ class TensorParallelParameters:
         pieces = self.size // split_of(blocks)[1]
         return tuple(n // pieces if d == dim else n for d, n in enumerate(full))
 
-    def slice_of(self, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of `whole`, a full value of sliced Parameter `p`."""
-        _, dim, blocks, _ = self.layout[id(p)]
-        return take_slice(whole, dim, blocks, self.rank, self.size)
-
     def adopt_reassigned(self) -> list[nn.Parameter]:
         """Sliced Parameters given another tensor outside `gathered()` (`p.data = t`: weights
         loaded by hand). One of the full shape is cut to this rank's slice, as `gathered()`'s
