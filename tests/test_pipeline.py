@@ -156,6 +156,24 @@ def test_user_split_points() -> None:
         split_stages(cap.gm, cap.signature, 2, split_points=["blocks.0"])  # said "is not a module the forward runs first"
 
 
+def test_no_cut_is_offered_inside_the_last_block_where_a_root_module_node_sits_among_its_nodes() -> None:
+    """Hugging Face's rotary table given explicit position_ids: `model.rotary_emb` nodes sit at their
+    first reader inside the last layer. The cut "after the last block" was taken at the first such
+    node (inside layers.1's attention): 2 stages of a 2-layer Qwen2 split the attention, stage 1
+    received q/k/v transposed and failed at its first step ("view size is not compatible"), and with
+    activation checkpointing the split was refused ("backward node ... reads parameter ... of stage 0")."""
+    from types import SimpleNamespace
+
+    from fxspeed.ir import META_KEY
+    from fxspeed.passes.program.split_stages import candidate_cuts
+
+    mods = ["model.embed_tokens", "model.rotary_emb", "model.layers.0.attn", "model.layers.0.mlp",
+            "model.layers.1.attn", "model.rotary_emb", "model.layers.1.attn", "model.layers.1.mlp",
+            "model.norm", "lm_head"]
+    nodes = [SimpleNamespace(meta={META_KEY: SimpleNamespace(module=m)}) for m in mods]
+    assert candidate_cuts(nodes) == [(2, "model.layers.0"), (4, "model.layers.1"), (8, "model.norm")]
+
+
 class _SharedTables(torch.nn.Module):
     """A mask buffer and a frozen scale on the root module, read by every block (as a causal
     mask or a rotary table is): read-only state several stages need."""
@@ -530,11 +548,13 @@ def test_a_hugging_face_llama_pipeline_evaluates_and_trains_with_its_tied_embedd
     """tests/workers/pipeline_hf_worker.py, one 2-rank launch: eval_step of an HF Llama pipeline
     (it failed: the eval trace named modules without Llama's own `model.` prefix), and training
     with the tied embedding/head frozen (it failed with a KeyError at the first step), and with a
-    module forward never calls (every rank freed it: state_dict returned it 0-size)."""
+    module forward never calls (every rank freed it: state_dict returned it 0-size); and a Qwen2 given
+    explicit position_ids, left padding and activation checkpointing (the cut fell inside its last
+    layer's attention: refused under checkpointing, a view error at the first step without)."""
     pytest.importorskip("transformers")
     from tests.multiprocess import launch_worker
 
-    cases = ("llama_eval", "llama_frozen_tied", "llama_unused")
+    cases = ("llama_eval", "llama_frozen_tied", "llama_unused", "qwen2_position_ids")
     launch_worker("tests.workers.pipeline_hf_worker", 2, tmp_path, "--case", ",".join(cases), timeout=600)
     for case in cases:
         for rank in range(2):

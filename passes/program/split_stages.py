@@ -118,6 +118,10 @@ def candidate_cuts(fwd: list[fx.Node], split_points: Sequence[str] | None = None
         if u is not None and u not in seen_units:
             seen_units.add(u)
             cuts.append((i, u))
+        if u is not None:
+            # The last block's last node, not its first: a node of another module can sit inside
+            # the last block (Hugging Face's rotary table given position_ids: `model.rotary_emb`
+            # nodes placed at their first reader in layers.1), and a cut there split the block.
             last_block = i
     if last_block is not None:
         after = next((i for i in range(last_block + 1, len(mods)) if mods[i] and _unit(mods[i]) is None), None)
