@@ -74,7 +74,7 @@ except ImportError:  # pragma: no cover - older/newer torch: programs keep holdi
     _BoxedCodeGen = None
 
 from fxspeed.ir import IOSpec
-from fxspeed.ir.program import StageProgram
+from fxspeed.ir.program import StageProgram, TensorMeta
 
 from fxspeed.ir import is_dense, tensor_bytes
 from fxspeed.ir.schedule import (OFFLOAD, RELOAD, B, F, I, PARAMETER_KINDS, RECV_B, RECV_F, REDUCE, SEND_B, SEND_F,
@@ -314,9 +314,9 @@ class PipelineRuntime:
                         w_ins += into(s)
                         add_grads(p, list(self._run_w[s](w_ins)), [], seen)
             elif a.kind == SEND_F:
-                pending += self._send(send_f.pop((s, m)), a.peer, 0, s, m)
+                pending += self._send(send_f.pop((s, m)), self.programs[s].send_f, a.peer, 0, s, m)
             elif a.kind == SEND_B:
-                pending += self._send(send_b.pop((s, m)), a.peer, 1, s - 1, m)
+                pending += self._send(send_b.pop((s, m)), self.programs[s].send_b, a.peer, 1, s - 1, m)
             elif a.kind in (RECV_F, RECV_B):
                 key = (a.kind, s)
                 if (a.kind, s, m) not in posted:  # the stream's order is the action order: only a bad list gets here
@@ -371,14 +371,15 @@ class PipelineRuntime:
     def _global(self, position: int) -> int:
         return self.peers[position] if self.peers is not None else position
 
-    def _send(self, tensors: list[torch.Tensor], peer: int, direction: int, edge: int, mb: int
-              ) -> list[tuple[Any, torch.Tensor]]:
+    def _send(self, tensors: list[torch.Tensor], metas: list[TensorMeta], peer: int, direction: int, edge: int,
+              mb: int) -> list[tuple[Any, torch.Tensor]]:
         works = []
-        for i, t in enumerate(tensors):
+        for i, (t, meta) in enumerate(zip(tensors, metas, strict=True)):
             t = t.detach()
             if t.dtype == torch.bool:
                 t = t.to(torch.uint8)
-            t = t.contiguous()
+            # In the traced value's memory order: the receiver's program assumes that layout.
+            t = (t if meta.order is None else t.permute(meta.order)).contiguous()
             works.append((dist.isend(t, self._global(peer), group=self.group, tag=_tag(direction, edge, mb, i, self.M)), t))
         return works
 
@@ -392,8 +393,10 @@ class PipelineRuntime:
         bufs, works = [], []
         for i, meta in enumerate(metas):
             dtype = torch.uint8 if meta.dtype == torch.bool else meta.dtype
-            buf = torch.empty(meta.shape, dtype=dtype, device=self.device)
+            buf = torch.empty(meta.memory_shape(), dtype=dtype, device=self.device)
             works.append(dist.irecv(buf, self._global(a.peer), group=self.group,
                                     tag=_tag(direction, edge, m, i, self.M)))
-            bufs.append(buf)
+            # Received contiguously, a message traced transposed (q/k/v cut mid-attention) made the
+            # stage's `view` of its transpose fail: the buffer is viewed back in the traced layout.
+            bufs.append(buf if meta.order is None else buf.permute(meta.inverse_order()))
         return bufs, works

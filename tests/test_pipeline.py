@@ -550,11 +550,12 @@ def test_a_hugging_face_llama_pipeline_evaluates_and_trains_with_its_tied_embedd
     with the tied embedding/head frozen (it failed with a KeyError at the first step), and with a
     module forward never calls (every rank freed it: state_dict returned it 0-size); and a Qwen2 given
     explicit position_ids, left padding and activation checkpointing (the cut fell inside its last
-    layer's attention: refused under checkpointing, a view error at the first step without)."""
+    layer's attention: refused under checkpointing, a view error at the first step without), and a
+    message traced transposed, which the next stage views (received contiguous: a view error)."""
     pytest.importorskip("transformers")
     from tests.multiprocess import launch_worker
 
-    cases = ("llama_eval", "llama_frozen_tied", "llama_unused", "qwen2_position_ids")
+    cases = ("llama_eval", "llama_frozen_tied", "llama_unused", "qwen2_position_ids", "transposed_message")
     launch_worker("tests.workers.pipeline_hf_worker", 2, tmp_path, "--case", ",".join(cases), timeout=600)
     for case in cases:
         for rank in range(2):

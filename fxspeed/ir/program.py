@@ -51,6 +51,20 @@ class Program:
 class TensorMeta:
     shape: tuple[int, ...]
     dtype: torch.dtype
+    # A pipeline message's dims from the outermost in memory to the innermost, where the traced
+    # value is not laid out row-major (a transposed q/k/v); None: row-major. The receiving stage's
+    # program was traced with that layout (a later `view` of its transpose relies on it), so the
+    # message travels in it (runtime/runner.py `_send` / `_post_recv`).
+    order: tuple[int, ...] | None = None
+
+    def memory_shape(self) -> tuple[int, ...]:
+        """The shape of the contiguous buffer the message travels in."""
+        return self.shape if self.order is None else tuple(self.shape[d] for d in self.order)
+
+    def inverse_order(self) -> tuple[int, ...]:
+        """The permutation taking the travelling buffer back to `shape` (identity without an order)."""
+        order = self.order if self.order is not None else tuple(range(len(self.shape)))
+        return tuple(sorted(range(len(order)), key=order.__getitem__))
 
 
 @dataclass

@@ -69,7 +69,10 @@ def _meta(n: fx.Node) -> TensorMeta:
     if not isinstance(v, torch.Tensor):
         raise PipelineSplitError(f"value {n.name!r} ({n.target}) crosses a stage boundary but is not a tensor "
                                  f"({type(v).__name__}); pipeline messages carry tensors only")
-    return TensorMeta(tuple(int(d) for d in v.shape), v.dtype)
+    shape = tuple(int(d) for d in v.shape)
+    # Dims by stride, outermost first (stable: size-1 and broadcast dims keep their place).
+    order = tuple(sorted(range(v.dim()), key=lambda d: -int(v.stride(d))))
+    return TensorMeta(shape, v.dtype, None if order == tuple(range(v.dim())) else order)
 
 
 def _unit(module: str) -> str | None:

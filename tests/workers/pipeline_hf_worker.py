@@ -16,6 +16,9 @@ training of the same model in this process (AdamW with Config's settings, the wh
                           "after the last block": stage 0 ended inside layers.1's attention, the
                           split was refused under checkpointing, and without it stage 1 failed
                           with "view size is not compatible" on the q/k/v it received)
+    transposed_message    a stage boundary (user split point) crossed by a transposed value whose
+                          transpose the next stage views: it travels in its traced layout (it was
+                          received contiguous: "view size is not compatible" at the first step)
 
 Each rank writes "ok" or what went wrong to DIR/{case}_rank{r}.txt (tests/workers/common.py).
 """
@@ -122,7 +125,50 @@ def _qwen2_position_ids() -> str:
     return "ok"
 
 
-CASES = {"qwen2_position_ids": _qwen2_position_ids, "llama_eval": lambda: _compare(False), "llama_frozen_tied": lambda: _compare(True),
+class _MergeHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        b, _, s, _ = t.shape
+        return self.proj(t.transpose(1, 2).reshape(b, s, 16))  # traced as a view of the transpose
+
+
+class _Heads(torch.nn.Module):
+    """Stage 1 (`out`) views the transpose of the [B, H, S, D] value stage 0 made by transposing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 16)
+        self.out = _MergeHeads()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        t = self.inp(x).view(b, s, 2, 8).transpose(1, 2) * 2  # [B, 2, S, 8] laid out [B, S, 2, 8]
+        return torch.nn.functional.mse_loss(self.out(t), y)
+
+
+def _transposed_message() -> str:
+    torch.manual_seed(0)
+    model = _Heads()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(4, 6, 16), torch.randn(4, 6, 16)
+    engine = fxspeed.compile(model, 2, fxspeed.Config(pipeline=2, microbatches=2, split_points=("out",), lr=1e-2),
+                             example_inputs=(x, y))
+    got = engine.train_step(x, y)
+    want = sum(ref(x[h * 2:(h + 1) * 2], y[h * 2:(h + 1) * 2]) / 2 for h in range(2))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    want.backward()  # the gradient message back to stage 0 is laid out as traced too
+    opt.step()
+    if abs(got - want.item()) > 1e-5 * abs(want.item()):
+        return f"loss {got} != eager {want.item()}"
+    state = engine.state_dict()
+    bad = [n for n, t in ref.state_dict().items() if not torch.allclose(state[n], t, rtol=1e-5, atol=1e-6)]
+    return f"{bad} differ from eager after the step" if bad else "ok"
+
+
+CASES = {"transposed_message": _transposed_message, "qwen2_position_ids": _qwen2_position_ids, "llama_eval": lambda: _compare(False), "llama_frozen_tied": lambda: _compare(True),
          "llama_unused": lambda: _compare(False, unused=True)}
 
 if __name__ == "__main__":
