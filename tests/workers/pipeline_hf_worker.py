@@ -168,7 +168,8 @@ def _transposed_message() -> str:
     return f"{bad} differ from eager after the step" if bad else "ok"
 
 
-CASES = {"transposed_message": _transposed_message, "qwen2_position_ids": _qwen2_position_ids, "llama_eval": lambda: _compare(False), "llama_frozen_tied": lambda: _compare(True),
+CASES = {"transposed_message": _transposed_message, "qwen2_position_ids": _qwen2_position_ids,
+         "llama_eval": lambda: _compare(False), "llama_frozen_tied": lambda: _compare(True),
          "llama_unused": lambda: _compare(False, unused=True)}
 
 if __name__ == "__main__":
