@@ -169,7 +169,8 @@ def main() -> None:
             a_s, _, a_out = timed(lambda: always.generate(prompts.tolist(), max_new_tokens=args.new), args.repeats)
             row.update({"fxspeed_always_packed_tok_s": tokens / a_s, "probe_speedup": a_s / fx_s,
                         "same_tokens_always_packed": a_out == fx_out})
-        row["pack_probe_ms"] = {T: [round(x * 1e3, 2) for x in v] for T, v in engine._serving.pack_probe.items()}
+        row["pack_probe_ms"] = {T: {k: round(s * 1e3, 2) for k, s in v.items()}
+                                for T, v in engine._serving.pack_probe.items()}
         if launched is not None:
             l_s, _, l_out = timed(lambda: launched.generate(prompts.tolist(), max_new_tokens=args.new), args.repeats)
             row.update({"fxspeed_no_cuda_graphs_tok_s": tokens / l_s, "cuda_graphs_speedup": l_s / fx_s,

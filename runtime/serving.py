@@ -72,7 +72,7 @@ from fxspeed.errors import ConfigError, FxspeedError
 from fxspeed.global_state import no_autocast
 from fxspeed.ir import IOSpec
 from fxspeed.ir.program import WINDOW_GROUP, InferenceProgram
-from fxspeed.runtime.kernels.packed_linear import COPY_KINDS, PackedWeights, packing_pays, weight_stamps
+from fxspeed.runtime.kernels.packed_linear import COPY_KINDS, PackedWeights, fastest_copies, weight_stamps
 from fxspeed.runtime.kernels.direct_calls import direct_calls
 
 log = logging.getLogger("fxspeed")
@@ -479,9 +479,10 @@ class ServingLoop:
         (CPU buckets of a few tokens) its linears read `copies` of the weights: "packed" for oneDNN,
         "transposed" (ATen's GEMM, [out, in] weights through [in, out] copies: its fast layout at a
         few rows) or "none" (the Parameters themselves).
-        `pack_linear`: "auto" times both ways on the model's weights before compiling each such
-        bucket and packs where that is faster, else reads transposed copies (`pack_probe` keeps
-        the seconds); "always" packs; "never" holds no copy beside the model's weights.
+        `pack_linear`: "auto" times the ways on the model's weights before compiling each such
+        bucket and takes the fastest: packed, transposed copies or (with more than one CPU
+        thread) split ones (`pack_probe` keeps the seconds); "always" packs; "never" holds no
+        copy beside the model's weights.
         `prefix_caching`: a request's first full blocks that are in the cache already (another
         request's same prompt start, or its own before a preemption) are read, not computed again;
         on where no layer has a sliding window (a window layer needs the keys before the first
@@ -505,8 +506,9 @@ class ServingLoop:
             token_budget, max_batch = max_context, min(max_batch, max_context)
         self._compile = compile_bucket
         self.pack_linear = pack_linear
-        # bucket -> (packed, GEMM) seconds of one probe pass (pack_linear="auto", runtime/kernels/packed_linear.py)
-        self.pack_probe: dict[int, tuple[float, float]] = {}
+        # bucket -> seconds of one probe pass per kind of copies (pack_linear="auto",
+        # runtime/kernels/packed_linear.fastest_copies)
+        self.pack_probe: dict[int, dict[str, float]] = {}
         self._agree = agree
         self._agree_min = agree_min
         self._open_streams: weakref.WeakSet = weakref.WeakSet()  # tp: streams a caller may have left unfinished
@@ -532,8 +534,9 @@ class ServingLoop:
         self.static_buckets = {b for b in self.buckets if b <= decode} if cuda_graphs else set()
         self._capture = device.type == "cuda"
         # pre-packed linear weights of the CPU's small buckets, one copy shared by every bucket,
-        # laid out for the decode bucket's rows (runtime/kernels/packed_linear.py)
-        self.packed = PackedWeights(decode)
+        # laid out for the decode bucket's rows (runtime/kernels/packed_linear.py); split copies
+        # in as many slices as the CPU threads at serve
+        self.packed = PackedWeights(decode, ways=torch.get_num_threads() if device.type == "cpu" else 1)
         # Not probed: it is compiled before any weight list exists (the largest bucket, usually past
         # pack_linear_tokens; under tp the decode bucket), so it packs wherever the pass applies.
         first = self._check_window(compile_bucket(decode if agree is not None else self.buckets[-1],
@@ -632,11 +635,11 @@ class ServingLoop:
             return "none"
         if self.pack_linear == "always" or not specs or T > limit:
             return "packed"
-        packs, packed_s, gemm_s = packing_pays(specs, T, self._bind, self.packed.rows)
-        self.pack_probe[T] = (packed_s, gemm_s)
-        log.info("fxspeed: serve: the %d-token bucket's linears %s (a probe pass: packed %.2f ms, GEMM %.2f ms)",
-                 T, "read packed weights" if packs else "run through the GEMM", packed_s * 1e3, gemm_s * 1e3)
-        return "packed" if packs else "transposed"
+        copies, seconds = fastest_copies(specs, T, self._bind, self.packed.rows, self.packed.ways)
+        self.pack_probe[T] = seconds
+        log.info("fxspeed: serve: the %d-token bucket's linears read %s copies (a probe pass: %s)", T, copies,
+                 ", ".join(f"{k} {s * 1e3:.2f} ms" for k, s in seconds.items()))
+        return copies
 
     def blocks_held(self, positions: int, group: str = "") -> int:
         """Cache blocks a request holds in `group`'s pool once it has fed `positions` tokens: one

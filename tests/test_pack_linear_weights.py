@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fxspeed
-from fxspeed.runtime.kernels.packed_linear import COPY_KINDS, LINEAR, PACKED_KINDS, TRANSPOSED_KIND, available
+from fxspeed.runtime.kernels.packed_linear import (COPY_KINDS, LINEAR, PACKED_KINDS, SPLIT_KINDS, TRANSPOSED_KIND,
+                                                   available, split_linear)
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -124,11 +125,11 @@ def test_with_pack_linear_auto_each_small_bucket_packs_only_where_its_probe_meas
 
     asked = []
 
-    def probe(specs, rows, bind, layout_rows):  # noqa: ANN001, ANN202
+    def probe(specs, rows, bind, layout_rows, ways):  # noqa: ANN001, ANN202
         asked.append((rows, len(specs)))
-        return rows != 1, 1e-3, 2e-3
+        return "transposed" if rows == 1 else "packed", {"packed": 1e-3, "transposed": 2e-3}
 
-    monkeypatch.setattr(serving, "packing_pays", probe)
+    monkeypatch.setattr(serving, "fastest_copies", probe)
     model = _hf("gpt2")
     auto = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
     _same_generation(auto, fxspeed.serve(model, config=UNPACKED, **SMALL))
@@ -158,9 +159,12 @@ def test_with_pack_linear_auto_each_small_bucket_packs_only_where_its_probe_meas
     assert auto.plan.gemm_copy_bytes == copies == 4 * V * 32 and "of [in, out] copies" in auto.plan.summary()
 
 
-def test_the_packing_probe_times_both_ways_on_the_first_weights_up_to_its_byte_budget():
+@pytest.mark.parametrize("ways", [1, 2])
+def test_the_packing_probe_times_each_way_on_the_first_weights_up_to_its_byte_budget(ways):
+    """Packed, [in, out] copies through the GEMM, and with more than one thread copies split over
+    the threads (at one thread a split product is the GEMM's, one slice after the other)."""
     from fxspeed.ir import IOSpec
-    from fxspeed.runtime.kernels.packed_linear import packing_pays
+    from fxspeed.runtime.kernels.packed_linear import fastest_copies
 
     weights = {"a": torch.randn(64, 32), "b": torch.randn(32, 48), "c": torch.randn(16, 64)}
     specs = [IOSpec("packed_weight", "a"), IOSpec("packed_weight_t", "b"), IOSpec("packed_weight", "c")]
@@ -170,25 +174,30 @@ def test_the_packing_probe_times_both_ways_on_the_first_weights_up_to_its_byte_b
         read.append(spec.target)
         return weights[spec.target]
 
-    packs, packed_s, gemm_s = packing_pays(specs, 4, bind, layout_rows=4, budget_bytes=64 * 32 * 4 + 1)
+    fastest_copies(specs, 4, bind, layout_rows=4, ways=ways, budget_bytes=64 * 32 * 4 + 1)
     torch.manual_seed(3)
     want = torch.rand(2)
     torch.manual_seed(3)
-    packs, packed_s, gemm_s = packing_pays(specs, 4, bind, layout_rows=4, budget_bytes=64 * 32 * 4 + 1)
+    copies, seconds = fastest_copies(specs, 4, bind, layout_rows=4, ways=ways, budget_bytes=64 * 32 * 4 + 1)
     assert torch.equal(torch.rand(2), want)  # the user's RNG is not advanced (unseeded sampling draws from it)
-    assert read[-2:] == ["a", "b"] and packed_s > 0 and gemm_s > 0 and packs == (packed_s < gemm_s)
+    assert read[-2:] == ["a", "b"] and all(t > 0 for t in seconds.values())
+    assert set(seconds) == {"packed", "transposed", *(["split"] if ways > 1 else [])}
+    assert copies == min(seconds, key=seconds.get)
     with pytest.raises(fxspeed.ConfigError, match="pack_linear"):
         fxspeed.serve(_hf("gpt2"), pack_linear="sometimes")
 
 
-@pytest.mark.parametrize("pack_linear", ["always", "auto"])
-def test_weights_changed_after_serve_are_packed_again_before_the_next_generate(caplog, monkeypatch, pack_linear):
+@pytest.mark.parametrize("pack_linear,probed", [("always", None), ("auto", "transposed"), ("auto", "split")])
+def test_weights_changed_after_serve_are_packed_again_before_the_next_generate(caplog, monkeypatch, pack_linear,
+                                                                                probed):
     """An optimizer step or load_state_dict writes the Parameters in place: the packed copies
     must follow (the programs of larger buckets read the Parameters themselves); so must the
-    [in, out] copies ATen's GEMM reads where the probe chose it (every nn.Linear weight of a Llama)."""
+    [in, out] copies ATen's GEMM reads where the probe chose it (every nn.Linear weight of a Llama)
+    and the copies split over the threads where it chose those."""
     import fxspeed.runtime.serving as serving
 
-    monkeypatch.setattr(serving, "packing_pays", lambda specs, rows, bind, layout_rows: (False, 2e-3, 1e-3))
+    monkeypatch.setattr(serving, "fastest_copies", lambda specs, rows, bind, layout_rows, ways: (probed, {}))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # the split copies in two slices (one thread runs them)
     model = _hf("llama")
     packed = fxspeed.serve(model, **{**SMALL, "pack_linear": pack_linear})
     before = packed.generate(PROMPTS, max_new_tokens=NEW)
@@ -203,6 +212,34 @@ def test_weights_changed_after_serve_are_packed_again_before_the_next_generate(c
     # auto: the first bucket (8 tokens, not probed) packed, the probed ones read [in, out] copies
     assert f"packed {15 if pack_linear == 'always' else 30} weights again" in caplog.text
     assert packed.generate(PROMPTS, max_new_tokens=NEW) != before  # the new weights, not the old copies
+    kinds = {s.kind for b in packed._serving.programs.values() for s in b.program.signature.inputs}
+    assert (kinds & set(SPLIT_KINDS) != set()) == (probed == "split")
+
+
+def test_with_more_than_one_thread_a_bucket_the_probe_splits_reads_copies_split_over_the_threads(monkeypatch):
+    """At one row ATen's GEMM runs on one thread and oneDNN's packed linear did not reach the
+    2-thread read bandwidth either: a bucket the probe measures fastest split reads [k, in, out/k]
+    copies of every linear weight (GPT-2's Conv1D ones and the tied head), each product a batched
+    GEMM of a slice per thread; the tokens stay the unpacked program's and the plan counts the
+    copies."""
+    import fxspeed.runtime.serving as serving
+
+    monkeypatch.setattr(serving, "fastest_copies", lambda specs, rows, bind, layout_rows, ways:
+                        ("split" if rows == 1 and ways == 2 else "packed", {}))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # two slices (this test's one thread runs both)
+    model = _hf("gpt2")
+    auto = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
+    _same_generation(auto, fxspeed.serve(model, config=UNPACKED, **SMALL))
+    bound = auto._serving.programs[1]
+    inputs = bound.program.signature.inputs
+    split = {s.target: bound.args[i] for i, s in enumerate(inputs) if s.kind in SPLIT_KINDS}
+    assert len(split) == 2 * 4 + 1 and not [s for s in inputs if s.kind in PACKED_KINDS]
+    assert split["transformer.wte.weight"].shape == (2, 32, V // 2)  # the head: [out, in] -> 2 x [in, out / 2]
+    assert split["transformer.h.0.mlp.c_fc.weight"].shape == (2, 32, 64)  # a Conv1D's [in, out] -> 2 x [in, out / 2]
+    assert [n.target for n in bound.program.gm.graph.nodes].count(split_linear) == 2 * 4 + 1
+    assert _params_read_by_products(bound.program.gm, inputs) == []
+    assert auto.plan.split_copy_bytes == sum(t.nbytes for t in split.values()) and "split over the threads" in \
+        auto.plan.summary()
 
 
 @pytest.mark.parametrize("write", ["copy", "lora_merge", "one_token_row"])

@@ -22,9 +22,10 @@ _INPUT_CATEGORY = {"param": PARAMETERS, "param_shard": PARAMETERS, "param_tp": P
                    # inference programs (passes/inference/kv_cache.py): the cache is state, the rest per step
                    "kv_cache": BUFFERS, "tokens": INPUTS, "positions": INPUTS, "slot_mapping": INPUTS,
                    "block_table": INPUTS, "query_index": INPUTS, "query_pos": INPUTS, "logits_index": INPUTS,
-                   # passes/inference/pack_linear_weights.py: a parameter in oneDNN's packed layout, or
-                   # an [out, in] one copied as [in, out]
-                   "packed_weight": PARAMETERS, "packed_weight_t": PARAMETERS, "transposed_weight": PARAMETERS}
+                   # passes/inference/pack_linear_weights.py: a parameter in oneDNN's packed layout,
+                   # an [out, in] one copied as [in, out], or one split over the CPU threads
+                   "packed_weight": PARAMETERS, "packed_weight_t": PARAMETERS, "transposed_weight": PARAMETERS,
+                   "split_weight": PARAMETERS, "split_weight_t": PARAMETERS}
 
 
 def annotate(gm: fx.GraphModule, signature: StepSignature, module_of: dict[str, str] | None = None) -> None:

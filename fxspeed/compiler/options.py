@@ -119,7 +119,9 @@ class PassOptions:
     pack_linear_tokens: int = 128
     # what those buckets' linears read: "packed" (oneDNN's layout), or "transposed" (ATen's GEMM, an
     # nn.Linear weight [out, in] through a contiguous [in, out] copy, MKL's fast layout at a few
-    # rows; the serving loop's probe picks per bucket). why: runtime/kernels/packed_linear.py
+    # rows), or "split" (copies [k, in, out/k] read by a batched GEMM of one slice per CPU thread,
+    # runtime/kernels/packed_linear.split_linear); the serving loop's probe picks per bucket.
+    # why: runtime/kernels/packed_linear.py
     linear_copies: str = "packed"
     # kv_cache (serving programs): each attention layer's sliding window in layer order (0: none),
     # from the model's config (`runtime/serving.py:sliding_windows`); () where it names none. A
@@ -141,7 +143,7 @@ class PassOptions:
         _one_of("zero", self.zero, (0, 1, 2, 3))
         _one_of("grad_accum_role", self.grad_accum_role, ("whole", "local", "last"))
         _one_of("schedule", self.schedule, SCHEDULES)
-        _one_of("linear_copies", self.linear_copies, ("packed", "transposed"))
+        _one_of("linear_copies", self.linear_copies, ("packed", "transposed", "split"))
         for name in ("world_size", "pipeline", "microbatches", "pipeline_chunks", "bucket_bytes"):
             _int(name, getattr(self, name), 1)
         for name in ("rank", "reuse_min_bytes", "tp_rank", "activation_offload_min_bytes", "pack_linear_tokens"):

@@ -360,8 +360,9 @@ class Compiler:
         """The serving program for one packed row of `tokens` tokens, with the paged KV cache
         (fxspeed/compiler/capture_inference.py). Where pack_linear_weights applies its linears read
         `copies` of the weights: "packed" (oneDNN's layout), "transposed" (ATen's GEMM over [in, out]
-        copies of the [out, in] weights) or "none" (the Parameters themselves: no memory beside
-        the model's, serve(pack_linear="never"))."""
+        copies of the [out, in] weights), "split" (copies split over the CPU threads, a batched
+        GEMM) or "none" (the Parameters themselves: no memory beside the model's,
+        serve(pack_linear="never"))."""
         from fxspeed.compiler.capture_inference import compile_inference
 
         options = self.options.local()

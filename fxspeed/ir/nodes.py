@@ -75,7 +75,9 @@ class IOSpec:
              "packed_weight" / "packed_weight_t" (target: parameter name; the parameter [out, in] /
              transposed, in oneDNN's packed layout: passes/inference/pack_linear_weights.py),
              "transposed_weight" (target: parameter name; the [out, in] parameter as a contiguous
-             [in, out] copy, read by ATen's GEMM in the same pass's other mode)
+             [in, out] copy, read by ATen's GEMM in the same pass's other mode),
+             "split_weight" / "split_weight_t" (target: parameter name; the parameter [out, in] /
+             transposed, copied as [k, in, ceil(out / k)] for a product split over k CPU threads)
     outputs: "buffer_update", "loss", "output", "grad", "grad_bucket" (target: bucket index;
              the reduced flat bucket, or this rank's shard of it under ZeRO-2/3)
     `target` is the parameter/buffer name (user's original name) or the input's position.

@@ -56,6 +56,9 @@ class InferencePlan:
     # small buckets the probe runs through ATen's GEMM read, held beside the packed ones (an upper
     # bound: a machine where every small bucket packs holds none)
     gemm_copy_bytes: int = 0
+    # with serve(pack_linear="auto") on more than one CPU thread: the copies of the linear weights
+    # split over the threads that buckets the probe splits read (an upper bound too)
+    split_copy_bytes: int = 0
     # the cache a request of the full context holds, in tokens of every layer's keys and values:
     # the context, or less where layers have a sliding window (the serving loop reuses their blocks
     # behind it; where only some layers slide, this is their bytes and the global layers' together)
@@ -80,7 +83,9 @@ class InferencePlan:
             + (f" + {self.packed_weight_bytes / mb:.1f} MiB packed for the decode buckets"
                if self.packed_weight_bytes else "")
             + (f" + up to {self.gemm_copy_bytes / mb:.1f} MiB of [in, out] copies (buckets the probe runs "
-               "through ATen's GEMM)" if self.gemm_copy_bytes else ""),
+               "through ATen's GEMM)" if self.gemm_copy_bytes else "")
+            + (f" + up to {self.split_copy_bytes / mb:.1f} MiB of copies split over the threads (buckets the "
+               "probe splits)" if self.split_copy_bytes else ""),
             f"  KV cache           {self.kv_bytes_per_token} bytes/token ({self.layers} layers, keys + values)",
             f"  cache allocated    {self.cache_tokens} tokens ({self.cache_bytes / mb:.1f} MiB) in blocks of "
             f"{self.block_size}"
@@ -118,8 +123,10 @@ def plan_inference(model: nn.Module, program: Any, serving: Any, device: DeviceS
     kvb = program.kv_bytes_per_token()
     packed = int(program.gm.meta.get("packed_weight_bytes", 0))
     # (a bucket packs or reads these; "auto" may do both in different buckets: both held)
-    gemm = int(program.gm.meta.get("transposed_copy_bytes", 0)) if packed and serving.pack_linear == "auto" else 0
-    free = device.memory * (1 - WORKSPACE_FRACTION) - wbytes - packed - gemm
+    auto = packed and serving.pack_linear == "auto"
+    gemm = int(program.gm.meta.get("transposed_copy_bytes", 0)) if auto else 0
+    split = int(program.gm.meta.get("split_copy_bytes", 0)) if auto and serving.packed.ways > 1 else 0
+    free = device.memory * (1 - WORKSPACE_FRACTION) - wbytes - packed - gemm - split
     max_tokens = max(int(free // kvb), 0) if kvb else 0
     ctx = serving.max_context
     dtype = {"bf16": "bf16", "fp16": "fp16"}.get(config.precision, "fp32")
@@ -144,7 +151,7 @@ def plan_inference(model: nn.Module, program: Any, serving: Any, device: DeviceS
                          token_budget=serving.token_budget,
                          block_size=serving.block_size, predicted_tokens_per_s=pred, tensor=tensor,
                          tp_collectives_per_step=len(collectives), packed_weight_bytes=packed,
-                         gemm_copy_bytes=gemm)
+                         gemm_copy_bytes=gemm, split_copy_bytes=split)
 
 
 def _tp_collectives(gm: Any, tokens: int) -> list[tuple[bool, float]]:

@@ -23,7 +23,13 @@ program it still records the bytes it would pack (`gm.meta["packed_weight_bytes"
 and the weights with their limit (`gm.meta["packable_weights"]`, `["pack_linear_tokens"]`), which
 the serving loop times both ways before it compiles a small bucket with packing or without
 (`pack_linear_tokens` 0 for that bucket): which is faster depends on the machine.
-Options read: pack_linear_tokens (0: never).
+With `linear_copies="split"` (the serving loop's probe measured it fastest, CPU threads > 1) the
+products read copies split over the threads instead:
+
+    after:   cs: split_weight_t(c) [k, in, ceil(out/k)];  z = split_linear(x2, cs, b2, out)
+
+(runtime/kernels/packed_linear.split_linear: a batched GEMM of one slice per thread).
+Options read: pack_linear_tokens (0: never), linear_copies.
 why: docs/decisions/pack-linear-weights-on-cpu.md
 """
 
@@ -35,7 +41,7 @@ import torch.fx as fx
 from fxspeed.compiler.pass_manager import PassContext, PassResult, graph_pass
 from fxspeed.compiler.rewrite import call
 from fxspeed.ir import IOSpec, StepSignature
-from fxspeed.runtime.kernels.packed_linear import LINEAR, TRANSPOSED_KIND, available
+from fxspeed.runtime.kernels.packed_linear import LINEAR, TRANSPOSED_KIND, available, split_linear
 
 aten = torch.ops.aten
 WEIGHT_KINDS = ("param", "param_tp")
@@ -58,6 +64,11 @@ def pack_linear_weights(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     gm.meta["packed_weight_bytes"] = sum(p.meta["val"].numel() * 4 for p in unique.values())
     # and the [in, out] copies of the [out, in] ones, held where the probe picks ATen's GEMM
     gm.meta["transposed_copy_bytes"] = sum(p.meta["val"].numel() * 4 for (p, t) in unique if not t)
+    # and the split copies of every weight, held where the probe splits the products over the threads
+    # (only with more than one: one thread runs a batch of products one after the other)
+    ways = torch.get_num_threads()
+    gm.meta["split_copy_bytes"] = sum(_split_shape(p.meta["val"], t, ways).numel() * 4 for (p, t) in unique) \
+        if ways > 1 else 0
     # what the serving loop times before it compiles a bucket with or without packing
     gm.meta["packable_weights"] = [IOSpec("packed_weight_t" if t else "packed_weight", spec_of[p].target)
                                    for p, t in unique]
@@ -66,6 +77,8 @@ def pack_linear_weights(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, modified=False)
     if ctx.options.linear_copies == "transposed":
         return _read_transposed_copies(gm, sig, spec_of, found)
+    splits = ctx.options.linear_copies == "split"
+    kind = "split_weight" if splits else "packed_weight"
     packed: dict[tuple[fx.Node, bool], fx.Node] = {}
     new_specs: list[IOSpec] = []
     last = placeholders[-1]
@@ -73,13 +86,18 @@ def pack_linear_weights(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         key = (param, transposed)
         if key not in packed:
             with g.inserting_after(last):
-                ph = g.placeholder(f"{param.name}_packed{'_t' if transposed else ''}")
+                ph = g.placeholder(f"{param.name}_{'split' if splits else 'packed'}{'_t' if transposed else ''}")
             val = param.meta["val"]
-            ph.meta["val"] = val.t() if transposed else val  # [out, in]; the runtime's is oneDNN's opaque layout
+            # packed: [out, in], the runtime's is oneDNN's opaque layout; split: [k, in, ceil(out / k)]
+            ph.meta["val"] = _split_shape(val, transposed, ways) if splits else val.t() if transposed else val
             packed[key] = last = ph
-            new_specs.append(IOSpec("packed_weight_t" if transposed else "packed_weight", spec_of[param].target))
+            new_specs.append(IOSpec(f"{kind}_t" if transposed else kind, spec_of[param].target))
         with g.inserting_before(node):
-            new = call(g, LINEAR, (x, packed[key], bias, "none", [], ""))
+            if splits:
+                out = param.meta["val"].shape[1 if transposed else 0]
+                new = call(g, split_linear, (x, packed[key], bias, out))
+            else:
+                new = call(g, LINEAR, (x, packed[key], bias, "none", [], ""))
         node.replace_all_uses_with(new)
         weight = node.args[-1]
         g.erase_node(node)
@@ -87,6 +105,13 @@ def pack_linear_weights(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             g.erase_node(weight)
     _drop_unread_parameters(g, sig, spec_of, new_specs)
     return PassResult(gm, modified=True)
+
+
+def _split_shape(val: torch.Tensor, transposed: bool, ways: int) -> torch.Tensor:
+    """An empty tensor shaped as the split copy (runtime/kernels/packed_linear.split) of parameter
+    value `val`: [in, out] where `transposed` (a Conv1D's), else [out, in]."""
+    inp, out = val.shape if transposed else val.shape[::-1]
+    return val.new_empty((ways, inp, -(-out // ways)))
 
 
 def _drop_unread_parameters(g: fx.Graph, sig: StepSignature, spec_of: dict[fx.Node, IOSpec],

@@ -17,7 +17,7 @@ another order than MKL's: outputs differ by about 1e-5 relative.
 
 That table is one machine's: on another day's box of the same kind ATen's GEMM was 1.2x faster
 than the packed copies at 1-2 rows (and slower from 4), so the serving loop measures which is
-faster for each small bucket before it compiles it (`packing_pays`).
+faster for each small bucket before it compiles it (`fastest_copies`).
 
 `PackedWeights` holds the packed copies of one serving loop: one per weight (shared by every
 bucket), made on first use, and made again when the source weight changed in place since
@@ -45,8 +45,12 @@ PACKED_KINDS = ("packed_weight", "packed_weight_t")
 # A weight as a program input for ATen's GEMM: an nn.Linear weight [out, in] copied once as a
 # contiguous [in, out] (what a small bucket compiled without oneDNN reads, see `transposed`).
 TRANSPOSED_KIND = "transposed_weight"
+# A weight as a program input for a product split over the CPU threads (`split_linear`): an
+# [out, in] weight ("split_weight") or a Conv1D's [in, out] ("split_weight_t") copied as
+# [k, in, n], the k slices of n = ceil(out / k) output columns (the last zero-padded).
+SPLIT_KINDS = ("split_weight", "split_weight_t")
 # every kind of copy `PackedWeights` holds
-COPY_KINDS = (*PACKED_KINDS, TRANSPOSED_KIND)
+COPY_KINDS = (*PACKED_KINDS, TRANSPOSED_KIND, *SPLIT_KINDS)
 LINEAR = torch.ops.mkldnn._linear_pointwise.default
 
 
@@ -70,18 +74,48 @@ def transposed(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().t().contiguous()
 
 
+def split(weight: torch.Tensor, ways: int) -> torch.Tensor:
+    """`weight` [out, in] copied as [ways, in, n]: slice i holds output columns i*n .. (i+1)*n - 1
+    as [in, n] (n = ceil(out / ways), the last slice zero-padded), what `split_linear` reads."""
+    out, inp = weight.shape
+    n = -(-out // ways)
+    w = weight.detach().t()  # [in, out]
+    if n * ways != out:
+        w = torch.nn.functional.pad(w, (0, n * ways - out))
+    return w.reshape(inp, ways, n).permute(1, 0, 2).contiguous()
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: int) -> torch.Tensor:
+    """x [M, in] times the weight behind `split(w, k)` ([k, in, n]), plus `bias` [out]: [M, out].
+    Why: at a row or two ATen's GEMM (MKL) runs the whole product on one thread and oneDNN's
+    packed linear did not reach the 2-thread read bandwidth either (2-core EPYC: 1 thread ~23 GB/s,
+    2 threads ~33), while a batch of k products is split over the threads, each streaming its own
+    slice of the weight (GPT-2's 50257 x 768 head at one row: 34.6 GB/s). The sums over `in` run
+    as in the [in, out] GEMM's, per column."""
+    k, inp, n = weight.shape
+    rows = x.shape[0]
+    y = torch.bmm(x.unsqueeze(0).expand(k, rows, inp), weight)  # [k, M, n]
+    y = y.transpose(0, 1).reshape(rows, k * n)  # (a view at one row)
+    if k * n != out:
+        y = y[:, :out]
+    return y + bias if bias is not None else y.contiguous()
+
+
 def out_in(spec: IOSpec, source: torch.Tensor) -> torch.Tensor:
-    """The weight behind packed input `spec` as [out, in] (a view): a Conv1D's [in, out] transposed."""
-    return source.t() if spec.kind == "packed_weight_t" else source
+    """The weight behind copy input `spec` as [out, in] (a view): a Conv1D's [in, out] transposed."""
+    return source.t() if spec.kind in ("packed_weight_t", "split_weight_t") else source
 
 
 class PackedWeights:
-    """The packed copies a serving loop's programs read (see the module docstring), and the
+    """The packed copies a serving loop's programs read (see the module docstring), the
     [in, out] copies of [out, in] weights that small buckets running ATen's GEMM read
-    (`transposed`). `rows`: the row count the packed layout is chosen for (the decode bucket)."""
+    (`transposed`) and the split copies of those splitting their products over the threads
+    (`split`). `rows`: the row count the packed layout is chosen for (the decode bucket);
+    `ways`: the slices of a split copy (the CPU threads at serve)."""
 
-    def __init__(self, rows: int) -> None:
+    def __init__(self, rows: int, ways: int = 1) -> None:
         self.rows = rows
+        self.ways = ways
         self._packed: dict[IOSpec, tuple[torch.Tensor, torch.Tensor, tuple[int, int]]] = {}
 
     def get(self, spec: IOSpec, bind: Callable[[IOSpec], torch.Tensor]) -> torch.Tensor:
@@ -94,6 +128,8 @@ class PackedWeights:
     def _pack(self, spec: IOSpec, source: torch.Tensor) -> torch.Tensor:
         if spec.kind == TRANSPOSED_KIND:
             return transposed(source)
+        if spec.kind in SPLIT_KINDS:
+            return split(out_in(spec, source), self.ways)
         return pack(out_in(spec, source), self.rows)
 
     def refresh(self) -> list[str]:
@@ -138,14 +174,16 @@ def _sample_bits(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([x.reshape(-1) for x in parts]).contiguous().view(torch.uint8).reshape(-1)
 
 
-def packing_pays(specs: Sequence[IOSpec], rows: int, bind: Callable[[IOSpec], torch.Tensor], layout_rows: int,
-                 budget_bytes: int = 96 << 20, repeats: int = 3) -> tuple[bool, float, float]:
-    """Whether a program of `rows` rows runs its linears faster over the packed weights than
-    through ATen's GEMM on this machine: (packs, packed seconds, GEMM seconds) of one pass over
-    the first weights of `specs` (the program's "packed_weight"/"packed_weight_t" inputs) up to
-    `budget_bytes`, more than a CPU's caches hold, so both stream from memory as a decode step
-    does. Best of `repeats`, alternating. Which is faster depends on the CPU and its BLAS: one
-    2-core EPYC box measured packing 1.3x faster at one row, another 1.2x slower (why:
+def fastest_copies(specs: Sequence[IOSpec], rows: int, bind: Callable[[IOSpec], torch.Tensor], layout_rows: int,
+                   ways: int = 1, budget_bytes: int = 96 << 20, repeats: int = 3) -> tuple[str, dict[str, float]]:
+    """Which copies make a program of `rows` rows run its linears fastest on this machine: the
+    packed ones (oneDNN), the [in, out] ones (ATen's GEMM) or, with `ways` > 1 threads, the split
+    ones (`split_linear`); returns (that kind, as Compiler.inference's `copies`, and the seconds
+    of one pass each way). The pass runs over the first weights of `specs` (the program's
+    "packed_weight"/"packed_weight_t" inputs) up to `budget_bytes`, more than a CPU's caches
+    hold, so each streams from memory as a decode step does. Best of `repeats`, alternating.
+    Which is faster depends on the CPU, its BLAS and the threads: one 2-core EPYC box measured
+    packing 1.3x faster at one row, another 1.2x slower (why:
     docs/decisions/pack-linear-weights-on-cpu.md). `layout_rows`: the rows the serving loop's
     copies are packed for (PackedWeights.rows); the probe's own copies are freed on return."""
     weights, total = [], 0  # each [out, in]
@@ -159,6 +197,8 @@ def packing_pays(specs: Sequence[IOSpec], rows: int, bind: Callable[[IOSpec], to
     # copy of an nn.Linear's [out, in] (`transposed`; a Conv1D's is its parameter, not copied)
     gemm = [w.t().contiguous() for w in weights]
     ready = [pack(w, layout_rows) for w in weights]
+    sliced = [split(w, ways) for w in weights] if ways > 1 else []
+    del weights
     g = torch.Generator().manual_seed(0)  # the user's RNG stays untouched (unseeded sampling draws from it)
     xs = {w.shape[0]: torch.randn(rows, w.shape[0], dtype=w.dtype, generator=g) for w in gemm}
 
@@ -170,11 +210,16 @@ def packing_pays(specs: Sequence[IOSpec], rows: int, bind: Callable[[IOSpec], to
         for w, p in zip(gemm, ready):
             LINEAR(xs[w.shape[0]], p, None, "none", [], "")
 
-    best = {run_gemm: float("inf"), run_packed: float("inf")}
+    def run_split() -> None:
+        for w, s in zip(gemm, sliced):
+            split_linear(xs[w.shape[0]], s, None, w.shape[1])
+
+    runs = {"packed": run_packed, "transposed": run_gemm, **({"split": run_split} if sliced else {})}
+    best = dict.fromkeys(runs, float("inf"))
     with torch.no_grad():
         for _ in range(repeats + 1):  # one more round: the first also faults in oneDNN's kernels
-            for fn in best:
+            for kind, fn in runs.items():
                 t0 = time.perf_counter()
                 fn()
-                best[fn] = min(best[fn], time.perf_counter() - t0)
-    return best[run_packed] < best[run_gemm], best[run_packed], best[run_gemm]
+                best[kind] = min(best[kind], time.perf_counter() - t0)
+    return min(best, key=best.__getitem__), best
