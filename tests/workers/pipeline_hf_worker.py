@@ -61,16 +61,11 @@ def _compare(freeze: bool, unused: bool = False) -> str:
                             weight_decay=cfg.weight_decay)
     for i, b in enumerate(batches):
         got = engine.train_step(**local_batch(b, engine.dp_rank, engine.dp_size))
-        loss = ref(**b).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if abs(got - loss.item()) > 1e-5 * abs(loss.item()):
-            return f"step {i}: loss {got} != eager {loss.item()}"
+        if err := _eager_step_agrees(got, ref(**b).loss, opt, i):
+            return err
+    if err := _weights_agree(engine, ref):
+        return err
     state = engine.state_dict()
-    for n, t in ref.state_dict().items():
-        if not torch.allclose(state[n], t, rtol=1e-4, atol=1e-5):
-            return f"{n} differs from eager by {(state[n] - t).abs().max().item():.3g}"
     if freeze and not torch.equal(state["model.embed_tokens.weight"], _llama().get_input_embeddings().weight):
         return "the frozen embedding moved"
     if unused:  # it survives a checkpoint round trip too
@@ -113,16 +108,27 @@ def _qwen2_position_ids() -> str:
         got = engine.train_step(**batch)
         # each micro-batch averages over its own targets (as torch's pipelining does)
         want = sum(ref(**{k: v[h * 2:(h + 1) * 2] for k, v in batch.items()}).loss / 2 for h in range(2))
-        opt.zero_grad()
-        want.backward()
-        opt.step()
-        if abs(got - want.item()) > 1e-5 * abs(want.item()):
-            return f"step {i}: loss {got} != eager {want.item()}"
+        if err := _eager_step_agrees(got, want, opt, i):
+            return err
+    return _weights_agree(engine, ref) or "ok"
+
+
+def _eager_step_agrees(got: float, loss: torch.Tensor, opt: torch.optim.Optimizer, i: int) -> str | None:
+    """Step eager on `loss`; None when the engine's loss `got` agrees with it, else what differs."""
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if abs(got - loss.item()) > 1e-5 * abs(loss.item()):
+        return f"step {i}: loss {got} != eager {loss.item()}"
+    return None
+
+
+def _weights_agree(engine: fxspeed.Engine, ref: torch.nn.Module) -> str | None:
     state = engine.state_dict()
     for n, t in ref.state_dict().items():
         if not torch.allclose(state[n], t, rtol=1e-4, atol=1e-5):
             return f"{n} differs from eager by {(state[n] - t).abs().max().item():.3g}"
-    return "ok"
+    return None
 
 
 class _MergeHeads(torch.nn.Module):
