@@ -673,8 +673,8 @@ def test_t5_split_by_heads_in_self_and_cross_attention_equals_the_single_device_
     """T5 (encoder-decoder; relative position bias from a [buckets, heads] table; cross-attention;
     the tied shared table) on a device whose compute outweighs its links, so the solver splits
     attention by heads, the bias table by its heads column and the MLPs: the two rank programs
-    in lockstep give the single-device loss and every gradient. (At the 2-rank launch's sizes on
-    the cpu model the solver keeps T5's attention whole: the launch checks the trained weights.)"""
+    in lockstep give the single-device loss and every gradient. (The 2-rank launch checks the
+    trained weights at its sizes on the cpu model, where the solver splits T5's attention too.)"""
     pytest.importorskip("transformers")
     T = 2
     torch.manual_seed(0)
@@ -689,6 +689,50 @@ def test_t5_split_by_heads_in_self_and_cross_attention_equals_the_single_device_
                  "m.encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
                  "m.decoder.block.0.layer.2.DenseReluDense.wi.weight"):
         assert name in layout, f"{name} is not sharded: {sorted(layout)}"
+    losses, grads = _lockstep_outputs(programs, inputs, sigs)
+    for got in losses:
+        torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)
+    for target, (g, _parts, _layout) in grads.items():
+        torch.testing.assert_close(g, full[target].grad, rtol=1e-4, atol=1e-5, msg=f"gradient of {target}")
+
+
+class _Gemma2(nn.Module):
+    """Gemma2ForCausalLM (eager attention with logit softcapping, query_pre_attn_scalar, a
+    sliding-window layer, norms before and after attention and the MLP) called positionally."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        self.m = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            num_hidden_layers=1, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            intermediate_size=512, vocab_size=2048, max_position_embeddings=16, use_cache=False))
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.m(input_ids=ids, labels=labels).loss
+
+
+def test_gemma2_is_laid_out_like_megatron_and_its_rank_programs_equal_the_single_device_step() -> None:
+    """Gemma2 normalizes the attention and MLP outputs before the residual add (post-attention
+    and post-feedforward norms), so the row-parallel partial sum is read by the norm's pow and
+    mul (and more readers in backward). shard_tensors all-reduces it once; the cost model charged
+    one all-reduce per reader, and on the cpu model at the 2-rank launch's width the search kept
+    q/k/v, o_proj, gate_proj and down_proj whole. Now Megatron's layout, and the rank programs
+    in lockstep give the single-device loss and gradients."""
+    pytest.importorskip("transformers")
+    T = 2
+    torch.manual_seed(0)
+    model = _Gemma2()
+    x = torch.randint(0, 2048, (2, 8))
+    full = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
+    loss = model(x, x)
+    loss.backward()
+    programs, inputs, sigs = _rank_programs(model, (x, x), T, full)
+    layout = sigs[0].tp_layout
+    block = "m.model.layers.0."
+    for suffix, want in (("self_attn.q_proj", 0), ("self_attn.k_proj", 0), ("self_attn.v_proj", 0),
+                         ("self_attn.o_proj", 1), ("mlp.gate_proj", 0), ("mlp.up_proj", 0), ("mlp.down_proj", 1)):
+        assert layout.get(f"{block}{suffix}.weight") == (want, 1), f"{suffix}: {layout}"
     losses, grads = _lockstep_outputs(programs, inputs, sigs)
     for got in losses:
         torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)

@@ -796,6 +796,14 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
         return c
 
     gathered: set[fx.Node] = set()  # values some reader already gathered whole (shard_tensors reuses it)
+    # What each value was already converted into for an earlier reader: shard_tensors converts a
+    # value once per placement wanted (its cache) and every later reader reuses it, so only the
+    # first reader pays. A partial sum read by several ops (a row-parallel output read by a
+    # norm's pow and mul, as Gemma2's post-attention and post-feedforward norms read it) is
+    # all-reduced once; charged once per reader, it made Megatron's layout look dearer than
+    # keeping the attention and MLP weights whole. A tuple (not a set) per value, so that the
+    # choice memo can key on it.
+    converted: dict[fx.Node, tuple[Placement, ...]] = {}
 
     def penalty(p: Placement, w: Placement, i: fx.Node) -> float:
         """Sequence parallelism: an activation partial sum is reduce-scattered into a token shard,
@@ -807,6 +815,8 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
 
     def reads(p: Placement, w: Placement, i: fx.Node) -> float:
         """What it costs a reader to get input `i` (placed p) as w."""
+        if p != w and w in converted.get(i, ()):
+            return 0.0
         if cm.sequence_parallel:
             extra = penalty(p, w, i)
             if extra:
@@ -857,16 +867,21 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
         pl = [of(i) if not isinstance(place.get(i), tuple) else R for i in ins]
         # Under sequence parallelism a read's cost also depends on what was gathered before (not keyed)
         key = None if cm.sequence_parallel or _CHOICES is None else (
-            n, tuple(pl), tuple(i in derived for i in ins), n in _VOCAB_BACKWARD)
+            n, tuple(pl), tuple(i in derived for i in ins), n in _VOCAB_BACKWARD, tuple(converted.get(i) for i in ins))
         best = _CHOICES.get(key) if key is not None else None
         if best is None:
             best = _cheapest(n, ins, pl, derived, T, cm, reads, (pinned or {}).get(n))
             if key is not None:
                 _CHOICES[key] = best
         for p, w, i in zip(pl, best.want, ins):
+            if p != w and w in converted.get(i, ()):
+                continue  # converted once already: shard_tensors reuses it
             if reads(p, w, i) == 0.0 and p != w and w == R:
                 continue  # gathered once already: shard_tensors reuses it
-            total += charge(p, w, i) + penalty(p, w, i)
+            c = charge(p, w, i) + penalty(p, w, i)
+            total += c
+            if c:
+                converted[i] = (*converted.get(i, ()), w)
             if p.kind == "S" and w == R:  # shard_tensors gathers the first sharded value of i's view chain
                 i = gather_root(i, lambda v: getattr(of(v), "kind", "R") == "S")
                 gathered.add(i)
