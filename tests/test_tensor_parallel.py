@@ -291,15 +291,30 @@ def test_wait_parameter_gathers_waits_for_every_bucketed_parameter_kind_it_knows
 def test_the_solver_s_memo_of_each_node_s_choice_changes_no_layout_cost_or_collective(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each solve is run with the per-node memo and without it: the same placements, total cost,
-    collective bytes and per-node strategies (Llama's GQA and BERT's tied decoder at TP=4)."""
+    collective bytes and per-node strategies (Llama's GQA and BERT's tied decoder at TP=4). And
+    the search gives no assignment to propagate twice as a trial (one evaluated before cannot be a
+    move now). An assignment first propagated as another trial's variant, its replicated weights
+    given the shard their readers chose (a superset of the trial propagated just before), may
+    come back as a trial: its own variant was never propagated."""
     import fxspeed.planner.placement as placement
     from tests.workers.tensor_parallel_worker import batches, build
 
-    solve = placement._solve
+    solve, propagate = placement._solve, placement.propagate
+    seen: list = []  # (assignment, propagated as the variant of the one before)
+
+    def once(gm, signature, params, *rest):  # noqa: ANN001, ANN002, ANN202
+        key = frozenset((n, p) for n, p in params.items() if p != R)
+        assert (key, False) not in seen, f"propagated twice: {sorted(map(str, key))}"
+        seen.append((key, bool(seen) and key > seen[-1][0]))
+        return propagate(gm, signature, params, *rest)
+
+    monkeypatch.setattr(placement, "propagate", once)
 
     def both(*args):  # noqa: ANN002, ANN202
         placement._CHOICES = {}
+        seen.clear()
         assign, res = solve(*args)
+        seen.clear()
         memo, placement._CHOICES = placement._CHOICES, None
         assign0, res0 = solve(*args)
         placement._CHOICES = memo
