@@ -727,15 +727,37 @@ class _Gemma2(nn.Module):
         return self.m(input_ids=ids, labels=labels).loss
 
 
-def test_gemma2_is_laid_out_like_megatron_and_its_rank_programs_equal_the_single_device_step() -> None:
+def _gemma2_layout(layout: dict, T: int) -> None:
+    """Megatron's layout of the Gemma2 block: q, gate, up column-split, o and down row-split, k and
+    v column-split (over groups of T / 2 ranks where its 2 key/value heads are fewer than T)."""
+    kv = (0, 1) if T == 2 else (0, (1, T // 2))
+    for suffix, want in (("self_attn.q_proj", (0, 1)), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv),
+                         ("self_attn.o_proj", (1, 1)), ("mlp.gate_proj", (0, 1)), ("mlp.up_proj", (0, 1)),
+                         ("mlp.down_proj", (1, 1))):
+        assert layout.get(f"m.model.layers.0.{suffix}.weight") == want, f"{suffix} at T={T}: {layout}"
+
+
+def test_gemma2_is_laid_out_like_megatron_though_its_norms_read_each_partial_sum_several_times() -> None:
     """Gemma2 normalizes the attention and MLP outputs before the residual add (post-attention
     and post-feedforward norms), so the row-parallel partial sum is read by the norm's pow and
     mul (and more readers in backward). shard_tensors all-reduces it once; the cost model charged
     one all-reduce per reader, and on the cpu model at the 2-rank launch's width the search kept
-    q/k/v, o_proj, gate_proj and down_proj whole. Now Megatron's layout, and the rank programs
-    in lockstep give the single-device loss and gradients."""
+    q/k/v, o_proj, gate_proj and down_proj whole."""
     pytest.importorskip("transformers")
-    T = 2
+    torch.manual_seed(0)
+    x = torch.randint(0, 2048, (2, 8))
+    cs, _ = _compile(_Gemma2(), (x, x), {}, 2)
+    _gemma2_layout(cs.captured.signature.tp_layout, 2)
+
+
+def test_gemma2_s_eager_grouped_query_attention_splits_over_groups_and_equals_the_single_device_step() -> None:
+    """Gemma2 runs attention eagerly (matmuls, softcapping's tanh, softmax), not as SDPA, which is
+    where the solver looked for grouped-query attention: with fewer key/value heads (2) than ranks
+    (4) it tried no group slices, so attention ran whole (at width 1024 fxspeed.plan counted 5x
+    the all-gather bytes of Gemma's SDPA layout). Now repeat_kv's expand tells it: k/v split over
+    groups, and the rank programs in lockstep give the single-device loss and gradients."""
+    pytest.importorskip("transformers")
+    T = 4
     torch.manual_seed(0)
     model = _Gemma2()
     x = torch.randint(0, 2048, (2, 8))
@@ -743,11 +765,7 @@ def test_gemma2_is_laid_out_like_megatron_and_its_rank_programs_equal_the_single
     loss = model(x, x)
     loss.backward()
     programs, inputs, sigs = _rank_programs(model, (x, x), T, full)
-    layout = sigs[0].tp_layout
-    block = "m.model.layers.0."
-    for suffix, want in (("self_attn.q_proj", 0), ("self_attn.k_proj", 0), ("self_attn.v_proj", 0),
-                         ("self_attn.o_proj", 1), ("mlp.gate_proj", 0), ("mlp.up_proj", 0), ("mlp.down_proj", 1)):
-        assert layout.get(f"{block}{suffix}.weight") == (want, 1), f"{suffix}: {layout}"
+    _gemma2_layout(sigs[0].tp_layout, T)
     losses, grads = _lockstep_outputs(programs, inputs, sigs)
     for got in losses:
         torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)

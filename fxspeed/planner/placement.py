@@ -1347,22 +1347,49 @@ _KV_PATH = {*_VIEWS, aten.clone.default, aten._to_copy.default, aten.unsqueeze.d
             aten.mul.Tensor, aten.neg.default, aten.cat.default, aten.slice.Tensor}
 
 
+def _eager_repeats(gm: fx.GraphModule) -> list[tuple[fx.Node, int, int]]:
+    """Grouped-query attention computed without SDPA (eager attention: Gemma2's softcapped logits
+    are matmuls and pointwise ops): Llama's repeat_kv, the expand [B, kv, 1, S, hd] ->
+    [B, kv, n_rep, S, hd] reshaped to [B, kv * n_rep, S, hd], read by no SDPA. Each: (the
+    expand, kv, kv * n_rep)."""
+    sdpa_reads = {a for n in gm.graph.nodes if n.target in SDPA_FORWARD for a in _tensor_args(n)}
+    out = []
+    for n in gm.graph.nodes:
+        if n.target != aten.expand.default:
+            continue
+        src, shape = _shape(n.args[0]), _shape(n)
+        if src is None or shape is None or len(src) != 5 or src[2] != 1 or shape[2] <= 1:
+            continue
+        after = [v for u in n.users for v in ([u] if u.target in _VIEWS else
+                                             u.users if u.target == aten.clone.default else [])]
+        views = [u for u in after if u.target in _VIEWS]
+        if not views or any(_shape(v) is None or len(_shape(v)) != 4 for v in views):
+            continue
+        if any(v in sdpa_reads or any(u in sdpa_reads for u in v.users) for v in views):
+            continue  # SDPA's own rule sees it
+        out.append((n, src[1], src[1] * shape[2]))
+    return out
+
+
 def _repeated_projections(gm: fx.GraphModule, T: int, reps: Sequence[int]) -> dict[fx.Node, int]:
     """The matmuls (mm/addmm) producing the key and value of a grouped-query attention with kv < T
     key/value heads, found back from its k/v inputs through views, the repeat and pointwise ops
     (rotary embeddings), not through splits (a fused QKV weight is not split over groups): each
     -> T / kv."""
     out: dict[fx.Node, int] = {}
+    starts: list[tuple[int, list[Any]]] = []
     for n in gm.graph.nodes:
         if n.target not in SDPA_FORWARD or len(n.args) < 3:
             continue
         k = _shape(n.args[1])
         if k is None or len(k) != 4:
             continue
-        kv = _kv_heads(n.args[1], k[1])
+        starts.append((_kv_heads(n.args[1], k[1]), list(n.args[1:3])))
+    starts += [(kv, [e.args[0]]) for e, kv, _ in _eager_repeats(gm)]
+    for kv, where in starts:
         if kv >= T or T % kv or T // kv not in reps:
             continue
-        for start in n.args[1:3]:
+        for start in where:
             stack, seen = [start], set()
             while stack:
                 x = stack.pop()
@@ -1389,6 +1416,9 @@ def group_sizes(gm: fx.GraphModule, T: int) -> list[int]:
             kv = _kv_heads(n.args[1], k[1])
             if kv < T and T % kv == 0 and q[1] % T == 0:
                 out.add(T // kv)
+    for _, kv, h in _eager_repeats(gm):
+        if kv < T and T % kv == 0 and h % T == 0:
+            out.add(T // kv)
     return sorted(out)
 
 
