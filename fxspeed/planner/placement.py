@@ -168,6 +168,7 @@ _PREFER_REP: dict[fx.Node, int] = {}
 # gathered again). Set by propagate.
 _VOCAB_BACKWARD: set[fx.Node] = set()
 _SHAPES: dict[fx.Node, Any] = {}  # memo for one solve (cleared by solve): shapes are read many times
+_ARGS: dict[fx.Node, list[fx.Node]] = {}  # memo for one solve: each node's tensor inputs (propagate)
 # Memo for one solve (None outside it): a node's cheapest strategy, keyed by what the choice reads
 # that changes between the search's trial layouts: its inputs' placements, which inputs are
 # derived from parameters alone, and whether it runs vocabulary-parallel. The search propagates
@@ -861,13 +862,18 @@ def propagate(gm: fx.GraphModule, signature: Any, params: dict[str, Placement], 
             place[n] = src[n.args[1]] if isinstance(src, tuple) else src
             nodes[n] = NodePlacement(place[n], [src if not isinstance(src, tuple) else R])
             continue
-        ins = _tensor_args(n)
+        ins = _ARGS.get(n)
+        if ins is None:
+            ins = _tensor_args(n)
+            if _CHOICES is not None:  # inside a solve, which clears it
+                _ARGS[n] = ins
         if all(i in derived for i in ins):
             derived.add(n)
         pl = [of(i) if not isinstance(place.get(i), tuple) else R for i in ins]
         # Under sequence parallelism a read's cost also depends on what was gathered before (not keyed)
         key = None if cm.sequence_parallel or _CHOICES is None else (
-            n, tuple(pl), tuple(i in derived for i in ins), n in _VOCAB_BACKWARD, tuple(converted.get(i) for i in ins))
+            n, tuple(pl), tuple([i in derived for i in ins]), n in _VOCAB_BACKWARD,
+            tuple([converted.get(i) for i in ins]))
         best = _CHOICES.get(key) if key is not None else None
         if best is None:
             best = _cheapest(n, ins, pl, derived, T, cm, reads, (pinned or {}).get(n))
@@ -1105,6 +1111,7 @@ def solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
     global _CHOICES
     _SHAPES.clear()
     _NBYTES.clear()
+    _ARGS.clear()
     _PREFER.clear()
     _PREFER_REP.clear()
     _CHOICES = {}
@@ -1114,6 +1121,7 @@ def solve(gm: fx.GraphModule, signature: Any, device: DeviceSpec, T: int,
         _CHOICES = None
         _SHAPES.clear()
         _NBYTES.clear()
+        _ARGS.clear()
         _PREFER.clear()
         _PREFER_REP.clear()
         _VOCAB_BACKWARD.clear()
