@@ -1309,25 +1309,30 @@ def warn_heads(gm: fx.GraphModule, T: int) -> None:
 
     from fxspeed.config import ConfigWarning
 
-    seen: set[tuple[int, int]] = set()
+    heads: list[tuple[int, int]] = []  # (query heads, key/value heads) of each attention seen
     for n in gm.graph.nodes:
         if n.target in SDPA_FORWARD:  # (SDPA's math form, under attention dropout, has no one op: unseen)
             q, k = _shape(n.args[0]), _shape(n.args[1])
-            if q is None or k is None or len(q) != 4:
-                continue
-            h, kv = q[1], _kv_heads(n.args[1], k[1])
-            if _heads_split(h, kv, T) or (h, kv) in seen:
-                continue
-            seen.add((h, kv))
-            ok = [str(t) for t in range(2, h + 1) if _heads_split(h, kv, t)]
-            works = (", ".join(ok[:-1]) + f" or {ok[-1]}" if len(ok) > 1 else ok[0]) if ok else ""
-            warn_user(f"Config.tensor={T}: the model's attention has {h} query heads and {kv} key/value "
-                      f"head{'s' if kv != 1 else ''}, "
-                      f"which do not split evenly over {T} tensor-parallel ranks, so it is not split by heads: "
-                      "every tp rank computes whole what does not divide (those weights replicated, or split "
-                      "on their input dim where that is cheaper); the MLPs and the vocabulary can still be split"
-                      + (f". tensor={works} would split the heads" if works else ""),
-                      ConfigWarning)
+            if q is not None and k is not None and len(q) == 4:
+                heads.append((q[1], _kv_heads(n.args[1], k[1])))
+    # grouped-query attention computed eagerly (Gemma2's softcapped logits: no SDPA op), seen by its
+    # repeat of the key/value heads; eager attention with as many key/value heads as query heads
+    # repeats nothing and goes unseen
+    heads += [(h, kv) for _, kv, h in _eager_repeats(gm)]
+    seen: set[tuple[int, int]] = set()
+    for h, kv in heads:
+        if _heads_split(h, kv, T) or (h, kv) in seen:
+            continue
+        seen.add((h, kv))
+        ok = [str(t) for t in range(2, h + 1) if _heads_split(h, kv, t)]
+        works = (", ".join(ok[:-1]) + f" or {ok[-1]}" if len(ok) > 1 else ok[0]) if ok else ""
+        warn_user(f"Config.tensor={T}: the model's attention has {h} query heads and {kv} key/value "
+                  f"head{'s' if kv != 1 else ''}, "
+                  f"which do not split evenly over {T} tensor-parallel ranks, so it is not split by heads: "
+                  "every tp rank computes whole what does not divide (those weights replicated, or split "
+                  "on their input dim where that is cheaper); the MLPs and the vocabulary can still be split"
+                  + (f". tensor={works} would split the heads" if works else ""),
+                  ConfigWarning)
 
 
 def _heads_split(h: int, kv: int, T: int) -> bool:
