@@ -8,8 +8,9 @@ One-stage program (compile_step):
     program      GraphModule + signature, handed to the runtime
 
 Pipeline program (compile_program): compile_step on one micro-batch without data parallelism,
-then the program passes (lower_schedule, split_stages, split_backward, accumulate_gradients)
-under the same pass manager -> stage programs + schedule.
+then the program passes (passes.PROGRAM_PASSES: lower_schedule, gather_stage_weights,
+split_stages, split_backward, accumulate_gradients, offload_stage_activations) under the same
+pass manager -> stage programs + schedule.
 
 Pass options are a PassOptions (fxspeed.compiler.options), derived once per rank from the
 Config and the mesh by `derive_options`; the Compiler object holds them for the engine.
@@ -263,9 +264,11 @@ def compile_program(model: nn.Module, micro_args: tuple, micro_kwargs: dict, *, 
 
         joint(*state, *batch) -> (loss, *grads)            compile_step, no data parallelism
           -> lower_schedule       actions per pipeline position (F/B/I/W, SEND/RECV, REDUCE, STEP)
+          -> gather_stage_weights ZeRO-3 over replicas: GATHER(s) / RELEASE(s) around stage s's actions
           -> split_stages         stage s: F_s, B_s
           -> split_backward       zb: B_s -> I_s, W_s
           -> accumulate_gradients on the stages of `positions` (the ones this rank runs)
+          -> offload_stage_activations  activation offload: OFFLOAD(s,m) / RELOAD(s,m) actions
 
     The program passes run under the pass manager: verified after each, recorded in
     `records` after the graph passes, disabled by name through Config.disable_passes.
