@@ -366,6 +366,7 @@ class Config:
 
     # --- serialization -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """The fields as plain JSON values (tuples as lists); `Config.from_dict` reads it back."""
         d = dataclasses.asdict(self)
         d["betas"] = list(self.betas)
         d["disable_passes"] = list(self.disable_passes)
@@ -385,6 +386,7 @@ class Config:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "Config":
+        """Read a JSON file of settings (`to_json` writes one); invalid JSON is a ConfigError naming the file."""
         with open(path) as f:
             try:
                 d = json.load(f)
@@ -393,6 +395,7 @@ class Config:
         return cls.from_dict(d)
 
     def to_json(self, path: str | Path) -> None:
+        """Write `to_dict()` as JSON to `path` (`Config.from_json` reads it back)."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
     @classmethod

@@ -35,13 +35,16 @@ class DeviceSpec:
     disk_bandwidth: float = 0.0
 
     def peak_flops(self, dtype: str = "fp32") -> float:
+        """FLOP/s at `dtype` ("fp32", "tf32", "bf16", "fp16"); the fp32 rate where the device lists none for it."""
         return self.flops.get(dtype, self.flops.get("fp32", 1.0))
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as plain values (`DeviceSpec.from_dict` reads it back)."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DeviceSpec":
+        """A DeviceSpec from `to_dict()`'s fields."""
         return cls(**d)
 
 

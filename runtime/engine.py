@@ -258,18 +258,22 @@ class Engine:
     # --- the mesh ----------------------------------------------------------------------------
     @property
     def rank(self) -> int:
+        """This process's global rank."""
         return self.dist.rank
 
     @property
     def world_size(self) -> int:
+        """The number of ranks (processes) the engine runs on."""
         return self.dist.world
 
     @property
     def dp_rank(self) -> int:
+        """This rank's data-parallel replica: `local_batch(batch, engine.dp_rank, engine.dp_size)`."""
         return self.mesh.coords()["dp"]
 
     @property
     def dp_size(self) -> int:
+        """The number of data-parallel replicas (ranks / (pipeline x tensor))."""
         return self.mesh.dp
 
     @property
@@ -279,6 +283,7 @@ class Engine:
 
     @property
     def pipe_ranks(self) -> list[int]:
+        """The global ranks of this rank's pipeline, by position."""
         return self.mesh.ranks("pp")
 
     @property
@@ -1965,6 +1970,7 @@ class Engine:
         return Costs([StageCosts(*map(float, r)) for r in t], p2p_latency=self._p2p_latency)
 
     def describe(self) -> dict[str, Any]:
+        """The mesh shape, the schedule's text form and each stage program's description."""
         return {"mesh": self.mesh.shape, "schedule": self.schedule.format() if self.schedule else None,
                 "stages": [p.describe() for p in self.programs]}
 

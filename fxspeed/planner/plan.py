@@ -26,6 +26,10 @@ _FIT_TOLERANCE = 0.01  # symbolic fit error above which max_size refuses (planne
 
 @dataclass
 class Plan:
+    """What `fxspeed.plan` / `engine.plan` predict for one training step on every rank: memory by
+    category at each rank's peak, time by phase, communication, the passes run and the layout.
+    Plain and serializable (`to_json` / `from_json`); `summary()` is the readable form."""
+
     model: str
     n_params: int
     n_trainable: int
@@ -77,9 +81,11 @@ class Plan:
         return d
 
     def peak_memory(self, rank: int = 0) -> int:
+        """Predicted bytes `rank` holds at its peak (`memory(rank)["total"]`)."""
         return self.memory(rank)["total"]
 
     def fits(self) -> bool:
+        """Whether every rank's predicted peak fits its device's memory."""
         return all(self.peak_memory(r) <= d["memory"] for r, d in enumerate(self.devices))
 
     def expr(self, quantity: str = "peak_memory") -> sympy.Expr:
@@ -123,6 +129,9 @@ class Plan:
 
     # --- presentation ----------------------------------------------------------------------
     def summary(self) -> str:
+        """The plan as text: memory by category, time, FLOPs, the rank layout and the passes run
+        (and, where they apply, pipeline stages, tensor-parallel placements, offload), with the
+        planner's notes."""
         gb = lambda b: size(b, 11)  # noqa: E731 - the unit that shows the figure: a small model's read "0.000 GB"
         s = self.strategy
         lines = [
@@ -218,10 +227,12 @@ class Plan:
 
     # --- serialization ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """The fields as plain JSON values (`Plan.from_dict` reads it back)."""
         return json.loads(json.dumps(self.__dict__))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        """A Plan from `to_dict()`'s fields (an unknown field is an error naming it)."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -229,6 +240,7 @@ class Plan:
         return cls(**d)
 
     def to_json(self, path: str | Path | None = None) -> str:
+        """The plan as JSON text, also written to `path` when one is given."""
         text = json.dumps(self.to_dict(), indent=1)
         if path is not None:
             Path(path).write_text(text)
@@ -236,6 +248,7 @@ class Plan:
 
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> "Plan":
+        """A Plan from JSON text or from a file holding it (what `to_json` wrote)."""
         p = Path(text_or_path)
         text = p.read_text() if len(str(text_or_path)) < 4096 and p.exists() else str(text_or_path)
         return cls.from_dict(json.loads(text))
