@@ -1073,14 +1073,15 @@ class Engine:
         self.plan = plan_inference(self.model, first, self._serving, self.devices[0], self.config,  # type: ignore[assignment]
                                    tensor=self.mesh.tp)
 
-    def _inference_program(self, tokens: int, copies: str = "packed") -> Any:
+    def _inference_program(self, tokens: int, copies: str = "packed", ways: int = 1) -> Any:
         """The compiler's serving program for a bucket of `tokens`. Under tensor parallelism the
         first program's layout cuts the Parameters to this rank's slices; later buckets are traced
         with full-shaped meta stand-ins for them (the trace reads shapes only; gathering the
-        weights would put a whole model copy in memory at every new bucket)."""
+        weights would put a whole model copy in memory at every new bucket). `copies`, `ways`: the
+        weight copies its linears read (Compiler.inference)."""
         shapes = {pid: full for pid, (_p, _d, _b, full) in self._tp.layout.items()} if self._tp else {}
         with _meta_stand_ins(self.model, shapes):
-            program = self.compiler.inference(self.model, tokens, copies=copies)
+            program = self.compiler.inference(self.model, tokens, copies=copies, ways=ways)
         if self._tp is not None:
             self._apply_tp_layout(program.signature)
         return program

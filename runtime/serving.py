@@ -462,7 +462,8 @@ class _Static:
 class ServingLoop:
     """Continuous batching for one Engine (see the module docstring)."""
 
-    def __init__(self, compile_bucket: Callable[[int, str], InferenceProgram], bind: Callable[[IOSpec], torch.Tensor],
+    def __init__(self, compile_bucket: Callable[[int, str, int], InferenceProgram],
+                 bind: Callable[[IOSpec], torch.Tensor],
                  *, vocab_size: int, max_context: int, device: torch.device, token_budget: int = 256,
                  context_limit: str = "",
                  max_batch: int = 16, block_size: int = 16, cache_tokens: int | None = None,
@@ -475,10 +476,11 @@ class ServingLoop:
         `cuda_graphs`: the buckets up to the decode bucket run at fixed shapes (`_Static`),
         captured as CUDA graphs on a CUDA device; None: on a CUDA device without tensor
         parallelism. True on another device runs the fixed-shape steps without capture.
-        `compile_bucket(T, copies)`: bucket T's program; where the pack_linear_weights pass applies
-        (CPU buckets of a few tokens) its linears read `copies` of the weights: "packed" for oneDNN,
-        "transposed" (ATen's GEMM, [out, in] weights through [in, out] copies: its fast layout at a
-        few rows) or "none" (the Parameters themselves).
+        `compile_bucket(T, copies, ways)`: bucket T's program; where the pack_linear_weights pass
+        applies (CPU buckets of a few tokens) its linears read `copies` of the weights: "packed" for
+        oneDNN, "transposed" (ATen's GEMM, [out, in] weights through [in, out] copies: its fast
+        layout at a few rows), "split" (copies in `ways` slices, the loop's PackedWeights.ways) or
+        "none" (the Parameters themselves).
         `pack_linear`: "auto" times the ways on the model's weights before compiling each such
         bucket and takes the fastest: packed, transposed copies or (with more than one CPU
         thread) split ones (`pack_probe` keeps the seconds); "always" packs; "never" holds no
@@ -535,12 +537,13 @@ class ServingLoop:
         self._capture = device.type == "cuda"
         # pre-packed linear weights of the CPU's small buckets, one copy shared by every bucket,
         # laid out for the decode bucket's rows (runtime/kernels/packed_linear.py); split copies
-        # in as many slices as the CPU threads at serve
+        # in as many slices as the CPU threads at serve: every bucket's program is compiled for
+        # these (the pass reads no thread count of its own; a later torch.set_num_threads changes neither)
         self.packed = PackedWeights(decode, ways=torch.get_num_threads() if device.type == "cpu" else 1)
         # Not probed: it is compiled before any weight list exists (the largest bucket, usually past
         # pack_linear_tokens; under tp the decode bucket), so it packs wherever the pass applies.
         first = self._check_window(compile_bucket(decode if agree is not None else self.buckets[-1],
-                                                  "none" if pack_linear == "never" else "packed"))
+                                                  "none" if pack_linear == "never" else "packed", self.packed.ways))
         self._packable = (first.gm.meta.get("packable_weights", []), first.gm.meta.get("pack_linear_tokens", 0))
         self._position_tables = first.gm.meta.get("kv_cache_position_tables", ())
         # Where every layer has a sliding window a request keeps `ring` blocks at most, reused in
@@ -605,7 +608,7 @@ class ServingLoop:
         """The bound program of bucket T, compiled on first use."""
         if T not in self.programs:
             t0 = time.perf_counter()
-            program = self._check_window(self._compile(T, self._copies(T)))
+            program = self._check_window(self._compile(T, self._copies(T), self.packed.ways))
             if list(program.kv_layout) != self.cache.layout or \
                     program.layer_groups() != self.cache.groups:
                 # Every bucket writes the same cache: under tensor parallelism its heads must be

@@ -221,14 +221,17 @@ def test_with_more_than_one_thread_a_bucket_the_probe_splits_reads_copies_split_
     2-thread read bandwidth either: a bucket the probe measures fastest split reads [k, in, out/k]
     copies of every linear weight (GPT-2's Conv1D ones and the tied head), each product a batched
     GEMM of a slice per thread; the tokens stay the unpacked program's and the plan counts the
-    copies."""
+    copies. k is the serving loop's threads at serve, in every bucket's program: one compiled
+    after the process went down to one thread (torch.set_num_threads) has k=2 placeholders as
+    the copies it reads (the pass read the thread count itself and gave this one k=1)."""
     import fxspeed.runtime.serving as serving
 
     monkeypatch.setattr(serving, "fastest_copies", lambda specs, rows, bind, layout_rows, ways:
                         ("split" if rows == 1 and ways == 2 else "packed", {}))
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # two slices (this test's one thread runs both)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # serve at two threads (this test's one runs both)
     model = _hf("gpt2")
     auto = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the 1-token bucket is compiled at generate
     _same_generation(auto, fxspeed.serve(model, config=UNPACKED, **SMALL))
     bound = auto._serving.programs[1]
     inputs = bound.program.signature.inputs
@@ -236,6 +239,9 @@ def test_with_more_than_one_thread_a_bucket_the_probe_splits_reads_copies_split_
     assert len(split) == 2 * 4 + 1 and not [s for s in inputs if s.kind in PACKED_KINDS]
     assert split["transformer.wte.weight"].shape == (2, 32, V // 2)  # the head: [out, in] -> 2 x [in, out / 2]
     assert split["transformer.h.0.mlp.c_fc.weight"].shape == (2, 32, 64)  # a Conv1D's [in, out] -> 2 x [in, out / 2]
+    placeholders = [n for n in bound.program.gm.graph.nodes if n.op == "placeholder"]
+    assert {s.target: tuple(n.meta["val"].shape) for n, s in zip(placeholders, inputs) if s.kind in SPLIT_KINDS} == \
+        {t: tuple(c.shape) for t, c in split.items()}  # the program's k is its copies' k
     assert [n.target for n in bound.program.gm.graph.nodes].count(split_linear) == 2 * 4 + 1
     assert _params_read_by_products(bound.program.gm, inputs) == []
     assert auto.plan.split_copy_bytes == sum(t.nbytes for t in split.values()) and "split over the threads" in \

@@ -581,6 +581,8 @@ def test_options_given_as_a_dict_are_checked_and_converted():
         PassOptions(world_size=2, rank=2)
     with pytest.raises(ConfigError, match=r"pipeline_chunks=2 needs schedule='interleaved'"):
         PassOptions(pipeline=2, pipeline_chunks=2)
+    with pytest.raises(ConfigError, match=r"PassOptions.linear_split_ways=0 is invalid; it must be an integer >= 1"):
+        PassOptions(linear_split_ways=0)
 
 
 def test_options_derived_from_another_config_are_refused():

@@ -123,6 +123,11 @@ class PassOptions:
     # runtime/kernels/packed_linear.split_linear); the serving loop's probe picks per bucket.
     # why: runtime/kernels/packed_linear.py
     linear_copies: str = "packed"
+    # the slices k of those "split" copies: the serving loop's PackedWeights.ways (its CPU threads at
+    # serve), which holds the copies the program reads; also sizes the split copies the plan counts
+    # (gm.meta["split_copy_bytes"], 0 at one way). Set by the loop, not read from torch's threads
+    # here: a later torch.set_num_threads must not make a new bucket's program disagree with them.
+    linear_split_ways: int = 1
     # kv_cache (serving programs): each attention layer's sliding window in layer order (0: none),
     # from the model's config (`runtime/serving.py:sliding_windows`); () where it names none. A
     # bucket of T <= window tokens cannot show the window in its masks, so it comes from here.
@@ -144,7 +149,7 @@ class PassOptions:
         _one_of("grad_accum_role", self.grad_accum_role, ("whole", "local", "last"))
         _one_of("schedule", self.schedule, SCHEDULES)
         _one_of("linear_copies", self.linear_copies, ("packed", "transposed", "split"))
-        for name in ("world_size", "pipeline", "microbatches", "pipeline_chunks", "bucket_bytes"):
+        for name in ("world_size", "pipeline", "microbatches", "pipeline_chunks", "bucket_bytes", "linear_split_ways"):
             _int(name, getattr(self, name), 1)
         for name in ("rank", "reuse_min_bytes", "tp_rank", "activation_offload_min_bytes", "pack_linear_tokens"):
             _int(name, getattr(self, name), 0)

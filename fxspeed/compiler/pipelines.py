@@ -359,16 +359,18 @@ class Compiler:
         return compile_step(model, args, kwargs, config=self.config, loss_fn=self.loss_fn, train=train,
                             options=options, analyze=analyze, analyses=self.analyses)
 
-    def inference(self, model: nn.Module, tokens: int, copies: str = "packed") -> Any:
+    def inference(self, model: nn.Module, tokens: int, copies: str = "packed", ways: int = 1) -> Any:
         """The serving program for one packed row of `tokens` tokens, with the paged KV cache
         (fxspeed/compiler/capture_inference.py). Where pack_linear_weights applies its linears read
         `copies` of the weights: "packed" (oneDNN's layout), "transposed" (ATen's GEMM over [in, out]
         copies of the [out, in] weights), "split" (copies split over the CPU threads, a batched
         GEMM) or "none" (the Parameters themselves: no memory beside the model's,
-        serve(pack_linear="never"))."""
+        serve(pack_linear="never")). `ways`: the slices of the split copies (the serving loop's
+        PackedWeights.ways; PassOptions.linear_split_ways), in every bucket: the first sizes the
+        split copies the plan counts."""
         from fxspeed.compiler.capture_inference import compile_inference
 
-        options = self.options.local()
+        options = dataclasses.replace(self.options.local(), linear_split_ways=ways)
         if copies == "none":
             options = dataclasses.replace(options, pack_linear_tokens=0)
         elif copies != "packed":

@@ -28,8 +28,9 @@ products read copies split over the threads instead:
 
     after:   cs: split_weight_t(c) [k, in, ceil(out/k)];  z = split_linear(x2, cs, b2, out)
 
-(runtime/kernels/packed_linear.split_linear: a batched GEMM of one slice per thread).
-Options read: pack_linear_tokens (0: never), linear_copies.
+(runtime/kernels/packed_linear.split_linear: a batched GEMM of one slice per thread; k is
+`linear_split_ways`, the slices of the serving loop's copies, PackedWeights.ways).
+Options read: pack_linear_tokens (0: never), linear_copies, linear_split_ways.
 why: docs/decisions/pack-linear-weights-on-cpu.md
 """
 
@@ -65,8 +66,9 @@ def pack_linear_weights(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     # and the [in, out] copies of the [out, in] ones, held where the probe picks ATen's GEMM
     gm.meta["transposed_copy_bytes"] = sum(p.meta["val"].numel() * 4 for (p, t) in unique if not t)
     # and the split copies of every weight, held where the probe splits the products over the threads
-    # (only with more than one: one thread runs a batch of products one after the other)
-    ways = torch.get_num_threads()
+    # (only with more than one: one thread runs a batch of products one after the other), in as many
+    # slices as the serving loop's copies hold (PassOptions.linear_split_ways)
+    ways = ctx.options.linear_split_ways
     gm.meta["split_copy_bytes"] = sum(_split_shape(p.meta["val"], t, ways).numel() * 4 for (p, t) in unique) \
         if ways > 1 else 0
     # what the serving loop times before it compiles a bucket with or without packing
