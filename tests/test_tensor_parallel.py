@@ -444,26 +444,28 @@ def test_cuda_attention_is_split_by_heads_except_under_its_own_dropout(kernel: s
             assert outs and all(str(o) == "S(1)" for o in outs)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention,kv", [("sdpa", 2), ("eager", 2), ("eager", 6)])
 def test_heads_not_divisible_by_tensor_are_computed_whole_with_a_warning_naming_the_sizes_that_split_them(
-        attention: str) -> None:
-    """6 query heads and 2 key/value heads at T=4: no layout splits them, so the solver keeps the
-    attention's weights from being cut on their heads (its reshape to heads does not take a
-    shard of 1.5 heads), still splits the MLP, and the engine says so (it refused the model
-    before), through SDPA or computed eagerly (no SDPA op: seen by its repeat of the key/value
-    heads, as Gemma2's attention). Parity of such a layout with one process: the uneven_heads case
-    of the 2-rank launch."""
+        attention: str, kv: int) -> None:
+    """6 query heads and 2 (or 6) key/value heads at T=4: no layout splits them, so the solver
+    keeps the attention's weights from being cut on their heads (its reshape to heads does not
+    take a shard of 1.5 heads), still splits the MLP, and the engine says so (it refused the model
+    before), through SDPA or computed eagerly (no SDPA op: seen by its softmax over keys times the
+    values, as Gemma2's attention; eager attention with as many key/value heads as query heads
+    repeats nothing, and went unwarned). Parity of such a layout with one process: the
+    uneven_heads case of the 2-rank launch."""
     import transformers
 
     from fxspeed.config import ConfigWarning
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=1, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, intermediate_size=64,
+        num_hidden_layers=1, hidden_size=48, num_attention_heads=6, num_key_value_heads=kv, intermediate_size=64,
         vocab_size=32, max_position_embeddings=8, use_cache=False, attn_implementation=attention))
     ids = torch.randint(0, 32, (1, 8))
-    with pytest.warns(ConfigWarning, match=r"6 query heads and 2 key/value heads.*not split by heads.*tensor=2 or 6 "
-                                           r"would split the heads") as w:
+    split = "2 or 6" if kv == 2 else "2, 3 or 6"
+    with pytest.warns(ConfigWarning, match=rf"6 query heads and {kv} key/value heads.*not split by heads.*"
+                                           rf"tensor={split} would split the heads") as w:
         _, analysis = _compile(model, (), {"input_ids": ids, "labels": ids}, T=4, device=SLOW_COMPUTE)
     assert {r.filename for r in w} == {__file__}  # the user's line, not placement.py's
     placed = {n: str(p) for n, p in analysis.params.items()}
@@ -473,6 +475,35 @@ def test_heads_not_divisible_by_tensor_are_computed_whole_with_a_warning_naming_
     if attention == "sdpa":  # eagerly the cost model may cut o_proj's input dim of the whole-computed
         # attention output (a valid layout: a slice of a replicated value, a partial sum all-reduced)
         assert not placed.get("model.layers.0.self_attn.o_proj.weight", "R").startswith("S(1"), placed
+
+
+@pytest.mark.parametrize("heads,T,warned", [(6, 4, True), (12, 2, False), (12, 4, False), (0, 4, False)])
+def test_eager_attention_warns_of_heads_that_do_not_split_and_only_of_those(heads: int, T: int, warned: bool) -> None:
+    """GPT-2 with attn_implementation="eager" (as many key/value heads as query heads, nothing
+    repeated) is seen by its softmax over keys times the values: 6 heads at T=4 warn, 12 at T=2
+    or 4 do not, nor does a model without attention (heads=0: an MLP, its loss a log-softmax)."""
+    import warnings
+
+    import transformers
+
+    from fxspeed.compiler.capture import capture_step
+    from fxspeed.planner.placement import warn_heads
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (1, 8))
+    if heads:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=1, n_embd=48, n_head=heads, n_positions=8, vocab_size=32, attn_implementation="eager",
+            use_cache=False))
+        kwargs = {"input_ids": ids, "labels": ids}
+    else:
+        model, kwargs = nn.Sequential(nn.Embedding(32, 48), nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 32)), {}
+    gm = capture_step(model, (ids,) if not heads else (), kwargs, train=heads > 0).gm
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        warn_heads(gm, T)
+    assert [str(x.message) for x in w if f"{heads} query heads and {heads} key/value heads" in str(x.message)] != [] \
+        if warned else [str(x.message) for x in w] == []
 
 
 def test_a_plan_without_an_engine_lists_every_placement_and_extrapolates_the_tp_collectives_over_blocks() -> None:

@@ -1311,13 +1311,14 @@ def warn_heads(gm: fx.GraphModule, T: int) -> None:
 
     heads: list[tuple[int, int]] = []  # (query heads, key/value heads) of each attention seen
     for n in gm.graph.nodes:
-        if n.target in SDPA_FORWARD:  # (SDPA's math form, under attention dropout, has no one op: unseen)
+        if n.target in SDPA_FORWARD:  # (SDPA's math form, under attention dropout, has no one op: below)
             q, k = _shape(n.args[0]), _shape(n.args[1])
             if q is not None and k is not None and len(q) == 4:
                 heads.append((q[1], _kv_heads(n.args[1], k[1])))
-    # grouped-query attention computed eagerly (Gemma2's softcapped logits: no SDPA op), seen by its
-    # repeat of the key/value heads; eager attention with as many key/value heads as query heads
-    # repeats nothing and goes unseen
+    # attention computed eagerly (no SDPA op: HF's attn_implementation="eager", Gemma2's softcapped
+    # logits, SDPA's math form under dropout), seen by its probabilities [B, heads, S, S'] (a softmax over keys) times the values;
+    # grouped-query attention by its repeat of the key/value heads too (the same pair, once)
+    heads += _eager_attention_heads(gm)
     heads += [(h, kv) for _, kv, h in _eager_repeats(gm)]
     seen: set[tuple[int, int]] = set()
     for h, kv in heads:
@@ -1353,6 +1354,48 @@ def split_heads(attention: Sequence[fx.Node], T: int) -> dict[fx.Node, Any]:
         if st is not None:
             pins[n] = st.out
     return pins
+
+
+# between an eager attention's softmax and its product with the values: casts, dropout, the
+# matmul's broadcast to [B, heads, S, S'] and its view as [B * heads, S, S']
+_PROBS_PATH = {*_VIEWS, aten._to_copy.default, aten.clone.default, aten.expand.default, aten.native_dropout.default,
+               operator.getitem, aten.mul.Tensor, aten.detach.default}
+
+
+def _eager_attention_heads(gm: fx.GraphModule) -> list[tuple[int, int]]:
+    """(query heads, key/value heads) of each attention computed without SDPA: a softmax over the
+    last dim of a 4-D [B, heads, S, S'] whose probabilities (through casts, dropout and the
+    matmul's expand/view) are the left operand of a bmm, the product with the values. The
+    key/value heads are the values' before a repeat (`_kv_heads`; eager MHA repeats nothing:
+    as many as the query heads). A softmax over channels (dim 1) or read by no product is not
+    attention."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.target not in (aten._softmax.default, aten._safe_softmax.default):  # (SDPA's math form: safe)
+            continue
+        shape = _shape(n.args[0])
+        if shape is None or len(shape) != 4 or n.args[1] not in (-1, 3):
+            continue
+        product, frontier, seen = None, [n], {n}
+        while frontier and product is None:
+            x = frontier.pop()
+            for u in x.users:
+                if u.target == aten.bmm.default and u.args[0] is x:
+                    product = u
+                    break
+                if u.target in _PROBS_PATH and u not in seen:
+                    seen.add(u)
+                    frontier.append(u)
+        if product is None:
+            continue
+        values = product.args[1]
+        while isinstance(values, fx.Node) and values.target in _VIEWS:
+            values = values.args[0]
+        if isinstance(values, fx.Node) and values.target == aten.expand.default and \
+                len(_shape(values.args[0]) or ()) == 4:
+            values = values.args[0]  # the matmul's broadcast, not a repeat of the key/value heads
+        out.append((shape[1], _kv_heads(values, shape[1])))
+    return out
 
 
 _KV_PATH = {*_VIEWS, aten.clone.default, aten._to_copy.default, aten.unsqueeze.default, aten.expand.default,

@@ -446,7 +446,7 @@ def llama() -> str:
 def uneven_heads() -> str:
     """Heads that do not split over the tp ranks (GPT-2 with 3 heads, without and with Hugging
     Face's dropouts; Llama with 6 query heads and 3 key/value heads) are not refused: the engine
-    warns (not under attention dropout, whose SDPA math form names no heads), every tp rank
+    warns (under attention dropout too, SDPA's math form: seen by its softmax), every tp rank
     computes whole what does not divide (GPT-2's attention; Llama's key/value heads), and the rest
     is still split (on a device whose slow compute makes every split pay): parity with one
     process, the MLP split, no attention weight split by heads."""
@@ -470,8 +470,10 @@ def uneven_heads() -> str:
              "transformer.h.1.mlp.c_fc.weight"),
             ("llama_6_3heads", "6 query heads and 3 key/value heads", "model.layers.1.self_attn.k_proj.weight",
              "S(0", "model.layers.1.mlp.up_proj.weight"),
-            # SDPA's math form (attention dropout) has no one op to read heads from: no warning
-            ("gpt2_3heads_dropout", "", "transformer.h.1.attn.c_attn.weight", "S(1", "transformer.h.1.mlp.c_fc.weight")):
+            # SDPA's math form (attention dropout) has no one op: its heads are read off its softmax
+            # over keys times the values, as eager attention's
+            ("gpt2_3heads_dropout", "3 query heads and 3 key/value heads", "transformer.h.1.attn.c_attn.weight", "S(1",
+             "transformer.h.1.mlp.c_fc.weight")):
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             got = parity(name, fxspeed.Config(tensor=T, lr=1e-4, eps=EPS), check=split_mlp(weight, by_heads, mlp),
