@@ -11,6 +11,7 @@ import sympy
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx import graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxspeed
@@ -273,8 +274,11 @@ def test_layer_extrapolation_from_two_three_and_four_blocks_matches_tracing_all_
     with torch.device("meta"):
         model = GPT(cfg)
     ids = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    before = set(graph_module._loader.eval_cache)
     full = fxspeed.plan(model, 1, fxspeed.Config(layer_extrapolation=False), example_inputs=(ids, ids))
     extra = fxspeed.plan(model, 1, fxspeed.Config(layer_extrapolation=True), example_inputs=(ids, ids))
+    # the trial compiles' programs are dropped with their generated sources (1 + 3 stayed in torch.fx's cache)
+    assert set(graph_module._loader.eval_cache) - before == set()
     assert extra.n_params == full.n_params
     assert extra.flops == full.flops
     assert extra.phase_memory == full.phase_memory

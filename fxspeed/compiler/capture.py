@@ -743,7 +743,7 @@ def forget_stale_graph_sources(before: set[str], *keep: fx.GraphModule | None) -
     first two buckets. Drops the ones made since `before` except those of the programs in `keep`
     (None: none) and their GraphModule submodules, whose tracebacks still show their lines.
     Called by each compile entry point (compile_step, compile_program, compile_inference) on
-    what it returns."""
+    what it returns, and by `trial_compiles` (the planner's) on nothing."""
     import linecache
 
     cache = _fx_source_cache()
@@ -754,6 +754,20 @@ def forget_stale_graph_sources(before: set[str], *keep: fx.GraphModule | None) -
     for key in set(cache) - before - live:
         del cache[key]
         linecache.cache.pop(key, None)
+
+
+@contextlib.contextmanager
+def trial_compiles() -> Iterator[None]:
+    """Compiles whose programs are read and dropped (the planner's: fxspeed.plan traces the model,
+    reads the costs and keeps no GraphModule) leave no generated source behind: on exit, the
+    sources made inside are forgotten, the programs each compile entry point returned included
+    (forget_stale_graph_sources keeps those for the engine, which runs them). Forgetting a live
+    program's only costs its tracebacks their source lines."""
+    before = graph_source_keys()
+    try:
+        yield
+    finally:
+        forget_stale_graph_sources(before)
 
 
 def _batch_dict_as_positional(model: nn.Module, args: tuple, e: BaseException, train: bool = True

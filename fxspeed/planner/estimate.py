@@ -927,7 +927,7 @@ def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, 
     """Costs of `model`'s step on this batch: one trace, or 2/3/4-block traces extrapolated to
     all blocks for a deep stack of identical blocks. Returns (costs, pass records, notes)."""
     from fxspeed.compiler import compile_step
-
+    from fxspeed.compiler.capture import trial_compiles
     from fxspeed.compiler.options import frees_gradients_in_backward, masters_kept, offload_flops_per_byte
 
     options: dict[str, Any] = {}  # overrides of the single-device options, as the engine's rank has them
@@ -953,8 +953,9 @@ def trace_costs(model: nn.Module, args: tuple, kwargs: dict, *, config: Config, 
     def one() -> tuple[GraphCosts, list[dict]]:
         if config.tensor > 1:
             analyses[:] = [make_placement_analysis(devices)]
-        compiled = compile_step(model, args, kwargs, config=config, loss_fn=loss_fn, train=True,
-                                analyze=costs_reader(config, devices), options=options, analyses=analyses)
+        with trial_compiles():  # the program is read here and dropped: no source of it stays
+            compiled = compile_step(model, args, kwargs, config=config, loss_fn=loss_fn, train=True,
+                                    analyze=costs_reader(config, devices), options=options, analyses=analyses)
         return compiled.costs, [r.to_dict() for r in compiled.records]
 
     # A CUDA program cannot be traced without CUDA: AOT export's functionalization of fake CUDA

@@ -508,16 +508,25 @@ def plan_pipeline(model: Any, args: tuple, kwargs: dict, *, config: Config, devi
     A deep stack of identical blocks (Config.layer_extrapolation, as without a pipeline) is traced
     with 1, 2 and 3 blocks per stage instead of whole, and every per-stage and per-rank figure is
     extrapolated linearly to the blocks each stage gets (see `_plan_extrapolated`)."""
-    from fxspeed.compiler.pipelines import compile_program, micro_config
+    from fxspeed.compiler.capture import trial_compiles
     from fxspeed.errors import ConfigError
-    from fxspeed.ir.batch import split_batch
-    from fxspeed.planner.estimate import _extrapolation_wanted, costs_reader, finish_plan, for_target, repeated_blocks
 
     P, tp, world = config.pipeline, config.tensor, len(devices)
     if world % (P * tp):
         raise ConfigError(f"devices={world} is not a multiple of Config.pipeline x Config.tensor = {P} x {tp}; use "
                           f"devices = {P * tp} x (data-parallel replicas), e.g. {max(P * tp, world - world % (P * tp))}"
                           f" or {(world // (P * tp) + 1) * P * tp}")
+    with trial_compiles():  # the stage programs (and presolve's) are read for the plan and dropped
+        return _plan_pipeline(model, args, kwargs, config=config, devices=devices, loss_fn=loss_fn)
+
+
+def _plan_pipeline(model: Any, args: tuple, kwargs: dict, *, config: Config, devices: Sequence[DeviceSpec],
+                   loss_fn: Any) -> Plan:
+    from fxspeed.compiler.pipelines import compile_program, micro_config
+    from fxspeed.ir.batch import split_batch
+    from fxspeed.planner.estimate import _extrapolation_wanted, costs_reader, finish_plan, for_target, repeated_blocks
+
+    P, tp, world = config.pipeline, config.tensor, len(devices)
     D = world // (P * tp)
     margs, mkw = split_batch(args, kwargs, config.microbatches)[0]
     options, analyses = None, ()
