@@ -65,6 +65,27 @@ def test_an_aliased_example_dict_like_hugging_face_labels_is_traced_as_separate_
     check_parity(model, batches, CFG)
 
 
+class _OptionalMask(nn.Module):
+    """forward(x, mask=None, y=None), as Hugging Face's optional inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, y: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.lin(x) if mask is None else self.lin(x) * mask
+        return ((h - y) ** 2).mean()
+
+
+def test_a_batch_value_that_is_none_is_passed_as_none_between_tensors() -> None:
+    """`token_type_ids=None` in a dict batch (or None between positional tensors): capture failed
+    with a bare StopIteration, None being its marker of a tensor leaf."""
+    batches = [(torch.randn(3, 4), None, torch.randn(3, 4)) for _ in range(2)]
+    check_parity(_OptionalMask(), batches, CFG)
+    batches = [dict(x=torch.randn(3, 4), mask=None, y=torch.randn(3, 4)) for _ in range(2)]
+    check_parity(_OptionalMask(), batches, CFG)
+
+
 def test_inputs_that_are_views_of_one_tensor_are_traced_as_separate_inputs() -> None:
     d = torch.randint(0, 64, (2, 9))
     e, f = torch.randint(0, 64, (2, 9)), torch.randint(0, 64, (2, 9))

@@ -131,6 +131,9 @@ def _members_of_unique_modules(root: nn.Module, prefix: str, kind: str) -> Itera
                 yield (f"{path}.{k}" if path else k), v
 
 
+_TRACED = object()  # _StepModule._consts: this leaf is a graph input
+
+
 class _StepModule(nn.Module):
     """Wraps the user's model so the traced function takes only tensors and returns the loss."""
 
@@ -140,7 +143,10 @@ class _StepModule(nn.Module):
         self.model = model
         self._loss_fn = loss_fn
         self._spec = spec
-        self._consts = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        # A marker of its own for the traced (tensor) leaves: a batch value that is None
+        # (`token_type_ids=None`) is a constant leaf too, and read as a tensor slot it ran out of
+        # tensors (a bare StopIteration from capture).
+        self._consts = [_TRACED if isinstance(x, torch.Tensor) else x for x in leaves]
         self._want_loss = want_loss
         self.out_spec: pytree.TreeSpec | None = None
         self.out_type: type | None = None
@@ -169,7 +175,7 @@ class _StepModule(nn.Module):
         if self.scalars is not None:
             _reset_scalars(self.model, self.scalars)
         it = iter(tensors)
-        leaves = [next(it) if c is None else c for c in self._consts]
+        leaves = [next(it) if c is _TRACED else c for c in self._consts]
         args, kwargs = pytree.tree_unflatten(leaves, self._spec)
         out = self.model(*args, **kwargs)
         name = type(self.model).__name__
