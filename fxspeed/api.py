@@ -77,6 +77,7 @@ def compile(model: nn.Module, devices: Devices = 1, config: Config | dict | str 
     cfg.check_supported()
     devs = normalize_devices(devices)
     _say_parameters_outside_precision(model, cfg)
+    _refuse_offloading_low_precision_parameters(model, cfg)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     args, kwargs = _split_example(example_inputs, "compile")
@@ -124,6 +125,28 @@ def _say_parameters_outside_precision(model: nn.Module, cfg: Config) -> None:
                     "fp32 parameters (with fp32 master weights) and leaves parameters of other dtypes as they are: "
                     "these train in their own dtype, their updates rounded to it. Build the model in fp32 for "
                     "mixed precision", type(model).__name__, " and ".join(other), cfg.precision)
+
+
+def _refuse_offloading_low_precision_parameters(model: nn.Module, cfg: Config) -> None:
+    """The offloaded optimizer keeps fp32 Adam moments (and, under precision='bf16'/'fp16', fp32
+    masters made from fp32 parameters), and parameter offload moves the working copies of fp32
+    masters: a model given as bf16/fp16 Parameters reached them as low-precision tensors and
+    failed deep in the build (an internal "please report" error; "this layout is ZeRO-3 without
+    master weights"). Without offload such parameters train in their own dtype; with it they are
+    refused here, with the recipe that offloads them."""
+    if not (cfg.offloads_optimizer or cfg.offloads_parameters):
+        return
+    other = [(n, p.dtype) for n, p in model.named_parameters()
+             if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32]
+    if other:
+        names = ", ".join(f"{n} ({str(d).removeprefix('torch.')})" for n, d in other[:4])
+        more = f" and {len(other) - 4} more" if len(other) > 4 else ""
+        raise ConfigError(
+            f"Config.offload={cfg.offload!r} keeps fp32 parameters (or fp32 masters of bf16/fp16 working copies) off "
+            f"the device; {type(model).__name__} has {len(other)} trainable "
+            f"parameter(s) of another dtype: {names}{more}. Build the model in fp32 (`model.float()`) and set "
+            f"Config(precision='bf16') (the engine keeps bf16 working copies; with zero>=1 their fp32 masters go to the "
+            f"offload file with the moments), or use offload='none' to train them in their own dtype")
 
 
 def plan(model: nn.Module, devices: Devices = 1, config: Config | dict | str | None = None, *,

@@ -634,3 +634,17 @@ def test_in_backward_the_plan_counts_the_working_shards_of_the_buckets_in_use_no
     assert plan.phase_memory["step"]["parameters"] <= 2 * shard + 1
     # after the step the shards go back through the files: two writes in flight and one filling
     assert plan.phase_memory["optimizer"]["parameters"] >= 3 * shard
+
+
+@pytest.mark.parametrize("cfg", [dict(offload="optimizer"), dict(offload="optimizer", precision="bf16", zero=1),
+                                 dict(offload="parameters", precision="bf16", zero=3)])
+def test_a_model_given_as_bf16_parameters_is_refused_under_offload_with_the_fp32_recipe(
+        tmp_path: Path, cfg: dict) -> None:
+    """The offloaded optimizer steps fp32 tensors (or bf16 working copies of fp32 masters it made),
+    parameter offload moves working copies of fp32 masters: bf16 Parameters reached them as they
+    were and failed with an internal "please report this" (or "ZeRO-3 without master weights")."""
+    model, batch = _gpt()
+    with pytest.raises(ConfigError, match=r"wte.weight \(bfloat16\).*model.float\(\).*precision='bf16'"):
+        fxspeed.compile(model.to(torch.bfloat16), 1, fxspeed.Config(**cfg, nvme_path=str(tmp_path)),
+                        example_inputs=batch)
+    assert list(tmp_path.iterdir()) == []
