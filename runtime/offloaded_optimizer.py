@@ -13,7 +13,8 @@ fused Adam kernel, elementwise, so chunking changes nothing: the result is bit f
 `torch.optim.AdamW(fused=True)` over the same tensors.
 
 `state_dict()` / `load_state_dict()` read and write the moments through the file, so
-checkpoints hold the same keys as torch.optim's (`step`, `exp_avg`, `exp_avg_sq`).
+checkpoints hold the same keys as torch.optim's (`step`, `exp_avg`, `exp_avg_sq`), and the
+param groups torch's AdamW(fused=True) flags (`fused`, `amsgrad`, ...): either loads into the other.
 
 With `masters=True` (master weights, ZeRO-Offload's layout) the tensors it is given are the
 low-precision *working* shards the program reads, and their fp32 masters live in the file too,
@@ -128,7 +129,11 @@ class OffloadedAdam(torch.optim.Optimizer):
         `decay` (runtime/optimizer.WeightDecay, Config.no_weight_decay): the weight decay of the
         elements it names, applied to each chunk's weights (the fp32 masters with `masters`) or
         gradients just before its update; `weight_decay` must then be 0."""
-        super().__init__(list(params), dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        # torch's Adam/AdamW group settings too, as its fused kernel runs them: state_dict() then
+        # loads into torch.optim.AdamW(fused=True) as one of its own (a group without `fused` made
+        # it fall back to its foreach kernel, which rounds differently)
+        super().__init__(list(params), dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                            **_torch_flags(decoupled)))
         self.decoupled = decoupled
         self.decay = decay
         if decay is not None and weight_decay:
@@ -487,8 +492,16 @@ class OffloadedAdam(torch.optim.Optimizer):
         Adam's fp32 moments (fp16 flushed exp_avg_sq to 0, and the next step blew the weights
         up). The moments are taken from `state_dict` itself, mapped to tensors in the same order
         torch maps them."""
+        unsupported = [f"{k}={g[k]!r}" for g in state_dict["param_groups"] for k in ("amsgrad", "maximize")
+                       if g.get(k)]
+        if unsupported:
+            raise FxspeedError(f"the offloaded optimizer steps Adam/AdamW without amsgrad or maximize; this state_dict "
+                               f"has {', '.join(sorted(set(unsupported)))}: load it into an engine without offload, or "
+                               "drop those settings")
         keep = {p: dict(s) for p, s in self.state.items()}
         super().load_state_dict({**state_dict, "state": {}})  # (with the moments, a cast copy of each)
+        for g in self.param_groups:  # the kernel this optimizer runs, whatever the saved one ran
+            g.update(_torch_flags(self.decoupled))
         self.state.clear()
         self.state.update(keep)
         ours = [p for g in self.param_groups for p in g["params"]]
@@ -501,6 +514,13 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._drain()
         if self.swap is not None:
             self.swap.close()
+
+
+def _torch_flags(decoupled: bool) -> dict[str, Any]:
+    """torch.optim.Adam/AdamW's group flags for what OffloadedAdam runs: its fused kernel, no
+    amsgrad, no maximize; decoupled weight decay for AdamW."""
+    return dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=True,
+                decoupled_weight_decay=decoupled)
 
 
 def _place(chunks: list[_Chunk]) -> list[_Chunk]:
