@@ -738,7 +738,7 @@ class Engine:
                 raise ConfigError(f"Config.offload_device='nvme' keeps {held} in files: set Config.nvme_path to a "
                                   "directory on a local disk (a swap directory is created and removed there), or use "
                                   "offload_device='cpu' to keep them in pinned host memory")
-            return c.nvme_path
+            return os.path.abspath(c.nvme_path)
         if c.offload_device == "cpu":
             raise ConfigError("Config.offload_device='cpu' on a CPU device moves nothing: the states are in host "
                               "memory already. Use offload_device='nvme' with nvme_path=<a directory on a local disk> "
@@ -747,7 +747,9 @@ class Engine:
             raise ConfigError(f"Config.offload={c.offload!r} on a CPU device keeps {held} in files: set "
                               "Config.nvme_path to a directory on a local disk (a swap directory is created and "
                               "removed there)")
-        return c.nvme_path
+        # Resolved now: a relative path read after the user's os.chdir named another directory
+        # (the swap directory was then never removed, and an activation file made later went there)
+        return os.path.abspath(c.nvme_path)
 
     def _offload_spec(self, tensors: list[torch.Tensor]) -> dict[str, Any]:
         """Config.offload="optimizer"/"all": where the Adam moments of `tensors` go on this rank's

@@ -68,7 +68,7 @@ class SwapFile:
     """One preallocated file of `nbytes` under `root` (Config.nvme_path); async aligned I/O."""
 
     def __init__(self, root: str | os.PathLike, nbytes: int, *, name: str, workers: int = 2) -> None:
-        root_path = Path(root)
+        root_path = Path(os.path.abspath(root))  # (removed at close by this path, whatever the cwd is then)
         if not root_path.is_dir():
             raise FxspeedError(f"Config.nvme_path={str(root)!r} does not exist or is not a directory; create it (on "
                                "a local disk with room for the offloaded states) or choose another path")

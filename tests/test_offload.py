@@ -671,3 +671,17 @@ def test_the_offloaded_optimizers_state_dict_loads_into_torchs_fused_adamw_and_t
     saved["param_groups"][0]["amsgrad"] = True
     with pytest.raises(FxspeedError, match="amsgrad"):
         off.optimizer.load_state_dict(saved)
+
+
+def test_a_relative_nvme_path_is_resolved_at_compile_and_its_swap_directory_removed_after_a_chdir(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python 3.11's mkdtemp keeps a relative directory relative: after the user's os.chdir the
+    engine removed 'swap/fxspeed-swap-...' under the new cwd, and left its file behind."""
+    (tmp_path / "swap").mkdir()
+    monkeypatch.chdir(tmp_path)
+    engine = _compile(None, nvme_path="swap")
+    monkeypatch.chdir(tmp_path.parent)
+    engine.train_step(*_gpt()[1])
+    del engine
+    gc.collect()
+    assert list((tmp_path / "swap").iterdir()) == []
