@@ -2490,7 +2490,10 @@ _IMPLEMENTATION_FLAGS = frozenset({"params", "fused", "foreach", "capturable", "
 
 
 # ... and the ones Config owns (weight decay: the engine may apply it itself, under no_weight_decay)
-_CONFIG_OWNED = frozenset({"weight_decay", "eps"})
+# (and Config.optimizer's update rule: torch's `decoupled_weight_decay` is AdamW's vs Adam's, and
+# the engine never sets amsgrad/maximize; restored from a checkpoint under lr_schedule="manual",
+# an optimizer="adam" engine resuming an AdamW run decayed as AdamW)
+_CONFIG_OWNED = frozenset({"weight_decay", "eps", "decoupled_weight_decay", "amsgrad", "maximize"})
 
 
 def _group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

@@ -272,3 +272,26 @@ def test_a_manual_lr_set_from_numpy_is_saved(tmp_path) -> None:
     e.save(tmp_path / "ck")
     e.load(tmp_path / "ck")
     assert e.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 0.25)))
+
+
+def test_a_manual_schedule_resumed_under_another_optimizer_keeps_the_configs_update_rule(tmp_path) -> None:
+    """Under lr_schedule="manual" load restores each group's saved settings (lr, betas: what a
+    user's scheduler changes); torch's `decoupled_weight_decay` came along, so an
+    optimizer="adam" engine resuming an AdamW checkpoint decayed its weights as AdamW, silently."""
+    from fxspeed.models import GPT, GPTConfig
+
+    x = torch.randint(0, 64, (2, 8))
+
+    def engine(optimizer: str) -> fxspeed.Engine:
+        torch.manual_seed(0)
+        return fxspeed.compile(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)),
+                               config=fxspeed.Config(lr_schedule="manual", optimizer=optimizer, weight_decay=0.1),
+                               example_inputs=(x, x))
+
+    e = engine("adamw")
+    e.optimizer.param_groups[0]["lr"] = 5e-4
+    e.save(tmp_path / "ck")
+    adam = engine("adam")
+    adam.load(tmp_path / "ck")
+    group = adam.optimizer.param_groups[0]
+    assert group["lr"] == 5e-4 and group["decoupled_weight_decay"] is False
