@@ -158,7 +158,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                 raise FxspeedError(f"optimizer offload needs dense tensors; tensor {i} of shape {tuple(p.shape)} has "
                                    f"strides {p.stride()} with gaps")
             # torch's fused Adam reads a float32 step tensor; kept in memory (4 bytes a tensor)
-            self.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32)}
+            self.state[p] = _StepOnly(step=torch.tensor(0.0, dtype=torch.float32))
         chunks = _chunks(tensors, chunk_bytes, sections=3 if masters else 2, starts=set(chunk_starts))
         # The first chunks go off the device until `offload_bytes` are there (the plan's choice
         # under Config.memory_budget_gb; None: all of them): to the file with a swap_root, else
@@ -498,7 +498,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             raise FxspeedError(f"the offloaded optimizer steps Adam/AdamW without amsgrad or maximize; this state_dict "
                                f"has {', '.join(sorted(set(unsupported)))}: load it into an engine without offload, or "
                                "drop those settings")
-        keep = {p: dict(s) for p, s in self.state.items()}
+        keep = {p: _StepOnly(s) for p, s in self.state.items()}
         super().load_state_dict({**state_dict, "state": {}})  # (with the moments, a cast copy of each)
         for g in self.param_groups:  # the kernel this optimizer runs, whatever the saved one ran
             g.update(_torch_flags(self.decoupled))
@@ -514,6 +514,19 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._drain()
         if self.swap is not None:
             self.swap.close()
+
+
+class _StepOnly(dict):
+    """A tensor's `optimizer.state` entry: its step counter only (the moments live in the file, or
+    the host tier). Reading a moment from it (`engine.optimizer.state[p]["exp_avg"]`, a DeepSpeed
+    user's way to watch them) raised a bare KeyError('exp_avg'); it now says where they are."""
+
+    def __missing__(self, key: str) -> Any:
+        if key in _MOMENTS:
+            raise KeyError(f"{key!r}: with Config.offload the Adam moments live off the optimizer's `state` (in the "
+                           "offload file, or host memory); read them with engine.optimizer.state_dict()['state'] "
+                           "(torch's format, a copy) or engine.save")
+        raise KeyError(key)
 
 
 def _torch_flags(decoupled: bool) -> dict[str, Any]:

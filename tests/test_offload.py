@@ -671,6 +671,10 @@ def test_the_offloaded_optimizers_state_dict_loads_into_torchs_fused_adamw_and_t
     saved["param_groups"][0]["amsgrad"] = True
     with pytest.raises(FxspeedError, match="amsgrad"):
         off.optimizer.load_state_dict(saved)
+    # the moments are not in optimizer.state (the step counters are): reading one says where they are
+    p = off.optimizer.param_groups[0]["params"][0]
+    with pytest.raises(KeyError, match=r"exp_avg.*offload file.*state_dict\(\)"):
+        off.optimizer.state[p]["exp_avg"]
 
 
 def test_a_relative_nvme_path_is_resolved_at_compile_and_its_swap_directory_removed_after_a_chdir(
