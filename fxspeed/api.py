@@ -143,10 +143,10 @@ def _refuse_offloading_low_precision_parameters(model: nn.Module, cfg: Config) -
         more = f" and {len(other) - 4} more" if len(other) > 4 else ""
         raise ConfigError(
             f"Config.offload={cfg.offload!r} keeps fp32 parameters (or fp32 masters of bf16/fp16 working copies) off "
-            f"the device; {type(model).__name__} has {len(other)} trainable "
-            f"parameter(s) of another dtype: {names}{more}. Build the model in fp32 (`model.float()`) and set "
-            f"Config(precision='bf16') (the engine keeps bf16 working copies; with zero>=1 their fp32 masters go to the "
-            f"offload file with the moments), or use offload='none' to train them in their own dtype")
+            f"the device; {type(model).__name__} has {len(other)} trainable parameter(s) of another dtype: "
+            f"{names}{more}. Build the model in fp32 (`model.float()`) and set Config(precision='bf16') (the engine "
+            "keeps bf16 working copies; with zero>=1 their fp32 masters go to the offload file with the moments), or "
+            "use offload='none' to train them in their own dtype")
 
 
 def plan(model: nn.Module, devices: Devices = 1, config: Config | dict | str | None = None, *,
