@@ -613,7 +613,9 @@ def test_options_derived_from_another_config_are_refused():
 
 
 def test_a_distributed_pass_without_a_group_name_says_how_to_get_one():
-    with pytest.raises(PassError, match=r"'reduce_gradients'.*group_name is empty.*derive_options"):
+    # a ConfigError (the options are the caller's settings), naming the pass after the message
+    with pytest.raises(ConfigError, match=r"'reduce_gradients'.*group_name is empty.*derive_options.*found by pass "
+                                          r"'reduce_gradients'"):
         compile_step(TiedMLP(), (torch.randn(2, 4),), {}, config=Config(), loss_fn=None,
                      options=PassOptions(world_size=2))
 

@@ -256,6 +256,10 @@ def test_bad_pipeline_configs_are_refused_with_what_works() -> None:
         fxspeed.compile(model, 1, fxspeed.Config(pipeline=2, microbatches=2), example_inputs=(x, y))
     with pytest.raises(ConfigError, match=r"pipeline=2 with devices=3: devices must be a multiple.*devices=2 or 4"):
         fxspeed.compile(model, 3, fxspeed.Config(pipeline=2, microbatches=2), example_inputs=(x, y))
+    # Found while splitting (a pass): still a ConfigError naming the key, not a PassError read as
+    # an internal failure (it was "PassError: pass 'split_stages' failed after [...]: ConfigError: ...")
+    with pytest.raises(ConfigError, match=r"split point 'nope' is not a module the forward runs.*pass 'split_stages'"):
+        fxspeed.plan(model, 2, fxspeed.Config(pipeline=2, microbatches=2, split_points=("nope",)), example_inputs=(x, y))
 
 
 def test_microbatches_must_divide_the_batch() -> None:

@@ -237,6 +237,12 @@ class PassManager:
             ir, modified = p.unwrap(p(ir, ctx))
         except PassError:
             raise
+        except ConfigError as e:
+            # The user's settings (Config.split_points, pipeline, schedule, microbatches) do not fit
+            # the model: a ConfigError naming the key and the fix, as the same checks raise before
+            # compile, not a PassError that reads as an internal failure (and escapes `except
+            # ConfigError`). The pass is named after the user's message.
+            raise ConfigError(f"{e} (found by pass {p.name!r})") from e
         except Exception as e:
             raise PassError(f"pass {p.name!r} failed after {done or 'no other passes'}: {type(e).__name__}: {e}") from e
         try:
