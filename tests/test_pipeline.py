@@ -24,7 +24,7 @@ import fxspeed
 from fxspeed.compiler import PassOptions, compile_step
 from fxspeed.devices import normalize_devices
 from fxspeed.errors import ConfigError
-from fxspeed.passes.program.split_stages import split_stages
+from fxspeed.passes.program.split_stages import PipelineSplitError, split_stages
 from tests.workers.common import build_model, captured_gpt_step, global_batches, key_bias_masked
 from tests.multiprocess import rank_env, run_ranks
 
@@ -154,6 +154,41 @@ def test_user_split_points() -> None:
     cap = _joint(model, (torch.randn(4, 8), torch.randn(4)))
     with pytest.raises(ConfigError, match="split point 'blocks.0' is the first module the forward runs, where stage 0"):
         split_stages(cap.gm, cap.signature, 2, split_points=["blocks.0"])  # said "is not a module the forward runs first"
+
+
+class _ReadsTheEmbeddingAgain(torch.nn.Module):
+    """An output head written as `F.linear(h, self.emb.weight)` (scaled), or, `tied`, through a
+    module holding the same Parameter, as the refusal of the first form says to write it."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.out = None
+        if tied:
+            self.out = torch.nn.Linear(8, 16, bias=False)
+            self.out.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        logits = (self.out(h) if self.out is not None else torch.nn.functional.linear(h, self.emb.weight)) * 0.5
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 16), y.reshape(-1))
+
+
+def test_a_weight_read_again_outside_its_module_on_another_stage_is_refused_saying_how_to_tie_it() -> None:
+    # The readers are stage 0's embedding and the last stage's head: no split point brings them
+    # together, so the message said to "choose other split points", which cannot work.
+    x, y = torch.randint(0, 16, (4, 6)), torch.randint(0, 16, (4, 6))
+    cap = _joint(_ReadsTheEmbeddingAgain(tied=False), (x, y))
+    with pytest.raises(PipelineSplitError, match=r"'emb.weight' is read by stages \[0, 1\] \(stage 0: 'emb'; "
+                                                 r"stage 1: the root module's forward\).*"
+                                                 r"self.out.weight = self.emb.weight.*F.linear\(h, self.emb.weight\)"):
+        split_stages(cap.gm, cap.signature, 2, split_points=["blocks.1"])
+    cap = _joint(_ReadsTheEmbeddingAgain(tied=True), (x, y))  # as the message says: splits, each stage a copy
+    progs = split_stages(cap.gm, cap.signature, 2, split_points=["blocks.1"])
+    assert "emb.weight" in progs[0].names() and "out.weight" in progs[1].names()
 
 
 def test_no_cut_is_offered_inside_the_last_block_where_a_root_module_node_sits_among_its_nodes() -> None:

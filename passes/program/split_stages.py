@@ -279,10 +279,25 @@ def split_stages(gm: fx.GraphModule, sig: StepSignature, n_stages: int, *,
         if group_of[ph] in tied_groups or (ph in read_only and len(readers[ph]) > 1):
             continue
         if len(readers[ph]) > 1:
+            # Name where each stage reads it: the usual case is a weight read again outside its
+            # module (`F.linear(h, self.wte.weight)` for an output head), whose two readers sit at
+            # the first and the last stage, where no split point can bring them together.
+            by_stage: dict[int, set[str]] = {}
+            for u in ph.users:
+                if u in forward:
+                    inf = u.meta.get(META_KEY)
+                    by_stage.setdefault(stage[u], set()).add(
+                        repr(inf.module) if inf is not None and inf.module else "the root module's forward")
+            where = "; ".join(f"stage {st}: {', '.join(sorted(ms))}" for st, ms in sorted(by_stage.items()))
+            owner, _, attr = spec.target.rpartition(".")
+            tie = f"self.{owner + '.' if owner else ''}{attr}"
             raise PipelineSplitError(
-                f"{spec.kind} {spec.target!r} is read by stages {sorted(readers[ph])}; a weight used by several "
-                "stages is supported only when it is tied (one Parameter under two module names, as GPT's "
-                "wte/head); choose other split points")
+                f"{spec.kind} {spec.target!r} is read by stages {sorted(readers[ph])} ({where}); a weight used by "
+                "several stages must be tied: one Parameter under two module names, as GPT's wte/head, which "
+                "each stage then holds a copy of, their gradients summed. Read it on the later stage through "
+                f"a module of its own sharing it (in __init__: `self.out = nn.Linear(in, out, bias=False); "
+                f"self.out.weight = {tie}`; in forward: `self.out(h)` for `F.linear(h, {tie})`), or give "
+                "Config.split_points that keep its readers on one stage")
         if readers[ph]:
             pstage[ph] = next(iter(readers[ph]))
     name_to_ph = {s.target: ph for ph, s in state_ph.items()}
