@@ -42,7 +42,8 @@ from fxspeed.errors import ConfigError, FxspeedError, short_repr
 from fxspeed.global_state import refuse_autocast
 from fxspeed.ir import Bucket, IOSpec, Program, StepSignature
 from fxspeed.ir.program import graphs_draw_random
-from fxspeed.ir.batch import batch_digest, describe_input_key, input_key, split_batch, split_inputs, tensor_leaves
+from fxspeed.ir.batch import (batch_digest, describe_input_key, input_key, key_change, split_batch, split_inputs,
+                              tensor_leaves)
 from fxspeed.ir.schedule import GATHER, B, F, I, RECV_B, RECV_F, SEND_F, STEP, W, Action, Schedule
 from fxspeed.mesh import (Mesh, check_agreement, check_same_everywhere, check_same_in_replica, check_same_model,
                           broadcast_into, module_generators, own_stream, share_generators, start_alike,
@@ -783,7 +784,8 @@ class Engine:
         if self._key is not None:
             if key != self._key:
                 raise ConfigError("the pipeline engine was compiled for another batch signature (shapes, dtypes, or "
-                                  "the values of non-tensor arguments such as a Python float); pass batches of the "
+                                  "the values of non-tensor arguments such as a Python float): "
+                                  f"{key_change(self._key, args, kwargs)}. Pass batches of the "
                                   "shapes given as example_inputs (a new shape would re-split the model across ranks; "
                                   "a DataLoader's smaller last batch: drop_last=True)")
             if self._python_state(True) != self._traced_state:

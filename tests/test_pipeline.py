@@ -11,6 +11,7 @@ turns its float noise into ±lr steps) is masked.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -341,7 +342,7 @@ TWO_RANK_CASES = {
     "gpt": [f"--model gpt --schedules {','.join(EVERY_SCHEDULE)} --microbatches 2",
             f"--model gpt --schedules {','.join(EVERY_SCHEDULE)} --microbatches 4 --eval"],
     "gpt2": f"--model gpt2 --schedules {','.join(EVERY_SCHEDULE)} --microbatches 4 --eval",
-    "bf16": "--precision bf16 --schedules 1f1b,zb --microbatches 2",
+    "bf16": "--precision bf16 --schedules 1f1b,zb --microbatches 2 --other-batch",
     "fp16": "--precision fp16 --schedules 1f1b,zb --microbatches 2",
     "overflow": f"--precision fp16 --loss-scale {2.0**24} --schedules 1f1b --microbatches 2",
 }
@@ -546,6 +547,17 @@ def test_mixed_precision_under_a_pipeline_tracks_one_process_at_the_same_precisi
         first = got["plan"]["stages"][0]["modules"]
         assert "blocks.0" in first and "blocks.1" not in first, first
         assert [d["send_f"] for d in got["describe"]["stages"][:1]] == [[[4, 16, 32]]]
+
+
+@pytest.mark.slow
+def test_a_batch_of_other_shapes_than_the_pipeline_was_compiled_for_is_refused_naming_each_value(
+        two_ranks: Path) -> None:
+    # (bf16 runs, --other-batch: half the rows after training). The message named no value.
+    for r in range(2):
+        said = torch.load(two_ranks / f"bf16_1f1b_m2_rank{r}.pt")["other_batch"]
+        assert said is not None and re.search(
+            r"args\[0\]: a tensor of shape \(4, 16\), int64 on cpu \(contiguous\), compiled for a tensor of shape "
+            r"\(8, 16\).*; args\[1\]: a tensor of shape \(4, 16\).*drop_last=True", said), said
 
 
 @pytest.mark.slow

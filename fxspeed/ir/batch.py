@@ -128,6 +128,21 @@ def split_batch(args: tuple, kwargs: dict, k: int, key: str = "microbatches") ->
     return [pytree.tree_unflatten([c[i] for c in chunks], spec) for i in range(k)]
 
 
+def key_change(old: tuple, args: tuple, kwargs: dict) -> str:
+    """What differs between the batch (args, kwargs) and the `input_key` `old` it was compiled
+    for, each value named by its place ("args[0]: a tensor of shape (4, 16) ..., compiled for
+    (8, 16) ..."), for an engine that cannot trace again (a pipeline); "" where nothing does."""
+    new = input_key(args, kwargs)
+    paths = [("args" if p[0].idx == 0 else "kwargs") + pytree.keystr(p[1:])
+             for p, _ in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]]
+    if new[0] != old[0]:
+        return f"the batch holds {', '.join(paths) or 'nothing'}; it was compiled for another structure " \
+               f"({len(old[1])} values: {short_repr(' '.join(old[0].split()))})"
+    was, now = describe_input_key(old), describe_input_key(new)
+    return "; ".join(f"{path}: {now[k]}, compiled for {was[k]}"
+                     for path, k in zip(paths, (f"batch value {i}" for i in range(len(paths)))) if now[k] != was[k])
+
+
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

@@ -46,6 +46,8 @@ def parser() -> argparse.ArgumentParser:
                          "run's later losses and the fresh engine's")
     ap.add_argument("--eval", action="store_true",
                     help="also run eval_step after training (compiles the forward-only programs) and record its loss")
+    ap.add_argument("--other-batch", action="store_true",
+                    help="also: after training, pass a batch of half the rows and record the error's message")
     ap.add_argument("--tag", default="", help="prefix of this run's file names")
     ap.add_argument("--case", action="append", default=[],
                     help="one run's flags, quoted; repeat for several runs in this launch")
@@ -103,11 +105,17 @@ def run(a: argparse.Namespace) -> None:
         eval_loss = None
         if a.eval:
             eval_loss = engine.eval_step(*ev) if isinstance(ev, tuple) else engine.eval_step(**ev)
+        other_batch = None
+        if a.other_batch:  # refused on every rank before anything runs (the batch signature is local)
+            try:
+                step(engine, tuple(t[:t.shape[0] // 2] for t in ev))
+            except fxspeed.ConfigError as e:
+                other_batch = str(e)
         low = {operand_dtype(n.args[-1]) for p in engine.programs for n in p.forward.graph.nodes
                if n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)}
         torch.save({"losses": losses, "state": state, "stages": engine.stages, "stats": dict(engine.stats),
                     "matmul_dtypes": sorted(str(d) for d in low), "plan": engine.plan.pipeline,
-                    "summary": engine.plan.summary(), "eval_loss": eval_loss, "rank_memory": engine.plan.memory(dist.get_rank()),
+                    "summary": engine.plan.summary(), "eval_loss": eval_loss, "other_batch": other_batch, "rank_memory": engine.plan.memory(dist.get_rank()),
                     "describe": engine.describe() if dist.get_rank() == 0 else None,
                     "actions": [str(x) for x in engine.schedule.actions[engine.position]]},
                    os.path.join(a.out, f"{a.tag}{sched}_m{M}{f'_z{zero}' if len(zeros) > 1 else ''}_rank{dist.get_rank()}.pt"))
