@@ -436,6 +436,37 @@ def test_top_p_keeps_the_smallest_set_of_tokens_whose_probability_reaches_it():
     assert len(drawn) == 1 and drawn <= {0, 1}, drawn
 
 
+class _BansTokens(torch.nn.Module):
+    """fxspeed's GPT whose forward masks every third token id with -inf (a model that bans tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _gpt()
+        self.config = self.inner.config
+        self.register_buffer("banned", torch.arange(V) % 3 == 0)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.inner(idx).masked_fill(self.banned, float("-inf"))
+
+
+def test_a_model_whose_logits_hold_minus_infinity_is_served_and_never_yields_a_masked_token():
+    """serve's packed check compared -inf with -inf: NaN, so the model was refused as 'disagrees
+    with its eager forward'; and its tolerance grew with the largest |logit|, inf, so any error
+    would have passed it (h82)."""
+    model = _BansTokens().eval()
+    engine = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
+    prompts = [[5, 17, 3], list(range(10, 30)), [7]]
+    greedy = engine.generate(prompts, max_new_tokens=5)
+    with torch.no_grad():
+        for p, o in zip(prompts, greedy):
+            seq = list(p)
+            for _ in range(5):
+                seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+            assert o == seq[len(p):]
+    sampled = engine.generate(prompts, max_new_tokens=5, temperature=1.5, top_k=50, top_p=0.9, seed=1)
+    assert all(t % 3 for o in greedy + sampled for t in o)
+
+
 def test_a_tiny_temperature_decodes_greedily_and_any_int_seed_samples(gpt2_engine):
     """temperature=1e-40 divided the logits to inf (softmax: NaN, the whole call failed midway); a
     seed from time.time_ns() overflowed the generator's 64 bits."""
