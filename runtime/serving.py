@@ -696,12 +696,14 @@ class ServingLoop:
                 out = eager(torch.tensor([p + o], device=self.device))
                 ref = eager_logits(out)[0, len(p) - 1:len(p) + new - 1].float()
                 mine = got[i].to(ref.device)
-                # equal infinities agree (a model that masks tokens with -inf: their difference was NaN,
-                # so serve refused it), and the tolerance scales with the finite logits only (an inf
-                # there made it inf: any error passed)
-                err = torch.where(mine == ref, 0.0, (mine - ref).abs()).max().item()
-                finite = ref[ref.isfinite()]
-                scale = finite.abs().max().item() if finite.numel() else 0.0
+                # Equal values agree, infinities included (a model that masks tokens with -inf: their
+                # difference was NaN, so serve refused it). The tolerance scales with the logits that
+                # differ, finite ones: a mask's -inf, or finfo.min, made it inf or 1e35, and any
+                # error passed.
+                same = mine == ref
+                err = torch.where(same, 0.0, (mine - ref).abs()).max().item()
+                differ = ref[~same & ref.isfinite()]
+                scale = differ.abs().max().item() if differ.numel() else 0.0
                 tol = (5e-2 if low_precision else 1e-3) * (1.0 + scale)
                 if not err <= tol:
                     raise ConfigError(

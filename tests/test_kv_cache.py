@@ -356,6 +356,25 @@ def test_serve_refuses_a_model_whose_positions_the_passes_cannot_follow():
         fxspeed.serve(model, token_budget=8, max_batch=2, block_size=4, cache_tokens=64)
 
 
+class _CumsumPositionsMasked(_CumsumPositions):
+    """The same, banning every fourth id with finfo.min, as models mask tokens."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().forward(idx)
+        return logits.masked_fill(torch.arange(logits.shape[-1]) % 4 == 0, torch.finfo(logits.dtype).min)
+
+
+def test_serve_refuses_such_a_model_when_it_masks_tokens_with_the_smallest_float():
+    """The packed check's tolerance grew with the largest |logit|: 3.4e38 here, so the wrong
+    positions passed it (h82)."""
+    torch.manual_seed(0)
+    model = _CumsumPositionsMasked(GPTConfig(vocab_size=64, block_size=48, n_layer=1, n_head=2, n_embd=16)).eval()
+    with torch.no_grad():
+        model.wpe.weight.mul_(50.0)
+    with pytest.raises(fxspeed.ConfigError, match="disagrees with its eager forward"):
+        fxspeed.serve(model, token_budget=8, max_batch=2, block_size=4, cache_tokens=64)
+
+
 def test_the_packed_check_still_runs_when_the_cache_holds_one_short_request_only():
     """It was skipped with a warning below two 8-token requests, serving this model wrongly."""
     torch.manual_seed(0)
