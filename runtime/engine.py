@@ -1059,11 +1059,25 @@ class Engine:
         """Compile for inference: the serving loop over the compiler's inference programs and a
         paged KV cache (runtime/serving.py; options: token_budget, max_batch, block_size,
         cache_tokens, cuda_graphs, pack_linear, prefix_caching), and the inference plan as `self.plan`."""
-        from fxspeed.planner.inference import plan_inference
-        from fxspeed.runtime.serving import ServingLoop, model_limits
+        from fxspeed.runtime.serving import model_limits
 
         vocab, context, limit = model_limits(self.model)
+        # Served in eval mode (every program is traced so: capture_step(train=False)), and so is the
+        # check's eager reference below; the user's modes are restored after, as HF's generate
+        # leaves them: serve used to leave the model in eval mode, so a loop that trains and
+        # generates with one model trained on without dropout
+        modes = [(m, m.training) for m in self.model.modules()]
         self.model.eval()
+        try:
+            self._setup_serving(vocab, context, limit, options)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+
+    def _setup_serving(self, vocab: int, context: int, limit: str, options: dict[str, Any]) -> None:
+        from fxspeed.planner.inference import plan_inference
+        from fxspeed.runtime.serving import ServingLoop
+
         tp = self._tp
         self._serving = ServingLoop(self._inference_program, self._bind, vocab_size=vocab, max_context=context,
                                     context_limit=limit,

@@ -1229,3 +1229,29 @@ def test_bloom_and_mpt_are_refused_for_their_alibi_and_a_qwen2_whose_layers_do_n
                         do_sample=False, pad_token_id=None, eos_token_id=None)[0, 20:].tolist()
     engine = fxspeed.serve(qwen, token_budget=16, max_batch=2, block_size=4)
     assert engine.generate([prompt], max_new_tokens=5) == [ref]
+
+
+def test_serve_generates_without_dropout_and_leaves_the_user_s_modules_in_their_modes():
+    """serve called model.eval() and left it so: a loop that trains and generates with one model
+    trained on without dropout (HF's generate leaves the modes alone). Now every program is traced
+    in eval mode and the modes are restored: dropout stays off in generate, even in buckets first
+    compiled after the model is back in training mode."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=V, resid_pdrop=0.5,
+                                  embd_pdrop=0.5, attn_pdrop=0.5, attn_implementation="sdpa", initializer_range=0.2)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    model.transformer.h[1].eval()  # a module the user keeps in eval mode stays so
+    modes = {n: m.training for n, m in model.named_modules()}
+    engine = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
+    assert {n: m.training for n, m in model.named_modules()} == modes
+    outs = engine.generate(PROMPTS[:2], max_new_tokens=NEW[:2])  # a bucket past the first: compiled now
+    model.eval()
+    try:
+        with torch.no_grad():
+            for p, n, o in zip(PROMPTS[:2], NEW[:2], outs):
+                ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                     max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+                assert o == ref[0, len(p):].tolist()
+    finally:
+        model.train()
+    assert engine.generate(PROMPTS[:2], max_new_tokens=NEW[:2]) == outs
