@@ -78,6 +78,16 @@ def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return (out if isinstance(out, torch.Tensor) else out.logits)[0]
 
 
+def _greedy_by_hand(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """The n greedy tokens after `prompt`, one full eager forward per token (for models without
+    HF's generate)."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(_logits(model, seq)[-1].argmax()))
+    return seq[len(prompt):]
+
+
 def _generates_hugging_faces_tokens(model: torch.nn.Module, engine: fxspeed.Engine, prompts: list[list[int]],
                                     new: list[int]) -> None:
     """engine.generate gives HF generate's greedy tokens per prompt, and the logits of each sampled
@@ -105,11 +115,8 @@ def test_greedy_tokens_equal_hugging_face_generate_over_a_mixed_length_batch(nam
     outs = engine.generate(PROMPTS, max_new_tokens=NEW)
     with torch.no_grad():
         for i, (p, n, o) in enumerate(zip(PROMPTS, NEW, outs)):
-            if name == "fxspeed_gpt":  # no generate(): greedy by hand, one full forward per token
-                ref = list(p)
-                for _ in range(n):
-                    ref.append(int(_logits(model, ref)[-1].argmax()))
-                ref = ref[len(p):]
+            if name == "fxspeed_gpt":  # no generate()
+                ref = _greedy_by_hand(model, p, n)
             else:
                 ref = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                                      pad_token_id=0)[0, len(p):].tolist()
@@ -262,12 +269,8 @@ def test_tables_sliced_to_the_sequence_length_are_read_at_each_tokens_position()
     model = _TablesByPosition().eval()
     engine = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
     prompts, new = PROMPTS[:4], [4, 3, 5, 2]
-    with torch.no_grad():
-        for p, n, out in zip(prompts, new, engine.generate(prompts, max_new_tokens=new)):
-            ref = list(p)
-            for _ in range(n):
-                ref.append(int(model(torch.tensor([ref]))[0, -1].argmax()))
-            assert out == ref[len(p):]
+    for p, n, out in zip(prompts, new, engine.generate(prompts, max_new_tokens=new)):
+        assert out == _greedy_by_hand(model, p, n)
 
 
 def test_a_weight_sliced_to_the_length_of_one_bucket_is_refused_not_read_by_position():
@@ -457,12 +460,8 @@ def test_a_model_whose_logits_hold_minus_infinity_is_served_and_never_yields_a_m
     engine = fxspeed.serve(model, token_budget=8, max_batch=3, block_size=4, cache_tokens=96)
     prompts = [[5, 17, 3], list(range(10, 30)), [7]]
     greedy = engine.generate(prompts, max_new_tokens=5)
-    with torch.no_grad():
-        for p, o in zip(prompts, greedy):
-            seq = list(p)
-            for _ in range(5):
-                seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-            assert o == seq[len(p):]
+    for p, o in zip(prompts, greedy):
+        assert o == _greedy_by_hand(model, p, 5)
     sampled = engine.generate(prompts, max_new_tokens=5, temperature=1.5, top_k=50, top_p=0.9, seed=1)
     assert all(t % 3 for o in greedy + sampled for t in o)
 

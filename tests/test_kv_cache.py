@@ -347,11 +347,16 @@ class _CumsumPositions(GPT):
         return self.head(self.ln_f(x))
 
 
-def test_serve_refuses_a_model_whose_positions_the_passes_cannot_follow():
+def _positions_matter(cls: type[_CumsumPositions]) -> _CumsumPositions:
     torch.manual_seed(0)
-    model = _CumsumPositions(GPTConfig(vocab_size=64, block_size=48, n_layer=1, n_head=2, n_embd=16)).eval()
+    model = cls(GPTConfig(vocab_size=64, block_size=48, n_layer=1, n_head=2, n_embd=16)).eval()
     with torch.no_grad():
         model.wpe.weight.mul_(50.0)  # make positions matter
+    return model
+
+
+def test_serve_refuses_a_model_whose_positions_the_passes_cannot_follow():
+    model = _positions_matter(_CumsumPositions)
     with pytest.raises(fxspeed.ConfigError, match="disagrees with its eager forward"):
         fxspeed.serve(model, token_budget=8, max_batch=2, block_size=4, cache_tokens=64)
 
@@ -367,20 +372,14 @@ class _CumsumPositionsMasked(_CumsumPositions):
 def test_serve_refuses_such_a_model_when_it_masks_tokens_with_the_smallest_float():
     """The packed check's tolerance grew with the largest |logit|: 3.4e38 here, so the wrong
     positions passed it (h82)."""
-    torch.manual_seed(0)
-    model = _CumsumPositionsMasked(GPTConfig(vocab_size=64, block_size=48, n_layer=1, n_head=2, n_embd=16)).eval()
-    with torch.no_grad():
-        model.wpe.weight.mul_(50.0)
+    model = _positions_matter(_CumsumPositionsMasked)
     with pytest.raises(fxspeed.ConfigError, match="disagrees with its eager forward"):
         fxspeed.serve(model, token_budget=8, max_batch=2, block_size=4, cache_tokens=64)
 
 
 def test_the_packed_check_still_runs_when_the_cache_holds_one_short_request_only():
     """It was skipped with a warning below two 8-token requests, serving this model wrongly."""
-    torch.manual_seed(0)
-    model = _CumsumPositions(GPTConfig(vocab_size=64, block_size=48, n_layer=1, n_head=2, n_embd=16)).eval()
-    with torch.no_grad():
-        model.wpe.weight.mul_(50.0)
+    model = _positions_matter(_CumsumPositions)
     with pytest.raises(fxspeed.ConfigError, match="disagrees with its eager forward"):
         fxspeed.serve(model, token_budget=8, max_batch=2, block_size=16, cache_tokens=16)
 
